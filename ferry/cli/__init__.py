@@ -1,0 +1,1 @@
+"""Command line: thin wrappers that parse, call one library function, and print."""

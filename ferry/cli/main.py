@@ -1,0 +1,77 @@
+"""`ferry` entry point: sub-commands, and the rule that bad input exits 2 with one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ferry.config import UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except UserError as exc:
+        print(f"ferry: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("ferry: interrupted", file=sys.stderr)
+        return 130
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferry", description="Portable training for mixture-of-experts models.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train a model from a YAML config plus dotted overrides")
+    train.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.steps=50 run.dir=/tmp/x")
+    train.set_defaults(handler=_train)
+
+    data = commands.add_parser("data", help="prepare token datasets")
+    data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    prepare = data_commands.add_parser("prepare", help="tokenize text into memory-mapped shards with a manifest")
+    prepare.add_argument("inputs", nargs="*", help=".txt / .jsonl files or directories of them")
+    prepare.add_argument("--embedded", choices=["stdlib"], help="use the embedded offline corpus instead")
+    prepare.add_argument("--output", required=True, help="dataset directory to write")
+    prepare.add_argument("--tokenizer", default="bpe", help="bpe (train one here), byte, or a tokenizer.json path")
+    prepare.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
+    prepare.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    prepare.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard file")
+    prepare.add_argument("--max-bytes", type=int, default=6_000_000, help="text budget of the embedded corpus")
+    prepare.add_argument("--overwrite", action="store_true", help="replace a dataset prepared from other inputs")
+    prepare.set_defaults(handler=_data_prepare)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from ferry.train import load_run_config, train
+
+    config = load_run_config(args.config, args.overrides)
+    train(config)
+    return 0
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    from ferry.data import PrepareSpec, prepare_dataset
+
+    spec = PrepareSpec(
+        inputs=list(args.inputs),
+        embedded=args.embedded,
+        embedded_max_bytes=args.max_bytes,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        text_field=args.text_field,
+        shard_tokens=args.shard_tokens,
+    )
+    result = prepare_dataset(spec, args.output, overwrite=args.overwrite)
+    manifest = result.manifest
+    state = "prepared" if result.rebuilt else "up to date"
+    print(
+        f"ferry: dataset {state}: {result.output} — {manifest['total_tokens']:,} tokens from "
+        f"{manifest['documents']:,} documents in {len(manifest['shards'])} shard(s), "
+        f"{manifest['tokenizer']['kind']} tokenizer with {manifest['tokenizer']['vocab_size']:,} tokens"
+    )
+    return 0

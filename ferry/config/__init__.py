@@ -1,0 +1,19 @@
+"""Configuration machinery: typed sections, YAML files, dotted overrides, readable errors.
+
+Component configs live beside their components; this package only knows how to
+load, override, validate and dump them.
+"""
+
+from ferry.config.errors import ConfigError, UserError
+from ferry.config.loader import apply_overrides, dump_yaml, load_config, parse_override
+from ferry.config.section import Section
+
+__all__ = [
+    "ConfigError",
+    "UserError",
+    "Section",
+    "apply_overrides",
+    "dump_yaml",
+    "load_config",
+    "parse_override",
+]

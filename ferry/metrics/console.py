@@ -1,0 +1,44 @@
+"""The console view of a run: a rich progress bar with ETA on a terminal, plain lines elsewhere."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class ConsoleProgress:
+    """Shows step, loss and throughput; on a non-terminal prints one line every `every` steps."""
+
+    def __init__(self, total_steps: int, every: int, first_step: int = 0, console: Console | None = None):
+        self.console = console or Console(highlight=False)
+        self.every = every
+        self.total_steps = total_steps
+        self._progress = None
+        if self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[summary]}"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=first_step, summary="")
+            self._progress.start()
+
+    def update(self, record: dict) -> None:
+        summary = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s"
+        step = record["step"]
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, summary=summary)
+        elif step % self.every == 0 or step == self.total_steps or step == 1:
+            self.console.print(f"step {step:>6}/{self.total_steps}  {summary}", soft_wrap=True)
+
+    def message(self, text: str) -> None:
+        self.console.print(text, soft_wrap=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()

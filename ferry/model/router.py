@@ -1,0 +1,81 @@
+"""Top-k router: scores, expert choice, the balancing losses, and aux-loss-free bias balancing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferry.model.config import MoEConfig
+
+
+@dataclass
+class Routing:
+    """Where each token goes and with what weight, plus the router's losses for this batch."""
+
+    expert_ids_TK: torch.Tensor
+    weights_TK: torch.Tensor
+    tokens_per_expert_E: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+
+class Router(nn.Module):
+    """A linear router over the token's hidden state.
+
+    Scores are computed in fp32. With bias balancing, a per-expert bias is added to
+    the scores for *choosing* experts only; the combine weights stay the unbiased
+    scores, and the bias moves outside the gradient (see `update_bias`).
+    """
+
+    def __init__(self, dim: int, config: MoEConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.top_k
+        self.score_func = config.score_func
+        self.renormalize = config.renormalize
+        self.bias_update_rate = config.bias_balancing.update_rate if config.bias_balancing.enabled else 0.0
+        self.weight_ED = nn.Parameter(torch.empty(config.num_experts, dim))
+        self.register_buffer("expert_bias_E", torch.zeros(config.num_experts), persistent=True)
+
+    def forward(self, x_TD: torch.Tensor) -> Routing:
+        logits_TE = F.linear(x_TD, self.weight_ED).float()
+        if self.score_func == "softmax":
+            scores_TE = logits_TE.softmax(dim=-1)
+        else:
+            scores_TE = logits_TE.sigmoid()
+        with torch.no_grad():
+            choice_TE = scores_TE + self.expert_bias_E if self.bias_update_rate else scores_TE
+            expert_ids_TK = choice_TE.topk(self.top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(1, expert_ids_TK)
+        if self.renormalize:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        tokens_per_expert_E = torch.bincount(expert_ids_TK.flatten(), minlength=self.num_experts)
+        return Routing(
+            expert_ids_TK=expert_ids_TK,
+            weights_TK=weights_TK.to(x_TD.dtype),
+            tokens_per_expert_E=tokens_per_expert_E,
+            aux_loss=self._load_balancing_loss(scores_TE, tokens_per_expert_E),
+            z_loss=torch.logsumexp(logits_TE, dim=-1).pow(2).mean(),
+        )
+
+    def _load_balancing_loss(self, scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """Switch-style E * sum_e f_e * p_e, normalised so that perfect balance scores 1.
+
+        f_e is the fraction of the T*K assignments that went to expert e, p_e the mean
+        routing probability of e (sigmoid scores are normalised per token first).
+        """
+        probs_TE = scores_TE if self.score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
+        num_tokens = scores_TE.shape[0]
+        fraction_E = tokens_per_expert_E.to(probs_TE.dtype) / (num_tokens * self.top_k)
+        return self.num_experts * torch.dot(fraction_E, probs_TE.mean(dim=0))
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert_E: torch.Tensor) -> None:
+        """Move each expert's bias toward the mean load: up when underloaded, down when overloaded."""
+        if not self.bias_update_rate:
+            return
+        load_E = tokens_per_expert_E.to(self.expert_bias_E.dtype)
+        self.expert_bias_E += self.bias_update_rate * torch.sign(load_E.mean() - load_E)

@@ -1,0 +1,90 @@
+"""The decoder-only transformer: embeddings, blocks of attention + (dense | MoE) FFN, LM head."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ferry.model.attention import Attention
+from ferry.model.config import ModelConfig
+from ferry.model.feedforward import SwiGLU
+from ferry.model.moe import MoELayer, MoEStats
+from ferry.model.norm import RMSNorm
+from ferry.model.rope import RotaryEmbedding
+
+
+@dataclass
+class ModelOutput:
+    """Logits and one `MoEStats` per MoE layer (in layer order)."""
+
+    logits_BSV: torch.Tensor
+    moe_stats: list[MoEStats]
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(x))."""
+
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, use_moe: bool):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = Attention(config, rope)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn = MoELayer(config.dim, config.moe) if use_moe else SwiGLU(config.dim, config.dense_ffn_dim)
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats | None]:
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+        if isinstance(self.ffn, MoELayer):
+            ffn_BSD, stats = self.ffn(self.ffn_norm(h_BSD))
+            return h_BSD + ffn_BSD, stats
+        return h_BSD + self.ffn(self.ffn_norm(h_BSD)), None
+
+
+class Transformer(nn.Module):
+    """Decoder-only MoE language model; the first `dense_layers` blocks use a dense FFN."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(
+            Block(config, rope, use_moe=index >= config.dense_layers) for index in range(config.n_layers)
+        )
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 * n_layers)."""
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(("wo.weight", "w_down.weight", "w_down_EDF")):
+                nn.init.trunc_normal_(param, std=residual_std, a=-3 * residual_std, b=3 * residual_std)
+            else:
+                nn.init.trunc_normal_(param, std=std, a=-3 * std, b=3 * std)
+        for module in self.modules():
+            if hasattr(module, "expert_bias_E"):
+                module.expert_bias_E.zero_()
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [block.ffn for block in self.layers if isinstance(block.ffn, MoELayer)]
+
+    def forward(self, tokens_BS: torch.Tensor) -> ModelOutput:
+        if tokens_BS.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence length {tokens_BS.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
+        x_BSD = self.tok_embeddings(tokens_BS)
+        moe_stats = []
+        for block in self.layers:
+            x_BSD, stats = block(x_BSD)
+            if stats is not None:
+                moe_stats.append(stats)
+        return ModelOutput(self.output(self.norm(x_BSD)), moe_stats)

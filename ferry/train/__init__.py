@@ -1,0 +1,15 @@
+"""Training: the run config, the trainer loop, losses, optimizer and schedule, run records."""
+
+from ferry.train.config import OptimConfig, RunConfig, RunSection, TrainConfig, load_run_config
+from ferry.train.trainer import Trainer, TrainResult, train
+
+__all__ = [
+    "OptimConfig",
+    "RunConfig",
+    "RunSection",
+    "TrainConfig",
+    "load_run_config",
+    "Trainer",
+    "TrainResult",
+    "train",
+]

@@ -1,0 +1,89 @@
+"""The run config: every component's section composed in one schema.
+
+It lives in `train` because the trainer is the lowest layer that sees every
+component; each section's class lives beside the code it configures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from ferry.config import Section, load_config
+from ferry.data.config import DataConfig
+from ferry.model.config import ModelConfig
+
+
+class RunSection(Section):
+    """Identity and place of a run."""
+
+    name: str = Field("run", min_length=1, description="defaults to the config file's stem")
+    dir: str | None = Field(None, description="where everything of the run goes; default runs/<name>")
+    seed: int = Field(0, ge=0)
+    device: Literal["auto", "cpu", "cuda", "xpu", "mps"] = "auto"
+    overwrite: bool = Field(False, description="replace the records of an earlier run in the same dir")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir) if self.dir else Path("runs") / self.name
+
+
+class OptimConfig(Section):
+    """AdamW with linear warm-up then cosine decay to `min_lr_ratio * lr`."""
+
+    lr: float = Field(3e-3, gt=0.0)
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    grad_clip: float = Field(1.0, ge=0.0, description="max global grad norm; 0 disables clipping")
+    warmup_steps: int = Field(10, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: list[float]) -> list[float]:
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError("each beta must lie in [0, 1)")
+        return betas
+
+
+class TrainConfig(Section):
+    """How long and with what batch; the global batch is fixed whatever the world size."""
+
+    steps: int = Field(100, ge=1)
+    global_batch: int = Field(16, ge=1, description="sequences per optimizer step, over all ranks")
+    micro_batch: int = Field(8, ge=1, description="sequences per forward pass on one rank")
+    log_every: int = Field(10, ge=1, description="console line interval (metrics.jsonl gets every step)")
+
+    @field_validator("micro_batch")
+    @classmethod
+    def _micro_divides_global(cls, micro_batch: int, info: ValidationInfo) -> int:
+        global_batch = info.data.get("global_batch")
+        if global_batch is not None and global_batch % micro_batch:
+            raise ValueError(f"micro_batch must divide global_batch ({global_batch})")
+        return micro_batch
+
+
+class RunConfig(Section):
+    """Everything a training run needs; `ferry train CONFIG key=value ...` resolves to one of these."""
+
+    run: RunSection = RunSection()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+
+    @field_validator("data")
+    @classmethod
+    def _windows_fit_model(cls, data: DataConfig, info: ValidationInfo) -> DataConfig:
+        model = info.data.get("model")
+        if model is not None and data.seq_len > model.max_seq_len:
+            raise ValueError(f"seq_len {data.seq_len} exceeds model.max_seq_len ({model.max_seq_len})")
+        return data
+
+
+def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Load a run config; `run.name` defaults to the file's stem, so `run.dir` defaults to runs/<stem>."""
+    return load_config(RunConfig, path, overrides, base={"run": {"name": Path(path).stem}})

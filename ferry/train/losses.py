@@ -1,0 +1,40 @@
+"""The training objective: next-token cross-entropy plus the routers' balancing losses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ferry.model import MoEConfig, ModelOutput
+
+
+@dataclass
+class LossParts:
+    """`objective` is what backward runs on; the rest are detached parts for the metrics."""
+
+    objective: torch.Tensor
+    lm_loss_sum: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+
+def compute_loss(
+    output: ModelOutput, targets_BS: torch.Tensor, moe: MoEConfig, tokens_in_step: int, share_of_step: float
+) -> LossParts:
+    """The micro-batch's contribution to the step's loss, so that summing over micro-batches
+    (and ranks) gives the mean over the whole global batch whatever the split.
+
+    The LM term sums token losses and divides by the tokens of the whole step; the
+    router terms (means over MoE layers) are weighted by the micro-batch's share.
+    """
+    logits_TV = output.logits_BSV.reshape(-1, output.logits_BSV.shape[-1]).float()
+    lm_loss_sum = F.cross_entropy(logits_TV, targets_BS.reshape(-1), reduction="sum")
+    if output.moe_stats:
+        aux_loss = torch.stack([stats.aux_loss for stats in output.moe_stats]).mean()
+        z_loss = torch.stack([stats.z_loss for stats in output.moe_stats]).mean()
+    else:
+        aux_loss = z_loss = logits_TV.new_zeros(())
+    objective = lm_loss_sum / tokens_in_step + share_of_step * (moe.aux_loss_coef * aux_loss + moe.z_loss_coef * z_loss)
+    return LossParts(objective, lm_loss_sum.detach(), aux_loss.detach(), z_loss.detach())

@@ -1,0 +1,60 @@
+"""The run directory: resolved config, run manifest (`run.json`) and metrics, owned by one run."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ferry.config import UserError, dump_yaml
+from ferry.train.config import RunConfig
+
+CONFIG_NAME = "config.yaml"
+RUN_RECORD_NAME = "run.json"
+METRICS_NAME = "metrics.jsonl"
+_RUN_FILES = (CONFIG_NAME, RUN_RECORD_NAME, METRICS_NAME)
+
+
+def prepare_run_dir(config: RunConfig) -> Path:
+    """Create `run.dir` and write the resolved config; refuse to mix with an earlier run's records."""
+    run_dir = config.run.path
+    earlier = [name for name in _RUN_FILES if (run_dir / name).exists()]
+    if earlier and not config.run.overwrite:
+        raise UserError(
+            f"run.dir {str(run_dir)!r} already holds a run ({', '.join(earlier)}); "
+            "choose another run.dir or set run.overwrite=true to replace it"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in earlier:
+        (run_dir / name).unlink()
+    (run_dir / CONFIG_NAME).write_text(dump_yaml(config), encoding="utf-8")
+    return run_dir
+
+
+class RunRecord:
+    """`run.json`: what ran, on what, from which data and code, and how it ended.
+
+    Rewritten atomically at start and end so a reader never sees half a file.
+    """
+
+    def __init__(self, run_dir: Path, content: dict):
+        self.path = run_dir / RUN_RECORD_NAME
+        self.content = {"status": "running", "started_at": _now(), **content}
+        self.save()
+
+    def update(self, **fields) -> None:
+        self.content.update(fields)
+        self.save()
+
+    def finish(self, status: str, **fields) -> None:
+        self.update(status=status, finished_at=_now(), **fields)
+
+    def save(self) -> None:
+        temporary = self.path.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps(self.content, indent=1, default=str), encoding="utf-8")
+        os.replace(temporary, self.path)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -21,6 +22,21 @@ from pydantic import BaseModel, ValidationError
 from ferry.config.errors import ConfigError
 
 SectionT = TypeVar("SectionT", bound=BaseModel)
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-3` as a float (YAML 1.2), as anyone writing a learning rate expects."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)
 
 
 def load_config(
@@ -58,7 +74,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r} has no '=': write it as dotted.key=value")
     keys = _split_dotted(key_text.strip(), text)
     try:
-        value = yaml.safe_load(value_text) if value_text.strip() else None
+        value = _load_yaml(value_text) if value_text.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({_first_line(exc)})") from None
     return keys, value
@@ -87,7 +103,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = _load_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_first_line(exc)}") from None
     if data is None:

@@ -1,0 +1,51 @@
+"""Shared fixtures: a small prepared dataset and a tiny run config that trains in seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ferry.config.loader import apply_overrides, validate
+from ferry.data import PrepareSpec, prepare_dataset
+from ferry.train import RunConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY_RUN = {
+    "run": {"name": "test", "seed": 0, "device": "cpu"},
+    "model": {
+        "vocab_size": 512,
+        "dim": 32,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "max_seq_len": 64,
+        "dense_layers": 1,
+        "dense_ffn_dim": 64,
+        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32},
+    },
+    "data": {"seq_len": 32},
+    "train": {"steps": 6, "global_batch": 8, "micro_batch": 4, "log_every": 1},
+    "optim": {"lr": 3e-3, "warmup_steps": 2},
+}
+
+
+@pytest.fixture(scope="session")
+def stdlib_dataset(tmp_path_factory) -> Path:
+    """A BPE dataset (vocabulary 512) from the first ~400 kB of the embedded corpus."""
+    output = tmp_path_factory.mktemp("data") / "stdlib"
+    prepare_dataset(PrepareSpec(embedded="stdlib", embedded_max_bytes=400_000, vocab_size=512), output)
+    return output
+
+
+@pytest.fixture
+def make_config(stdlib_dataset, tmp_path):
+    """Build a validated tiny RunConfig; dotted overrides as in the CLI."""
+
+    def build(*overrides: str, run_dir: Path | None = None) -> RunConfig:
+        raw = apply_overrides(TINY_RUN, [f"run.dir={run_dir or tmp_path / 'run'}"])
+        raw["data"]["sources"] = [{"name": "stdlib", "path": str(stdlib_dataset)}]
+        return validate(RunConfig, apply_overrides(raw, list(overrides)))
+
+    return build

@@ -1,0 +1,68 @@
+"""Malformed input on the command line: exit code 2, one message naming the culprit, no traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ferry.cli.main import main
+
+from conftest import REPO
+
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+CASES = {
+    "unknown key": lambda t: ([TINY, "model.moe.num_expert=4"], "model.moe.num_expert"),
+    "wrong type": lambda t: ([TINY, "train.steps=many"], "train.steps"),
+    "negative steps": lambda t: ([TINY, "train.steps=-5"], "train.steps"),
+    "top_k above num_experts": lambda t: ([TINY, "model.moe.top_k=12"], "model.moe.top_k"),
+    "override without =": lambda t: ([TINY, "train.steps"], "train.steps"),
+    "missing config file": lambda t: ([str(t / "nope.yaml")], "nope.yaml"),
+    "unreadable YAML": lambda t: ([_write(t, "bad.yaml", "model: [dim: 3\n")], "bad.yaml"),
+    "YAML that is not a mapping": lambda t: ([_write(t, "list.yaml", "- 1\n- 2\n")], "list.yaml"),
+    "missing data path": lambda t: (
+        [TINY, f"data.sources.0.path={t / 'no-such-data'}", f"run.dir={t / 'run'}"],
+        "no-such-data",
+    ),
+    "unknown section": lambda t: ([TINY, "trainer.steps=3"], "trainer"),
+    "heads do not divide dim": lambda t: ([TINY, "model.n_heads=3"], "model.n_heads"),
+    "index past a list": lambda t: ([TINY, "data.sources.3.weight=1"], "data.sources.3"),
+    "bad device name": lambda t: ([TINY, "run.device=tpu"], "run.device"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_train_input_exits_2_naming_the_culprit(case, tmp_path, capsys):
+    argv, culprit = CASES[case](tmp_path)
+    code = main(["train", *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert culprit in err
+    assert "Traceback" not in err
+    assert err.startswith("ferry: error:")
+
+
+def test_bad_prepare_input_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    code = main(["data", "prepare", str(bad), "--output", str(tmp_path / "out"), "--tokenizer", "byte"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{bad}:2" in err and "'text'" in err
+    assert not (tmp_path / "out").exists(), "a failed prepare must leave nothing behind"
+
+
+def test_a_real_process_exits_2_without_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", TINY, "optim.lr=fast"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert "optim.lr" in result.stderr
+    assert "Traceback" not in result.stderr

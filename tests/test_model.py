@@ -1,0 +1,149 @@
+"""Model behaviour: shapes, causality, GQA, routing variants, balancing, and the size counter."""
+
+import torch
+import torch.nn.functional as F
+
+from ferry.model import ModelConfig, MoEConfig, MoELayer, count_model
+from ferry.model.attention import Attention
+from ferry.model.rope import RotaryEmbedding
+
+
+def _config(**overrides) -> ModelConfig:
+    base = {
+        "vocab_size": 97,
+        "dim": 32,
+        "n_layers": 3,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "max_seq_len": 32,
+        "dense_layers": 1,
+        "dense_ffn_dim": 48,
+        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16},
+    }
+    for key, value in overrides.items():
+        if key == "moe":
+            base["moe"] = {**base["moe"], **value}
+        else:
+            base[key] = value
+    return ModelConfig.model_validate(base)
+
+
+def test_counter_matches_the_built_model():
+    for overrides in [{}, {"qk_norm": True, "moe": {"shared_expert_ffn_dim": 8}}, {"tie_embeddings": True}]:
+        config = _config(**overrides)
+        model = config.build()
+        size = count_model(config, seq_len=16)
+        assert size.total_params == sum(p.numel() for p in model.parameters())
+        expert_params = sum(layer.experts.w_gate_EFD.numel() * 3 for layer in model.moe_layers())
+        assert size.active_params == size.total_params - expert_params // 2  # top 2 of 4 experts active
+
+
+def test_flops_per_token_follow_six_n_plus_attention():
+    config = _config()
+    size = count_model(config, seq_len=16)
+    matmul_params = size.active_params - size.embedding_params
+    assert size.flops_per_token == 6 * matmul_params + 6 * config.n_layers * 16 * config.dim
+
+
+def test_first_layers_are_dense_and_stats_come_from_moe_layers():
+    model = _config(dense_layers=2).build()
+    assert len(model.moe_layers()) == 1
+    output = model(torch.randint(0, 97, (2, 8)))
+    assert output.logits_BSV.shape == (2, 8, 97)
+    assert len(output.moe_stats) == 1
+    assert int(output.moe_stats[0].tokens_per_expert_E.sum()) == 2 * 8 * 2
+
+
+def test_the_model_is_causal():
+    torch.manual_seed(0)
+    model = _config().build()
+    tokens = torch.randint(0, 97, (1, 12))
+    changed = tokens.clone()
+    changed[0, 8:] = (changed[0, 8:] + 1) % 97
+    assert torch.allclose(model(tokens).logits_BSV[0, :8], model(changed).logits_BSV[0, :8], atol=1e-6)
+    assert not torch.allclose(model(tokens).logits_BSV[0, 8:], model(changed).logits_BSV[0, 8:])
+
+
+def test_grouped_query_attention_equals_attention_with_repeated_kv_heads():
+    torch.manual_seed(0)
+    config = _config()
+    rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
+    attention = Attention(config, rope)
+    for param in attention.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    x_BSD = torch.randn(2, 10, config.dim)
+    batch, seq, heads, kv, c = 2, 10, config.n_heads, config.n_kv_heads, config.head_dim
+    q = rope(attention.wq(x_BSD).view(batch, seq, heads, c).transpose(1, 2))
+    k = rope(attention.wk(x_BSD).view(batch, seq, kv, c).transpose(1, 2)).repeat_interleave(heads // kv, dim=1)
+    v = attention.wv(x_BSD).view(batch, seq, kv, c).transpose(1, 2).repeat_interleave(heads // kv, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / c**0.5
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    expected = attention.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, -1))
+    assert torch.allclose(attention(x_BSD), expected, atol=1e-5)
+
+
+def _layer(**moe) -> MoELayer:
+    torch.manual_seed(0)
+    layer = MoELayer(16, MoEConfig(**{"num_experts": 4, "top_k": 2, "expert_ffn_dim": 8, **moe}))
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    return layer
+
+
+def _reference(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
+    """Token-by-token evaluation of the routed experts, the definition the fast path must meet."""
+    routing = layer.router(x_TD)
+    experts = layer.experts
+    out = torch.zeros_like(x_TD)
+    for t in range(x_TD.shape[0]):
+        for k in range(layer.top_k):
+            e = int(routing.expert_ids_TK[t, k])
+            hidden = F.silu(experts.w_gate_EFD[e] @ x_TD[t]) * (experts.w_up_EFD[e] @ x_TD[t])
+            out[t] += routing.weights_TK[t, k] * (experts.w_down_EDF[e] @ hidden)
+    if layer.shared_expert is not None:
+        out += layer.shared_expert(x_TD)
+    return out
+
+
+def test_sigmoid_scores_and_shared_expert_match_the_reference():
+    for moe in [{"score_func": "sigmoid", "renormalize": True}, {"shared_expert_ffn_dim": 8}]:
+        layer = _layer(**moe)
+        x_TD = torch.randn(9, 16)
+        y_BSD, _ = layer(x_TD.view(1, 9, 16))
+        assert torch.allclose(y_BSD.view(9, 16), _reference(layer, x_TD), atol=1e-5)
+
+
+def test_aux_loss_is_one_at_perfect_balance_and_z_loss_is_logsumexp_squared():
+    layer = _layer()
+    with torch.no_grad():
+        layer.router.weight_ED.zero_()  # uniform probabilities
+    routing = layer.router(torch.randn(8, 16))
+    # all scores tie; whatever was chosen, uniform probabilities make f . p = 1 / E
+    assert torch.isclose(routing.aux_loss, torch.tensor(1.0))
+    assert torch.isclose(routing.z_loss, torch.log(torch.tensor(4.0)) ** 2)
+
+
+def test_bias_balancing_steers_choice_but_not_weights_or_gradients():
+    layer = _layer(bias_balancing={"enabled": True, "update_rate": 0.01})
+    x_TD = torch.randn(256, 16)
+    with torch.no_grad():
+        layer.router.weight_ED[0] += 0.5 * x_TD.mean(0) / x_TD.mean(0).norm()  # skew toward expert 0
+    first = layer.router(x_TD)
+    for _ in range(60):
+        layer.router.update_bias(layer.router(x_TD).tokens_per_expert_E)
+    last = layer.router(x_TD)
+
+    def imbalance(counts_E):
+        return (counts_E.max() / counts_E.float().mean()).item()
+
+    assert imbalance(last.tokens_per_expert_E) < imbalance(first.tokens_per_expert_E)
+    assert layer.router.expert_bias_E[0] < 0
+    assert not layer.router.expert_bias_E.requires_grad
+    scores_TE = F.linear(x_TD, layer.router.weight_ED).softmax(-1)
+    assert torch.allclose(last.weights_TK, scores_TE.gather(1, last.expert_ids_TK)), "bias must not enter weights"
+
+
+def test_bias_is_ignored_when_balancing_is_off():
+    layer = _layer()
+    layer.router.update_bias(torch.tensor([100, 0, 0, 0]))
+    assert torch.equal(layer.router.expert_bias_E, torch.zeros(4))

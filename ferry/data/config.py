@@ -1,0 +1,33 @@
+"""Data configuration: a weighted mix of prepared token datasets."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from ferry.config.section import Section
+
+
+class SourceConfig(Section):
+    """One prepared dataset (a directory written by `ferry data prepare`) and its share of each batch."""
+
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+    weight: float = Field(1.0, gt=0.0)
+
+
+class DataConfig(Section):
+    """What the model reads: sources with weights, cut into windows of `seq_len` tokens."""
+
+    sources: list[SourceConfig] = Field(
+        default_factory=lambda: [SourceConfig(name="stdlib", path="data/stdlib")], min_length=1
+    )
+    seq_len: int = Field(256, ge=1)
+
+    @field_validator("sources")
+    @classmethod
+    def _names_unique(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
+        names = [source.name for source in sources]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"source names must be unique; repeated: {', '.join(duplicates)}")
+        return sources

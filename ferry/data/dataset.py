@@ -1,0 +1,71 @@
+"""Reading a prepared token dataset: manifest checks and memory-mapped windows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ferry.config.errors import UserError
+from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME
+
+
+class TokenDataset:
+    """The token stream of one prepared dataset, cut into windows of `seq_len + 1` tokens.
+
+    Window i covers tokens [i * seq_len, (i + 1) * seq_len] inclusive, so consecutive
+    windows share one token: the last target of one is the first input of the next.
+    """
+
+    def __init__(self, path: str | Path, label: str):
+        self.path = Path(path)
+        self.label = label
+        manifest_path = self.path / MANIFEST_NAME
+        if not manifest_path.is_file():
+            raise UserError(
+                f"{label}: {str(self.path)!r} is not a prepared dataset (no {MANIFEST_NAME}); "
+                "create it with `ferry data prepare`"
+            )
+        try:
+            self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"{label}: {str(manifest_path)!r} is unreadable: {exc}") from None
+        if self.manifest.get("format") != DATASET_FORMAT or self.manifest.get("version") != DATASET_VERSION:
+            raise UserError(
+                f"{label}: {str(manifest_path)!r} is not a {DATASET_FORMAT} v{DATASET_VERSION} manifest"
+            )
+        self.tokenizer = self.manifest["tokenizer"]
+        self._shards = [self._open_shard(entry) for entry in self.manifest["shards"]]
+        lengths = np.array([len(shard) for shard in self._shards], dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(lengths)])
+        self.num_tokens = int(self._starts[-1])
+
+    def _open_shard(self, entry: dict) -> np.ndarray:
+        path = self.path / entry["file"]
+        try:
+            shard = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{self.label}: shard {str(path)!r} cannot be opened: {exc}") from None
+        if shard.ndim != 1 or len(shard) != entry["tokens"]:
+            raise UserError(
+                f"{self.label}: shard {str(path)!r} holds {shard.shape} tokens, the manifest says {entry['tokens']}"
+            )
+        return shard
+
+    def num_windows(self, seq_len: int) -> int:
+        return max(0, (self.num_tokens - 1) // seq_len)
+
+    def window(self, index: int, seq_len: int) -> np.ndarray:
+        """Tokens [index * seq_len, index * seq_len + seq_len] as int64, read across shard borders."""
+        start = index * seq_len
+        stop = start + seq_len + 1
+        pieces = []
+        shard = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while start < stop:
+            offset = start - int(self._starts[shard])
+            take = min(stop - start, len(self._shards[shard]) - offset)
+            pieces.append(self._shards[shard][offset : offset + take])
+            start += take
+            shard += 1
+        return np.concatenate(pieces).astype(np.int64)

@@ -1,0 +1,153 @@
+"""The deterministic, resumable loader over a weighted mix of datasets.
+
+Which samples form the global batch of a step is a function of (seed, cursor,
+global batch) alone: never of world size or micro-batch. Each step takes a fixed
+number of windows from every source (its weight's share of the global batch,
+by largest remainder), walks each source through a fresh seeded permutation per
+epoch, and shuffles the batch's rows with a generator seeded by (seed, step).
+Ranks then take contiguous slices of the same global batch, so changing the
+world size changes only how the batch is split.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ferry.config.errors import UserError
+from ferry.data.config import DataConfig
+from ferry.data.dataset import TokenDataset
+
+_ROW_SHUFFLE_STREAM = 0x5EED
+
+
+@dataclass
+class DataCursor:
+    """The loader's whole position: steps taken and windows consumed from each source."""
+
+    step: int = 0
+    consumed: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "consumed": dict(self.consumed)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DataCursor":
+        return cls(step=int(data["step"]), consumed={str(k): int(v) for k, v in data["consumed"].items()})
+
+
+@dataclass
+class Batch:
+    """Input and target token ids of a slice of a global batch."""
+
+    inputs_BS: torch.Tensor
+    targets_BS: torch.Tensor
+
+
+class MixedLoader:
+    """Global batches of `global_batch` windows of `seq_len` tokens from the configured mix."""
+
+    def __init__(self, config: DataConfig, seed: int, global_batch: int):
+        self.seq_len = config.seq_len
+        self.seed = seed
+        self.global_batch = global_batch
+        self.datasets = [
+            TokenDataset(source.path, label=f"data.sources.{index} ({source.name})")
+            for index, source in enumerate(config.sources)
+        ]
+        self.names = [source.name for source in config.sources]
+        self._check_tokenizers()
+        for dataset in self.datasets:
+            if dataset.num_windows(self.seq_len) < 1:
+                raise UserError(
+                    f"{dataset.label}: {dataset.num_tokens} tokens cannot fill one window of seq_len {self.seq_len}"
+                )
+        self.rows_per_source = _apportion(global_batch, [source.weight for source in config.sources])
+        for dataset, rows in zip(self.datasets, self.rows_per_source):
+            if rows == 0:
+                raise UserError(
+                    f"{dataset.label}: its weight gives it no row of a global batch of {global_batch}; "
+                    "raise its weight or the global batch"
+                )
+        self._permutations: dict[tuple[int, int], np.ndarray] = {}
+
+    @property
+    def tokenizer(self) -> dict:
+        return self.datasets[0].tokenizer
+
+    def mix_record(self) -> list[dict]:
+        """Sources, weights, rows per step, token counts and hashes, for the run record."""
+        return [
+            {
+                "name": name,
+                "path": str(dataset.path),
+                "rows_per_step": rows,
+                "weight": rows / self.global_batch,
+                "tokens": dataset.num_tokens,
+                "tokenizer_sha256": dataset.tokenizer["sha256"],
+                "shards": [{"file": s["file"], "sha256": s["sha256"]} for s in dataset.manifest["shards"]],
+                "sources": dataset.manifest.get("source_hashes", []),
+            }
+            for name, dataset, rows in zip(self.names, self.datasets, self.rows_per_source)
+        ]
+
+    def new_cursor(self) -> DataCursor:
+        return DataCursor(step=0, consumed={name: 0 for name in self.names})
+
+    def global_batch_at(self, cursor: DataCursor) -> np.ndarray:
+        """The [global_batch, seq_len + 1] windows of the step at `cursor`, rows shuffled."""
+        rows = []
+        for index, (name, dataset, count) in enumerate(zip(self.names, self.datasets, self.rows_per_source)):
+            first = cursor.consumed.get(name, 0)
+            for position in range(first, first + count):
+                rows.append(dataset.window(self._window_index(index, dataset, position), self.seq_len))
+        order = np.random.default_rng([self.seed, cursor.step, _ROW_SHUFFLE_STREAM]).permutation(len(rows))
+        return np.stack(rows)[order]
+
+    def advance(self, cursor: DataCursor) -> DataCursor:
+        consumed = {name: cursor.consumed.get(name, 0) + rows for name, rows in zip(self.names, self.rows_per_source)}
+        return DataCursor(step=cursor.step + 1, consumed=consumed)
+
+    def micro_batches(self, cursor: DataCursor, rank: int, world_size: int, micro_batch: int) -> list[Batch]:
+        """This rank's contiguous share of the global batch, cut into micro-batches."""
+        windows = self.global_batch_at(cursor)
+        per_rank = self.global_batch // world_size
+        mine = torch.from_numpy(windows[rank * per_rank : (rank + 1) * per_rank])
+        return [
+            Batch(inputs_BS=chunk[:, :-1].contiguous(), targets_BS=chunk[:, 1:].contiguous())
+            for chunk in mine.split(micro_batch)
+        ]
+
+    def _window_index(self, source_index: int, dataset: TokenDataset, position: int) -> int:
+        windows = dataset.num_windows(self.seq_len)
+        epoch, offset = divmod(position, windows)
+        key = (source_index, epoch)
+        if key not in self._permutations:
+            if len(self._permutations) > 2 * len(self.datasets):
+                self._permutations.clear()
+            salt = zlib.crc32(self.names[source_index].encode("utf-8"))
+            self._permutations[key] = np.random.default_rng([self.seed, salt, epoch]).permutation(windows)
+        return int(self._permutations[key][offset])
+
+    def _check_tokenizers(self) -> None:
+        first = self.datasets[0]
+        for dataset in self.datasets[1:]:
+            if dataset.tokenizer["sha256"] != first.tokenizer["sha256"]:
+                raise UserError(
+                    f"{dataset.label} was tokenized with another tokenizer than {first.label}; "
+                    "prepare every source of a mix with the same tokenizer (--tokenizer PATH)"
+                )
+
+
+def _apportion(total: int, weights: list[float]) -> list[int]:
+    """Split `total` rows in proportion to `weights` by largest remainder (ties to the earlier source)."""
+    weight_sum = sum(weights)
+    quotas = [total * weight / weight_sum for weight in weights]
+    rows = [int(quota) for quota in quotas]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - rows[i]), i))
+    for index in by_remainder[: total - sum(rows)]:
+        rows[index] += 1
+    return rows

@@ -1,0 +1,276 @@
+"""`ferry data prepare`: text in, memory-mappable token shards plus a manifest out.
+
+The output directory holds `tokenizer.json`, `shard-NNNNN.npy` files (one token
+stream, every document followed by end-of-text) and `manifest.json` with token
+counts and the sha256 of every source and shard. It is written to a temporary
+directory and renamed into place, so an interrupted prepare never leaves a
+half-written dataset behind, and an up-to-date dataset is not rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ferry.config.errors import UserError
+from ferry.data.corpus import Document, embedded_documents
+from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, TOKENIZER_NAME, sha256_file
+from ferry.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, encode_documents, load_tokenizer
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+_ENCODE_BATCH = 256
+
+
+@dataclass(frozen=True)
+class PrepareSpec:
+    """What to prepare; also stored in the manifest to decide whether a dataset is up to date."""
+
+    inputs: list[str] = field(default_factory=list)
+    embedded: str | None = None
+    embedded_max_bytes: int = 6_000_000
+    tokenizer: str = "bpe"
+    vocab_size: int = 4096
+    text_field: str = "text"
+    shard_tokens: int = 1 << 24
+
+
+@dataclass
+class PrepareResult:
+    output: Path
+    manifest: dict
+    rebuilt: bool
+
+
+def prepare_dataset(spec: PrepareSpec, output: str | Path, overwrite: bool = False) -> PrepareResult:
+    """Tokenize the inputs of `spec` into `output`; reuse it when already prepared from the same inputs."""
+    output = Path(output)
+    _check_spec(spec)
+    documents = _document_source(spec)
+    source_hashes = _hash_sources(documents())
+    settings = _settings(spec)
+    existing = output / MANIFEST_NAME
+    if existing.is_file():
+        manifest = _read_json(existing)
+        if manifest.get("settings") == settings and manifest.get("source_hashes") == source_hashes:
+            return PrepareResult(output, manifest, rebuilt=False)
+        if not overwrite:
+            raise UserError(
+                f"output {str(output)!r} already holds a dataset prepared from other inputs or settings; "
+                "pass --overwrite to replace it"
+            )
+    elif output.exists() and any(output.iterdir()) and not overwrite:
+        raise UserError(f"output {str(output)!r} exists and is not a ferry dataset; choose another directory")
+
+    staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        manifest = _write_dataset(spec, documents, staging)
+        manifest["settings"] = settings
+        manifest["source_hashes"] = source_hashes
+        _write_json(staging / MANIFEST_NAME, manifest)
+        _replace_directory(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return PrepareResult(output, manifest, rebuilt=True)
+
+
+def _check_spec(spec: PrepareSpec) -> None:
+    if bool(spec.inputs) == bool(spec.embedded):
+        raise UserError("give either input files/directories or --embedded NAME, not both or neither")
+    if spec.tokenizer == "bpe" and not 258 <= spec.vocab_size <= 1 << 20:
+        raise UserError(f"--vocab-size must be between 258 and {1 << 20} for BPE, got {spec.vocab_size}")
+    if spec.shard_tokens < 1:
+        raise UserError(f"--shard-tokens must be positive, got {spec.shard_tokens}")
+
+
+def _document_source(spec: PrepareSpec) -> Callable[[], Iterator[Document]]:
+    """A function that yields the documents afresh (BPE training and encoding each need a pass)."""
+    if spec.embedded:
+        return lambda: embedded_documents(spec.embedded, spec.embedded_max_bytes)
+    files = _collect_files(spec.inputs)
+    return lambda: (doc for path in files for doc in _read_documents(path, spec.text_field))
+
+
+def _collect_files(inputs: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for text in inputs:
+        path = Path(text)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+            if not found:
+                raise UserError(f"input directory {text!r} holds no .txt or .jsonl files")
+            files.extend(found)
+        elif path.is_file():
+            if path.suffix not in TEXT_SUFFIXES:
+                raise UserError(f"input {text!r} is neither .txt nor .jsonl")
+            files.append(path)
+        else:
+            raise UserError(f"input {text!r} does not exist")
+    return files
+
+
+def _read_documents(path: Path, text_field: str) -> Iterator[Document]:
+    try:
+        if path.suffix == ".txt":
+            yield Document(str(path), path.read_text(encoding="utf-8"))
+            return
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                    raise UserError(f"{path}:{number}: expected an object with a string field {text_field!r}")
+                yield Document(str(path), record[text_field], line=number)
+    except UnicodeDecodeError as exc:
+        raise UserError(f"input {str(path)!r} is not UTF-8 text ({exc.reason})") from None
+
+
+def _hash_sources(documents: Iterator[Document]) -> list[dict]:
+    """sha256 of each source file's bytes (of each embedded document's text), with byte and document counts."""
+    by_source: dict[str, dict] = {}
+    hashers: dict[str, hashlib._Hash] = {}
+    for document in documents:
+        entry = by_source.setdefault(document.source, {"source": document.source, "bytes": 0, "documents": 0})
+        data = document.text.encode("utf-8")
+        hashers.setdefault(document.source, hashlib.sha256()).update(data)
+        entry["bytes"] += len(data)
+        entry["documents"] += 1
+    for source, entry in by_source.items():
+        is_file = not source.startswith("embedded:")
+        entry["sha256"] = sha256_file(Path(source)) if is_file else hashers[source].hexdigest()
+    if not by_source:
+        raise UserError("the inputs hold no documents")
+    return list(by_source.values())
+
+
+def _settings(spec: PrepareSpec) -> dict:
+    settings = {
+        "tokenizer": spec.tokenizer,
+        "text_field": spec.text_field,
+        "shard_tokens": spec.shard_tokens,
+        "embedded": spec.embedded,
+        "embedded_max_bytes": spec.embedded_max_bytes if spec.embedded else None,
+    }
+    if spec.tokenizer == "bpe":
+        settings["vocab_size"] = spec.vocab_size
+    elif spec.tokenizer != "byte":
+        settings["tokenizer_sha256"] = sha256_file(Path(spec.tokenizer))
+    return settings
+
+
+def _make_tokenizer(spec: PrepareSpec, documents: Callable[[], Iterator[Document]]) -> Tokenizer:
+    if spec.tokenizer == "byte":
+        return ByteTokenizer()
+    if spec.tokenizer == "bpe":
+        return BPETokenizer.train((doc.text for doc in documents()), spec.vocab_size)
+    return load_tokenizer(spec.tokenizer)
+
+
+def _write_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Document]], staging: Path) -> dict:
+    tokenizer = _make_tokenizer(spec, documents)
+    (staging / TOKENIZER_NAME).write_text(tokenizer.to_json(), encoding="utf-8")
+    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+    writer = _ShardWriter(staging, dtype, spec.shard_tokens)
+    document_count = 0
+    batch: list[str] = []
+    for document in documents():
+        batch.append(document.text)
+        if len(batch) == _ENCODE_BATCH:
+            document_count += _write_batch(tokenizer, batch, writer)
+            batch = []
+    document_count += _write_batch(tokenizer, batch, writer)
+    writer.close()
+    return {
+        "format": DATASET_FORMAT,
+        "version": DATASET_VERSION,
+        "tokenizer": {
+            "kind": tokenizer.kind,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "file": TOKENIZER_NAME,
+            "sha256": sha256_file(staging / TOKENIZER_NAME),
+        },
+        "dtype": np.dtype(dtype).name,
+        "documents": document_count,
+        "total_tokens": writer.total_tokens,
+        "shards": writer.shards,
+    }
+
+
+def _write_batch(tokenizer: Tokenizer, texts: list[str], writer: "_ShardWriter") -> int:
+    for ids in encode_documents(tokenizer, texts):
+        writer.add(ids)
+        writer.add(np.asarray([tokenizer.eos_id]))
+    return len(texts)
+
+
+class _ShardWriter:
+    """Appends token ids and cuts them into `.npy` shards of `shard_tokens` tokens."""
+
+    def __init__(self, directory: Path, dtype: type, shard_tokens: int):
+        self.directory = directory
+        self.dtype = dtype
+        self.shard_tokens = shard_tokens
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.total_tokens = 0
+        self.shards: list[dict] = []
+
+    def add(self, ids: np.ndarray) -> None:
+        self.pending.append(ids.astype(self.dtype, copy=False))
+        self.pending_tokens += len(ids)
+        while self.pending_tokens >= self.shard_tokens:
+            stream = np.concatenate(self.pending)
+            self._flush(stream[: self.shard_tokens])
+            rest = stream[self.shard_tokens :]
+            self.pending = [rest]
+            self.pending_tokens = len(rest)
+
+    def close(self) -> None:
+        if self.pending_tokens:
+            self._flush(np.concatenate(self.pending))
+        self.pending = []
+        self.pending_tokens = 0
+
+    def _flush(self, tokens: np.ndarray) -> None:
+        name = f"shard-{len(self.shards):05d}.npy"
+        path = self.directory / name
+        np.save(path, tokens)
+        self.shards.append({"file": name, "tokens": int(len(tokens)), "sha256": sha256_file(path)})
+        self.total_tokens += int(len(tokens))
+
+
+def _replace_directory(staging: Path, output: Path) -> None:
+    """Move the finished dataset into place; an old dataset is removed only after the new one is there."""
+    for path in staging.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+    output.parent.mkdir(parents=True, exist_ok=True)
+    retired = output.with_name(f".{output.name}.old-{os.getpid()}")
+    if output.exists():
+        output.rename(retired)
+    staging.rename(output)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{str(path)!r} cannot be read as JSON: {exc}") from None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1), encoding="utf-8")

@@ -1,0 +1,147 @@
+"""Hardware profiles: what an accelerator can do, as data, so moving hardware means changing a profile.
+
+Profiles live in `ferry/platform/profiles/*.yaml` with the source of every figure
+beside it. `hardware: auto` picks the profile whose `match` strings appear in the
+detected device name; a CPU measures its own peak once and caches it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import torch
+import yaml
+from pydantic import Field
+
+from ferry.config import Section, UserError
+from ferry.config.loader import validate
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+class PrecisionDefaults(Section):
+    param_dtype: Dtype
+    compute_dtype: Dtype
+    reduce_dtype: Dtype
+    loss_scaling: Literal["none", "static", "dynamic"]
+
+
+class HardwareProfile(Section):
+    """One accelerator model: peaks per dtype (dense TFLOP/s), memory, formats, defaults, price."""
+
+    name: str
+    vendor: Literal["nvidia", "amd", "intel", "cpu"]
+    match: list[str]
+    measure_peak: bool = False
+    peak_tflops: dict[Literal["fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8"], float]
+    memory_gib: float = Field(ge=0)
+    memory_bandwidth_tbps: float = Field(gt=0)
+    float8_formats: list[Literal["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]]
+    native_mx: bool
+    comm_backend: Literal["gloo", "nccl", "mpi", "xccl"]
+    precision_defaults: PrecisionDefaults
+    price_per_device_hour_usd: float = Field(ge=0)
+    sources: list[str] = Field(min_length=1)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for `dtype`; fp32 matmuls on tensor-core parts are counted at the fp32 rate."""
+        if dtype not in self.peak_tflops:
+            raise UserError(f"hardware profile {self.name!r} has no peak for {dtype}")
+        return self.peak_tflops[dtype] * 1e12
+
+    def supports(self, fmt: str) -> bool:
+        """Whether the hardware runs `fp8` / `mxfp8` natively."""
+        if fmt == "mxfp8":
+            return self.native_mx
+        if fmt == "fp8":
+            return "fp8" in self.peak_tflops and self.vendor != "cpu"
+        return True
+
+
+def profile_names() -> list[str]:
+    return sorted(path.stem for path in PROFILE_DIR.glob("*.yaml"))
+
+
+@lru_cache(maxsize=None)
+def load_profile(name: str) -> HardwareProfile:
+    path = PROFILE_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(f"hardware: unknown profile {name!r}; available: auto, {', '.join(profile_names())}")
+    return validate(HardwareProfile, yaml.safe_load(path.read_text(encoding="utf-8")))
+
+
+def resolve_profile(name: str, device: torch.device) -> HardwareProfile:
+    """`auto` matches the device name against each profile's `match` list; CPU devices get `cpu`."""
+    if name != "auto":
+        return load_profile(name)
+    if device.type == "cpu":
+        return load_profile("cpu")
+    module = getattr(torch, device.type)
+    device_name = module.get_device_name(device) if hasattr(module, "get_device_name") else device.type
+    for candidate in profile_names():
+        profile = load_profile(candidate)
+        if any(pattern.lower() in device_name.lower() for pattern in profile.match):
+            return profile
+    raise UserError(
+        f"hardware: no profile matches device {device_name!r}; set hardware to one of {', '.join(profile_names())} "
+        "or add a profile file to ferry/platform/profiles/"
+    )
+
+
+def measured_cpu_profile(cache_dir: Path | None = None) -> HardwareProfile:
+    """The `cpu` profile with fp32 and bf16 peaks measured on this machine (cached per host and thread count)."""
+    profile = load_profile("cpu")
+    peaks = cpu_peak_tflops(cache_dir)
+    return profile.model_copy(update={"peak_tflops": {**profile.peak_tflops, **peaks}})
+
+
+def cpu_peak_tflops(cache_dir: Path | None = None) -> dict[str, float]:
+    cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ferry"
+    key = f"{platform.node()}-{platform.processor() or platform.machine()}-{torch.get_num_threads()}t-{torch.__version__}"
+    cache = cache_dir / "cpu_peak.json"
+    try:
+        cached = json.loads(cache.read_text())
+        if cached.get("key") == key:
+            return cached["peak_tflops"]
+    except (OSError, ValueError):
+        pass
+    peaks = {"fp32": _matmul_tflops(torch.float32), "bf16": _matmul_tflops(torch.bfloat16)}
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"key": key, "peak_tflops": peaks}))
+    except OSError:
+        pass
+    return peaks
+
+
+def _matmul_tflops(dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """Best-of-repeats throughput of a square matmul: the practical peak of this CPU for `dtype`.
+
+    The size doubles from 256 until one product takes 20 ms (or reaches 2048), so a
+    dtype without fast CPU kernels (bf16 on many CPUs) is measured in milliseconds too.
+    """
+    generator = torch.Generator().manual_seed(0)
+    size = 256
+    while True:
+        a = torch.randn(size, size, generator=generator).to(dtype)
+        b = torch.randn(size, size, generator=generator).to(dtype)
+        torch.mm(a, b)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if time.perf_counter() - start > 0.02 or size >= 2048:
+            break
+        size *= 2
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12

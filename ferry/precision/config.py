@@ -1,0 +1,36 @@
+"""Precision configuration: dtypes, loss scaling and low-precision expert GEMMs.
+
+Every field left unset (null) is taken from the hardware profile's defaults, so a
+run config only states what it deliberately changes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ferry.config.section import Section
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+class LossScalingConfig(Section):
+    """`dynamic` skips a step whose gradients overflow, backs off, and grows again after a calm run."""
+
+    kind: Literal["none", "static", "dynamic"] | None = Field(None, description="null: the profile's default")
+    init_scale: float = Field(65536.0, gt=0.0)
+    growth_factor: float = Field(2.0, gt=1.0)
+    backoff_factor: float = Field(0.5, gt=0.0, lt=1.0)
+    growth_interval: int = Field(200, ge=1, description="overflow-free steps before the scale grows")
+
+
+class PrecisionConfig(Section):
+    param_dtype: Dtype | None = Field(None, description="dtype the parameters are stored in")
+    compute_dtype: Dtype | None = Field(None, description="autocast dtype of forward and backward")
+    reduce_dtype: Dtype | None = Field(None, description="dtype of gradient reductions across ranks")
+    loss_scaling: LossScalingConfig = LossScalingConfig()
+    experts: Literal["none", "fp8", "mxfp8"] = Field("none", description="low-precision expert GEMMs")
+    on_unsupported: Literal["emulate", "error"] = Field(
+        "emulate", description="when the hardware lacks the experts' format natively"
+    )

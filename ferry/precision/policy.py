@@ -1,0 +1,120 @@
+"""Resolve the precision config against a hardware profile into one concrete policy.
+
+The profile supplies defaults, the run config overrides them, and every decision
+(including how an unsupported low-precision format is handled) is written down so
+the run log and `run.json` say exactly what numerics the run used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ferry.config import UserError
+from ferry.platform.hardware import HardwareProfile
+from ferry.precision.config import PrecisionConfig
+from ferry.precision.formats import float_format
+from ferry.precision.recipe import LowPrecisionRecipe
+from ferry.precision.scaler import LossScaler
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class PrecisionPolicy:
+    param_dtype: str
+    compute_dtype: str
+    reduce_dtype: str
+    loss_scaling: str
+    experts: str
+    experts_mode: str
+    recipe: LowPrecisionRecipe | None
+    decisions: list[str] = field(default_factory=list)
+
+    @property
+    def torch_param_dtype(self) -> torch.dtype:
+        return DTYPES[self.param_dtype]
+
+    @property
+    def torch_compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.compute_dtype]
+
+    @property
+    def torch_reduce_dtype(self) -> torch.dtype:
+        return DTYPES[self.reduce_dtype]
+
+    @property
+    def autocast(self) -> bool:
+        return self.compute_dtype != self.param_dtype
+
+    @property
+    def mfu_dtype(self) -> str:
+        """Which peak of the hardware profile the run's FLOPs are measured against."""
+        return "mxfp8" if self.experts == "mxfp8" and self.experts_mode == "native" else self.compute_dtype
+
+    def build_scaler(self, config: PrecisionConfig) -> LossScaler:
+        return LossScaler(self.loss_scaling, config.loss_scaling)
+
+    def as_dict(self) -> dict:
+        return {
+            "param_dtype": self.param_dtype,
+            "compute_dtype": self.compute_dtype,
+            "reduce_dtype": self.reduce_dtype,
+            "loss_scaling": self.loss_scaling,
+            "experts": self.experts,
+            "experts_mode": self.experts_mode,
+            "experts_formats": None
+            if self.recipe is None
+            else {"forward": str(self.recipe.forward_format.dtype), "grad": str(self.recipe.grad_format.dtype)},
+            "decisions": list(self.decisions),
+        }
+
+
+def resolve_precision(config: PrecisionConfig, profile: HardwareProfile) -> PrecisionPolicy:
+    defaults = profile.precision_defaults
+    decisions: list[str] = []
+
+    def pick(name: str, value):
+        chosen = value if value is not None else getattr(defaults, name)
+        source = "config" if value is not None else f"profile {profile.name}"
+        decisions.append(f"{name}={chosen} ({source})")
+        return chosen
+
+    param_dtype = pick("param_dtype", config.param_dtype)
+    compute_dtype = pick("compute_dtype", config.compute_dtype)
+    reduce_dtype = pick("reduce_dtype", config.reduce_dtype)
+    loss_scaling = pick("loss_scaling", config.loss_scaling.kind)
+    if compute_dtype == "fp16" and loss_scaling == "none":
+        decisions.append("warning: fp16 compute without loss scaling risks gradient underflow")
+
+    experts_mode = "none"
+    recipe = None
+    if config.experts != "none":
+        if profile.supports(config.experts):
+            experts_mode = "native"
+        elif config.on_unsupported == "error":
+            raise UserError(
+                f"precision.experts: {config.experts} is not supported natively by hardware profile "
+                f"{profile.name!r}; set precision.on_unsupported=emulate to rehearse it in emulation"
+            )
+        else:
+            experts_mode = "emulated"
+        recipe = _recipe(config.experts, profile)
+        decisions.append(
+            f"experts={config.experts} {experts_mode} on {profile.name} "
+            f"(forward {recipe.forward_format.dtype}, gradients {recipe.grad_format.dtype})"
+        )
+    return PrecisionPolicy(
+        param_dtype, compute_dtype, reduce_dtype, loss_scaling, config.experts, experts_mode, recipe, decisions
+    )
+
+
+def _recipe(kind: str, profile: HardwareProfile) -> LowPrecisionRecipe:
+    """E4M3 forward and E5M2 gradients in the variant the hardware uses (OCP or FNUZ)."""
+    formats = profile.float8_formats
+    forward = next(name for name in formats if name.startswith("float8_e4m3"))
+    grad = next((name for name in formats if name.startswith("float8_e5m2")), forward)
+    if kind == "mxfp8":
+        forward, grad = "float8_e4m3fn", "float8_e5m2"  # OCP MX elements are OCP FP8 on every vendor
+    return LowPrecisionRecipe(kind, float_format(forward), float_format(grad))

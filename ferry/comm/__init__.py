@@ -1,0 +1,19 @@
+"""Collectives: process groups and the device mesh from config, and one timed collectives interface."""
+
+from ferry.comm.collectives import Collectives
+from ferry.comm.config import CommConfig
+from ferry.comm.process_group import DistContext, build_mesh, init_distributed, launcher_ranks, resolve_backend, shutdown
+from ferry.comm.stats import CommStats, OpStats
+
+__all__ = [
+    "Collectives",
+    "CommConfig",
+    "DistContext",
+    "build_mesh",
+    "init_distributed",
+    "launcher_ranks",
+    "resolve_backend",
+    "shutdown",
+    "CommStats",
+    "OpStats",
+]

@@ -1,0 +1,104 @@
+"""The one interface every expert-parallel and data-parallel collective goes through.
+
+Keeping the calls in one place lets the backend be swapped by configuration and
+makes every byte and second of communication visible to the metrics: each call
+records its time (CUDA events on GPUs, wall clock on CPUs) and the bytes it sent.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from ferry.comm.stats import CommStats
+
+
+class Collectives:
+    """Collectives over one process group (None = the default group), timed into `stats`."""
+
+    def __init__(self, group: dist.ProcessGroup | None, stats: CommStats, device: torch.device):
+        self.group = group
+        self.stats = stats
+        self.device = device
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._pending: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def group_rank_to_global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    def all_to_all(
+        self, x_RX: torch.Tensor, out_splits: list[int], in_splits: list[int], op: str = "all_to_all"
+    ) -> torch.Tensor:
+        """Differentiable all-to-all of rows: backward sends the gradients back the way they came.
+
+        `op` names the call in the stats (e.g. `ep_dispatch`); its backward is `<op>_backward`.
+        """
+        return _AllToAll.apply(x_RX, out_splits, in_splits, self, op)
+
+    def all_to_all_raw(
+        self, x_RX: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, op: str = "all_to_all"
+    ) -> torch.Tensor:
+        rows_out = sum(out_splits) if out_splits is not None else x_RX.shape[0]
+        out = x_RX.new_empty((rows_out, *x_RX.shape[1:]))
+        with self._timed(op, x_RX.numel() * x_RX.element_size()):
+            dist.all_to_all_single(out, x_RX.contiguous(), out_splits, in_splits, group=self.group)
+        return out
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        with self._timed("all_reduce", tensor.numel() * tensor.element_size()):
+            dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        with self._timed("reduce_scatter", input.numel() * input.element_size()):
+            dist.reduce_scatter_tensor(output, input, group=self.group)
+        return output
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        with self._timed("all_gather", input.numel() * input.element_size() * self.size):
+            dist.all_gather_into_tensor(output, input.contiguous(), group=self.group)
+        return output
+
+    def broadcast(self, tensor: torch.Tensor, group_src: int) -> torch.Tensor:
+        with self._timed("broadcast", tensor.numel() * tensor.element_size()):
+            dist.broadcast(tensor, src=self.group_rank_to_global(group_src), group=self.group)
+        return tensor
+
+    def flush(self) -> None:
+        """Resolve CUDA event timings into the stats (call once per step, after a sync point)."""
+        for op, num_bytes, start, end in self._pending:
+            end.synchronize()
+            self.stats.record(op, num_bytes, start.elapsed_time(end) / 1000.0)
+        self._pending.clear()
+
+    @contextmanager
+    def _timed(self, op: str, num_bytes: int):
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._pending.append((op, num_bytes, start, end))
+            return
+        started = time.perf_counter()
+        yield
+        self.stats.record(op, num_bytes, time.perf_counter() - started)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RX, out_splits, in_splits, collectives: Collectives, op: str):
+        ctx.collectives = collectives
+        ctx.splits = (out_splits, in_splits)
+        ctx.op = op
+        return collectives.all_to_all_raw(x_RX, out_splits, in_splits, op)
+
+    @staticmethod
+    def backward(ctx, grad_RX):
+        out_splits, in_splits = ctx.splits
+        grad = ctx.collectives.all_to_all_raw(grad_RX.contiguous(), in_splits, out_splits, f"{ctx.op}_backward")
+        return grad, None, None, None, None

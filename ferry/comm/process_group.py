@@ -1,0 +1,89 @@
+"""Process groups and the device mesh, from config and the launcher's environment.
+
+torchrun (and `ferry train --nproc`) describe the job in RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR; a process started without them is a world of one and
+creates no process group at all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ferry.comm.config import CommConfig
+from ferry.config import UserError
+
+
+@dataclass
+class DistContext:
+    """Who this process is in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str | None
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launcher_ranks() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as the launcher set them; (0, 1, 0) for a plain process."""
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name != "auto":
+        if name == "nccl" and device.type != "cuda":
+            raise UserError(f"comm.backend: nccl needs a CUDA or ROCm device, the run is on {device.type}")
+        if not dist.is_backend_available(name):
+            raise UserError(f"comm.backend: {name} is not available in this torch build")
+        return name
+    if device.type == "cuda":
+        return "nccl"
+    if device.type == "xpu":
+        return "xccl"
+    return "gloo"
+
+
+def init_distributed(config: CommConfig, device: torch.device) -> DistContext:
+    """Join the job's default process group when launched as several processes."""
+    rank, world_size, local_rank = launcher_ranks()
+    if world_size == 1 and not dist.is_initialized():
+        return DistContext(0, 1, 0, None)
+    backend = resolve_backend(config.backend, device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=config.timeout_s),
+            device_id=device if device.type != "cpu" else None,
+        )
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, backend)
+
+
+def build_mesh(context: DistContext, ep: int, device: torch.device) -> DeviceMesh | None:
+    """A 2-D (dp, ep) mesh: EP groups are runs of `ep` consecutive ranks, each holding all experts once."""
+    if not context.is_distributed:
+        return None
+    return init_device_mesh(device.type, (context.world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,54 @@
+"""Expert parallelism: experts stay resident on their EP rank and tokens travel to them.
+
+Each EP rank holds `num_experts / ep` consecutive experts. A MoE layer's dispatcher
+exchanges per-expert counts, sends every routed token to the rank owning its
+expert (all-to-all), runs the local experts as grouped GEMMs on contiguous groups,
+and returns the results by a second all-to-all; the layer then combines as on one
+device. Only activations move; expert weights never leave their rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferry.comm import Collectives
+
+
+class AllToAllDispatcher:
+    """Runs the routed tokens of one MoE layer through experts spread over an EP group."""
+
+    def __init__(self, collectives: Collectives, num_experts: int):
+        self.collectives = collectives
+        self.ep_size = collectives.size
+        self.num_local = num_experts // self.ep_size
+
+    def __call__(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """`x_ND` is sorted by global expert id; returns expert outputs in the same order."""
+        ep, local = self.ep_size, self.num_local
+        received_counts = self.collectives.all_to_all_raw(tokens_per_expert_E, None, None, op="ep_counts")
+        received_counts_PL = received_counts.view(ep, local)
+        send_splits = tokens_per_expert_E.view(ep, local).sum(1).tolist()
+        receive_splits = received_counts_PL.sum(1).tolist()
+        x_RD = self.collectives.all_to_all(x_ND, receive_splits, send_splits, op="ep_dispatch")
+        # received rows come grouped by source rank, then by local expert: regroup by expert
+        expert_of_row_R = torch.repeat_interleave(
+            torch.arange(local, device=x_RD.device).repeat(ep), received_counts_PL.flatten()
+        )
+        order_R = torch.argsort(expert_of_row_R, stable=True)
+        y_sorted_RD = experts(x_RD.index_select(0, order_R), received_counts_PL.sum(0))
+        inverse_R = torch.empty_like(order_R)
+        inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
+        y_RD = y_sorted_RD.index_select(0, inverse_R)
+        return self.collectives.all_to_all(y_RD, send_splits, receive_splits, op="ep_combine")
+
+
+def shard_experts(experts: nn.Module, ep_rank: int, ep_size: int) -> tuple[int, int]:
+    """Keep only this rank's slice [start, stop) of every expert tensor (dim 0); returns the slice."""
+    tensors = dict(experts.named_parameters(recurse=False))
+    num_experts = next(iter(tensors.values())).shape[0]
+    local = num_experts // ep_size
+    start, stop = ep_rank * local, (ep_rank + 1) * local
+    for name, param in tensors.items():
+        setattr(experts, name, nn.Parameter(param.detach()[start:stop].clone(), requires_grad=param.requires_grad))
+    return start, stop

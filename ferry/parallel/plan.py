@@ -1,0 +1,148 @@
+"""The parallel plan: how one model is laid out over the job's ranks, built once from config.
+
+`ep` mode (expert-resident, the default): the model is built identically on every
+rank, then each MoE layer keeps only its EP rank's experts and gets an all-to-all
+dispatcher; dense gradients are summed over all ranks, expert gradients over the
+ranks holding the same experts. `fsdp` mode: every block is sharded with FSDP2 and
+weights are gathered for each forward and backward (the baseline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ferry.comm import Collectives, CommStats, DistContext, build_mesh
+from ferry.config import UserError
+from ferry.model import Transformer
+from ferry.model.experts import Experts
+from ferry.parallel.config import ParallelConfig
+from ferry.parallel.expert_parallel import AllToAllDispatcher, shard_experts
+from ferry.parallel.gradients import clip_grad_norm, reduce_gradients
+from ferry.parallel.zero import ReplicaGroup, ShardedAdamW
+
+
+@dataclass
+class ExpertSlice:
+    """Which experts of the global [num_experts, ...] tensor this rank holds."""
+
+    start: int
+    stop: int
+    num_experts: int
+
+
+@dataclass
+class ParallelPlan:
+    config: ParallelConfig
+    context: DistContext
+    stats: CommStats
+    world: Collectives | None = None
+    ep: Collectives | None = None
+    dp: Collectives | None = None
+    dense_params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    expert_params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    expert_slices: dict[str, ExpertSlice] = field(default_factory=dict)
+    reduce_dtype: torch.dtype = torch.float32
+
+    @property
+    def ep_size(self) -> int:
+        return self.config.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep.rank if self.ep is not None else 0
+
+    def layout(self) -> dict:
+        return {"world_size": self.context.world_size, "ep": self.config.ep, "mode": self.config.mode}
+
+    def sync_gradients(self) -> None:
+        """Reduce gradients across replicas (ep mode; FSDP reduces inside backward)."""
+        if self.config.mode == "fsdp":
+            return
+        bucket = int(self.config.bucket_mib * 2**20)
+        reduce_gradients([p for _, p in self.dense_params], self.world, self.reduce_dtype, bucket)
+        reduce_gradients([p for _, p in self.expert_params], self.dp, self.reduce_dtype, bucket)
+
+    def clip_gradients(self, model: nn.Module, max_norm: float) -> float:
+        """Clip to `max_norm` (0: measure only) by the norm of the whole, unsharded gradient."""
+        if self.config.mode == "fsdp" and self.context.is_distributed:
+            limit = max_norm if max_norm > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+            return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return clip_grad_norm(
+            [p for _, p in self.dense_params], [p for _, p in self.expert_params], self.ep, max_norm
+        )
+
+    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a statistic (e.g. expert loads) over the whole job."""
+        if self.world is not None:
+            self.world.all_reduce(tensor)
+        return tensor
+
+    def build_optimizer(self, decayed: set[str], weight_decay: float, zero: bool, **adamw_kwargs):
+        """Plain AdamW, or ZeRO-1 (state sharded over each parameter's replica group)."""
+        if zero and self.config.mode == "ep" and self.context.is_distributed:
+            groups = [ReplicaGroup(self.dense_params, self.world), ReplicaGroup(self.expert_params, self.dp)]
+            return ShardedAdamW(groups, decayed, weight_decay, **adamw_kwargs)
+        if zero and self.config.mode == "fsdp":
+            raise UserError("optim.zero: FSDP already shards optimizer state; set optim.zero=false with parallel.mode=fsdp")
+        params = self.dense_params + self.expert_params
+        return torch.optim.AdamW(
+            [
+                {"params": [p for n, p in params if n in decayed], "weight_decay": weight_decay},
+                {"params": [p for n, p in params if n not in decayed], "weight_decay": 0.0},
+            ],
+            **adamw_kwargs,
+        )
+
+
+def build_plan(
+    config: ParallelConfig,
+    context: DistContext,
+    model: Transformer,
+    device: torch.device,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> ParallelPlan:
+    """Lay `model` (built identically on every rank) out over the job, in place."""
+    num_experts = model.config.moe.num_experts
+    if context.world_size % config.ep:
+        raise UserError(f"parallel.ep: {config.ep} does not divide the world size {context.world_size}")
+    if num_experts % config.ep:
+        raise UserError(f"parallel.ep: {config.ep} does not divide model.moe.num_experts ({num_experts})")
+    if config.mode == "fsdp" and config.ep != 1:
+        raise UserError(f"parallel.ep: FSDP mode replicates experts; use parallel.ep=1 (got {config.ep})")
+    plan = ParallelPlan(config=config, context=context, stats=CommStats(), reduce_dtype=reduce_dtype)
+    if context.is_distributed:
+        mesh = build_mesh(context, config.ep, device)
+        plan.world = Collectives(None, plan.stats, device)
+        plan.ep = Collectives(mesh["ep"].get_group(), plan.stats, device)
+        plan.dp = Collectives(mesh["dp"].get_group(), plan.stats, device)
+        if config.mode == "ep" and config.ep > 1:
+            for layer in model.moe_layers():
+                shard_experts(layer.experts, plan.ep.rank, config.ep)
+                layer.dispatcher = AllToAllDispatcher(plan.ep, num_experts)
+        if config.mode == "fsdp":
+            _apply_fsdp(model, device, context.world_size)
+    expert_modules = {name for name, module in model.named_modules() if isinstance(module, Experts)}
+    for name, param in model.named_parameters():
+        owner = name.rsplit(".", 1)[0]
+        if owner in expert_modules and config.mode == "ep":
+            plan.expert_params.append((name, param))
+            local = param.shape[0]
+            plan.expert_slices[name] = ExpertSlice(plan.ep_rank * local, (plan.ep_rank + 1) * local, num_experts)
+        else:
+            plan.dense_params.append((name, param))
+    return plan
+
+
+def _apply_fsdp(model: Transformer, device: torch.device, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_gradient_divide_factor(1.0)

@@ -1,0 +1,92 @@
+"""Functions run on several spawned ranks by tests/test_parallel.py (module-level so spawn can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ferry.comm import Collectives, CommConfig, CommStats, build_mesh, init_distributed
+from ferry.model.experts import Experts
+from ferry.parallel.expert_parallel import AllToAllDispatcher, shard_experts
+from ferry.parallel.zero import ReplicaGroup, ShardedAdamW
+
+CPU = torch.device("cpu")
+
+
+def dispatcher_matches_local_experts(ep: int):
+    context = init_distributed(CommConfig(backend="gloo"), CPU)
+    mesh = build_mesh(context, ep, CPU)
+    torch.manual_seed(0)
+    experts = Experts(8, 16, 8)
+    for param in experts.parameters():
+        torch.nn.init.normal_(param)
+    reference = Experts(8, 16, 8)
+    reference.load_state_dict(experts.state_dict())
+    torch.manual_seed(100 + context.rank)
+    counts_E = torch.randint(0, 6, (8,))
+    x_ND = torch.randn(int(counts_E.sum()), 16)
+    expected = reference(x_ND.clone().requires_grad_(), counts_E)
+    shard_experts(experts, mesh["ep"].get_local_rank(), ep)
+    stats = CommStats()
+    dispatcher = AllToAllDispatcher(Collectives(mesh["ep"].get_group(), stats, CPU), 8)
+    x_mine = x_ND.clone().requires_grad_()
+    y_ND = dispatcher(x_mine, counts_E, experts)
+    grad = torch.randn_like(y_ND)
+    y_ND.backward(grad)
+    x_ref = x_ND.clone().requires_grad_()
+    reference(x_ref, counts_E).backward(grad)
+    ops = set(stats.ops)
+    return (
+        ((y_ND - expected).norm() / expected.norm()).item(),
+        ((x_mine.grad - x_ref.grad).norm() / x_ref.grad.norm()).item(),
+        experts.w_gate_EFD.shape[0],
+        ops,
+    )
+
+
+def zero_equals_adamw(steps: int):
+    context = init_distributed(CommConfig(backend="gloo"), CPU)
+    world = Collectives(None, CommStats(), CPU)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    twin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    twin.load_state_dict(model.state_dict())
+    named = list(model.named_parameters())
+    decayed = {name for name, p in named if p.ndim == 2}
+    sharded = ShardedAdamW([ReplicaGroup(named, world)], decayed, 0.1, lr=1e-2)
+    plain = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in twin.named_parameters() if n in decayed], "weight_decay": 0.1},
+            {"params": [p for n, p in twin.named_parameters() if n not in decayed], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    for step in range(steps):
+        torch.manual_seed(step)
+        x = torch.randn(5, 8)
+        for net in (model, twin):
+            net(x).pow(2).mean().backward()
+        sharded.step()
+        plain.step()
+        sharded.zero_grad()
+        plain.zero_grad()
+    difference = max((p - q).abs().max().item() for p, q in zip(model.parameters(), twin.parameters()))
+    full_bytes = sum(2 * p.numel() * 4 + 4 for p in model.parameters())  # two moments and a step count
+    return difference, sharded.state_bytes(), full_bytes
+
+
+def bad_layout_raises(ep: int):
+    from ferry.model import ModelConfig
+    from ferry.parallel import ParallelConfig, build_plan
+
+    context = init_distributed(CommConfig(backend="gloo"), CPU)
+    model = ModelConfig.model_validate({"vocab_size": 64, "dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2,
+                                        "moe": {"num_experts": 3, "top_k": 1, "expert_ffn_dim": 8}}).build()
+    build_plan(ParallelConfig(ep=ep), context, model, CPU)
+
+
+def rank_one_raises():
+    init_distributed(CommConfig(backend="gloo", timeout_s=20), CPU)
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()

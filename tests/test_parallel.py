@@ -1,0 +1,39 @@
+"""Expert parallelism, ZeRO-1 and failure handling on 2 CPU processes with gloo."""
+
+import pytest
+
+from ferry.comm.spawn import RankFailure, run_on_ranks
+
+import distributed_cases as cases
+
+
+def test_ep2_dispatch_equals_local_experts_forward_and_backward():
+    for output_error, input_grad_error, local_experts, ops in run_on_ranks(cases.dispatcher_matches_local_experts, 2, 2):
+        assert output_error < 1e-5 and input_grad_error < 1e-5
+        assert local_experts == 4, "each EP rank keeps half the experts"
+        assert {"ep_counts", "ep_dispatch", "ep_combine", "ep_dispatch_backward", "ep_combine_backward"} <= ops
+
+
+def test_zero1_equals_adamw_and_holds_a_share_of_the_state():
+    results = run_on_ranks(cases.zero_equals_adamw, 2, 4)
+    for difference, _, _ in results:
+        assert difference < 1e-6
+    held = [state for _, state, _ in results]
+    full = results[0][2]
+    assert sum(held) == full, "every moment is held by exactly one rank"
+    assert max(held) < 0.75 * full
+
+
+def test_a_bad_layout_is_reported_by_every_rank():
+    with pytest.raises(RankFailure) as caught:
+        run_on_ranks(cases.bad_layout_raises, 2, 2, timeout_s=120)
+    message = str(caught.value)
+    assert "rank 0" in message and "rank 1" in message
+    assert message.count("parallel.ep: 2 does not divide model.moe.num_experts (3)") == 2
+
+
+def test_a_failing_rank_is_named_and_nothing_hangs():
+    with pytest.raises(RankFailure) as caught:
+        run_on_ranks(cases.rank_one_raises, 2, timeout_s=90)
+    message = str(caught.value)
+    assert "rank 1" in message and "rank one is broken" in message

@@ -44,27 +44,27 @@ class Collectives:
     ) -> torch.Tensor:
         rows_out = sum(out_splits) if out_splits is not None else x_RX.shape[0]
         out = x_RX.new_empty((rows_out, *x_RX.shape[1:]))
-        with self._timed(op, x_RX.numel() * x_RX.element_size()):
+        with self.timed(op, x_RX.numel() * x_RX.element_size()):
             dist.all_to_all_single(out, x_RX.contiguous(), out_splits, in_splits, group=self.group)
         return out
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        with self._timed("all_reduce", tensor.numel() * tensor.element_size()):
+        with self.timed("all_reduce", tensor.numel() * tensor.element_size()):
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-        with self._timed("reduce_scatter", input.numel() * input.element_size()):
+        with self.timed("reduce_scatter", input.numel() * input.element_size()):
             dist.reduce_scatter_tensor(output, input, group=self.group)
         return output
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-        with self._timed("all_gather", input.numel() * input.element_size() * self.size):
+        with self.timed("all_gather", input.numel() * input.element_size() * self.size):
             dist.all_gather_into_tensor(output, input.contiguous(), group=self.group)
         return output
 
     def broadcast(self, tensor: torch.Tensor, group_src: int) -> torch.Tensor:
-        with self._timed("broadcast", tensor.numel() * tensor.element_size()):
+        with self.timed("broadcast", tensor.numel() * tensor.element_size()):
             dist.broadcast(tensor, src=self.group_rank_to_global(group_src), group=self.group)
         return tensor
 
@@ -76,7 +76,8 @@ class Collectives:
         self._pending.clear()
 
     @contextmanager
-    def _timed(self, op: str, num_bytes: int):
+    def timed(self, op: str, num_bytes: int):
+        """Record the time and bytes of one collective issued inside the block (also by other libraries)."""
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

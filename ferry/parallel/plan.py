@@ -20,6 +20,7 @@ from ferry.model import Transformer
 from ferry.model.experts import Experts
 from ferry.parallel.config import ParallelConfig
 from ferry.parallel.expert_parallel import AllToAllDispatcher, shard_experts
+from ferry.parallel.fsdp import apply_fsdp
 from ferry.parallel.gradients import clip_grad_norm, reduce_gradients
 from ferry.parallel.zero import ReplicaGroup, ShardedAdamW
 
@@ -124,7 +125,7 @@ def build_plan(
                 shard_experts(layer.experts, plan.ep.rank, config.ep)
                 layer.dispatcher = AllToAllDispatcher(plan.ep, num_experts)
         if config.mode == "fsdp":
-            _apply_fsdp(model, device, context.world_size)
+            apply_fsdp(model, device, plan.world)
     expert_modules = {name for name, module in model.named_modules() if isinstance(module, Experts)}
     for name, param in model.named_parameters():
         owner = name.rsplit(".", 1)[0]
@@ -135,14 +136,3 @@ def build_plan(
         else:
             plan.dense_params.append((name, param))
     return plan
-
-
-def _apply_fsdp(model: Transformer, device: torch.device, world_size: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.set_gradient_divide_factor(1.0)

@@ -90,3 +90,58 @@ def rank_one_raises():
     if dist.get_rank() == 1:
         raise ValueError("rank one is broken")
     dist.barrier()
+
+
+def _tiny_moe_model():
+    from ferry.model import ModelConfig
+
+    return ModelConfig.model_validate(
+        {
+            "vocab_size": 64,
+            "dim": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "max_seq_len": 16,
+            "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16, "shared_expert_ffn_dim": 8},
+        }
+    ).build()
+
+
+def model_ep_equals_single(mode: str, ep: int):
+    """One forward+backward of the whole model under `mode`/`ep` against one process on the full batch."""
+    import torch.nn.functional as F
+
+    from ferry.parallel import ParallelConfig, build_plan
+
+    context = init_distributed(CommConfig(backend="gloo"), CPU)
+    torch.manual_seed(0)
+    reference = _tiny_moe_model()
+    torch.manual_seed(0)
+    model = _tiny_moe_model()
+    plan = build_plan(ParallelConfig(mode=mode, ep=ep), context, model, CPU)
+    tokens = torch.randint(0, 64, (4, 13), generator=torch.Generator().manual_seed(5))
+    rows = tokens.shape[0] // context.world_size
+    mine = tokens[context.rank * rows : (context.rank + 1) * rows]
+    total = tokens[:, 1:].numel()
+
+    def loss_of(net, batch):
+        out = net(batch[:, :-1])
+        return F.cross_entropy(out.logits_BSV.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum") / total, out
+
+    loss, output = loss_of(model, mine)
+    loss.backward()
+    plan.sync_gradients()
+    ref_loss, ref_output = loss_of(reference, tokens)
+    ref_loss.backward()
+    logits_error = (output.logits_BSV - ref_output.logits_BSV[context.rank * rows : (context.rank + 1) * rows]).abs().max()
+    worst = 0.0
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        expected = ref_params[name].grad
+        if name in plan.expert_slices:
+            piece = plan.expert_slices[name]
+            expected = expected[piece.start : piece.stop]
+        worst = max(worst, ((grad - expected).norm() / expected.norm().clamp_min(1e-12)).item())
+    return logits_error.item(), worst

@@ -37,3 +37,10 @@ def test_a_failing_rank_is_named_and_nothing_hangs():
         run_on_ranks(cases.rank_one_raises, 2, timeout_s=90)
     message = str(caught.value)
     assert "rank 1" in message and "rank one is broken" in message
+
+
+@pytest.mark.parametrize("mode, ep", [("ep", 2), ("ep", 1), ("fsdp", 1)])
+def test_the_whole_model_under_each_layout_equals_one_process(mode, ep):
+    for logits_error, worst_grad_error in run_on_ranks(cases.model_ep_equals_single, 2, mode, ep):
+        assert logits_error < 1e-5
+        assert worst_grad_error < 1e-5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -11,6 +12,12 @@ from ferry.model.config import MoEConfig
 from ferry.model.experts import Experts
 from ferry.model.feedforward import SwiGLU
 from ferry.model.router import Router
+
+
+class ExpertDispatcher(Protocol):
+    """Runs expert-sorted tokens through experts that may live elsewhere (set by the parallel layer)."""
+
+    def __call__(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor: ...
 
 
 @dataclass
@@ -36,6 +43,13 @@ class MoELayer(nn.Module):
         self.router = Router(dim, config)
         self.experts = Experts(config.num_experts, dim, config.expert_ffn_dim)
         self.shared_expert = SwiGLU(dim, config.shared_expert_ffn_dim) if config.shared_expert_ffn_dim else None
+        self.dispatcher: ExpertDispatcher | None = None
+
+    def run_experts(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """Local experts, or the parallel layer's dispatcher when experts live on several ranks."""
+        if self.dispatcher is None:
+            return self.experts(x_ND, tokens_per_expert_E)
+        return self.dispatcher(x_ND, tokens_per_expert_E, self.experts)
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
         batch, seq_len, dim = x_BSD.shape
@@ -43,7 +57,7 @@ class MoELayer(nn.Module):
         routing = self.router(x_TD)
         order_N = torch.argsort(routing.expert_ids_TK.flatten(), stable=True)
         token_of_N = torch.div(order_N, self.top_k, rounding_mode="floor")
-        y_ND = self.experts(x_TD[token_of_N], routing.tokens_per_expert_E)
+        y_ND = self.run_experts(x_TD[token_of_N], routing.tokens_per_expert_E)
         inverse_order_N = torch.empty_like(order_N)
         inverse_order_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
         y_TKD = y_ND[inverse_order_N].view(-1, self.top_k, dim)

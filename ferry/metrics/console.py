@@ -30,6 +30,8 @@ class ConsoleProgress:
 
     def update(self, record: dict) -> None:
         summary = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s"
+        if record.get("mfu") is not None:
+            summary += f"  mfu {100 * record['mfu']:.1f}%"
         step = record["step"]
         if self._progress is not None:
             self._progress.update(self._task, completed=step, summary=summary)

@@ -1,0 +1,77 @@
+"""The one table of per-step metrics: record key, exported Prometheus name, shape, help.
+
+Every sink reads this table, `docs/metrics.md` documents it, and the Grafana
+dashboard may query only the Prometheus names in it (a test checks both), so a
+metric is renamed in one place or not at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+METRICS_FILE = "metrics.jsonl"
+
+Shape = Literal["step", "layer", "expert"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """`shape`: one number per step, a list over MoE layers, or a list over layers of lists over experts.
+
+    `scale` turns the record's unit into the exported one (Prometheus wants base units: bytes, not MiB).
+    """
+
+    key: str
+    prometheus: str
+    shape: Shape
+    help: str
+    scale: float = 1.0
+
+
+def _step(key: str, prometheus: str, help: str, scale: float = 1.0) -> Metric:
+    return Metric(key, f"ferry_{prometheus}", "step", help, scale)
+
+
+def _moe(name: str, help: str, aggregate: str) -> tuple[Metric, Metric]:
+    """An MoE diagnostic as the aggregate over layers and as one value per layer."""
+    return (
+        Metric(f"moe.{name}", f"ferry_moe_{name}", "step", f"{help} ({aggregate} over MoE layers)"),
+        Metric(f"moe.{name}_per_layer", f"ferry_moe_layer_{name}", "layer", f"{help}, per MoE layer"),
+    )
+
+
+METRICS: tuple[Metric, ...] = (
+    _step("step", "step", "optimizer steps completed"),
+    _step("tokens", "tokens_seen", "tokens trained on since the run began"),
+    _step("loss", "loss", "training objective: lm_loss + aux_loss_coef * aux_loss + z_loss_coef * z_loss"),
+    _step("lm_loss", "lm_loss", "next-token cross-entropy, mean over the step's tokens"),
+    _step("aux_loss", "aux_loss", "load-balancing loss as optimised (1.0 at perfect balance)"),
+    _step("z_loss", "z_loss", "router z-loss"),
+    _step("lr", "learning_rate", "learning rate of the step"),
+    _step("grad_norm", "grad_norm", "global gradient norm before clipping"),
+    _step("step_s", "step_seconds", "wall-clock time of the step"),
+    _step("forward_s", "forward_seconds", "time in forward passes"),
+    _step("backward_s", "backward_seconds", "time in backward passes"),
+    _step("optimizer_s", "optimizer_seconds", "time in clipping and the optimizer update"),
+    _step("compute_s", "compute_seconds", "forward + backward + optimizer time not blocked in communication"),
+    _step("comm_s", "comm_seconds", "time blocked in collectives"),
+    _step("comm_compute_ratio", "comm_compute_ratio", "comm_s / compute_s"),
+    _step("ep_wait_s", "ep_wait_seconds", "time blocked in MoE dispatch and combine"),
+    _step("tokens_per_s", "tokens_per_second", "tokens of the step over all devices / step_s"),
+    _step("tokens_per_s_per_device", "tokens_per_second_per_device", "tokens_per_s / devices"),
+    _step("mfu", "mfu", "model FLOPs utilisation against the hardware profile's peak for the dtype in use"),
+    _step("mem_peak_mib", "memory_peak_bytes", "peak memory of the process since it started (bytes)", 2**20),
+    Metric("moe.tokens_per_expert", "ferry_moe_expert_tokens", "expert", "assignments per expert in the step"),
+    *_moe("imbalance", "busiest expert's load / mean expert load", "mean"),
+    *_moe("cv", "coefficient of variation of the expert loads", "mean"),
+    *_moe("ep_imbalance", "busiest EP rank's load / mean EP rank load", "mean"),
+    *_moe("dropped_tokens", "assignments over an expert's capacity (0 when dropless)", "sum"),
+    *_moe("router_entropy", "mean over tokens of the routing distribution's entropy, in nats", "mean"),
+    *_moe("aux_score", "switch balancing score of the step's loads and probabilities (1 = balanced)", "mean"),
+    *_moe("balance_gap", "how much more concentrated the real load is than the aux score says", "max"),
+)
+
+
+def prometheus_names() -> set[str]:
+    return {metric.prometheus for metric in METRICS}

@@ -1,0 +1,186 @@
+"""`ferry compare RUN_A RUN_B`: do two runs' trajectories agree within a tolerance fixed in advance?
+
+Run A is the reference, run B the candidate (another device, kernel, backend,
+precision or layout). The judgement covers the first N steps because that is where
+a divergence is cheapest to catch, and where a mismatch in data order, seeding or
+numerics shows before it drowns in training noise. Both inputs must have recorded
+the same steps; the verdict is written as JSON and drawn as a PNG next to run B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from ferry.config import UserError
+from ferry.metrics.jsonl import metrics_path, read_metrics
+from ferry.metrics.plots import new_figure, save_figure
+from ferry.portability.tolerances import ToleranceProfile, tolerance_profile
+
+DEFAULT_PROFILE = "same-hardware"
+
+
+@dataclass
+class Verdict:
+    """What was compared, how, and the outcome; `as_dict()` is the JSON verdict file."""
+
+    passed: bool
+    profile: str
+    tolerance: dict
+    metric: str
+    run_a: str
+    run_b: str
+    steps_requested: int
+    steps_compared: int
+    first_step: int
+    last_step: int
+    max_abs_diff: float | None
+    max_rel_diff: float | None
+    worst_step: int
+    first_failing_step: int | None
+    plot: str
+    verdict_file: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        outcome = "PASS" if self.passed else f"FAIL (first outside tolerance at step {self.first_failing_step})"
+        shortfall = f" of the {self.steps_requested} requested" if self.steps_compared < self.steps_requested else ""
+        if self.max_abs_diff is None:
+            largest = "a non-finite value"
+        else:
+            relative = f" (relative {self.max_rel_diff:.3g})" if self.max_rel_diff is not None else ""
+            largest = f"max |diff| {self.max_abs_diff:.3g}{relative}"
+        return (
+            f"{outcome}: {self.metric} of {self.run_b} vs {self.run_a} under profile {self.profile} — "
+            f"{self.steps_compared} steps{shortfall} (steps {self.first_step}..{self.last_step}), "
+            f"{largest} at step {self.worst_step}; plot {self.plot}"
+        )
+
+
+def compare_runs(
+    run_a: str | Path,
+    run_b: str | Path,
+    profile: str = DEFAULT_PROFILE,
+    steps: int | None = None,
+    metric: str = "loss",
+    output_dir: str | Path | None = None,
+) -> Verdict:
+    """Judge run B against run A on `metric` over their first `steps` common steps.
+
+    `steps` defaults to the profile's; runs shorter than that are judged on what they
+    have, and the verdict says how many steps that was. A non-finite value in
+    either run fails its step.
+    """
+    tolerance = tolerance_profile(profile)
+    if steps is not None and steps < 1:
+        raise UserError(f"--steps must be at least 1, got {steps}")
+    requested = steps or tolerance.steps
+    values_a = _metric_by_step(run_a, metric)
+    values_b = _metric_by_step(run_b, metric)
+    common = sorted(set(values_a) & set(values_b))[:requested]
+    if not common:
+        raise UserError(f"{run_a} and {run_b} have no step in common with a value of {metric!r}")
+    a_S = np.array([values_a[step] for step in common], dtype=float)
+    b_S = np.array([values_b[step] for step in common], dtype=float)
+    judged = _judge(a_S, b_S, tolerance)
+    steps_S = np.array(common)
+    failing_S = steps_S[~judged.ok_S]
+    magnitude_S = np.where(np.isfinite(judged.diff_S), np.abs(judged.diff_S), np.inf)
+
+    output = Path(output_dir) if output_dir is not None else metrics_path(run_b).parent
+    plot_path = output / f"compare-{metric}.png"
+    verdict_path = output / f"compare-{metric}.json"
+    verdict = Verdict(
+        passed=bool(judged.ok_S.all()),
+        profile=profile,
+        tolerance=tolerance.model_dump(),
+        metric=metric,
+        run_a=str(run_a),
+        run_b=str(run_b),
+        steps_requested=requested,
+        steps_compared=len(common),
+        first_step=common[0],
+        last_step=common[-1],
+        max_abs_diff=_finite_or_none(magnitude_S.max()),
+        max_rel_diff=_finite_or_none(judged.rel_S.max()),
+        worst_step=int(steps_S[np.argmax(magnitude_S)]),
+        first_failing_step=int(failing_S[0]) if len(failing_S) else None,
+        plot=str(plot_path),
+        verdict_file=str(verdict_path),
+    )
+    _draw(steps_S, a_S, b_S, judged, verdict, tolerance, plot_path)
+    output.mkdir(parents=True, exist_ok=True)
+    verdict_path.write_text(json.dumps(verdict.as_dict(), indent=2) + "\n", encoding="utf-8")
+    return verdict
+
+
+def _metric_by_step(run: str | Path, metric: str) -> dict[int, float]:
+    records = read_metrics(run)
+    values = {r["step"]: r[metric] for r in records if isinstance(r.get(metric), (int, float))}
+    if not values:
+        numeric = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
+        raise UserError(f"{metrics_path(run)} has no metric {metric!r}; numeric metrics there: {', '.join(numeric)}")
+    return values
+
+
+def _trailing_mean(values_S: np.ndarray, window: int) -> np.ndarray:
+    """Mean of each step and the `window - 1` before it (fewer at the start); a NaN stays a NaN.
+
+    Summed per window rather than by differences of a running sum, whose rounding
+    would hide the one-ulp differences the bitwise profile exists to catch.
+    """
+    return np.array([values_S[max(0, end - window + 1) : end + 1].mean() for end in range(len(values_S))])
+
+
+class _Judged(NamedTuple):
+    mean_a_S: np.ndarray
+    mean_b_S: np.ndarray
+    diff_S: np.ndarray
+    bound_S: np.ndarray
+    rel_S: np.ndarray
+    ok_S: np.ndarray
+
+
+def _judge(a_S: np.ndarray, b_S: np.ndarray, tolerance: ToleranceProfile) -> _Judged:
+    mean_a_S = _trailing_mean(a_S, tolerance.window)
+    mean_b_S = _trailing_mean(b_S, tolerance.window)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        diff_S = mean_b_S - mean_a_S
+        bound_S = tolerance.atol + tolerance.rtol * np.abs(mean_a_S)
+        rel_S = np.abs(diff_S) / np.abs(mean_a_S)
+        ok_S = np.isfinite(mean_a_S) & np.isfinite(mean_b_S) & (np.abs(diff_S) <= bound_S)
+    return _Judged(mean_a_S, mean_b_S, diff_S, bound_S, rel_S, ok_S)
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no NaN or infinity: a difference involving a non-finite value is written as null."""
+    return float(value) if math.isfinite(value) else None
+
+
+def _draw(steps_S, a_S, b_S, judged: _Judged, verdict: Verdict, tolerance: ToleranceProfile, path: Path) -> None:
+    figure, (curves, difference) = new_figure(rows=2)
+    curves.plot(steps_S, a_S, color="tab:blue", alpha=0.35, linewidth=0.8)
+    curves.plot(steps_S, b_S, color="tab:orange", alpha=0.35, linewidth=0.8)
+    curves.plot(steps_S, judged.mean_a_S, color="tab:blue", label=f"A: {verdict.run_a}")
+    curves.plot(steps_S, judged.mean_b_S, color="tab:orange", linestyle="--", label=f"B: {verdict.run_b}")
+    smoothing = f", trailing mean over {tolerance.window} steps" if tolerance.window > 1 else ""
+    outcome = "PASS" if verdict.passed else "FAIL"
+    curves.set(ylabel=verdict.metric, title=f"{outcome} — profile {verdict.profile}{smoothing}")
+    curves.legend(fontsize="small")
+    curves.grid(alpha=0.3)
+    bound_S = judged.bound_S
+    difference.fill_between(steps_S, -bound_S, bound_S, color="tab:green", alpha=0.2, label="tolerance")
+    difference.plot(steps_S, judged.diff_S, color="black", linewidth=1.0, label="B - A")
+    if verdict.first_failing_step is not None:
+        difference.axvline(verdict.first_failing_step, color="tab:red", linestyle=":", label="first failure")
+    difference.set(xlabel="step", ylabel=f"difference in {verdict.metric}")
+    difference.legend(fontsize="small")
+    difference.grid(alpha=0.3)
+    save_figure(figure, path)

@@ -39,13 +39,18 @@ def stdlib_dataset(tmp_path_factory) -> Path:
     return output
 
 
+def tiny_config(dataset: Path, run_dir: Path, *overrides: str) -> RunConfig:
+    """The tiny RunConfig reading `dataset` and writing to `run_dir`; dotted overrides as in the CLI."""
+    raw = apply_overrides(TINY_RUN, [f"run.dir={run_dir}"])
+    raw["data"]["sources"] = [{"name": "stdlib", "path": str(dataset)}]
+    return validate(RunConfig, apply_overrides(raw, list(overrides)))
+
+
 @pytest.fixture
 def make_config(stdlib_dataset, tmp_path):
     """Build a validated tiny RunConfig; dotted overrides as in the CLI."""
 
     def build(*overrides: str, run_dir: Path | None = None) -> RunConfig:
-        raw = apply_overrides(TINY_RUN, [f"run.dir={run_dir or tmp_path / 'run'}"])
-        raw["data"]["sources"] = [{"name": "stdlib", "path": str(stdlib_dataset)}]
-        return validate(RunConfig, apply_overrides(raw, list(overrides)))
+        return tiny_config(stdlib_dataset, run_dir or tmp_path / "run", *overrides)
 
     return build

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ferry.cli import ckpt
 from ferry.config import UserError
 
 
@@ -27,7 +28,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a model from a YAML config plus dotted overrides")
     train.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
-    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.steps=50 run.dir=/tmp/x")
+    train.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.steps=50 run.dir=/tmp/x resume=latest"
+    )
     train.set_defaults(handler=_train)
 
     data = commands.add_parser("data", help="prepare token datasets")
@@ -43,6 +46,8 @@ def _build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--max-bytes", type=int, default=6_000_000, help="text budget of the embedded corpus")
     prepare.add_argument("--overwrite", action="store_true", help="replace a dataset prepared from other inputs")
     prepare.set_defaults(handler=_data_prepare)
+
+    ckpt.register(commands)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Training: the run config, the trainer loop, losses, optimizer and schedule, run records."""
+"""Training: the run config, the trainer loop, losses, optimizer and schedule, run records, checkpoint state."""
 
 from ferry.train.config import OptimConfig, RunConfig, RunSection, TrainConfig, load_run_config
 from ferry.train.trainer import Trainer, TrainResult, train

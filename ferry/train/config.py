@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from ferry.checkpoint.config import CheckpointConfig
 from ferry.config import Section, load_config
 from ferry.data.config import DataConfig
 from ferry.model.config import ModelConfig
@@ -74,6 +75,12 @@ class RunConfig(Section):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    resume: str | None = Field(
+        None,
+        min_length=1,
+        description="latest (the newest valid checkpoint in checkpoint.dir, if any) or the path of a checkpoint",
+    )
 
     @field_validator("data")
     @classmethod

@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+from ferry.checkpoint import clear_checkpoints, list_checkpoints
 from ferry.config import UserError, dump_yaml
 from ferry.train.config import RunConfig
 
@@ -16,20 +17,49 @@ METRICS_NAME = "metrics.jsonl"
 _RUN_FILES = (CONFIG_NAME, RUN_RECORD_NAME, METRICS_NAME)
 
 
-def prepare_run_dir(config: RunConfig) -> Path:
-    """Create `run.dir` and write the resolved config; refuse to mix with an earlier run's records."""
+def prepare_run_dir(config: RunConfig, resume_step: int | None = None) -> Path:
+    """Create `run.dir` and write the resolved config.
+
+    A fresh start refuses to mix with an earlier run's records and checkpoints
+    (`run.overwrite=true` deletes them). A resumed run continues its records
+    instead: metrics of steps after `resume_step` belong to the part of the run
+    that was lost, so they are dropped and `metrics.jsonl` holds each step once.
+    """
     run_dir = config.run.path
-    earlier = [name for name in _RUN_FILES if (run_dir / name).exists()]
-    if earlier and not config.run.overwrite:
-        raise UserError(
-            f"run.dir {str(run_dir)!r} already holds a run ({', '.join(earlier)}); "
-            "choose another run.dir or set run.overwrite=true to replace it"
-        )
+    checkpoints = config.checkpoint.path(run_dir)
+    if resume_step is None:
+        earlier = [name for name in _RUN_FILES if (run_dir / name).exists()]
+        if list_checkpoints(checkpoints):
+            earlier.append(f"checkpoints in {checkpoints}")
+        if earlier and not config.run.overwrite:
+            raise UserError(
+                f"run.dir {str(run_dir)!r} already holds a run ({', '.join(earlier)}); choose another run.dir, "
+                "set resume=latest to continue it, or set run.overwrite=true to replace it"
+            )
+        for name in _RUN_FILES:
+            (run_dir / name).unlink(missing_ok=True)
+        clear_checkpoints(checkpoints)
+    else:
+        _drop_metrics_after(run_dir / METRICS_NAME, resume_step)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name in earlier:
-        (run_dir / name).unlink()
     (run_dir / CONFIG_NAME).write_text(dump_yaml(config), encoding="utf-8")
     return run_dir
+
+
+def _drop_metrics_after(path: Path, step: int) -> None:
+    """Keep the records of steps up to `step`; a line cut short by a crash is dropped too."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    temporary = path.with_suffix(".jsonl.tmp")
+    temporary.write_text("".join(kept), encoding="utf-8")
+    os.replace(temporary, path)
 
 
 class RunRecord:

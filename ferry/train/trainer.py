@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ferry.checkpoint import (
+    Checkpoint,
+    CheckpointManager,
+    CheckpointMeta,
+    Found,
+    Layout,
+    TensorPiece,
+    find_resume_point,
+)
 from ferry.config import UserError
 from ferry.data import DataCursor, MixedLoader
 from ferry.metrics import ConsoleProgress, JsonlSink
 from ferry.model import Transformer, count_model
 from ferry.platform import environment_fingerprint, resolve_device
+from ferry.train.checkpointing import (
+    check_config,
+    optimizer_record,
+    restore_model,
+    restore_optimizer,
+    restore_rng,
+    train_state_pieces,
+)
 from ferry.train.config import RunConfig
 from ferry.train.losses import compute_loss
 from ferry.train.optimizer import build_optimizer, learning_rate
@@ -57,35 +75,92 @@ class Trainer:
         self.cursor: DataCursor = self.loader.new_cursor()
         self.size = count_model(config.model, config.data.seq_len)
         self.tokens_per_step = train.global_batch * config.data.seq_len
+        self.environment = environment_fingerprint(self.device)
 
-    def fit(self) -> TrainResult:
+    def fit(self, stop_at: int | None = None) -> TrainResult:
+        """Train to `train.steps`, or stop after step `stop_at` (checkpointed, to be resumed later).
+
+        With `resume` set, the train state is restored first and the run's records
+        continue from the checkpoint's step.
+        """
         config = self.config
-        run_dir = prepare_run_dir(config)
-        record = RunRecord(run_dir, self._describe())
+        stop_at = config.train.steps if stop_at is None else min(stop_at, config.train.steps)
+        found, notes = self._resume()
+        resumed_step = found.checkpoint.step if found and found.checkpoint else None
+        run_dir = prepare_run_dir(config, resume_step=resumed_step)
+        checkpoints = CheckpointManager(config.checkpoint, config.checkpoint.path(run_dir), last_step=resumed_step)
+        record = RunRecord(run_dir, {**self._describe(), "resumed_from": _resume_record(found)})
         sink = JsonlSink(run_dir / METRICS_NAME)
         console = ConsoleProgress(config.train.steps, config.train.log_every, first_step=self.cursor.step)
-        console.message(
-            f"ferry: training {config.run.name} on {self.device} — {self.size.total_params / 1e6:.2f}M params "
-            f"({self.size.active_params / 1e6:.2f}M active), {config.train.steps} steps of "
-            f"{self.tokens_per_step:,} tokens, writing to {run_dir}"
-        )
+        self._announce(console, run_dir, found, notes)
         losses: list[float] = []
         last: dict = {}
         try:
-            while self.cursor.step < config.train.steps:
+            while self.cursor.step < stop_at:
                 last = self.train_step()
                 losses.append(last["loss"])
                 sink.write(last)
                 console.update(last)
+                if checkpoints.due(self.cursor.step):
+                    checkpoints.save(*self.checkpoint_state())
+            if checkpoints.last_step != self.cursor.step:
+                checkpoints.save(*self.checkpoint_state())
+            checkpoints.wait()
         except BaseException as exc:
+            # A save still in flight is of an earlier, good step: let it finish, but report the first failure.
+            with contextlib.suppress(Exception):
+                checkpoints.wait()
             record.finish("failed", error=f"{type(exc).__name__}: {exc}", last_step=last)
             raise
         finally:
             sink.close()
             console.close()
-        record.finish("completed", last_step=last)
-        console.message(f"ferry: done — final loss {last.get('loss', float('nan')):.4f}; run in {run_dir}")
+        status = "completed" if self.cursor.step >= config.train.steps else "stopped"
+        record.finish(status, last_step=last, checkpoints=[str(path) for path in checkpoints.saved])
+        ending = "done" if status == "completed" else f"stopped at step {self.cursor.step}"
+        console.message(f"ferry: {ending} — final loss {last.get('loss', float('nan')):.4f}; run in {run_dir}")
         return TrainResult(run_dir, losses, last)
+
+    def checkpoint_state(self) -> tuple[dict[str, TensorPiece], CheckpointMeta]:
+        """The whole train state now: tensors under logical names, and the manifest's metadata."""
+        config = self.config
+        step = self.cursor.step
+        pieces = train_state_pieces(self.model, self.optimizer, self.device, self.rank, self.world_size)
+        train_state = {
+            "data_cursor": self.cursor.to_dict(),
+            "schedule": {
+                "kind": "warmup_cosine",
+                "step": step,
+                "total_steps": config.train.steps,
+                "warmup_steps": config.optim.warmup_steps,
+                "next_lr": learning_rate(config.optim, step, config.train.steps),
+            },
+            "optimizer": optimizer_record(self.model, self.optimizer),
+        }
+        meta = CheckpointMeta(
+            step=step,
+            tokens_seen=step * self.tokens_per_step,
+            layout=Layout(**self._layout()),
+            model_config=config.model.model_dump(mode="json"),
+            run_config=config.model_dump(mode="json"),
+            environment=self.environment,
+            train_state=train_state,
+        )
+        return pieces, meta
+
+    def restore(self, checkpoint: Checkpoint) -> list[str]:
+        """Continue from `checkpoint`: weights, optimizer state, RNG and data position.
+
+        Returns notes for the user: config fields that differ from the checkpoint's
+        (a different model is refused) and states that could not be carried over.
+        """
+        notes = [f"config differs from the checkpoint's: {line}" for line in check_config(checkpoint, self.config)]
+        with checkpoint:
+            restore_model(checkpoint, self.model)
+            restore_optimizer(checkpoint, self.model, self.optimizer)
+            notes += restore_rng(checkpoint, self.device, self.rank, self.world_size)
+        self.cursor = DataCursor.from_dict(checkpoint.manifest.train_state["data_cursor"])
+        return notes
 
     def train_step(self) -> dict:
         """One optimizer step over one global batch; returns the step's metrics record."""
@@ -136,6 +211,29 @@ class Trainer:
             "expert_load_max_over_mean": _imbalance(counts_LE),
         }
 
+    def _resume(self) -> tuple[Found | None, list[str]]:
+        """Restore the checkpoint `resume` points to, if any; None when the run does not resume."""
+        config = self.config
+        if config.resume is None:
+            return None, []
+        found = find_resume_point(config.resume, config.checkpoint.path(config.run.path))
+        return found, self.restore(found.checkpoint) if found.checkpoint else []
+
+    def _announce(self, console: ConsoleProgress, run_dir: Path, found: Found | None, notes: list[str]) -> None:
+        for path, reason in found.skipped if found else []:
+            console.message(f"ferry: warning: skipping checkpoint {path}: {reason}")
+        for note in notes:
+            console.message(f"ferry: note: {note}")
+        console.message(
+            f"ferry: training {self.config.run.name} on {self.device} — {self.size.total_params / 1e6:.2f}M params "
+            f"({self.size.active_params / 1e6:.2f}M active), {self.config.train.steps} steps of "
+            f"{self.tokens_per_step:,} tokens, writing to {run_dir}"
+        )
+        if found and found.checkpoint:
+            console.message(f"ferry: resuming from {found.checkpoint.path} at step {found.checkpoint.step}")
+        elif found:
+            console.message(f"ferry: no checkpoint to resume from in {self.config.checkpoint.path(run_dir)}; step 0")
+
     def _describe(self) -> dict:
         return {
             "name": self.config.run.name,
@@ -143,9 +241,23 @@ class Trainer:
             "data_mix": self.loader.mix_record(),
             "tokenizer": self.loader.tokenizer,
             "model_size": self.size.as_dict(),
-            "layout": {"world_size": self.world_size, "mode": "single"},
-            "environment": environment_fingerprint(self.device),
+            "layout": self._layout(),
+            "environment": self.environment,
         }
+
+    def _layout(self) -> dict:
+        return {"world_size": self.world_size, "ep_degree": 1, "mode": "single"}
+
+
+def _resume_record(found: Found | None) -> dict | None:
+    """What run.json says about where the run continued from, and which newer checkpoints were unusable."""
+    if found is None or found.checkpoint is None:
+        return None
+    return {
+        "checkpoint": str(found.checkpoint.path),
+        "step": found.checkpoint.step,
+        "skipped": [{"checkpoint": str(path), "reason": reason} for path, reason in found.skipped],
+    }
 
 
 def _imbalance(counts_LE: torch.Tensor) -> float:

@@ -1,0 +1,23 @@
+"""Checkpoint configuration: when the train state is saved, where, and how many are kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from ferry.config.section import Section
+
+
+class CheckpointConfig(Section):
+    """A checkpoint is saved every `interval` steps and at the end of the run (docs/checkpoint-format.md)."""
+
+    dir: str | None = Field(None, min_length=1, description="where checkpoints go; default <run.dir>/checkpoints")
+    interval: int = Field(0, ge=0, description="save every N optimizer steps; 0 saves only at the end of the run")
+    keep: int = Field(3, ge=1, description="keep the newest K checkpoints and delete older ones")
+    async_save: bool = Field(
+        False, description="copy the tensors, then write on a background thread while training goes on"
+    )
+
+    def path(self, run_dir: Path) -> Path:
+        return Path(self.dir) if self.dir else run_dir / "checkpoints"

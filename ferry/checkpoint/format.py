@@ -1,0 +1,210 @@
+"""The checkpoint format: directory and file names, the manifest schema, and its consistency rules.
+
+A checkpoint is a directory `step-NNNNNNNN/` of safetensors files plus `manifest.json`
+(docs/checkpoint-format.md). Tensor names are logical: a tensor is described by its
+global shape, and each file holds a rectangular piece of it at an offset, so the same
+manifest describes a checkpoint saved from one rank or from many, and a reader can
+assemble any slice it needs whatever layout wrote it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ferry.config.errors import UserError
+
+CHECKPOINT_FORMAT = "ferry-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+TENSOR_SUFFIX = ".safetensors"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_]+-rank\d{5}\.safetensors$")
+
+# torch dtype name -> the safetensors header code of the same element type
+SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete, corrupt or not a ferry checkpoint; the message says why."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def staging_dir_name(step: int) -> str:
+    """Where a save is written before the rename; dot-prefixed so no reader mistakes it for a checkpoint.
+
+    Deterministic (no pid), so that every rank of a multi-rank save writes into the same one.
+    """
+    return f".{step_dir_name(step)}.partial"
+
+
+def parse_step(path: Path) -> int | None:
+    """The step of a `step-NNNNNNNN` directory name, or None for any other name."""
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def rank_file_name(group: str, rank: int) -> str:
+    """Each rank writes one file per name group (`model`, `optim`, `rng`): `model-rank00000.safetensors`."""
+    return f"{group}-rank{rank:05d}{TENSOR_SUFFIX}"
+
+
+def name_group(name: str) -> str:
+    """The first segment of a logical name, which picks the file it is written to."""
+    group, dot, rest = name.partition(".")
+    if not dot or not rest or not re.fullmatch(r"[A-Za-z0-9_]+", group):
+        raise ValueError(f"logical tensor name {name!r} must look like 'group.rest' with group in [A-Za-z0-9_]")
+    return group
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in SAFETENSORS_DTYPES:
+        raise ValueError(f"dtype {name} cannot be stored in a checkpoint")
+    return name
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """What one rank contributes to a logical tensor: `local` sits at `offset` in a tensor of `global_shape`.
+
+    A tensor held whole by one rank is `TensorPiece.whole(t)`; an expert tensor split
+    along dim 0 over EP ranks is one piece per rank with offsets (r * E / ep, 0, 0).
+    """
+
+    local: torch.Tensor
+    offset: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, tensor: torch.Tensor) -> "TensorPiece":
+        return cls(tensor, (0,) * tensor.ndim, tuple(tensor.shape))
+
+    def check(self, name: str) -> None:
+        shape = tuple(self.local.shape)
+        if not len(shape) == len(self.offset) == len(self.global_shape):
+            raise ValueError(f"{name}: piece of rank {len(shape)} with offset {self.offset} in {self.global_shape}")
+        if any(o < 0 or o + s > g for o, s, g in zip(self.offset, shape, self.global_shape)):
+            raise ValueError(f"{name}: piece {shape} at {self.offset} lies outside {self.global_shape}")
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, protected_namespaces=())
+
+
+class FileRecord(_Record):
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class PieceRecord(_Record):
+    """The box of a logical tensor that one file holds, under the tensor's logical name."""
+
+    file: str
+    offset: list[int]
+    shape: list[int]
+
+
+class TensorRecord(_Record):
+    dtype: str
+    shape: list[int]
+    pieces: list[PieceRecord] = Field(min_length=1)
+
+
+class Layout(_Record):
+    """The parallel layout a checkpoint was saved from; loading may use another one."""
+
+    world_size: int = Field(ge=1)
+    ep_degree: int = Field(ge=1)
+    mode: str
+
+
+class Manifest(_Record):
+    """`manifest.json`: everything about a checkpoint except the tensor bytes. Written last."""
+
+    format: str
+    format_version: int
+    step: int = Field(ge=0)
+    tokens_seen: int = Field(ge=0)
+    created_at: str
+    layout: Layout
+    model: dict = Field(alias="model_config")
+    run_config: dict
+    environment: dict
+    train_state: dict
+    files: dict[str, FileRecord]
+    tensors: dict[str, TensorRecord]
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=1, by_alias=True)
+
+    @classmethod
+    def parse(cls, text: str, source: Path) -> "Manifest":
+        """Parse and check a manifest; any problem is a `CheckpointError` naming the field."""
+        try:
+            manifest = cls.model_validate_json(text)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "<top level>"
+            raise CheckpointError(f"{source} is malformed: {where}: {first['msg']}") from None
+        if manifest.format != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{source} is not a {CHECKPOINT_FORMAT} manifest (format {manifest.format!r})")
+        if manifest.format_version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{source} has format_version {manifest.format_version}; this ferry reads up to {FORMAT_VERSION}"
+            )
+        manifest.check(source)
+        return manifest
+
+    def check(self, source: Path) -> None:
+        """File names are plain and listed; every tensor is tiled exactly by its pieces."""
+        for file in self.files:
+            if not _FILE_NAME.match(file):
+                raise CheckpointError(f"{source}: file name {file!r} is not a ferry rank file")
+        for name, tensor in self.tensors.items():
+            if tensor.dtype not in SAFETENSORS_DTYPES:
+                raise CheckpointError(f"{source}: {name} has unknown dtype {tensor.dtype!r}")
+            for piece in tensor.pieces:
+                if piece.file not in self.files:
+                    raise CheckpointError(f"{source}: {name} is in {piece.file}, which the manifest does not list")
+            problem = coverage_problem(tensor.shape, [(p.offset, p.shape) for p in tensor.pieces])
+            if problem:
+                raise CheckpointError(f"{source}: {name}: {problem}")
+
+
+def coverage_problem(shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> str | None:
+    """Why the boxes (offset, shape) do not tile a tensor of `shape` exactly once, or None when they do."""
+    for offset, size in boxes:
+        if not len(offset) == len(size) == len(shape):
+            return f"piece at {offset} of shape {size} does not have the tensor's {len(shape)} dimensions"
+        if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(offset, size, shape)):
+            return f"piece at {offset} of shape {size} lies outside {shape}"
+    for index, (offset_a, size_a) in enumerate(boxes):
+        for offset_b, size_b in boxes[index + 1 :]:
+            if all(max(a, b) < min(a + sa, b + sb) for a, sa, b, sb in zip(offset_a, size_a, offset_b, size_b)):
+                return f"pieces at {offset_a} and {offset_b} overlap"
+    covered = sum(math.prod(size) for _, size in boxes)
+    if covered != math.prod(shape):
+        return f"pieces cover {covered} of {math.prod(shape)} elements"
+    return None

@@ -1,0 +1,94 @@
+"""The save policy of a run: when to save, keeping the newest K, and saving off the training thread."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+from ferry.checkpoint.config import CheckpointConfig
+from ferry.checkpoint.format import TensorPiece
+from ferry.checkpoint.reader import list_checkpoints
+from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
+
+_LEFTOVERS = (".step-*.partial", ".step-*.replaced")
+
+
+class CheckpointManager:
+    """Saves the train state at the configured interval and on request, in this process.
+
+    With `async_save` the tensors are copied to host memory first (so training may
+    change them at once) and written by one background thread; a new save waits for
+    the previous one, and `wait()` raises a failure of the background write.
+    """
+
+    def __init__(self, config: CheckpointConfig, root: Path, last_step: int | None = None):
+        self.config = config
+        self.root = root
+        self.last_step = last_step
+        self.saved: list[Path] = []
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        remove_leftovers(root)
+
+    def due(self, step: int) -> bool:
+        return bool(self.config.interval) and step % self.config.interval == 0 and step != self.last_step
+
+    def save(self, pieces: dict[str, TensorPiece], meta: CheckpointMeta) -> None:
+        self.wait()
+        self.last_step = meta.step
+        if self.config.async_save:
+            snapshot = {name: replace(p, local=p.local.detach().to("cpu", copy=True)) for name, p in pieces.items()}
+            self._thread = threading.Thread(
+                target=self._write_in_background, args=(snapshot, meta), name="ferry-checkpoint-save"
+            )
+            self._thread.start()
+        else:
+            self._write({name: replace(p, local=p.local.detach().cpu()) for name, p in pieces.items()}, meta)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is on disk; raise what made it fail."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _write(self, pieces: dict[str, TensorPiece], meta: CheckpointMeta) -> None:
+        path = save_checkpoint(self.root, pieces, meta)
+        self.saved.append(path)
+        prune(self.root, self.config.keep, protect=path)
+
+    def _write_in_background(self, pieces: dict[str, TensorPiece], meta: CheckpointMeta) -> None:
+        try:
+            self._write(pieces, meta)
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._error = exc
+
+
+def prune(root: Path, keep: int, protect: Path) -> None:
+    """Delete all but the newest `keep` checkpoints; never `protect`, the one just written.
+
+    A newer checkpoint left by an abandoned attempt (say one found corrupt) still
+    counts among the newest, which is why the fresh one is protected explicitly.
+    """
+    for path in list_checkpoints(root)[:-keep]:
+        if path != protect:
+            shutil.rmtree(path)
+
+
+def remove_leftovers(root: Path) -> None:
+    """Staging directories of saves that never finished (a crash, a SIGKILL); no reader ever looks at them."""
+    if root.is_dir():
+        for pattern in _LEFTOVERS:
+            for path in root.glob(pattern):
+                shutil.rmtree(path)
+
+
+def clear_checkpoints(root: Path) -> None:
+    """Delete every checkpoint of `root`: what `run.overwrite` does to an earlier run's checkpoints."""
+    remove_leftovers(root)
+    for path in list_checkpoints(root):
+        shutil.rmtree(path)

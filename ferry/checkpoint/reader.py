@@ -1,0 +1,213 @@
+"""Reading a checkpoint: verify everything before trusting anything, then read any box of a tensor.
+
+Nothing here unpickles. Tensors come from safetensors files (a JSON header and raw
+bytes, parsed by the safetensors library, never executed) and the rest from JSON.
+A file in the directory that the manifest does not list (say a planted `.pt`) makes
+the checkpoint invalid rather than being looked at.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ferry.checkpoint.files import hash_file
+from ferry.checkpoint.format import (
+    MANIFEST_NAME,
+    SAFETENSORS_DTYPES,
+    CheckpointError,
+    Manifest,
+    TensorRecord,
+    parse_step,
+)
+from ferry.config.errors import UserError
+
+
+class Checkpoint:
+    """A verified checkpoint directory: its manifest, and reads of any box of a logical tensor.
+
+    A read assembles the box from whichever pieces overlap it, so a reader in one
+    layout can load what another layout wrote (resharding is a choice of boxes).
+    """
+
+    def __init__(self, path: Path, manifest: Manifest):
+        self.path = path
+        self.manifest = manifest
+        self._handles: dict = {}
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    def names(self, prefix: str = "") -> list[str]:
+        return [name for name in self.manifest.tensors if name.startswith(prefix)]
+
+    def record(self, name: str) -> TensorRecord:
+        record = self.manifest.tensors.get(name)
+        if record is None:
+            raise CheckpointError(f"{self.path} holds no tensor {name!r}")
+        return record
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole logical tensor `name`, in its stored dtype, on the CPU."""
+        record = self.record(name)
+        out = torch.empty(record.shape, dtype=getattr(torch, record.dtype))
+        self.read_into(name, out)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor, offset: tuple[int, ...] | None = None) -> None:
+        """Fill `out` with the box of `name` that starts at `offset` (default: the origin); casts to `out`'s dtype."""
+        record = self.record(name)
+        offset = list(offset) if offset is not None else [0] * len(record.shape)
+        size = list(out.shape)
+        if len(offset) != len(record.shape) or any(o < 0 or o + s > g for o, s, g in zip(offset, size, record.shape)):
+            raise CheckpointError(f"{name}: a box of {size} at {offset} does not fit the stored shape {record.shape}")
+        for piece in record.pieces:
+            low = [max(p, o) for p, o in zip(piece.offset, offset)]
+            high = [min(p + n, o + s) for p, n, o, s in zip(piece.offset, piece.shape, offset, size)]
+            if any(lo >= hi for lo, hi in zip(low, high)):
+                continue
+            handle = self._handle(piece.file)
+            if low == piece.offset and high == [p + n for p, n in zip(piece.offset, piece.shape)]:
+                data = handle.get_tensor(name)
+            else:
+                within = tuple(slice(lo - p, hi - p) for lo, hi, p in zip(low, high, piece.offset))
+                data = handle.get_slice(name)[within]
+            out[tuple(slice(lo - o, hi - o) for lo, hi, o in zip(low, high, offset))].copy_(data)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        return self._handles[file]
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The parsed manifest of the checkpoint at `path`; fast, checks no tensor bytes."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"checkpoint {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory")
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        inside = list_checkpoints(path)
+        hint = f"; it holds the checkpoints {', '.join(p.name for p in inside)}: pass one of them" if inside else ""
+        raise CheckpointError(
+            f"{path} has no {MANIFEST_NAME}: its save never finished, or it is not a checkpoint{hint}"
+        )
+    try:
+        text = manifest_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{manifest_path} cannot be read: {exc}") from None
+    return Manifest.parse(text, manifest_path)
+
+
+def verify_checkpoint(path: Path) -> Checkpoint:
+    """Open a checkpoint only if it is complete and intact: listed files only, sizes, sha256, headers."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    unexpected = sorted({entry.name for entry in path.iterdir()} - set(manifest.files) - {MANIFEST_NAME})
+    if unexpected:
+        raise CheckpointError(
+            f"{path} holds files its manifest does not list: {', '.join(unexpected)}; "
+            f"a ferry checkpoint is only {MANIFEST_NAME} and the safetensors files it lists"
+        )
+    for file, expected in manifest.files.items():
+        file_path = path / file
+        if not file_path.is_file():
+            raise CheckpointError(f"{file_path} is missing")
+        size = file_path.stat().st_size
+        if size != expected.bytes:
+            raise CheckpointError(f"{file_path} has {size:,} bytes where the manifest says {expected.bytes:,}")
+    files = list(manifest.files)
+    # hashlib releases the GIL while it hashes, so the files of a checkpoint hash on all cores at once.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(lambda file: hash_file(path / file).sha256, files))
+    for file, digest in zip(files, digests):
+        if digest != manifest.files[file].sha256:
+            raise CheckpointError(f"{path / file} does not match its sha256 in the manifest (corrupt or modified)")
+    _check_headers(path, manifest)
+    return Checkpoint(path, manifest)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """The `step-*` directories under `root`, oldest first (staging directories are not listed)."""
+    if not root.is_dir():
+        return []
+    found = [(parse_step(entry), entry) for entry in root.iterdir() if entry.is_dir()]
+    return [entry for step, entry in sorted((s, e) for s, e in found if s is not None)]
+
+
+@dataclass
+class Found:
+    """The checkpoint to resume from (None when there is none) and the newer ones that were not valid."""
+
+    checkpoint: Checkpoint | None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def newest_valid(root: Path) -> Found:
+    """The newest checkpoint under `root` that verifies; each newer invalid one is skipped with its reason."""
+    skipped = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            return Found(verify_checkpoint(path), skipped)
+        except CheckpointError as exc:
+            skipped.append((path, str(exc)))
+    return Found(None, skipped)
+
+
+def find_resume_point(resume: str, default_root: Path) -> Found:
+    """Resolve `resume`: `latest` is the newest valid checkpoint under `default_root` (none yet is fine);
+    a path is a checkpoint, or a directory of checkpoints whose newest valid one is taken."""
+    if resume == "latest":
+        found = newest_valid(default_root)
+        if found.checkpoint is None and found.skipped:
+            raise CheckpointError(_none_valid(default_root, found.skipped))
+        return found
+    path = Path(resume)
+    if not path.exists():
+        raise UserError(f"resume: {resume!r} does not exist")
+    if (path / MANIFEST_NAME).exists() or not list_checkpoints(path):
+        return Found(verify_checkpoint(path))
+    found = newest_valid(path)
+    if found.checkpoint is None:
+        raise CheckpointError(_none_valid(path, found.skipped))
+    return found
+
+
+def _none_valid(root: Path, skipped: list[tuple[Path, str]]) -> str:
+    reasons = "\n  ".join(f"{path.name}: {reason}" for path, reason in skipped)
+    return f"no valid checkpoint in {root}:\n  {reasons}"
+
+
+def _check_headers(path: Path, manifest: Manifest) -> None:
+    """Each file's safetensors header must hold exactly the pieces the manifest puts in it."""
+    expected: dict[str, dict[str, tuple[str, list[int]]]] = {file: {} for file in manifest.files}
+    for name, record in manifest.tensors.items():
+        for piece in record.pieces:
+            expected[piece.file][name] = (SAFETENSORS_DTYPES[record.dtype], piece.shape)
+    for file, wanted in expected.items():
+        try:
+            with safe_open(str(path / file), framework="pt") as handle:
+                slices = {key: handle.get_slice(key) for key in handle.keys()}
+                found = {key: (piece.get_dtype(), piece.get_shape()) for key, piece in slices.items()}
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path / file} is not a readable safetensors file: {exc}") from None
+        if found != wanted:
+            differing = sorted(key for key in set(found) | set(wanted) if found.get(key) != wanted.get(key))
+            raise CheckpointError(f"{path / file} does not hold what the manifest says: {', '.join(differing[:5])}")

@@ -1,0 +1,65 @@
+"""(b) A checkpoint is readable by `safetensors` + `json` alone: no ferry, no torch."""
+
+import hashlib
+import json
+import subprocess
+import sys
+
+from ferry.train import Trainer
+
+# Runs in `python -I` with an empty environment: only the interpreter's own site-packages.
+_READER = """
+import hashlib, json, sys
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+checkpoint, expected_path = Path(sys.argv[1]), Path(sys.argv[2])
+manifest = json.loads((checkpoint / "manifest.json").read_text())
+files = {}
+
+def logical(name):
+    entry = manifest["tensors"][name]
+    out = np.empty(entry["shape"], dtype=entry["dtype"])
+    for piece in entry["pieces"]:
+        tensors = files.setdefault(piece["file"], load_file(checkpoint / piece["file"]))
+        out[tuple(slice(o, o + n) for o, n in zip(piece["offset"], piece["shape"]))] = tensors[name]
+    return out
+
+found = {}
+for name in json.loads(expected_path.read_text()):
+    array = np.ascontiguousarray(logical(name))
+    found[name] = [list(array.shape), hashlib.sha256(array.tobytes()).hexdigest()]
+assert "torch" not in sys.modules and "ferry" not in sys.modules, sorted(sys.modules)
+print(json.dumps(found))
+"""
+
+
+def test_a_checkpoint_is_read_without_ferry_or_torch(make_config, tmp_path):
+    trainer = Trainer(make_config("train.steps=2", run_dir=tmp_path / "run"))
+    trainer.fit()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    expected = {}
+    for name, param in trainer.model.named_parameters():
+        state = trainer.optimizer.state[param]
+        for logical, tensor in (
+            (f"model.{name}", param),
+            (f"optim.exp_avg.{name}", state["exp_avg"]),
+            (f"optim.exp_avg_sq.{name}", state["exp_avg_sq"]),
+        ):
+            data = tensor.detach().contiguous().numpy()
+            expected[logical] = [list(data.shape), hashlib.sha256(data.tobytes()).hexdigest()]
+    (tmp_path / "expected.json").write_text(json.dumps(list(expected)))
+
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", _READER, str(checkpoint), str(tmp_path / "expected.json")],
+        env={},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == expected
+    assert len(expected) == 3 * len(list(trainer.model.parameters()))

@@ -1,0 +1,189 @@
+"""Resuming a run: it continues exactly, falls back past a corrupt checkpoint, survives SIGKILL mid-save."""
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ferry.checkpoint import list_checkpoints, verify_checkpoint
+from ferry.config import ConfigError, UserError, dump_yaml
+from ferry.train import Trainer
+
+from conftest import REPO
+
+EXACT = ("train.steps=20", "model.moe.bias_balancing.enabled=true")
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _optimizer_state_by_name(trainer):
+    names = {param: name for name, param in trainer.model.named_parameters()}
+    return {names[param]: state for param, state in trainer.optimizer.state.items()}
+
+
+def test_a_resumed_run_equals_the_uninterrupted_run_bitwise(make_config, tmp_path):
+    """(a) 20 steps straight vs 10 steps, stop, resume, 10 steps: same losses, weights, moments, bias."""
+    straight = Trainer(make_config(*EXACT, run_dir=tmp_path / "straight"))
+    expected = straight.fit().losses
+
+    stopped_dir = tmp_path / "stopped"
+    saving = ("checkpoint.interval=4", "checkpoint.keep=2", "checkpoint.async_save=true")
+    first = Trainer(make_config(*EXACT, *saving, run_dir=stopped_dir)).fit(stop_at=10)
+    assert [p.name for p in list_checkpoints(stopped_dir / "checkpoints")] == ["step-00000008", "step-00000010"]
+    resumed = Trainer(make_config(*EXACT, *saving, "resume=latest", run_dir=stopped_dir))
+    second = resumed.fit()
+
+    assert first.losses + second.losses == expected
+    assert [record["loss"] for record in _metrics(stopped_dir)] == expected
+    assert resumed.cursor == straight.cursor
+    for name, tensor in straight.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+    biases = [tensor for name, tensor in straight.model.state_dict().items() if name.endswith("expert_bias_E")]
+    assert biases and all(bias.abs().sum() > 0 for bias in biases), "bias balancing must have moved the biases"
+    straight_state, resumed_state = _optimizer_state_by_name(straight), _optimizer_state_by_name(resumed)
+    assert straight_state.keys() == resumed_state.keys()
+    for name, state in straight_state.items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key], resumed_state[name][key]), (name, key)
+    record = json.loads((stopped_dir / "run.json").read_text())
+    assert record["status"] == "completed"
+    assert record["resumed_from"]["step"] == 10 and record["resumed_from"]["checkpoint"].endswith("step-00000010")
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning(make_config, tmp_path, capsys):
+    """(c)"""
+    run_dir = tmp_path / "run"
+    saving = ("checkpoint.interval=2", "checkpoint.keep=3")
+    Trainer(make_config("train.steps=8", *saving, run_dir=run_dir)).fit(stop_at=6)
+    newest = run_dir / "checkpoints" / "step-00000006"
+    optim_file = newest / "optim-rank00000.safetensors"
+    with open(optim_file, "r+b") as handle:
+        handle.truncate(optim_file.stat().st_size // 2)
+    capsys.readouterr()
+
+    Trainer(make_config("train.steps=8", *saving, "resume=latest", run_dir=run_dir)).fit()
+    out = capsys.readouterr().out
+    assert f"warning: skipping checkpoint {newest}" in out and "bytes where the manifest says" in out
+    assert "resuming from" in out and "step-00000004 at step 4" in out
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["resumed_from"]["step"] == 4
+    assert record["resumed_from"]["skipped"][0]["checkpoint"] == str(newest)
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, 9))
+    verify_checkpoint(newest)
+
+
+def test_a_pickle_planted_in_the_newest_checkpoint_makes_resume_fall_back_without_running_it(
+    make_config, tmp_path, capsys
+):
+    class Plant:
+        def __reduce__(self):
+            return (exec, (f"open({str(tmp_path / 'marker')!r}, 'w').write('pickle code ran')",))
+
+    run_dir = tmp_path / "run"
+    Trainer(make_config("train.steps=3", "checkpoint.interval=1", run_dir=run_dir)).fit(stop_at=2)
+    (run_dir / "checkpoints" / "step-00000002" / "extra_state.pt").write_bytes(pickle.dumps(Plant()))
+    Trainer(make_config("train.steps=3", "checkpoint.interval=1", "resume=latest", run_dir=run_dir)).fit()
+    out = capsys.readouterr().out
+    assert "skipping checkpoint" in out and "extra_state.pt" in out
+    assert "step-00000001 at step 1" in out
+    assert not (tmp_path / "marker").exists()
+
+
+_KILLED_MID_SAVE = """
+import sys, time
+from pathlib import Path
+import ferry.checkpoint.writer as writer
+from ferry.train import Trainer, load_run_config
+
+config_path, signal_path = sys.argv[1:]
+write_file = writer.save_file
+
+def write_then_hang(tensors, path):
+    write_file(tensors, path)
+    if Path(path).parent.name == ".step-00000004.partial":
+        Path(signal_path).write_text("one file of the step-4 save is written")
+        time.sleep(600)
+
+writer.save_file = write_then_hang
+Trainer(load_run_config(config_path)).fit()
+"""
+
+
+def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_and_resume_uses_it(make_config, tmp_path):
+    """(d)"""
+    run_dir = tmp_path / "run"
+    config = make_config("train.steps=6", "checkpoint.interval=2", run_dir=run_dir)
+    config_path = tmp_path / "killed.yaml"
+    config_path.write_text(dump_yaml(config))
+    signal_path = tmp_path / "mid-save"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_MID_SAVE, str(config_path), str(signal_path)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not signal_path.exists():
+            assert child.poll() is None, child.stderr.read().decode()
+            assert time.monotonic() < deadline, "the child never reached the step-4 save"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    checkpoints = run_dir / "checkpoints"
+    assert [p.name for p in list_checkpoints(checkpoints)] == ["step-00000002"]
+    assert (checkpoints / ".step-00000004.partial").is_dir()
+    verify_checkpoint(checkpoints / "step-00000002")
+
+    Trainer(make_config("train.steps=6", "checkpoint.interval=2", "resume=latest", run_dir=run_dir)).fit()
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["resumed_from"]["step"] == 2 and record["status"] == "completed"
+    assert [p.name for p in list_checkpoints(checkpoints)] == ["step-00000002", "step-00000004", "step-00000006"]
+    assert not (checkpoints / ".step-00000004.partial").exists()
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, 7))
+
+
+def test_resuming_into_another_model_names_the_differing_fields(make_config, tmp_path):
+    run_dir = tmp_path / "run"
+    Trainer(make_config("train.steps=1", run_dir=run_dir)).fit()
+    before = (run_dir / "metrics.jsonl").read_text()
+    other = make_config("train.steps=2", "model.moe.num_experts=8", "model.dim=64", "resume=latest", run_dir=run_dir)
+    with pytest.raises(ConfigError) as error:
+        Trainer(other).fit()
+    assert "model.dim: checkpoint 32, this run 64" in str(error.value)
+    assert "model.moe.num_experts: checkpoint 4, this run 8" in str(error.value)
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_other_config_changes_are_reported_on_resume(make_config, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    Trainer(make_config("train.steps=2", run_dir=run_dir)).fit(stop_at=1)
+    Trainer(make_config("train.steps=2", "optim.lr=0.001", "resume=latest", run_dir=run_dir)).fit()
+    assert "config differs from the checkpoint's: optim.lr: checkpoint 0.003, this run 0.001" in capsys.readouterr().out
+
+
+def test_resume_latest_without_a_checkpoint_starts_fresh_and_a_fresh_start_keeps_off_an_earlier_run(
+    make_config, tmp_path, capsys
+):
+    run_dir = tmp_path / "run"
+    Trainer(make_config("train.steps=1", "resume=latest", run_dir=run_dir)).fit()
+    assert "no checkpoint to resume from" in capsys.readouterr().out
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-00000001"]
+    (run_dir / "metrics.jsonl").unlink()
+    (run_dir / "run.json").unlink()
+    (run_dir / "config.yaml").unlink()
+    with pytest.raises(UserError, match="checkpoints in"):
+        Trainer(make_config("train.steps=1", run_dir=run_dir)).fit()
+    Trainer(make_config("train.steps=2", "run.overwrite=true", run_dir=run_dir)).fit()
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-00000002"]

@@ -27,6 +27,8 @@ class MoEStats:
     tokens_per_expert_E: torch.Tensor
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
+    mean_prob_E: torch.Tensor
+    entropy: torch.Tensor
 
 
 class MoELayer(nn.Module):
@@ -64,5 +66,7 @@ class MoELayer(nn.Module):
         out_TD = torch.bmm(routing.weights_TK.unsqueeze(1), y_TKD).squeeze(1)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
-        stats = MoEStats(routing.tokens_per_expert_E, routing.aux_loss, routing.z_loss)
+        stats = MoEStats(
+            routing.tokens_per_expert_E, routing.aux_loss, routing.z_loss, routing.mean_prob_E, routing.entropy
+        )
         return out_TD.view(batch, seq_len, dim), stats

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferry.metrics.moe import router_entropy
 from ferry.model.config import MoEConfig
 
 
@@ -20,6 +21,8 @@ class Routing:
     tokens_per_expert_E: torch.Tensor
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
+    mean_prob_E: torch.Tensor
+    entropy: torch.Tensor
 
 
 class Router(nn.Module):
@@ -53,24 +56,28 @@ class Router(nn.Module):
         if self.renormalize:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         tokens_per_expert_E = torch.bincount(expert_ids_TK.flatten(), minlength=self.num_experts)
+        probs_TE = scores_TE if self.score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
+        mean_prob_E = probs_TE.mean(dim=0)
         return Routing(
             expert_ids_TK=expert_ids_TK,
             weights_TK=weights_TK.to(x_TD.dtype),
             tokens_per_expert_E=tokens_per_expert_E,
-            aux_loss=self._load_balancing_loss(scores_TE, tokens_per_expert_E),
+            aux_loss=self._load_balancing_loss(mean_prob_E, tokens_per_expert_E, scores_TE.shape[0]),
             z_loss=torch.logsumexp(logits_TE, dim=-1).pow(2).mean(),
+            mean_prob_E=mean_prob_E.detach(),
+            entropy=router_entropy(probs_TE.detach()),
         )
 
-    def _load_balancing_loss(self, scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    def _load_balancing_loss(
+        self, mean_prob_E: torch.Tensor, tokens_per_expert_E: torch.Tensor, num_tokens: int
+    ) -> torch.Tensor:
         """Switch-style E * sum_e f_e * p_e, normalised so that perfect balance scores 1.
 
         f_e is the fraction of the T*K assignments that went to expert e, p_e the mean
         routing probability of e (sigmoid scores are normalised per token first).
         """
-        probs_TE = scores_TE if self.score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
-        num_tokens = scores_TE.shape[0]
-        fraction_E = tokens_per_expert_E.to(probs_TE.dtype) / (num_tokens * self.top_k)
-        return self.num_experts * torch.dot(fraction_E, probs_TE.mean(dim=0))
+        fraction_E = tokens_per_expert_E.to(mean_prob_E.dtype) / (num_tokens * self.top_k)
+        return self.num_experts * torch.dot(fraction_E, mean_prob_E)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert_E: torch.Tensor) -> None:

@@ -52,6 +52,10 @@ def full_record(step: int) -> dict:
         "grad_norm": 0.8,
         "tokens": step * 1024,
         **metrics.record(times, tokens=1024),
+        "comm_bytes": 4096 * step,
+        "optimizer_state_mib": 12.5,
+        "loss_scale": 1.0,
+        "skipped_steps": 0,
         **moe_diagnostics(counts_LE, probs_LE, torch.tensor([1.2, 1.3]), ep_degree=2),
     }
 

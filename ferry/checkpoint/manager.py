@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,19 +19,32 @@ _LEFTOVERS = (".step-*.partial", ".step-*.replaced")
 class CheckpointManager:
     """Saves the train state at the configured interval and on request, in this process.
 
-    With `async_save` the tensors are copied to host memory first (so training may
-    change them at once) and written by one background thread; a new save waits for
+    With `async_save` (single-process saves) the tensors are copied to host memory
+    first (so training may change them at once) and written by one background thread; a new save waits for
     the previous one, and `wait()` raises a failure of the background write.
     """
 
-    def __init__(self, config: CheckpointConfig, root: Path, last_step: int | None = None):
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        root: Path,
+        last_step: int | None = None,
+        write: Callable[[Path, dict[str, TensorPiece], CheckpointMeta], Path] = save_checkpoint,
+        is_main: bool = True,
+    ):
+        """`write` saves one checkpoint (the default: this process holds everything); in a
+        multi-rank job every rank calls it together and only the main rank prunes."""
         self.config = config
         self.root = root
         self.last_step = last_step
         self.saved: list[Path] = []
+        self._write_checkpoint = write
+        self._is_main = is_main
+        self._asynchronous = config.async_save and write is save_checkpoint
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        remove_leftovers(root)
+        if is_main:
+            remove_leftovers(root)
 
     def due(self, step: int) -> bool:
         return bool(self.config.interval) and step % self.config.interval == 0 and step != self.last_step
@@ -38,7 +52,7 @@ class CheckpointManager:
     def save(self, pieces: dict[str, TensorPiece], meta: CheckpointMeta) -> None:
         self.wait()
         self.last_step = meta.step
-        if self.config.async_save:
+        if self._asynchronous:
             snapshot = {name: replace(p, local=p.local.detach().to("cpu", copy=True)) for name, p in pieces.items()}
             self._thread = threading.Thread(
                 target=self._write_in_background, args=(snapshot, meta), name="ferry-checkpoint-save"
@@ -57,9 +71,10 @@ class CheckpointManager:
             raise error
 
     def _write(self, pieces: dict[str, TensorPiece], meta: CheckpointMeta) -> None:
-        path = save_checkpoint(self.root, pieces, meta)
+        path = self._write_checkpoint(self.root, pieces, meta)
         self.saved.append(path)
-        prune(self.root, self.config.keep, protect=path)
+        if self._is_main:
+            prune(self.root, self.config.keep, protect=path)
 
     def _write_in_background(self, pieces: dict[str, TensorPiece], meta: CheckpointMeta) -> None:
         try:

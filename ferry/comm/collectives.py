@@ -8,7 +8,7 @@ records its time (CUDA events on GPUs, wall clock on CPUs) and the bytes it sent
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ class Collectives:
         self.group = group
         self.stats = stats
         self.device = device
+        self.timer = None
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._pending: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
@@ -68,6 +69,10 @@ class Collectives:
             dist.broadcast(tensor, src=self.group_rank_to_global(group_src), group=self.group)
         return tensor
 
+    def region(self, name: str):
+        """The step timer's region `name` when a timer is attached (comm sits below metrics, so it is handed one)."""
+        return self.timer.region(name) if self.timer is not None else nullcontext()
+
     def flush(self) -> None:
         """Resolve CUDA event timings into the stats (call once per step, after a sync point)."""
         for op, num_bytes, start, end in self._pending:
@@ -78,16 +83,17 @@ class Collectives:
     @contextmanager
     def timed(self, op: str, num_bytes: int):
         """Record the time and bytes of one collective issued inside the block (also by other libraries)."""
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        with self.region("comm"):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+                self._pending.append((op, num_bytes, start, end))
+                return
+            started = time.perf_counter()
             yield
-            end.record()
-            self._pending.append((op, num_bytes, start, end))
-            return
-        started = time.perf_counter()
-        yield
-        self.stats.record(op, num_bytes, time.perf_counter() - started)
+            self.stats.record(op, num_bytes, time.perf_counter() - started)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -25,13 +25,25 @@ class AllToAllDispatcher:
 
     def __call__(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """`x_ND` is sorted by global expert id; returns expert outputs in the same order."""
+        with self.collectives.region("ep_wait"):
+            received_counts_PL, send_splits, receive_splits, x_RD = self._dispatch(x_ND, tokens_per_expert_E)
+        y_RD = self._run_local_experts(x_RD, received_counts_PL, experts)
+        with self.collectives.region("ep_wait"):
+            return self.collectives.all_to_all(y_RD, send_splits, receive_splits, op="ep_combine")
+
+    def _dispatch(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor):
+        """Exchange per-expert counts, then send each token to the rank holding its expert."""
         ep, local = self.ep_size, self.num_local
         received_counts = self.collectives.all_to_all_raw(tokens_per_expert_E, None, None, op="ep_counts")
         received_counts_PL = received_counts.view(ep, local)
         send_splits = tokens_per_expert_E.view(ep, local).sum(1).tolist()
         receive_splits = received_counts_PL.sum(1).tolist()
         x_RD = self.collectives.all_to_all(x_ND, receive_splits, send_splits, op="ep_dispatch")
-        # received rows come grouped by source rank, then by local expert: regroup by expert
+        return received_counts_PL, send_splits, receive_splits, x_RD
+
+    def _run_local_experts(self, x_RD: torch.Tensor, received_counts_PL: torch.Tensor, experts: nn.Module):
+        """Received rows come grouped by source rank, then by local expert: regroup by expert, run, restore."""
+        ep, local = self.ep_size, self.num_local
         expert_of_row_R = torch.repeat_interleave(
             torch.arange(local, device=x_RD.device).repeat(ep), received_counts_PL.flatten()
         )
@@ -39,8 +51,7 @@ class AllToAllDispatcher:
         y_sorted_RD = experts(x_RD.index_select(0, order_R), received_counts_PL.sum(0))
         inverse_R = torch.empty_like(order_R)
         inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
-        y_RD = y_sorted_RD.index_select(0, inverse_R)
-        return self.collectives.all_to_all(y_RD, send_splits, receive_splits, op="ep_combine")
+        return y_sorted_RD.index_select(0, inverse_R)
 
 
 def shard_experts(experts: nn.Module, ep_rank: int, ep_size: int) -> tuple[int, int]:

@@ -55,6 +55,25 @@ class ParallelPlan:
     def ep_rank(self) -> int:
         return self.ep.rank if self.ep is not None else 0
 
+    @property
+    def collectives(self) -> list[Collectives]:
+        return [c for c in (self.world, self.ep, self.dp) if c is not None]
+
+    def attach_timer(self, timer) -> None:
+        """Let every collective (and EP dispatch) report into the step timer's comm / ep_wait regions."""
+        for collectives in self.collectives:
+            collectives.timer = timer
+
+    def is_replica_writer(self, name: str) -> bool:
+        """Whether this rank writes parameter `name` (and its optimizer state) into a checkpoint.
+
+        Each logical tensor must be written exactly once: a dense tensor by rank 0, an
+        expert slice by the first rank of the ranks holding that slice.
+        """
+        if name in self.expert_slices:
+            return self.dp is None or self.dp.rank == 0
+        return self.context.rank == 0
+
     def layout(self) -> dict:
         return {"world_size": self.context.world_size, "ep": self.config.ep, "mode": self.config.mode}
 

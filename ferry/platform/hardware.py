@@ -96,7 +96,7 @@ def resolve_profile(name: str, device: torch.device) -> HardwareProfile:
 
 
 def measured_cpu_profile(cache_dir: Path | None = None) -> HardwareProfile:
-    """The `cpu` profile with fp32 and bf16 peaks measured on this machine (cached per host and thread count)."""
+    """The `cpu` profile with fp32, bf16 and fp16 peaks measured on this machine (cached per host and thread count)."""
     profile = load_profile("cpu")
     peaks = cpu_peak_tflops(cache_dir)
     return profile.model_copy(update={"peak_tflops": {**profile.peak_tflops, **peaks}})
@@ -112,7 +112,8 @@ def cpu_peak_tflops(cache_dir: Path | None = None) -> dict[str, float]:
             return cached["peak_tflops"]
     except (OSError, ValueError):
         pass
-    peaks = {"fp32": _matmul_tflops(torch.float32), "bf16": _matmul_tflops(torch.bfloat16)}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    peaks = {name: _matmul_tflops(dtype) for name, dtype in dtypes.items()}
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps({"key": key, "peak_tflops": peaks}))

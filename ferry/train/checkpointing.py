@@ -1,4 +1,5 @@
-"""The trainer's state under logical checkpoint names, and back into a model, optimizer and RNG.
+"""The trainer's state under logical checkpoint names, and back into a model, optimizer and RNG,
+whatever the parallel layout on either side.
 
 Names (docs/checkpoint-format.md), all independent of world size, device and precision:
 
@@ -6,18 +7,30 @@ Names (docs/checkpoint-format.md), all independent of world size, device and pre
   optim.<state key>.<param name>  AdamW `exp_avg`, `exp_avg_sq` and `step` of parameter model.<param name>
   rng.cpu, rng.<device type>      generator states, one row per rank: [world_size, state bytes]
 
-The rest (data cursor, schedule position, optimizer kind and parameter groups) is JSON
-in the manifest's `train_state`.
+A rank contributes the pieces it is responsible for: expert slices (EP), FSDP shards,
+ZeRO-owned optimizer moments, and replicated tensors from one rank only. Loading reads
+exactly the slice each local tensor covers, so a checkpoint saved in any layout loads
+into any other. The rest (data cursor, schedule position, loss scaler, optimizer
+groups) is JSON in the manifest's `train_state`.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import json
+from pathlib import Path
 
-from ferry.checkpoint import Checkpoint, CheckpointError, TensorPiece, config_differences
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ferry.checkpoint import Checkpoint, CheckpointError, CheckpointMeta, TensorPiece, config_differences
+from ferry.checkpoint.writer import RankRecord, begin_save, build_manifest, publish, write_manifest, write_rank_files
 from ferry.config import ConfigError
+from ferry.parallel import ParallelPlan
 from ferry.train.config import RunConfig
+from ferry.train.optimizer import decayed_parameter_names
 
 MODEL = "model."
 OPTIM = "optim."
@@ -28,14 +41,27 @@ _BOOKKEEPING = ("run.name", "run.dir", "run.overwrite", "resume", "checkpoint.")
 
 
 def train_state_pieces(
-    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, rank: int, world_size: int
+    model: nn.Module, optimizer, plan: ParallelPlan, device: torch.device
 ) -> dict[str, TensorPiece]:
-    """Every tensor of the train state, whole, under its logical name (one rank holds everything)."""
-    pieces = {MODEL + name: TensorPiece.whole(tensor) for name, tensor in model.state_dict().items()}
+    """This rank's share of the train state, each piece placed in its global tensor."""
+    rank, world_size = plan.context.rank, plan.context.world_size
+    pieces = {}
+    for name, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor) or plan.is_replica_writer(name):
+            pieces[MODEL + name] = _piece(name, tensor, plan)
     names = _param_names(model)
+    sharded_state = _is_state_sharded(optimizer)
     for param, state in optimizer.state.items():
+        name = names[param]
+        if not (sharded_state or isinstance(param, DTensor) or plan.is_replica_writer(name)):
+            continue
+        holds_origin = not any(_piece(name, param, plan).offset)
         for key, value in state.items():
-            pieces[f"{OPTIM}{key}.{names[param]}"] = TensorPiece.whole(value)
+            if value.ndim == 0:
+                if holds_origin:  # a step count is the same everywhere: the holder of element 0 writes it
+                    pieces[f"{OPTIM}{key}.{name}"] = TensorPiece.whole(value)
+            else:
+                pieces[f"{OPTIM}{key}.{name}"] = _piece(name, value, plan)
     pieces[RNG + "cpu"] = _rank_row(torch.get_rng_state(), rank, world_size)
     if device.type != "cpu":
         state = torch.get_device_module(device.type).get_rng_state(device)
@@ -43,22 +69,44 @@ def train_state_pieces(
     return pieces
 
 
-def optimizer_record(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's kind and parameter groups (hyperparameters, and members by parameter name)."""
+def save_on_all_ranks(root: Path, pieces: dict[str, TensorPiece], meta: CheckpointMeta, plan: ParallelPlan) -> Path:
+    """Every rank writes its files into one staging directory; rank 0 writes the manifest and publishes.
+
+    Rank records travel between ranks as JSON text; nothing is pickled to disk.
+    """
+    from ferry.checkpoint.format import staging_dir_name, step_dir_name
+
+    if plan.context.rank == 0:
+        begin_save(root, meta.step)
+    dist.barrier()
+    staging = root / staging_dir_name(meta.step)
+    record = write_rank_files(staging, plan.context.rank, pieces)
+    gathered: list[str] | None = [""] * plan.context.world_size if plan.context.rank == 0 else None
+    dist.gather_object(_record_json(record), gathered, dst=0)
+    final = root / step_dir_name(meta.step)
+    if plan.context.rank == 0:
+        write_manifest(staging, build_manifest([_record_from_json(text) for text in gathered], meta))
+        publish(staging, final)
+    dist.barrier()
+    return final
+
+
+def optimizer_record(model: nn.Module, optimizer) -> dict:
+    """The optimizer's kind and parameter groups by parameter name, over the whole model (all ranks)."""
     names = _param_names(model)
     groups = []
     for group in optimizer.param_groups:
         hyperparameters = {key: value for key, value in group.items() if key != "params"}
         groups.append({**hyperparameters, "params": [names[param] for param in group["params"]]})
-    return {"kind": type(optimizer).__name__, "param_groups": groups}
+    return {"kind": "AdamW", "decayed": sorted(decayed_parameter_names(model)), "param_groups_on_rank_0": groups}
 
 
 def check_config(checkpoint: Checkpoint, config: RunConfig) -> list[str]:
     """Refuse a checkpoint of another model, naming each differing field; list the other differences.
 
     A different model would not fit the stored tensors or would silently compute
-    something else. Other sections (optimizer, schedule, data, device) may change on
-    purpose, as in a migration or a new stage; they are reported, not refused.
+    something else. Other sections (optimizer, schedule, data, device, layout) may
+    change on purpose, as in a migration or a new stage; they are reported, not refused.
     """
     current = config.model_dump(mode="json")
     model = config_differences(checkpoint.manifest.model, current["model"], "model.")
@@ -72,7 +120,7 @@ def check_config(checkpoint: Checkpoint, config: RunConfig) -> list[str]:
     return [str(difference) for difference in rest if not difference.key.startswith(_BOOKKEEPING)]
 
 
-def restore_model(checkpoint: Checkpoint, model: nn.Module) -> None:
+def restore_model(checkpoint: Checkpoint, model: nn.Module, plan: ParallelPlan) -> None:
     targets = model.state_dict()
     stored = {name.removeprefix(MODEL) for name in checkpoint.names(MODEL)}
     if stored != set(targets):
@@ -82,41 +130,36 @@ def restore_model(checkpoint: Checkpoint, model: nn.Module) -> None:
         )
     with torch.no_grad():
         for name, tensor in targets.items():
-            _read_whole(checkpoint, MODEL + name, tensor)
+            _read_piece(checkpoint, MODEL + name, _piece(name, tensor, plan))
 
 
-def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load the stored moments and steps; hyperparameters stay those of this run's config.
+def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer, plan: ParallelPlan) -> None:
+    """Load the stored moments and steps of the parameters this rank's optimizer holds.
 
-    The parameter groups must hold the same parameters as when saved, since the
-    state is matched to parameters by name. Moments are read straight into tensors
-    like their parameter (device and dtype), steps keep their stored form, as
-    AdamW keeps them.
+    State is matched to parameters by name, so it loads whatever the layout (ZeRO
+    owners, EP slices, FSDP shards); hyperparameters stay those of this run's config.
     """
     saved = checkpoint.manifest.train_state["optimizer"]
-    names = _param_names(model)
-    members = [[names[param] for param in group["params"]] for group in optimizer.param_groups]
-    if saved["kind"] != type(optimizer).__name__ or [g["params"] for g in saved["param_groups"]] != members:
-        raise CheckpointError(
-            f"{checkpoint.path}: its {saved['kind']} parameter groups do not match this run's "
-            f"{type(optimizer).__name__} groups"
-        )
+    if saved.get("kind") != "AdamW":
+        raise CheckpointError(f"{checkpoint.path}: holds {saved.get('kind')} state, this run uses AdamW")
     params = dict(model.named_parameters())
-    index = {name: position for position, name in enumerate(name for group in members for name in group)}
-    state: dict[int, dict[str, torch.Tensor]] = {}
+    held = {param for group in optimizer.param_groups for param in group["params"]}
+    state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     for logical in checkpoint.names(OPTIM):
         key, _, name = logical.removeprefix(OPTIM).partition(".")
-        if name not in index:
+        if name not in params:
             raise CheckpointError(f"{checkpoint.path}: {logical} belongs to no parameter of this model")
+        param = params[name]
+        if param not in held:
+            continue
         if key == "step":
             value = checkpoint.read(logical)
         else:
-            value = torch.empty_like(params[name], memory_format=torch.contiguous_format)
-            _read_whole(checkpoint, logical, value)
-        state.setdefault(index[name], {})[key] = value
-    state_dict = optimizer.state_dict()
-    state_dict["state"] = state
-    optimizer.load_state_dict(state_dict)
+            value = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            _read_piece(checkpoint, logical, _piece(name, value, plan))
+        state.setdefault(param, {})[key] = value
+    optimizer.state.clear()
+    optimizer.state.update(state)
 
 
 def restore_rng(checkpoint: Checkpoint, device: torch.device, rank: int, world_size: int) -> list[str]:
@@ -134,6 +177,31 @@ def restore_rng(checkpoint: Checkpoint, device: torch.device, rank: int, world_s
     return []
 
 
+def _piece(name: str, tensor: torch.Tensor, plan: ParallelPlan) -> TensorPiece:
+    """Where this rank's `tensor` (of parameter/buffer `name`) sits in the logical global tensor."""
+    if isinstance(tensor, DTensor):
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return TensorPiece(tensor.to_local(), tuple(offset), tuple(tensor.shape))
+    expert_slice = plan.expert_slices.get(name)
+    if expert_slice is None:
+        return TensorPiece.whole(tensor)
+    offset = (expert_slice.start,) + (0,) * (tensor.ndim - 1)
+    return TensorPiece(tensor, offset, (expert_slice.num_experts, *tensor.shape[1:]))
+
+
+def _read_piece(checkpoint: Checkpoint, name: str, piece: TensorPiece) -> None:
+    stored = checkpoint.record(name).shape
+    if stored != list(piece.global_shape):
+        raise CheckpointError(f"{checkpoint.path}: {name} is stored as {stored}, this model has {list(piece.global_shape)}")
+    if piece.local.numel():
+        checkpoint.read_into(name, piece.local, piece.offset)
+
+
+def _is_state_sharded(optimizer) -> bool:
+    """ZeRO-1 keeps each parameter's state on its owner only: every owner writes what it holds."""
+    return hasattr(optimizer, "owner")
+
+
 def _param_names(model: nn.Module) -> dict[nn.Parameter, str]:
     return {param: name for name, param in model.named_parameters()}
 
@@ -148,8 +216,20 @@ def _rank_state(checkpoint: Checkpoint, name: str, rank: int) -> torch.Tensor:
     return row[0]
 
 
-def _read_whole(checkpoint: Checkpoint, name: str, out: torch.Tensor) -> None:
-    stored = checkpoint.record(name).shape
-    if stored != list(out.shape):
-        raise CheckpointError(f"{checkpoint.path}: {name} is stored as {stored}, this model has {list(out.shape)}")
-    checkpoint.read_into(name, out)
+def _record_json(record: RankRecord) -> str:
+    return json.dumps(
+        {
+            "files": {name: file.model_dump() for name, file in record.files.items()},
+            "tensors": {name: [dtype, shape, piece.model_dump()] for name, (dtype, shape, piece) in record.tensors.items()},
+        }
+    )
+
+
+def _record_from_json(text: str) -> RankRecord:
+    from ferry.checkpoint.format import FileRecord, PieceRecord
+
+    data = json.loads(text)
+    record = RankRecord()
+    record.files = {name: FileRecord(**file) for name, file in data["files"].items()}
+    record.tensors = {name: (dtype, shape, PieceRecord(**piece)) for name, (dtype, shape, piece) in data["tensors"].items()}
+    return record

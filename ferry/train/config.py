@@ -12,9 +12,13 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from ferry.checkpoint.config import CheckpointConfig
+from ferry.comm.config import CommConfig
 from ferry.config import Section, load_config
 from ferry.data.config import DataConfig
+from ferry.metrics.config import MetricsConfig, ProfileConfig
 from ferry.model.config import ModelConfig
+from ferry.parallel.config import ParallelConfig
+from ferry.precision.config import PrecisionConfig
 
 
 class RunSection(Section):
@@ -41,6 +45,7 @@ class OptimConfig(Section):
     grad_clip: float = Field(1.0, ge=0.0, description="max global grad norm; 0 disables clipping")
     warmup_steps: int = Field(10, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    zero: bool = Field(False, description="ZeRO-1: shard AdamW state over the ranks replicating each parameter")
 
     @field_validator("betas")
     @classmethod
@@ -76,6 +81,12 @@ class RunConfig(Section):
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    hardware: str = Field("auto", min_length=1, description="a profile in ferry/platform/profiles, or auto")
+    precision: PrecisionConfig = PrecisionConfig()
+    comm: CommConfig = CommConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    profile: ProfileConfig = ProfileConfig()
     resume: str | None = Field(
         None,
         min_length=1,

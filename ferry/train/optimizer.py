@@ -1,34 +1,21 @@
-"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedule."""
+"""Which parameters AdamW decays, and the learning-rate schedule."""
 
 from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 
 from ferry.train.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
-    """Decay every weight matrix and expert tensor; not norms, biases or the token embedding.
-
-    Parameter groups are keyed by name order, so the optimizer state maps onto
-    parameter names the same way on every run.
-    """
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if param.ndim < 2 or name.startswith("tok_embeddings"):
-            no_decay.append(param)
-        else:
-            decay.append(param)
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps)
+def decayed_parameter_names(model: nn.Module) -> set[str]:
+    """Weight matrices and expert tensors decay; norms, biases and the token embedding do not."""
+    return {
+        name
+        for name, param in model.named_parameters()
+        if param.requires_grad and param.ndim >= 2 and not name.startswith("tok_embeddings")
+    }
 
 
 def learning_rate(config: OptimConfig, step: int, total_steps: int) -> float:

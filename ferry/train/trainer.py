@@ -1,40 +1,45 @@
-"""The single-program training loop: build from config, run steps, record everything."""
+"""The training loop: build everything from config, run steps on every rank, record on rank 0.
+
+One program runs on every rank (torchrun or `ferry train --nproc N`). Each optimizer
+step consumes exactly one global batch; ranks take contiguous slices of it and
+gradient accumulation over micro-batches absorbs any split, so the data a step sees
+does not depend on world size or layout.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from ferry.checkpoint import (
-    Checkpoint,
-    CheckpointManager,
-    CheckpointMeta,
-    Found,
-    Layout,
-    TensorPiece,
-    find_resume_point,
-)
+from ferry.checkpoint import Checkpoint, CheckpointManager, CheckpointMeta, Found, Layout, TensorPiece, find_resume_point
+from ferry.comm import init_distributed, launcher_ranks
 from ferry.config import UserError
 from ferry.data import DataCursor, MixedLoader
-from ferry.metrics import ConsoleProgress, JsonlSink
+from ferry.metrics import MetricsHub, StepMetrics, TorchTrace, build_sinks, moe_diagnostics
 from ferry.model import Transformer, count_model
+from ferry.parallel import build_plan
+from ferry.parallel.zero import optimizer_state_bytes
 from ferry.platform import environment_fingerprint, resolve_device
+from ferry.platform.hardware import HardwareProfile, measured_cpu_profile, resolve_profile
+from ferry.precision import resolve_precision
 from ferry.train.checkpointing import (
     check_config,
     optimizer_record,
     restore_model,
     restore_optimizer,
     restore_rng,
+    save_on_all_ranks,
     train_state_pieces,
 )
 from ferry.train.config import RunConfig
 from ferry.train.losses import compute_loss
-from ferry.train.optimizer import build_optimizer, learning_rate
-from ferry.train.run_record import METRICS_NAME, RunRecord, prepare_run_dir
+from ferry.train.optimizer import decayed_parameter_names, learning_rate
+from ferry.train.run_record import RunRecord, prepare_run_dir
 
 
 @dataclass
@@ -45,23 +50,21 @@ class TrainResult:
 
 
 class Trainer:
-    """Owns the model, optimizer, data loader and sinks of one run.
+    """Owns the model, its parallel plan, optimizer, loss scaler, data loader and metrics of one run."""
 
-    Each optimizer step consumes exactly one global batch; gradient accumulation
-    over micro-batches keeps the result independent of how the batch is split.
-    """
-
-    def __init__(self, config: RunConfig, rank: int = 0, world_size: int = 1):
+    def __init__(self, config: RunConfig):
         self.config = config
-        self.rank = rank
-        self.world_size = world_size
         train = config.train
-        if train.global_batch % (train.micro_batch * world_size):
+        self.device = resolve_device(config.run.device, launcher_ranks()[2])
+        self.context = init_distributed(config.comm, self.device)
+        self.rank, self.world_size = self.context.rank, self.context.world_size
+        if train.global_batch % (train.micro_batch * self.world_size):
             raise UserError(
                 f"train.global_batch ({train.global_batch}) must be a multiple of "
-                f"train.micro_batch x world size ({train.micro_batch} x {world_size})"
+                f"train.micro_batch x world size ({train.micro_batch} x {self.world_size})"
             )
-        self.device = resolve_device(config.run.device, rank)
+        self.profile = _profile(config.hardware, self.device)
+        self.precision = resolve_precision(config.precision, self.profile)
         self.loader = MixedLoader(config.data, seed=config.run.seed, global_batch=train.global_batch)
         tokenizer_vocab = self.loader.tokenizer["vocab_size"]
         if config.model.vocab_size < tokenizer_vocab:
@@ -70,12 +73,29 @@ class Trainer:
                 f"vocabulary ({tokenizer_vocab}) of {self.loader.datasets[0].label}"
             )
         torch.manual_seed(config.run.seed)
-        self.model: Transformer = config.model.build().to(self.device)
-        self.optimizer = build_optimizer(self.model, config.optim)
+        self.model: Transformer = config.model.build().to(self.device, dtype=self.precision.torch_param_dtype)
+        self.decayed = decayed_parameter_names(self.model)
+        self.plan = build_plan(
+            config.parallel, self.context, self.model, self.device, self.precision.torch_reduce_dtype
+        )
+        optim = config.optim
+        self.optimizer = self.plan.build_optimizer(
+            self.decayed, optim.weight_decay, optim.zero, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps
+        )
+        self.scaler = self.precision.build_scaler(config.precision)
         self.cursor: DataCursor = self.loader.new_cursor()
         self.size = count_model(config.model, config.data.seq_len)
         self.tokens_per_step = train.global_batch * config.data.seq_len
         self.environment = environment_fingerprint(self.device)
+        self.metrics = StepMetrics(
+            self.device, self.world_size, self.size.flops_per_token, self.profile.peak_flops(self.precision.mfu_dtype)
+        )
+        self.plan.attach_timer(self.metrics.timer)
+        self.hub: MetricsHub | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
 
     def fit(self, stop_at: int | None = None) -> TrainResult:
         """Train to `train.steps`, or stop after step `stop_at` (checkpointed, to be resumed later).
@@ -87,20 +107,40 @@ class Trainer:
         stop_at = config.train.steps if stop_at is None else min(stop_at, config.train.steps)
         found, notes = self._resume()
         resumed_step = found.checkpoint.step if found and found.checkpoint else None
-        run_dir = prepare_run_dir(config, resume_step=resumed_step)
-        checkpoints = CheckpointManager(config.checkpoint, config.checkpoint.path(run_dir), last_step=resumed_step)
-        record = RunRecord(run_dir, {**self._describe(), "resumed_from": _resume_record(found)})
-        sink = JsonlSink(run_dir / METRICS_NAME)
-        console = ConsoleProgress(config.train.steps, config.train.log_every, first_step=self.cursor.step)
-        self._announce(console, run_dir, found, notes)
+        run_dir = config.run.path
+        record = None
+        if self.is_main:
+            prepare_run_dir(config, resume_step=resumed_step)
+            record = RunRecord(run_dir, {**self._describe(), "resumed_from": _resume_record(found)})
+        self._barrier()
+        writes = {"write": partial(save_on_all_ranks, plan=self.plan)} if self.context.is_distributed else {}
+        checkpoints = CheckpointManager(
+            config.checkpoint,
+            config.checkpoint.path(run_dir),
+            last_step=resumed_step,
+            is_main=self.is_main,
+            **writes,
+        )
+        self.hub = build_sinks(
+            config.metrics,
+            run_dir,
+            self.rank,
+            run_name=config.run.name,
+            total_steps=config.train.steps,
+            log_every=config.train.log_every,
+            first_step=self.cursor.step,
+        )
+        trace = TorchTrace(config.profile, run_dir, self.device, self.rank)
+        self._announce(run_dir, found, notes)
         losses: list[float] = []
         last: dict = {}
         try:
             while self.cursor.step < stop_at:
+                trace.step_started(self.cursor.step + 1)
                 last = self.train_step()
                 losses.append(last["loss"])
-                sink.write(last)
-                console.update(last)
+                self.hub.write(last)
+                trace.step_finished(last["step"])
                 if checkpoints.due(self.cursor.step):
                     checkpoints.save(*self.checkpoint_state())
             if checkpoints.last_step != self.cursor.step:
@@ -110,22 +150,24 @@ class Trainer:
             # A save still in flight is of an earlier, good step: let it finish, but report the first failure.
             with contextlib.suppress(Exception):
                 checkpoints.wait()
-            record.finish("failed", error=f"{type(exc).__name__}: {exc}", last_step=last)
+            if record is not None:
+                record.finish("failed", error=f"{type(exc).__name__}: {exc}", last_step=last)
             raise
         finally:
-            sink.close()
-            console.close()
+            self.hub.close()
+            trace.close()
         status = "completed" if self.cursor.step >= config.train.steps else "stopped"
-        record.finish(status, last_step=last, checkpoints=[str(path) for path in checkpoints.saved])
+        if record is not None:
+            record.finish(status, last_step=last, checkpoints=[str(path) for path in checkpoints.saved])
         ending = "done" if status == "completed" else f"stopped at step {self.cursor.step}"
-        console.message(f"ferry: {ending} — final loss {last.get('loss', float('nan')):.4f}; run in {run_dir}")
+        self.hub.message(f"ferry: {ending} — final loss {last.get('loss', float('nan')):.4f}; run in {run_dir}")
         return TrainResult(run_dir, losses, last)
 
     def checkpoint_state(self) -> tuple[dict[str, TensorPiece], CheckpointMeta]:
-        """The whole train state now: tensors under logical names, and the manifest's metadata."""
+        """This rank's share of the train state under logical names, and the manifest's metadata."""
         config = self.config
         step = self.cursor.step
-        pieces = train_state_pieces(self.model, self.optimizer, self.device, self.rank, self.world_size)
+        pieces = train_state_pieces(self.model, self.optimizer, self.plan, self.device)
         train_state = {
             "data_cursor": self.cursor.to_dict(),
             "schedule": {
@@ -136,6 +178,8 @@ class Trainer:
                 "next_lr": learning_rate(config.optim, step, config.train.steps),
             },
             "optimizer": optimizer_record(self.model, self.optimizer),
+            "loss_scaler": {"kind": self.scaler.kind, **self.scaler.state_dict()},
+            "precision": self.precision.as_dict(),
         }
         meta = CheckpointMeta(
             step=step,
@@ -149,23 +193,30 @@ class Trainer:
         return pieces, meta
 
     def restore(self, checkpoint: Checkpoint) -> list[str]:
-        """Continue from `checkpoint`: weights, optimizer state, RNG and data position.
+        """Continue from `checkpoint` in this run's layout: weights, optimizer state, scaler, RNG, data position.
 
         Returns notes for the user: config fields that differ from the checkpoint's
         (a different model is refused) and states that could not be carried over.
         """
         notes = [f"config differs from the checkpoint's: {line}" for line in check_config(checkpoint, self.config)]
         with checkpoint:
-            restore_model(checkpoint, self.model)
-            restore_optimizer(checkpoint, self.model, self.optimizer)
+            restore_model(checkpoint, self.model, self.plan)
+            restore_optimizer(checkpoint, self.model, self.optimizer, self.plan)
             notes += restore_rng(checkpoint, self.device, self.rank, self.world_size)
-        self.cursor = DataCursor.from_dict(checkpoint.manifest.train_state["data_cursor"])
+        state = checkpoint.manifest.train_state
+        scaler = state.get("loss_scaler")
+        if scaler and scaler["kind"] == self.scaler.kind:
+            self.scaler.load_state_dict(scaler)
+        elif self.scaler.enabled:
+            notes.append(f"loss scaling restarts from precision.loss_scaling.init_scale ({self.scaler.scale:g})")
+        self.cursor = DataCursor.from_dict(state["data_cursor"])
         return notes
 
     def train_step(self) -> dict:
         """One optimizer step over one global batch; returns the step's metrics record."""
         config = self.config
-        started = time.perf_counter()
+        timer = self.metrics.timer
+        timer.start()
         step = self.cursor.step
         lr = learning_rate(config.optim, step, config.train.steps)
         for group in self.optimizer.param_groups:
@@ -173,28 +224,45 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         moe_layers = self.model.moe_layers()
-        counts_LE = torch.zeros(len(moe_layers), config.model.moe.num_experts, dtype=torch.long, device=self.device)
-        lm_sum = aux = z = 0.0
+        num_layers, num_experts = len(moe_layers), config.model.moe.num_experts
+        # one flat float64 vector so a single all-reduce makes the step's statistics global
+        totals = torch.zeros(3 + num_layers * (2 * num_experts + 1), dtype=torch.float64, device=self.device)
+        sums_3 = totals[:3]
+        counts_LE = totals[3 : 3 + num_layers * num_experts].view(num_layers, num_experts)
+        mean_prob_LE = totals[3 + num_layers * num_experts : 3 + 2 * num_layers * num_experts].view(
+            num_layers, num_experts
+        )
+        entropy_L = totals[3 + 2 * num_layers * num_experts :]
+        autocast = torch.autocast(
+            self.device.type, dtype=self.precision.torch_compute_dtype, enabled=self.precision.autocast
+        )
         micro_batches = self.loader.micro_batches(self.cursor, self.rank, self.world_size, config.train.micro_batch)
         for batch in micro_batches:
             share = batch.inputs_BS.shape[0] / config.train.global_batch
-            output = self.model(batch.inputs_BS.to(self.device))
-            parts = compute_loss(
-                output, batch.targets_BS.to(self.device), config.model.moe, self.tokens_per_step, share
-            )
-            parts.objective.backward()
-            lm_sum += parts.lm_loss_sum.item()
-            aux += share * parts.aux_loss.item()
-            z += share * parts.z_loss.item()
+            with timer.region("forward"), autocast:
+                output = self.model(batch.inputs_BS.to(self.device))
+                parts = compute_loss(
+                    output, batch.targets_BS.to(self.device), config.model.moe, self.tokens_per_step, share
+                )
+            with timer.region("backward"):
+                self.scaler.scale_loss(parts.objective).backward()
+            sums_3 += torch.stack([parts.lm_loss_sum, share * parts.aux_loss, share * parts.z_loss]).double()
             for index, stats in enumerate(output.moe_stats):
                 counts_LE[index] += stats.tokens_per_expert_E
-        max_norm = config.optim.grad_clip if config.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
-        self.optimizer.step()
-        for layer, counts_E in zip(moe_layers, counts_LE):
-            layer.router.update_bias(counts_E)
+                mean_prob_LE[index] += share * stats.mean_prob_E.double()
+                entropy_L[index] += share * stats.entropy.double()
+        with timer.region("optimizer"):
+            grad_norm, stepped = self._apply_gradients(config.optim.grad_clip)
+            self.plan.sum_over_ranks(totals)
+            if stepped:
+                for layer, layer_counts_E in zip(moe_layers, counts_LE):
+                    layer.router.update_bias(layer_counts_E)
         self.cursor = self.loader.advance(self.cursor)
-        elapsed = time.perf_counter() - started
+        for collectives in self.plan.collectives:
+            collectives.flush()
+        times = timer.stop()
+        comm_bytes = sum(op.bytes for op in self.plan.stats.take().values())
+        lm_sum, aux, z = sums_3.tolist()
         lm_loss = lm_sum / self.tokens_per_step
         moe = config.model.moe
         return {
@@ -206,10 +274,34 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": self.cursor.step * self.tokens_per_step,
-            "tokens_per_s": self.tokens_per_step / elapsed,
-            "step_s": elapsed,
-            "expert_load_max_over_mean": _imbalance(counts_LE),
+            **self.metrics.record(times, tokens=self.tokens_per_step),
+            "comm_bytes": comm_bytes,
+            "optimizer_state_mib": optimizer_state_bytes(self.optimizer) / 2**20,
+            "loss_scale": self.scaler.scale,
+            "skipped_steps": self.scaler.skipped_steps,
+            **moe_diagnostics(counts_LE, mean_prob_LE, entropy_L, ep_degree=self._ep_degree()),
         }
+
+    def _apply_gradients(self, grad_clip: float) -> tuple[float, bool]:
+        """Reduce, unscale, check, clip and step; a step whose gradients overflowed is skipped
+        on every rank, leaving parameters and optimizer state untouched."""
+        self.plan.sync_gradients()
+        finite = self.scaler.unscale_and_check(self.model.parameters())
+        if self.plan.world is not None:
+            overflow = torch.tensor([0.0 if finite else 1.0], device=self.device)
+            finite = self.plan.world.all_reduce(overflow, op=dist.ReduceOp.MAX).item() == 0.0
+        grad_norm = self.plan.clip_gradients(self.model, grad_clip) if finite else float("nan")
+        if finite:
+            self.optimizer.step()
+        self.scaler.update(finite)
+        return grad_norm, finite
+
+    def _ep_degree(self) -> int:
+        return self.config.parallel.ep if self.config.parallel.mode == "ep" else 1
+
+    def _barrier(self) -> None:
+        if self.context.is_distributed:
+            dist.barrier()
 
     def _resume(self) -> tuple[Found | None, list[str]]:
         """Restore the checkpoint `resume` points to, if any; None when the run does not resume."""
@@ -219,20 +311,28 @@ class Trainer:
         found = find_resume_point(config.resume, config.checkpoint.path(config.run.path))
         return found, self.restore(found.checkpoint) if found.checkpoint else []
 
-    def _announce(self, console: ConsoleProgress, run_dir: Path, found: Found | None, notes: list[str]) -> None:
+    def _announce(self, run_dir: Path, found: Found | None, notes: list[str]) -> None:
+        say = self.hub.message
         for path, reason in found.skipped if found else []:
-            console.message(f"ferry: warning: skipping checkpoint {path}: {reason}")
+            say(f"ferry: warning: skipping checkpoint {path}: {reason}")
         for note in notes:
-            console.message(f"ferry: note: {note}")
-        console.message(
-            f"ferry: training {self.config.run.name} on {self.device} — {self.size.total_params / 1e6:.2f}M params "
+            say(f"ferry: note: {note}")
+        for decision in self.precision.decisions:
+            say(f"ferry: precision: {decision}")
+        layout = self._layout()
+        say(
+            f"ferry: training {self.config.run.name} on {self.device} x {self.world_size} "
+            f"({layout['mode']}, ep {layout['ep_degree']}, {self.context.backend or 'no'} collectives, "
+            f"profile {self.profile.name}) — {self.size.total_params / 1e6:.2f}M params "
             f"({self.size.active_params / 1e6:.2f}M active), {self.config.train.steps} steps of "
             f"{self.tokens_per_step:,} tokens, writing to {run_dir}"
         )
+        if self.hub.prometheus is not None:
+            say(f"ferry: Prometheus metrics at {self.hub.prometheus.url}")
         if found and found.checkpoint:
-            console.message(f"ferry: resuming from {found.checkpoint.path} at step {found.checkpoint.step}")
+            say(f"ferry: resuming from {found.checkpoint.path} at step {found.checkpoint.step}")
         elif found:
-            console.message(f"ferry: no checkpoint to resume from in {self.config.checkpoint.path(run_dir)}; step 0")
+            say(f"ferry: no checkpoint to resume from in {self.config.checkpoint.path(run_dir)}; step 0")
 
     def _describe(self) -> dict:
         return {
@@ -242,11 +342,20 @@ class Trainer:
             "tokenizer": self.loader.tokenizer,
             "model_size": self.size.as_dict(),
             "layout": self._layout(),
-            "environment": self.environment,
+            "hardware": {"profile": self.profile.name, "peak_tflops": self.profile.peak_tflops},
+            "precision": self.precision.as_dict(),
+            "environment": {**self.environment, "comm_backend": self.context.backend},
         }
 
     def _layout(self) -> dict:
-        return {"world_size": self.world_size, "ep_degree": 1, "mode": "single"}
+        mode = self.config.parallel.mode if self.context.is_distributed else "single"
+        return {"world_size": self.world_size, "ep_degree": self._ep_degree(), "mode": mode}
+
+
+def _profile(name: str, device: torch.device) -> HardwareProfile:
+    """The hardware profile of the run; a CPU's peak is measured (once per machine, cached)."""
+    profile = resolve_profile(name, device)
+    return measured_cpu_profile() if profile.measure_peak and device.type == "cpu" else profile
 
 
 def _resume_record(found: Found | None) -> dict | None:
@@ -258,14 +367,6 @@ def _resume_record(found: Found | None) -> dict | None:
         "step": found.checkpoint.step,
         "skipped": [{"checkpoint": str(path), "reason": reason} for path, reason in found.skipped],
     }
-
-
-def _imbalance(counts_LE: torch.Tensor) -> float:
-    """Mean over MoE layers of max/mean expert load (1.0 = perfectly even)."""
-    if counts_LE.numel() == 0:
-        return 1.0
-    load_LE = counts_LE.double()
-    return (load_LE.max(dim=1).values / load_LE.mean(dim=1)).mean().item()
 
 
 def train(config: RunConfig) -> TrainResult:

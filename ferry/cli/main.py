@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ferry.cli import ckpt
+from ferry.cli.metrics import add_metrics_commands
 from ferry.config import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # overrides written after an option such as --nproc
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.handler(args)
     except UserError as exc:
-        print(f"ferry: error: {exc}", file=sys.stderr)
+        print(f"ferry: {_rank_prefix()}error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("ferry: interrupted", file=sys.stderr)
@@ -30,6 +36,9 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
     train.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="e.g. train.steps=50 run.dir=/tmp/x resume=latest"
+    )
+    train.add_argument(
+        "--nproc", type=int, default=None, metavar="N", help="start N local ranks (as torchrun --nproc-per-node N)"
     )
     train.set_defaults(handler=_train)
 
@@ -48,6 +57,7 @@ def _build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(handler=_data_prepare)
 
     ckpt.register(commands)
+    add_metrics_commands(commands)
     return parser
 
 
@@ -55,8 +65,19 @@ def _train(args: argparse.Namespace) -> int:
     from ferry.train import load_run_config, train
 
     config = load_run_config(args.config, args.overrides)
+    if args.nproc is not None and "WORLD_SIZE" not in os.environ:
+        if args.nproc < 1:
+            raise UserError(f"--nproc must be at least 1, got {args.nproc}")
+        from ferry.launch import launch_local
+
+        return launch_local(args.nproc, ["train", args.config, *args.overrides])
     train(config)
     return 0
+
+
+def _rank_prefix() -> str:
+    """In a multi-process job every rank reports its own failure, named by rank."""
+    return f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
 
 
 def _data_prepare(args: argparse.Namespace) -> int:

@@ -317,8 +317,7 @@ class Trainer:
             say(f"ferry: warning: skipping checkpoint {path}: {reason}")
         for note in notes:
             say(f"ferry: note: {note}")
-        for decision in self.precision.decisions:
-            say(f"ferry: precision: {decision}")
+        say(f"ferry: precision: {'; '.join(self.precision.decisions)}")
         layout = self._layout()
         say(
             f"ferry: training {self.config.run.name} on {self.device} x {self.world_size} "

@@ -17,7 +17,11 @@ from ferry.comm.spawn import free_port
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:
-    """Run `python -m ferry *argv` on `nproc` local ranks; 0 on success, 2 when every failure was bad input."""
+    """Run `python -m ferry *argv` on `nproc` local ranks.
+
+    Returns 0 on success, 2 when every rank that failed by itself failed on bad input
+    (ranks the launcher stopped after the first failure do not count), 1 otherwise.
+    """
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -31,9 +35,12 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "ferry", *argv)
     except ChildFailedError as exc:
-        codes = set()
+        own_codes = set()
         for rank, failure in sorted(exc.failures.items()):
-            codes.add(failure.exitcode)
-            print(f"ferry: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
-        return 2 if codes == {2} else 1
+            if failure.exitcode < 0:
+                print(f"ferry: rank {rank} was stopped by the launcher (signal {-failure.exitcode})", file=sys.stderr)
+            else:
+                own_codes.add(failure.exitcode)
+                print(f"ferry: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
+        return 2 if own_codes == {2} else 1
     return 0

@@ -1,0 +1,25 @@
+"""Training runs executed on spawned ranks by tests/test_distributed_training.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ferry.config.loader import apply_overrides, validate
+from ferry.train import RunConfig, Trainer
+
+from conftest import TINY_RUN
+
+
+def tiny_config(dataset: str, run_dir: str, *overrides: str) -> RunConfig:
+    raw = apply_overrides(TINY_RUN, [f"run.dir={run_dir}", "train.steps=10", "checkpoint.interval=5", "checkpoint.keep=5"])
+    raw["data"]["sources"] = [{"name": "stdlib", "path": dataset}]
+    return validate(RunConfig, apply_overrides(raw, list(overrides)))
+
+
+def train_run(dataset: str, run_dir: str, *overrides: str) -> dict:
+    """Train on every rank; rank 0 returns its metrics records and optimizer memory."""
+    trainer = Trainer(tiny_config(dataset, run_dir, *overrides))
+    result = trainer.fit()
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {"losses": result.losses, "records": records, "rank": trainer.rank}

@@ -1,0 +1,104 @@
+"""Whole training runs on 2 CPU processes: layouts agree, checkpoints reshard, metrics are global.
+
+Tolerance: a 2-rank run differs from the 1-process run only in the order of
+floating-point sums (gradient all-reduce, per-rank loss partial sums), so losses
+agree to 1e-5 relative over 10 steps (observed: below 1e-6).
+"""
+
+import json
+
+import pytest
+
+from ferry.comm.spawn import RankFailure, run_on_ranks
+from ferry.train import Trainer
+
+import distributed_training as runs
+
+LAYOUT_TOLERANCE = 1e-5
+
+
+def _relative(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def reference(stdlib_dataset, tmp_path_factory):
+    """The uninterrupted 1-process run, and the uninterrupted (world 2, ep 2) run with checkpoints at 5 and 10."""
+    single_dir = tmp_path_factory.mktemp("single")
+    single = Trainer(runs.tiny_config(str(stdlib_dataset), str(single_dir))).fit().losses
+    ep_dir = tmp_path_factory.mktemp("ep2")
+    ep = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(ep_dir), "parallel.ep=2", "optim.zero=true")
+    return {"single": single, "ep": ep, "ep_dir": ep_dir}
+
+
+def test_world2_ep2_with_zero_matches_one_process(reference):
+    rank0 = reference["ep"][0]
+    assert rank0["losses"] == [r["loss"] for r in rank0["records"]]
+    assert _relative(rank0["losses"], reference["single"]) < LAYOUT_TOLERANCE
+    assert reference["ep"][1]["losses"] == rank0["losses"], "every rank reports the global loss"
+
+
+def test_a_2_rank_ep_run_records_global_and_communication_metrics(reference):
+    record = reference["ep"][0]["records"][-1]
+    assert record["comm_s"] > 0 and record["ep_wait_s"] > 0 and record["comm_bytes"] > 0
+    assert record["ep_wait_s"] <= record["step_s"]
+    assert record["tokens_per_s_per_device"] == pytest.approx(record["tokens_per_s"] / 2)
+    assert 0 < record["mfu"] < 1
+    assert sum(map(sum, record["moe.tokens_per_expert"])) == 8 * 32 * 2, "loads summed over both ranks"
+    assert record["moe.ep_imbalance"] >= 1.0
+    manifest = json.loads((reference["ep_dir"] / "run.json").read_text())
+    assert manifest["layout"] == {"world_size": 2, "ep_degree": 2, "mode": "ep"}
+    assert manifest["environment"]["comm_backend"] == "gloo"
+
+
+def test_zero1_shards_the_optimizer_state(reference, stdlib_dataset, tmp_path):
+    plain = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path), "parallel.ep=2", "train.steps=2")
+    sharded = reference["ep"][0]["records"][-1]["optimizer_state_mib"]
+    assert sharded < 0.75 * plain[0]["records"][-1]["optimizer_state_mib"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [("parallel.ep=1",), ("parallel.mode=fsdp",), ("parallel.ep=2",)],
+    ids=["world2-ep1", "fsdp", "world2-ep2-no-zero"],
+)
+def test_an_ep2_checkpoint_resumes_in_another_2_rank_layout(reference, stdlib_dataset, tmp_path, layout):
+    checkpoint = reference["ep_dir"] / "checkpoints" / "step-00000005"
+    resumed = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path), f"resume={checkpoint}", *layout)
+    continued = resumed[0]["losses"]
+    assert len(continued) == 5
+    assert _relative(continued, reference["single"][5:]) < LAYOUT_TOLERANCE
+
+
+def test_an_ep2_checkpoint_resumes_in_one_process(reference, stdlib_dataset, tmp_path):
+    checkpoint = reference["ep_dir"] / "checkpoints" / "step-00000005"
+    resumed = Trainer(runs.tiny_config(str(stdlib_dataset), str(tmp_path), f"resume={checkpoint}")).fit().losses
+    assert _relative(resumed, reference["single"][5:]) < LAYOUT_TOLERANCE
+
+
+def test_a_bad_layout_fails_on_every_rank_without_hanging(stdlib_dataset, tmp_path):
+    with pytest.raises(RankFailure) as caught:
+        run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path), "parallel.ep=3", timeout_s=120)
+    assert str(caught.value).count("parallel.ep: 3 does not divide the world size 2") == 2
+
+
+def test_nproc_launch_reports_each_ranks_error_and_exits_2(stdlib_dataset, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    result = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(REPO / "configs" / "tiny.yaml"), "--nproc", "2",
+         f"data.sources.0.path={stdlib_dataset}", "model.vocab_size=512", f"run.dir={tmp_path}", "parallel.ep=3"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "error: parallel.ep: 3 does not divide the world size 2" in result.stderr
+    for rank in (0, 1):
+        reported = (
+            f"ferry: rank {rank}: error: parallel.ep: 3 does not divide the world size 2" in result.stderr
+            or f"ferry: rank {rank} was stopped by the launcher" in result.stderr
+        )
+        assert reported, f"rank {rank}'s fate is not reported"
+    assert "Traceback" not in result.stderr

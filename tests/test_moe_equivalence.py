@@ -1,8 +1,10 @@
-"""ferry's MoE block equals the OLMoE sparse MoE block of `transformers` given the same weights."""
+"""ferry's MoE block equals the OLMoE sparse MoE block of `transformers` given the same weights,
+with the portable kernels and with what `kernels.policy: auto` takes on a CPU."""
 
 import pytest
 import torch
 
+from ferry.kernels import KernelsConfig, select_kernels
 from ferry.model import MoEConfig, MoELayer
 
 from transformers.models.olmoe.configuration_olmoe import OlmoeConfig
@@ -11,9 +13,10 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 DIM, FFN, EXPERTS, TOP_K = 64, 48, 8, 2
 
 
-def _pair(renormalize: bool) -> tuple[MoELayer, OlmoeSparseMoeBlock]:
+def _pair(renormalize: bool, policy: str) -> tuple[MoELayer, OlmoeSparseMoeBlock]:
     torch.manual_seed(0)
-    ours = MoELayer(DIM, MoEConfig(num_experts=EXPERTS, top_k=TOP_K, expert_ffn_dim=FFN, renormalize=renormalize))
+    config = MoEConfig(num_experts=EXPERTS, top_k=TOP_K, expert_ffn_dim=FFN, renormalize=renormalize)
+    ours = MoELayer(DIM, config, select_kernels(KernelsConfig(policy=policy), "cpu"))
     for param in ours.parameters():
         torch.nn.init.normal_(param, std=0.2)
     hf_config = OlmoeConfig(
@@ -36,9 +39,10 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+@pytest.mark.parametrize("policy", ["portable", "auto"])
 @pytest.mark.parametrize("renormalize", [False, True])
-def test_forward_and_backward_match_olmoe(renormalize):
-    ours, theirs = _pair(renormalize)
+def test_forward_and_backward_match_olmoe(renormalize, policy):
+    ours, theirs = _pair(renormalize, policy)
     x_BSD = torch.randn(3, 17, DIM)
     x_ours = x_BSD.clone().requires_grad_()
     x_theirs = x_BSD.clone().requires_grad_()

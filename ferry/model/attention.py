@@ -1,9 +1,11 @@
-"""Grouped-query causal self-attention on PyTorch SDPA."""
+"""Grouped-query causal self-attention; the attention itself is the `attention` op."""
+
+from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ferry.kernels import KernelSelection, portable_kernels
 from ferry.model.config import ModelConfig
 from ferry.model.norm import RMSNorm
 from ferry.model.rope import RotaryEmbedding
@@ -12,18 +14,21 @@ from ferry.model.rope import RotaryEmbedding
 class Attention(nn.Module):
     """`n_heads` query heads share `n_kv_heads` key/value heads; RoPE on queries and keys."""
 
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, kernels: KernelSelection | None = None):
         super().__init__()
+        kernels = kernels or portable_kernels()
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
-        self.q_norm = RMSNorm(config.n_heads * self.head_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.n_kv_heads * self.head_dim, config.norm_eps) if config.qk_norm else None
+        q_width, kv_width = config.n_heads * self.head_dim, config.n_kv_heads * self.head_dim
+        self.wq = nn.Linear(config.dim, q_width, bias=False)
+        self.wk = nn.Linear(config.dim, kv_width, bias=False)
+        self.wv = nn.Linear(config.dim, kv_width, bias=False)
+        self.wo = nn.Linear(q_width, config.dim, bias=False)
+        self.q_norm = RMSNorm(q_width, config.norm_eps, kernels) if config.qk_norm else None
+        self.k_norm = RMSNorm(kv_width, config.norm_eps, kernels) if config.qk_norm else None
         self.rope = rope
+        self._attention = kernels["attention"]
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x_BSD.shape
@@ -37,7 +42,5 @@ class Attention(nn.Module):
         v_BGSC = self.wv(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q_BHSC = self.rope(q_BHSC)
         k_BGSC = self.rope(k_BGSC)
-        out_BHSC = F.scaled_dot_product_attention(
-            q_BHSC, k_BGSC, v_BGSC, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        out_BHSC = self._attention(q_BHSC, k_BGSC, v_BGSC)
         return self.wo(out_BHSC.transpose(1, 2).reshape(batch, seq_len, -1))

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from ferry.config.section import Section
+from ferry.kernels.selection import KernelSelection
 
 
 class BiasBalancingConfig(Section):
@@ -86,8 +87,12 @@ class ModelConfig(Section):
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def build(self):
-        """Create the model with freshly initialised weights (on the CPU; the trainer moves it)."""
+    def build(self, kernels: KernelSelection | None = None):
+        """Create the model with freshly initialised weights (on the CPU; the trainer moves it).
+
+        `kernels` is the selection for the device the model will run on
+        (`ferry.kernels.select_kernels`); without one every op is portable.
+        """
         from ferry.model.transformer import Transformer
 
-        return Transformer(self)
+        return Transformer(self, kernels)

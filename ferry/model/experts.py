@@ -1,30 +1,43 @@
-"""Routed SwiGLU experts stored as 3-D tensors and run as grouped GEMMs over sorted tokens."""
+"""Routed SwiGLU experts: the weights, stored as 3-D tensors, and the kernel ops that run them."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ferry.kernels import KernelSelection, portable_kernels
+from ferry.model.router import Routing
 
 
 class Experts(nn.Module):
-    """`num_experts` SwiGLU MLPs; weights are [num_experts, out, in] like stacked nn.Linear weights."""
+    """`num_experts` SwiGLU MLPs; weights are [num_experts, out, in] like stacked nn.Linear weights.
 
-    def __init__(self, num_experts: int, dim: int, ffn_dim: int):
+    The tensors keep their own names (`w_gate_EFD`, `w_up_EFD`, `w_down_EDF`): they
+    are the logical checkpoint names, whatever layout a kernel would prefer.
+    """
+
+    def __init__(self, num_experts: int, dim: int, ffn_dim: int, kernels: KernelSelection | None = None):
         super().__init__()
+        kernels = kernels or portable_kernels()
         self.num_experts = num_experts
         self.w_gate_EFD = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w_up_EFD = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w_down_EDF = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self._expert_mlp = kernels["moe.expert_mlp"]
+        self._routed_experts = kernels["moe.routed_experts"]
 
     def forward(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        """`x_ND` holds the tokens of expert 0, then expert 1, ...; counts say where each group ends."""
-        offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
-        gate_NF = grouped_mm(x_ND, self.w_gate_EFD, offsets_E)
-        up_NF = grouped_mm(x_ND, self.w_up_EFD, offsets_E)
-        return grouped_mm(F.silu(gate_NF) * up_NF, self.w_down_EDF, offsets_E)
+        """`x_ND` holds the rows of expert 0, then expert 1, ...: what an expert-parallel dispatcher hands over."""
+        return self._expert_mlp(x_ND, tokens_per_expert_E, self.w_gate_EFD, self.w_up_EFD, self.w_down_EDF)
 
-
-def grouped_mm(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """y[rows of group e] = x[rows of group e] @ w[e].T, one fused call for all groups."""
-    return torch._grouped_mm(x_NI, w_EOI.transpose(-2, -1), offs=offsets_E)
+    def routed(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Every token through its routed experts, summed with its routing weights, all experts local."""
+        return self._routed_experts(
+            x_TD,
+            routing.expert_ids_TK,
+            routing.weights_TK,
+            routing.tokens_per_expert_E,
+            self.w_gate_EFD,
+            self.w_up_EFD,
+            self.w_down_EDF,
+        )

@@ -8,10 +8,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ferry.kernels import KernelSelection, portable_kernels
 from ferry.model.config import MoEConfig
 from ferry.model.experts import Experts
 from ferry.model.feedforward import SwiGLU
-from ferry.model.router import Router
+from ferry.model.router import Router, Routing
 
 
 class ExpertDispatcher(Protocol):
@@ -34,36 +35,37 @@ class MoEStats:
 class MoELayer(nn.Module):
     """Dropless top-k MoE with an optional shared expert.
 
-    Dispatch sorts the T*K (token, expert) assignments by expert so every expert sees
-    one contiguous group; the combine puts results back in assignment order and sums
-    each token's K outputs weighted by its routing weights. No token is ever dropped.
+    With every expert local, one op (`moe.routed_experts`) runs the routed path. With
+    a dispatcher, the T*K (token, expert) assignments are sorted by expert
+    (`moe.permute`), the dispatcher runs them on the ranks holding their experts, and
+    `moe.combine` sums each token's K outputs weighted by its routing weights.
+    No token is ever dropped.
     """
 
-    def __init__(self, dim: int, config: MoEConfig):
+    def __init__(self, dim: int, config: MoEConfig, kernels: KernelSelection | None = None):
         super().__init__()
+        kernels = kernels or portable_kernels()
         self.top_k = config.top_k
         self.router = Router(dim, config)
-        self.experts = Experts(config.num_experts, dim, config.expert_ffn_dim)
+        self.experts = Experts(config.num_experts, dim, config.expert_ffn_dim, kernels)
         self.shared_expert = SwiGLU(dim, config.shared_expert_ffn_dim) if config.shared_expert_ffn_dim else None
         self.dispatcher: ExpertDispatcher | None = None
+        self._permute = kernels["moe.permute"]
+        self._combine = kernels["moe.combine"]
 
-    def run_experts(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Local experts, or the parallel layer's dispatcher when experts live on several ranks."""
         if self.dispatcher is None:
-            return self.experts(x_ND, tokens_per_expert_E)
-        return self.dispatcher(x_ND, tokens_per_expert_E, self.experts)
+            return self.experts.routed(x_TD, routing)
+        x_ND, dispatch = self._permute(x_TD, routing.expert_ids_TK)
+        y_ND = self.dispatcher(x_ND, routing.tokens_per_expert_E, self.experts)
+        return self._combine(y_ND, routing.weights_TK, dispatch)
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
         batch, seq_len, dim = x_BSD.shape
         x_TD = x_BSD.reshape(-1, dim)
         routing = self.router(x_TD)
-        order_N = torch.argsort(routing.expert_ids_TK.flatten(), stable=True)
-        token_of_N = torch.div(order_N, self.top_k, rounding_mode="floor")
-        y_ND = self.run_experts(x_TD[token_of_N], routing.tokens_per_expert_E)
-        inverse_order_N = torch.empty_like(order_N)
-        inverse_order_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-        y_TKD = y_ND[inverse_order_N].view(-1, self.top_k, dim)
-        out_TD = torch.bmm(routing.weights_TK.unsqueeze(1), y_TKD).squeeze(1)
+        out_TD = self.run_experts(x_TD, routing)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
         stats = MoEStats(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ferry.kernels import KernelSelection, portable_kernels
 from ferry.model.attention import Attention
 from ferry.model.config import ModelConfig
 from ferry.model.feedforward import SwiGLU
@@ -27,12 +28,12 @@ class ModelOutput:
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(x))."""
 
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, use_moe: bool):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, use_moe: bool, kernels: KernelSelection):
         super().__init__()
-        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attn = Attention(config, rope)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.ffn = MoELayer(config.dim, config.moe) if use_moe else SwiGLU(config.dim, config.dense_ffn_dim)
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
+        self.attn = Attention(config, rope, kernels)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
+        self.ffn = MoELayer(config.dim, config.moe, kernels) if use_moe else SwiGLU(config.dim, config.dense_ffn_dim)
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats | None]:
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
@@ -43,17 +44,22 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only MoE language model; the first `dense_layers` blocks use a dense FFN."""
+    """Decoder-only MoE language model; the first `dense_layers` blocks use a dense FFN.
 
-    def __init__(self, config: ModelConfig):
+    `kernels` fixes the implementation of every kernel op for the model's lifetime
+    (chosen for the device it will run on); without one, every op is portable.
+    """
+
+    def __init__(self, config: ModelConfig, kernels: KernelSelection | None = None):
         super().__init__()
         self.config = config
+        self.kernels = kernels or portable_kernels()
         rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
-            Block(config, rope, use_moe=index >= config.dense_layers) for index in range(config.n_layers)
+            Block(config, rope, index >= config.dense_layers, self.kernels) for index in range(config.n_layers)
         )
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps, self.kernels)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

@@ -15,6 +15,7 @@ from ferry.checkpoint.config import CheckpointConfig
 from ferry.comm.config import CommConfig
 from ferry.config import Section, load_config
 from ferry.data.config import DataConfig
+from ferry.kernels.config import KernelsConfig
 from ferry.metrics.config import MetricsConfig, ProfileConfig
 from ferry.model.config import ModelConfig
 from ferry.parallel.config import ParallelConfig
@@ -81,6 +82,7 @@ class RunConfig(Section):
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    kernels: KernelsConfig = KernelsConfig()
     hardware: str = Field("auto", min_length=1, description="a profile in ferry/platform/profiles, or auto")
     precision: PrecisionConfig = PrecisionConfig()
     comm: CommConfig = CommConfig()

@@ -20,6 +20,7 @@ from ferry.checkpoint import Checkpoint, CheckpointManager, CheckpointMeta, Foun
 from ferry.comm import init_distributed, launcher_ranks
 from ferry.config import UserError
 from ferry.data import DataCursor, MixedLoader
+from ferry.kernels import select_kernels
 from ferry.metrics import MetricsHub, StepMetrics, TorchTrace, build_sinks, moe_diagnostics
 from ferry.model import Transformer, count_model
 from ferry.parallel import build_plan
@@ -27,6 +28,7 @@ from ferry.parallel.zero import optimizer_state_bytes
 from ferry.platform import environment_fingerprint, resolve_device
 from ferry.platform.hardware import HardwareProfile, measured_cpu_profile, resolve_profile
 from ferry.precision import resolve_precision
+from ferry.precision.kernels import with_low_precision_experts
 from ferry.train.checkpointing import (
     check_config,
     optimizer_record,
@@ -72,8 +74,13 @@ class Trainer:
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's "
                 f"vocabulary ({tokenizer_vocab}) of {self.loader.datasets[0].label}"
             )
+        self.kernels = select_kernels(config.kernels, self.device, self.precision.torch_param_dtype)
+        if self.precision.recipe is not None:
+            self.kernels = with_low_precision_experts(self.kernels, self.precision.recipe)
         torch.manual_seed(config.run.seed)
-        self.model: Transformer = config.model.build().to(self.device, dtype=self.precision.torch_param_dtype)
+        self.model: Transformer = config.model.build(self.kernels).to(
+            self.device, dtype=self.precision.torch_param_dtype
+        )
         self.decayed = decayed_parameter_names(self.model)
         self.plan = build_plan(
             config.parallel, self.context, self.model, self.device, self.precision.torch_reduce_dtype
@@ -318,6 +325,7 @@ class Trainer:
         for note in notes:
             say(f"ferry: note: {note}")
         say(f"ferry: precision: {'; '.join(self.precision.decisions)}")
+        say(f"ferry: {self.kernels.describe()}")
         layout = self._layout()
         say(
             f"ferry: training {self.config.run.name} on {self.device} x {self.world_size} "
@@ -343,6 +351,7 @@ class Trainer:
             "layout": self._layout(),
             "hardware": {"profile": self.profile.name, "peak_tflops": self.profile.peak_tflops},
             "precision": self.precision.as_dict(),
+            "kernels": self.kernels.as_dict(),
             "environment": {**self.environment, "comm_backend": self.context.backend},
         }
 

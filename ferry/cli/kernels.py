@@ -1,0 +1,73 @@
+"""`ferry kernels list | boundary | bench`: the kernel boundary, its ledger and its overhead budget."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_kernels_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Register `kernels` and its actions on the `ferry` command's sub-parsers."""
+    kernels = subparsers.add_parser("kernels", help="kernel ops, their implementations, the debt ledger, the budget")
+    actions = kernels.add_subparsers(dest="kernels_command", required=True, metavar="ACTION")
+
+    listing = actions.add_parser("list", help="every op's implementations, availability here and ledger status")
+    listing.add_argument("--device", default="auto", help="judge availability on this device (default: auto)")
+    listing.set_defaults(handler=list_kernels)
+
+    boundary = actions.add_parser("boundary", help="write the boundary document (abstracted, vendor-specific, cost)")
+    boundary.add_argument("--output", type=Path, default=None, help="default: docs/boundary.md")
+    boundary.set_defaults(handler=write_boundary_doc)
+
+    bench = actions.add_parser("bench", help="time every available implementation on fixed inputs; budget verdicts")
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--budget", type=float, default=None, help="throughput loss allowed (default: kernels config's)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (median)")
+    bench.add_argument("--tokens", type=int, default=4096)
+    bench.add_argument("--dim", type=int, default=512)
+    bench.add_argument("--ffn", type=int, default=256, help="expert hidden width")
+    bench.add_argument("--experts", type=int, default=64)
+    bench.add_argument("--top-k", type=int, default=8)
+    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="inputs and weights")
+    bench.set_defaults(handler=bench_kernels)
+
+
+def list_kernels(args: argparse.Namespace) -> int:
+    from ferry.kernels.boundary import list_rows
+    from ferry.platform import resolve_device
+
+    device = resolve_device(args.device)
+    header = ("op", "implementation", "platform", f"available on {device}", "ledger")
+    rows = [header, *list_rows(device)]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+    return 0
+
+
+def write_boundary_doc(args: argparse.Namespace) -> int:
+    from ferry.kernels.boundary import BOUNDARY_DOC, write_boundary
+
+    path = write_boundary(args.output or BOUNDARY_DOC)
+    print(f"ferry: wrote {path}")
+    return 0
+
+
+def bench_kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from ferry.config import UserError
+    from ferry.kernels import KernelsConfig
+    from ferry.kernels.bench import BenchShape, run_bench
+    from ferry.platform import resolve_device
+
+    budget = KernelsConfig().overhead_budget if args.budget is None else args.budget
+    if not 0.0 <= budget < 1.0:
+        raise UserError(f"--budget must lie in [0, 1), got {budget}")
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+    shape = BenchShape(tokens=args.tokens, dim=args.dim, ffn=args.ffn, experts=args.experts, top_k=args.top_k)
+    report = run_bench(resolve_device(args.device), budget, shape, args.repeats, getattr(torch, args.dtype))
+    for line in report.lines():
+        print(line)
+    return 0

@@ -1,0 +1,113 @@
+"""Every op ferry's model calls, and every implementation of each: the one place they are listed.
+
+An op's summary is its contract (arguments, result, semantics); the portable
+implementation is its definition, and each vendor implementation must agree with
+it (tests/test_kernels_agreement.py). Vendor implementations are listed in the
+order `auto` prefers them.
+"""
+
+from __future__ import annotations
+
+from ferry.kernels.portable import attention, moe, norm
+from ferry.kernels.registry import PORTABLE, Implementation, Op, Registry
+from ferry.kernels.vendor import cpu_fused_experts, grouped_gemm, padded_bmm, torch_grouped_mm
+
+
+def _portable(op: str, fn, summary: str, uses: tuple[str, ...] = ()) -> Implementation:
+    return Implementation(op=op, name=PORTABLE, fn=fn, summary=summary, uses=uses)
+
+
+REGISTRY = Registry(
+    [
+        Op(
+            name="norm.rms",
+            summary="(x_XD, weight_D, eps) -> weight * x / sqrt(mean(x^2) + eps), statistics in fp32",
+            portable=_portable("norm.rms", norm.rms_norm, "fp32 statistics in plain tensor ops"),
+        ),
+        Op(
+            name="attention",
+            summary="(q_BHSC, k_BGSC, v_BGSC) -> causal softmax attention; each of G kv heads serves H/G query heads",
+            portable=_portable("attention", attention.causal_attention, "torch scaled_dot_product_attention"),
+        ),
+        Op(
+            name="moe.permute",
+            summary="(x_TD, expert_ids_TK) -> (x_ND: the T*K routed rows sorted by expert, stable; Dispatch)",
+            portable=_portable("moe.permute", moe.permute, "stable argsort, gather forward and backward"),
+        ),
+        Op(
+            name="moe.grouped_mm",
+            summary="(x_NI, w_EOI, offsets_E: int32 group ends) -> y_NO with y[group e] = x[group e] @ w[e].T",
+            portable=_portable("moe.grouped_mm", moe.grouped_mm, "one torch.mm per expert (the reference)"),
+            vendor=(
+                Implementation(
+                    op="moe.grouped_mm",
+                    name="torch_grouped_mm",
+                    platform="cuda",
+                    fn=torch_grouped_mm.grouped_mm,
+                    probe=torch_grouped_mm.probe_cuda,
+                    summary="torch._grouped_mm: CUTLASS grouped GEMM, SM90+, bfloat16, 16-byte aligned widths",
+                ),
+                Implementation(
+                    op="moe.grouped_mm",
+                    name="grouped_gemm",
+                    platform="cuda",
+                    fn=grouped_gemm.grouped_mm,
+                    probe=grouped_gemm.probe,
+                    summary="grouped_gemm package (MegaBlocks' CUTLASS kernels), SM80+, bfloat16",
+                ),
+                Implementation(
+                    op="moe.grouped_mm",
+                    name="torch_grouped_mm",
+                    platform="cpu",
+                    fn=torch_grouped_mm.grouped_mm,
+                    probe=torch_grouped_mm.probe_cpu,
+                    summary="torch._grouped_mm's CPU kernel (torch 2.9+), 16-byte aligned widths",
+                ),
+                Implementation(
+                    op="moe.grouped_mm",
+                    name="padded_bmm",
+                    platform="cpu",
+                    fn=padded_bmm.grouped_mm,
+                    summary="groups padded to the largest, one torch.bmm",
+                ),
+            ),
+        ),
+        Op(
+            name="moe.expert_mlp",
+            summary=(
+                "(x_ND, tokens_per_expert_E, w_gate_EFD, w_up_EFD, w_down_EDF) -> y_ND, each expert's SwiGLU "
+                "on its group of expert-sorted rows"
+            ),
+            portable=_portable(
+                "moe.expert_mlp", moe.expert_mlp, "moe.grouped_mm x3 as selected", uses=("moe.grouped_mm",)
+            ),
+        ),
+        Op(
+            name="moe.combine",
+            summary="(y_ND, weights_TK, Dispatch) -> out_TD = sum over k of weights[t, k] * y[row of (t, k)]",
+            portable=_portable("moe.combine", moe.combine, "gathers forward and backward, no scatter-add"),
+        ),
+        Op(
+            name="moe.routed_experts",
+            summary=(
+                "(x_TD, expert_ids_TK, weights_TK, tokens_per_expert_E, w_gate_EFD, w_up_EFD, w_down_EDF) -> "
+                "out_TD, the routing-weighted sum of each token's SwiGLU experts"
+            ),
+            portable=_portable(
+                "moe.routed_experts",
+                moe.routed_experts,
+                "moe.permute, moe.expert_mlp, moe.combine as selected",
+                uses=("moe.permute", "moe.expert_mlp", "moe.combine"),
+            ),
+            vendor=(
+                Implementation(
+                    op="moe.routed_experts",
+                    name="fused_loop",
+                    platform="cpu",
+                    fn=cpu_fused_experts.routed_experts,
+                    summary="one cache-resident pass per expert, forward and backward",
+                ),
+            ),
+        ),
+    ]
+)

@@ -1,0 +1,13 @@
+"""Portable causal attention: PyTorch's scaled-dot-product attention, which every backend implements."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_attention(q_BHSC: torch.Tensor, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> torch.Tensor:
+    """Softmax(q k^T / sqrt(C) + causal mask) v; G key/value heads each serve H/G query heads."""
+    return F.scaled_dot_product_attention(
+        q_BHSC, k_BGSC, v_BGSC, is_causal=True, enable_gqa=k_BGSC.shape[1] != q_BHSC.shape[1]
+    )

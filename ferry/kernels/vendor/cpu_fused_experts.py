@@ -1,0 +1,119 @@
+"""`moe.routed_experts` for CPUs: one pass over the experts that keeps each expert's rows in cache.
+
+The portable composition materialises every intermediate for all N = T*K rows at
+once: the permuted tokens, the gate, up and down outputs, their gradients. On a
+CPU each is a fresh allocation of tens of megabytes whose first touch costs page
+faults, and in the VMs ferry is developed on those cost as much as the matmuls
+beside them. Here each expert gathers its own tokens in blocks of at most
+`BLOCK_ROWS` rows, runs gate, up, SwiGLU and down while the block sits in cache,
+and adds its weighted output straight into the token-ordered result; only the
+gate and up activations, which the backward needs, span all rows. The backward
+walks the blocks again and recomputes the cheap elementwise parts. A loop of many
+small kernels is the wrong shape for a GPU, hence: CPU only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ferry.kernels.amp import outside_autocast
+
+# Large enough for full-speed matmuls, small enough that a block's temporaries stay in cache
+# and are recycled by the allocator instead of being mapped afresh.
+BLOCK_ROWS = 1024
+
+
+@outside_autocast
+def routed_experts(
+    x_TD: torch.Tensor,
+    expert_ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    w_gate_EFD: torch.Tensor,
+    w_up_EFD: torch.Tensor,
+    w_down_EDF: torch.Tensor,
+) -> torch.Tensor:
+    return _FusedExperts.apply(x_TD, expert_ids_TK, weights_TK, tokens_per_expert_E, w_gate_EFD, w_up_EFD, w_down_EDF)
+
+
+class _FusedExperts(torch.autograd.Function):
+    """Forward and backward by blocks of one expert's rows; gradients of the same inputs as the portable op."""
+
+    @staticmethod
+    def forward(ctx, x_TD, expert_ids_TK, weights_TK, tokens_per_expert_E, w_gate_EFD, w_up_EFD, w_down_EDF):
+        top_k = expert_ids_TK.shape[1]
+        order_N = torch.argsort(expert_ids_TK.flatten(), stable=True)
+        token_of_N = torch.div(order_N, top_k, rounding_mode="floor")
+        weight_N1 = weights_TK.flatten().index_select(0, order_N).unsqueeze(1)
+        sizes = tokens_per_expert_E.tolist()
+        gate_NF = x_TD.new_empty(order_N.numel(), w_gate_EFD.shape[1])
+        up_NF = torch.empty_like(gate_NF)
+        out_TD = torch.zeros_like(x_TD)
+        for expert, _, rows in _blocks(sizes):
+            tokens_M = token_of_N[rows]
+            x_MD = x_TD.index_select(0, tokens_M)
+            gate_MF = torch.mm(x_MD, w_gate_EFD[expert].t(), out=gate_NF[rows])
+            up_MF = torch.mm(x_MD, w_up_EFD[expert].t(), out=up_NF[rows])
+            y_MD = torch.mm(F.silu(gate_MF).mul_(up_MF), w_down_EDF[expert].t())
+            out_TD.index_add_(0, tokens_M, y_MD.mul_(weight_N1[rows]))
+        ctx.save_for_backward(x_TD, order_N, token_of_N, weight_N1, gate_NF, up_NF, w_gate_EFD, w_up_EFD, w_down_EDF)
+        ctx.sizes = sizes
+        ctx.weights_shape = weights_TK.shape
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        x_TD, order_N, token_of_N, weight_N1, gate_NF, up_NF, w_gate_EFD, w_up_EFD, w_down_EDF = ctx.saved_tensors
+        grad_TD = grad_TD.contiguous()
+        grad_x_TD = torch.zeros_like(x_TD)
+        grad_weight_N = weight_N1.new_empty(order_N.numel())
+        grad_gate_EFD = torch.empty_like(w_gate_EFD)
+        grad_up_EFD = torch.empty_like(w_up_EFD)
+        grad_down_EDF = torch.empty_like(w_down_EDF)
+        for expert, size in enumerate(ctx.sizes):
+            if size == 0:
+                grad_gate_EFD[expert].zero_()
+                grad_up_EFD[expert].zero_()
+                grad_down_EDF[expert].zero_()
+        for expert, first, rows in _blocks(ctx.sizes):
+            beta = 0.0 if first else 1.0  # an expert's first block writes its weight gradients, later ones add
+            tokens_M = token_of_N[rows]
+            x_MD = x_TD.index_select(0, tokens_M)
+            grad_out_MD = grad_TD.index_select(0, tokens_M)
+            gate_MF, up_MF, weight_M1 = gate_NF[rows], up_NF[rows], weight_N1[rows]
+            silu_MF = F.silu(gate_MF)
+            hidden_MF = silu_MF * up_MF
+            # the gradient at the hidden layer before the routing weight also yields the weight's gradient
+            grad_hidden_MF = torch.mm(grad_out_MD, w_down_EDF[expert])
+            torch.linalg.vecdot(grad_hidden_MF, hidden_MF, out=grad_weight_N[rows])
+            grad_down_EDF[expert].addmm_(grad_out_MD.t(), hidden_MF.mul_(weight_M1), beta=beta)
+            grad_hidden_MF.mul_(weight_M1)
+            grad_up_MF = grad_hidden_MF * silu_MF
+            grad_gate_MF = torch.ops.aten.silu_backward(grad_hidden_MF.mul_(up_MF), gate_MF)
+            grad_gate_EFD[expert].addmm_(grad_gate_MF.t(), x_MD, beta=beta)
+            grad_up_EFD[expert].addmm_(grad_up_MF.t(), x_MD, beta=beta)
+            grad_x_MD = torch.mm(grad_gate_MF, w_gate_EFD[expert])
+            grad_x_TD.index_add_(0, tokens_M, grad_x_MD.addmm_(grad_up_MF, w_up_EFD[expert]))
+        grad_weights_TK = torch.empty_like(grad_weight_N)
+        grad_weights_TK[order_N] = grad_weight_N
+        return (
+            grad_x_TD,
+            None,
+            grad_weights_TK.view(ctx.weights_shape),
+            None,
+            grad_gate_EFD,
+            grad_up_EFD,
+            grad_down_EDF,
+        )
+
+
+def _blocks(sizes: list[int]) -> Iterator[tuple[int, bool, slice]]:
+    """(expert, whether it is the expert's first block, row slice) over every block of every expert."""
+    start = 0
+    for expert, size in enumerate(sizes):
+        for offset in range(0, size, BLOCK_ROWS):
+            yield expert, offset == 0, slice(start + offset, start + min(offset + BLOCK_ROWS, size))
+        start += size

@@ -1,0 +1,85 @@
+"""The debt ledger covers every vendor implementation and is current; docs/boundary.md is generated from it."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import pytest
+
+from ferry.cli.kernels import add_kernels_commands
+from ferry.kernels import REGISTRY, load_ledger
+from ferry.kernels.boundary import code_lines, render_boundary
+
+from conftest import REPO
+
+
+def test_every_vendor_implementation_has_a_current_ledger_entry():
+    ledger = load_ledger()
+    today = datetime.date.today()
+    for impl in REGISTRY.vendor_implementations():
+        entry = ledger.entry(impl)
+        assert entry is not None, f"{impl.op} {impl.key} has no entry in ferry/kernels/ledger.yaml"
+        assert entry.expires >= today, f"the ledger entry of {entry.key} expired on {entry.expires}: measure, renew"
+        assert entry.approved is None or entry.approved <= today <= entry.expires
+
+
+def test_every_ledger_entry_names_a_registered_implementation():
+    registered = {(impl.op, impl.name, impl.platform) for impl in REGISTRY.vendor_implementations()}
+    for entry in load_ledger().entries:
+        assert (entry.op, entry.implementation, entry.platform) in registered, f"{entry.key} is not registered"
+
+
+def test_the_committed_boundary_document_is_current():
+    committed = (REPO / "docs" / "boundary.md").read_text(encoding="utf-8")
+    assert committed == render_boundary(), "docs/boundary.md is stale: run `ferry kernels boundary`"
+
+
+def test_code_lines_skip_blank_lines_comments_and_docstrings(tmp_path):
+    source = tmp_path / "module.py"
+    source.write_text(
+        '"""Module\n\ndocstring."""\n\n# comment\nimport os\n\n\n'
+        'def f(x):\n    """Doc."""\n    return (x +\n            1)  # why\n'
+    )
+    assert code_lines(source) == 4
+
+
+def _cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="ferry")
+    add_kernels_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    return args.handler(args)
+
+
+def test_kernels_list_prints_availability_and_ledger_status(capsys):
+    assert _cli("kernels", "list", "--device", "cpu") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["op", "implementation", "platform"]
+    fused = next(line for line in lines if "fused_loop" in line)
+    assert "yes" in fused and "expires" in fused
+    cuda = next(line for line in lines if "grouped_gemm" in line)
+    assert "no: it is built for cuda" in cuda
+
+
+def test_kernels_boundary_writes_the_document(tmp_path, capsys):
+    output = tmp_path / "boundary.md"
+    assert _cli("kernels", "boundary", "--output", str(output)) == 0
+    assert output.read_text(encoding="utf-8") == render_boundary()
+    assert str(output) in capsys.readouterr().out
+
+
+def test_kernels_bench_prints_ratios_verdicts_and_a_dispatch_cost_under_one_percent(capsys):
+    argv = ["--tokens", "128", "--dim", "32", "--ffn", "16", "--experts", "4", "--top-k", "2", "--repeats", "1"]
+    assert _cli("kernels", "bench", "--device", "cpu", *argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:2] == ["moe.grouped_mm", "torch_grouped_mm@cpu"] for line in lines)
+    assert any(line.startswith("  moe.routed_experts: portable") for line in lines)
+    dispatch = next(line for line in lines if line.startswith("registry dispatch:"))
+    assert "within the 1% limit" in dispatch
+
+
+def test_kernels_bench_rejects_a_budget_outside_zero_to_one():
+    from ferry.config import UserError
+
+    with pytest.raises(UserError, match="--budget"):
+        _cli("kernels", "bench", "--device", "cpu", "--budget", "1.5")

@@ -35,9 +35,12 @@ import torch
 
 from ferry.checkpoint import CheckpointMeta, Layout, save_checkpoint, verify_checkpoint
 from ferry.model import ModelConfig, MoEConfig
+from ferry.comm import DistContext
+from ferry.parallel import ParallelConfig, build_plan
 from ferry.train.checkpointing import optimizer_record, restore_model, restore_optimizer, train_state_pieces
-from ferry.train.config import OptimConfig
-from ferry.train.optimizer import build_optimizer
+from ferry.train.optimizer import decayed_parameter_names
+
+CPU = torch.device("cpu")
 
 # 84M parameters: with both AdamW moments, 1.0 GB of float32 tensors.
 MODEL = ModelConfig(
@@ -69,13 +72,14 @@ def main() -> None:
 def run(work: Path, repeats: int) -> dict:
     torch.manual_seed(0)
     model = MODEL.build()
-    optimizer = build_optimizer(model, OptimConfig())
+    plan = build_plan(ParallelConfig(), DistContext(rank=0, world_size=1, local_rank=0, backend=None), model, CPU)
+    optimizer = plan.build_optimizer(decayed_parameter_names(model), 0.1, zero=False, lr=3e-3)
     generator = torch.Generator().manual_seed(1)
     for param in model.parameters():
         param.grad = torch.randn(param.shape, generator=generator)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    pieces = train_state_pieces(model, optimizer, torch.device("cpu"), 0, 1)
+    pieces = train_state_pieces(model, optimizer, plan, CPU)
     arrays = [piece.local.numpy() for piece in pieces.values()]
     nbytes = sum(array.nbytes for array in arrays)
     meta = CheckpointMeta(
@@ -106,9 +110,9 @@ def run(work: Path, repeats: int) -> dict:
         timings["save"].append(_timed(lambda: save_checkpoint(root, pieces, meta)))
         _evict([raw, *checkpoint.iterdir()])
         timings["raw_read"].append(_timed(lambda: _raw_read(raw, arrays)))
-        timings["load"].append(_timed(lambda: _load(checkpoint, model, optimizer, verify_s)))
+        timings["load"].append(_timed(lambda: _load(checkpoint, model, optimizer, plan, verify_s)))
         timings["raw_read_cached"].append(_timed(lambda: _raw_read(raw, arrays)))
-        timings["load_cached"].append(_timed(lambda: _load(checkpoint, model, optimizer, [])))
+        timings["load_cached"].append(_timed(lambda: _load(checkpoint, model, optimizer, plan, [])))
         print("  ".join(f"{name} {nbytes / values[-1] / 1e9:.3f} GB/s" for name, values in timings.items()))
         raw.unlink()
         shutil.rmtree(root)
@@ -143,13 +147,13 @@ def _raw_read(path: Path, arrays: list[np.ndarray]) -> None:
             np.fromfile(handle, dtype=array.dtype, count=array.size)
 
 
-def _load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, split: list[float]) -> None:
+def _load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan, split: list[float]) -> None:
     """Verify, then restore; appends the verification's share of the time to `split`."""
     started = time.perf_counter()
     with verify_checkpoint(path) as checkpoint:
         split.append(time.perf_counter() - started)
-        restore_model(checkpoint, model)
-        restore_optimizer(checkpoint, model, optimizer)
+        restore_model(checkpoint, model, plan)
+        restore_optimizer(checkpoint, model, optimizer, plan)
 
 
 def _evict(paths: list[Path]) -> None:

@@ -78,12 +78,7 @@ class ShardedAdamW:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held on this rank (the ZeRO-1 saving shows here)."""
-        return sum(
-            value.numel() * value.element_size()
-            for state in self.local.state.values()
-            for value in state.values()
-            if torch.is_tensor(value)
-        )
+        return optimizer_state_bytes(self.local)
 
 
 def _assign_owners(params: list[tuple[str, nn.Parameter]], size: int) -> dict[str, int]:
@@ -98,8 +93,7 @@ def _assign_owners(params: list[tuple[str, nn.Parameter]], size: int) -> dict[st
 
 
 def optimizer_state_bytes(optimizer) -> int:
-    if isinstance(optimizer, ShardedAdamW):
-        return optimizer.state_bytes()
+    """Bytes of tensors in an optimizer's state on this rank (ZeRO-1's `state` is its own shard)."""
     return sum(
         value.numel() * value.element_size()
         for state in optimizer.state.values()

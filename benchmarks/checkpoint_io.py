@@ -5,7 +5,8 @@
 The train state is a real MoE model (84M parameters) with its AdamW moments after one
 step: 1.0 GB of tensors. Save is `save_checkpoint` (safetensors files, fsync, sha256,
 manifest, rename); load is what a resume does (verify every sha256, then read into the
-live model and optimizer). The baseline writes the same tensors' bytes to one file with
+live model and a fresh optimizer, whose moments it allocates, as `np.fromfile` allocates
+its arrays). The baseline writes the same tensors' bytes to one file with
 `ndarray.tofile` and an fsync, and reads them back with `np.fromfile`.
 
 Both sides fsync their writes. Before the reads, both sides' files are evicted from the
@@ -73,7 +74,11 @@ def run(work: Path, repeats: int) -> dict:
     torch.manual_seed(0)
     model = MODEL.build()
     plan = build_plan(ParallelConfig(), DistContext(rank=0, world_size=1, local_rank=0, backend=None), model, CPU)
-    optimizer = plan.build_optimizer(decayed_parameter_names(model), 0.1, zero=False, lr=3e-3)
+    def fresh():
+        """An optimizer without state, as a resuming process has before it loads."""
+        return plan.build_optimizer(decayed_parameter_names(model), 0.1, zero=False, lr=3e-3)
+
+    optimizer = fresh()
     generator = torch.Generator().manual_seed(1)
     for param in model.parameters():
         param.grad = torch.randn(param.shape, generator=generator)
@@ -110,9 +115,9 @@ def run(work: Path, repeats: int) -> dict:
         timings["save"].append(_timed(lambda: save_checkpoint(root, pieces, meta)))
         _evict([raw, *checkpoint.iterdir()])
         timings["raw_read"].append(_timed(lambda: _raw_read(raw, arrays)))
-        timings["load"].append(_timed(lambda: _load(checkpoint, model, optimizer, plan, verify_s)))
+        timings["load"].append(_timed(lambda: _load(checkpoint, model, fresh(), plan, verify_s)))
         timings["raw_read_cached"].append(_timed(lambda: _raw_read(raw, arrays)))
-        timings["load_cached"].append(_timed(lambda: _load(checkpoint, model, optimizer, plan, [])))
+        timings["load_cached"].append(_timed(lambda: _load(checkpoint, model, fresh(), plan, [])))
         print("  ".join(f"{name} {nbytes / values[-1] / 1e9:.3f} GB/s" for name, values in timings.items()))
         raw.unlink()
         shutil.rmtree(root)
@@ -148,7 +153,7 @@ def _raw_read(path: Path, arrays: list[np.ndarray]) -> None:
 
 
 def _load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan, split: list[float]) -> None:
-    """Verify, then restore; appends the verification's share of the time to `split`."""
+    """Verify, then restore into `model` and the stateless `optimizer`; appends the verification time to `split`."""
     started = time.perf_counter()
     with verify_checkpoint(path) as checkpoint:
         split.append(time.perf_counter() - started)

@@ -13,6 +13,8 @@ import torch
 from ferry.kernels import REGISTRY, portable_kernels
 from ferry.kernels.selection import bind
 from ferry.kernels.vendor import cpu_fused_experts, torch_grouped_mm
+from ferry.precision.formats import float_format
+from ferry.precision.recipe import LowPrecisionRecipe
 
 TOLERANCE = 1e-5
 CPU = torch.device("cpu")
@@ -33,11 +35,14 @@ def _inputs(op_name: str) -> tuple[tuple, tuple[int, ...]]:
     x_TD = randn(T, D)
     w_gate_EFD, w_up_EFD, w_down_EDF = randn(E, F, D), randn(E, F, D), randn(E, D, F)
     x_ND, dispatch = portable_kernels()["moe.permute"](x_TD, expert_ids_TK)
+    offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     return {
         "norm.rms": ((randn(3, 7, D), randn(D), 1e-5), (0, 1)),
         "attention": ((randn(2, 4, 9, 8), randn(2, 2, 9, 8), randn(2, 2, 9, 8)), (0, 1, 2)),
         "moe.permute": ((x_TD, expert_ids_TK), (0,)),
-        "moe.grouped_mm": ((x_ND.detach(), w_gate_EFD, torch.cumsum(counts_E, 0, dtype=torch.int32)), (0, 1)),
+        "moe.grouped_mm": ((x_ND.detach(), w_gate_EFD, offsets_E), (0, 1)),
+        "moe.fp8_grouped_mm": ((x_ND.detach(), w_gate_EFD, offsets_E, _recipe("fp8")), (0, 1)),
+        "moe.mxfp8_grouped_mm": ((x_ND.detach(), w_gate_EFD, offsets_E, _recipe("mxfp8")), (0, 1)),
         "moe.expert_mlp": ((x_ND.detach(), counts_E, w_gate_EFD, w_up_EFD, w_down_EDF), (0, 2, 3, 4)),
         "moe.combine": ((randn(T * K, D), weights_TK, dispatch), (0, 1)),
         "moe.routed_experts": (
@@ -45,6 +50,10 @@ def _inputs(op_name: str) -> tuple[tuple, tuple[int, ...]]:
             (0, 2, 4, 5, 6),
         ),
     }[op_name]
+
+
+def _recipe(kind: str) -> LowPrecisionRecipe:
+    return LowPrecisionRecipe(kind, float_format("float8_e4m3fn"), float_format("float8_e5m2"))
 
 
 def _run(fn, args: tuple, grad_args: tuple[int, ...], loss: str) -> list[torch.Tensor]:

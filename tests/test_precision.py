@@ -5,7 +5,8 @@ import torch
 
 from ferry.config import UserError
 from ferry.platform.hardware import load_profile, profile_names
-from ferry.precision import EmulatedLowPrecisionGroupedMM, LossScaler, PrecisionConfig, resolve_precision
+from ferry.kernels.portable.low_precision import EmulatedLowPrecisionGroupedMM
+from ferry.precision import LossScaler, PrecisionConfig, resolve_precision
 from ferry.precision.config import LossScalingConfig
 from ferry.precision.formats import float_format, fake_quantize_mx, fake_quantize_rowwise, mx_scale_exponents
 

@@ -22,7 +22,8 @@ def test_the_tiny_config_trains_with_low_precision_experts_close_to_fp32(make_co
     assert low[-1] < 0.95 * low[0], "and the run still learns"
     record = json.loads((tmp_path / recipe / "run.json").read_text())
     assert record["precision"]["experts"] == recipe and record["precision"]["experts_mode"] == "emulated"
-    assert "operands rounded to" in record["kernels"]["ops"]["moe.grouped_mm"]["reason"]
+    assert f"inside moe.{recipe}_grouped_mm portable" in record["kernels"]["ops"]["moe.grouped_mm"]["reason"]
+    assert record["precision"]["experts_kernel"] == "portable"
 
 
 def test_unsupported_low_precision_can_be_refused(make_config):

@@ -67,7 +67,22 @@ def bench_kernels(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
     shape = BenchShape(tokens=args.tokens, dim=args.dim, ffn=args.ffn, experts=args.experts, top_k=args.top_k)
-    report = run_bench(resolve_device(args.device), budget, shape, args.repeats, getattr(torch, args.dtype))
+    device = resolve_device(args.device)
+    report = run_bench(device, budget, shape, args.repeats, getattr(torch, args.dtype), _recipes(device))
     for line in report.lines():
         print(line)
     return 0
+
+
+def _recipes(device) -> dict:
+    """The recipe each low-precision expert op is benched with: the formats of this device's hardware profile."""
+    from ferry.platform.hardware import resolve_profile
+    from ferry.precision import PrecisionConfig, resolve_precision
+    from ferry.precision.kernels import low_precision_op
+
+    profile = resolve_profile("auto", device)
+    recipes = {}
+    for kind in ("fp8", "mxfp8"):
+        recipe = resolve_precision(PrecisionConfig(experts=kind, on_unsupported="emulate"), profile).recipe
+        recipes[low_precision_op(recipe)] = recipe
+    return recipes

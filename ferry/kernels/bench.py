@@ -23,6 +23,7 @@ import torch
 
 from ferry.kernels.catalogue import REGISTRY
 from ferry.kernels.config import KernelsConfig
+from ferry.kernels.portable.low_precision import Recipe
 from ferry.kernels.registry import PORTABLE, Implementation, Op, Registry
 from ferry.kernels.selection import KernelSelection, bind, select_kernels
 
@@ -105,15 +106,15 @@ class BenchReport:
             f"({shape.tokens} tokens, dim {shape.dim}, expert width {shape.ffn}, {shape.experts} experts, "
             f"top-{shape.top_k}; attention: {shape.heads} query / {shape.kv_heads} key-value heads)"
         ]
-        out.append(f"{'op':20s} {'implementation':24s} {'ms':>10s} {'vendor/portable':>16s}")
+        out.append(f"{'op':20s} {'implementation':28s} {'ms':>10s} {'vendor/portable':>16s}")
         for report in self.ops:
             for timing in report.timings:
                 if timing.seconds is None:
-                    row = f"{report.op:20s} {timing.implementation:24s} {'-':>10s}"
+                    row = f"{report.op:20s} {timing.implementation:28s} {'-':>10s}"
                     out.append(f"{row}  unavailable: {timing.unavailable}")
                     continue
                 ratio = timing.seconds / report.portable_seconds
-                out.append(f"{report.op:20s} {timing.implementation:24s} {timing.seconds * 1e3:10.2f} {ratio:16.3f}")
+                out.append(f"{report.op:20s} {timing.implementation:28s} {timing.seconds * 1e3:10.2f} {ratio:16.3f}")
         out.append("budget:")
         out.extend(f"  {report.op}: {report.verdict(self.budget)}" for report in self.ops)
         verdict = "within" if self.dispatch_fraction < DISPATCH_LIMIT else "OVER"
@@ -131,16 +132,21 @@ def run_bench(
     shape: BenchShape = BenchShape(),
     repeats: int = 3,
     dtype: torch.dtype = torch.float32,
+    recipes: dict[str, Recipe] | None = None,
 ) -> BenchReport:
-    """Time every implementation of every op on `device` in `dtype`; unavailable ones are listed with the reason."""
+    """Time every implementation of every op on `device` in `dtype`; unavailable ones are listed with the reason.
+
+    `recipes` maps a low-precision op (`moe.fp8_grouped_mm`) to the recipe its calls
+    carry; the precision layer supplies them, and an op without one is not timed.
+    """
     portable = select_kernels(KernelsConfig(policy="portable"), device, dtype)
     auto = select_kernels(KernelsConfig(policy="auto"), device, dtype)
-    cases = _cases(shape, device, dtype, portable)
+    cases = _cases(shape, device, dtype, portable, recipes or {})
     report = BenchReport(f"{device} ({dtype})", shape, budget)
     for op in REGISTRY:
         timings = []
         for impl in op.implementations:
-            reason = impl.unavailable_reason(device, dtype)
+            reason = impl.unavailable_reason(device, dtype) if op.name in cases else "no recipe given for its calls"
             if reason is not None:
                 timings.append(Timing(impl.key, None, reason))
                 continue
@@ -163,7 +169,9 @@ class _Case:
     output: Callable = lambda result: result
 
 
-def _cases(shape: BenchShape, device: torch.device, dtype: torch.dtype, portable: KernelSelection) -> dict[str, _Case]:
+def _cases(
+    shape: BenchShape, device: torch.device, dtype: torch.dtype, portable: KernelSelection, recipes: dict[str, Recipe]
+) -> dict[str, _Case]:
     generator = torch.Generator().manual_seed(0)
 
     def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
@@ -182,7 +190,9 @@ def _cases(shape: BenchShape, device: torch.device, dtype: torch.dtype, portable
     x_ND = x_ND.detach()
     seq_len = min(shape.seq_len, tokens)
     batch, head_dim = tokens // seq_len, dim // shape.heads
+    low_precision = {op: _Case((x_ND, w_gate_EFD, offsets_E, recipe), (0, 1)) for op, recipe in recipes.items()}
     return {
+        **low_precision,
         "norm.rms": _Case((x_TD, randn(dim), 1e-5), (0, 1)),
         "attention": _Case(
             (

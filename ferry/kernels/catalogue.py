@@ -8,9 +8,9 @@ order `auto` prefers them.
 
 from __future__ import annotations
 
-from ferry.kernels.portable import attention, moe, norm
+from ferry.kernels.portable import attention, low_precision, moe, norm
 from ferry.kernels.registry import PORTABLE, Implementation, Op, Registry
-from ferry.kernels.vendor import cpu_fused_experts, grouped_gemm, padded_bmm, torch_grouped_mm
+from ferry.kernels.vendor import cpu_fused_experts, grouped_gemm, padded_bmm, torch_grouped_mm, torch_scaled_grouped_mm
 
 
 def _portable(op: str, fn, summary: str, uses: tuple[str, ...] = ()) -> Implementation:
@@ -70,6 +70,42 @@ REGISTRY = Registry(
                     fn=padded_bmm.grouped_mm,
                     summary="groups padded to the largest, one torch.bmm",
                 ),
+            ),
+        ),
+        Op(
+            name="moe.fp8_grouped_mm",
+            summary=(
+                "(x_NI, w_EOI, offsets_E, recipe) -> y_NO as moe.grouped_mm, every operand of the forward and both "
+                "gradients quantized to FP8 with row-wise scales as the recipe prescribes"
+            ),
+            portable=_portable(
+                "moe.fp8_grouped_mm",
+                low_precision.low_precision_grouped_mm,
+                "emulated: operands rounded, moe.grouped_mm as selected",
+                uses=("moe.grouped_mm",),
+            ),
+            vendor=(
+                Implementation(
+                    op="moe.fp8_grouped_mm",
+                    name="torch_scaled_grouped_mm",
+                    platform="cuda",
+                    fn=torch_scaled_grouped_mm.fp8_grouped_mm,
+                    probe=torch_scaled_grouped_mm.probe_cuda,
+                    summary="torch._scaled_grouped_mm: FP8 CUTLASS grouped GEMM, SM90, row-wise scales",
+                ),
+            ),
+        ),
+        Op(
+            name="moe.mxfp8_grouped_mm",
+            summary=(
+                "(x_NI, w_EOI, offsets_E, recipe) -> y_NO as moe.grouped_mm, every operand quantized to MXFP8 "
+                "(blocks of 32 along the reduction dim, E8M0 scales) as the recipe prescribes"
+            ),
+            portable=_portable(
+                "moe.mxfp8_grouped_mm",
+                low_precision.low_precision_grouped_mm,
+                "emulated: operands rounded, moe.grouped_mm as selected",
+                uses=("moe.grouped_mm",),
             ),
         ),
         Op(

@@ -2,7 +2,7 @@
 
 from ferry.precision.config import LossScalingConfig, PrecisionConfig
 from ferry.precision.policy import PrecisionPolicy, resolve_precision
-from ferry.precision.recipe import EmulatedLowPrecisionGroupedMM, LowPrecisionRecipe
+from ferry.precision.recipe import LowPrecisionRecipe
 from ferry.precision.scaler import LossScaler
 
 __all__ = [
@@ -10,7 +10,6 @@ __all__ = [
     "PrecisionConfig",
     "PrecisionPolicy",
     "resolve_precision",
-    "EmulatedLowPrecisionGroupedMM",
     "LowPrecisionRecipe",
     "LossScaler",
 ]

@@ -59,30 +59,64 @@ def mx_scale_exponents(amax: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), exponent, torch.full_like(amax, float("nan")))
 
 
-def fake_quantize_mx(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None):
-    """MX-quantize along `dim` in blocks of 32 and dequantize; returns the rounded tensor.
+def quantize_mx(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None):
+    """MX-quantize along `dim` in blocks of 32: (elements in `fmt`'s dtype, fp32 power-of-two scales).
 
+    The scales have `x`'s shape with `dim` moved last and holding one entry per block.
     `block_ids` (one id per position along `dim`, non-decreasing) overrides the plain
     blocks of 32, so that a block never spans two experts' token groups.
     """
     moved = x.movedim(dim, -1).float()
     if block_ids is None:
         block_ids = torch.arange(moved.shape[-1], device=x.device) // MX_BLOCK
-    scale_X = _per_position(torch.exp2(mx_scale_exponents(_block_amax(moved, block_ids), fmt)), block_ids)
-    rounded = round_to_format(moved / scale_X, fmt) * scale_X
-    return rounded.to(x.dtype).movedim(-1, dim)
+    scale_XB = torch.exp2(mx_scale_exponents(_block_amax(moved, block_ids), fmt))
+    return _scaled_elements(moved, scale_XB, block_ids, fmt, dim), scale_XB
 
 
-def fake_quantize_rowwise(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None):
-    """FP8 with one fp32 scale per row (amax along `dim`, or per group of `block_ids`), then dequantize."""
+def quantize_rowwise(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None):
+    """FP8 with one fp32 scale (amax / max) per row along `dim`, or per group of `block_ids` along it.
+
+    Returns the elements in `fmt`'s dtype and the scales, laid out as `quantize_mx`'s.
+    """
     moved = x.movedim(dim, -1).float()
     if block_ids is None:
         block_ids = torch.zeros(moved.shape[-1], dtype=torch.long, device=x.device)
     amax_XB = _block_amax(moved, block_ids)
     scale_XB = torch.where(amax_XB > 0, amax_XB / fmt.max, torch.ones_like(amax_XB))
-    scale_X = _per_position(scale_XB, block_ids)
-    rounded = round_to_format(moved / scale_X, fmt) * scale_X
-    return rounded.to(x.dtype).movedim(-1, dim)
+    return _scaled_elements(moved, scale_XB, block_ids, fmt, dim), scale_XB
+
+
+def dequantize(q: torch.Tensor, scale_XB: torch.Tensor, dim: int, block_ids: torch.Tensor | None, dtype: torch.dtype):
+    """Elements times their block's scale, in `dtype`: exactly what a scaled GEMM multiplies."""
+    moved = q.movedim(dim, -1).float()
+    if block_ids is None:
+        block_ids = _plain_block_ids(moved.shape[-1], scale_XB.shape[-1], q.device)
+    return (moved * _per_position(scale_XB, block_ids)).to(dtype).movedim(-1, dim)
+
+
+def fake_quantize_mx(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None):
+    """MX-quantize along `dim` and dequantize: `x` rounded as MXFP8 hardware would see it."""
+    q, scale_XB = quantize_mx(x, fmt, dim, block_ids)
+    return dequantize(q, scale_XB, dim, block_ids, x.dtype)
+
+
+def fake_quantize_rowwise(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None):
+    """Row-wise FP8-quantize along `dim` and dequantize."""
+    q, scale_XB = quantize_rowwise(x, fmt, dim, block_ids)
+    return dequantize(q, scale_XB, dim, block_ids, x.dtype)
+
+
+def _scaled_elements(moved_XL, scale_XB, block_ids_L, fmt: FloatFormat, dim: int) -> torch.Tensor:
+    """The elements `x / scale` rounded to `fmt` (NaN for non-finite input), back in `x`'s layout."""
+    rounded = round_to_format(moved_XL / _per_position(scale_XB, block_ids_L), fmt)
+    return rounded.to(fmt.dtype).movedim(-1, dim)
+
+
+def _plain_block_ids(length: int, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """Blocks of 32 when there are several per row, else one block for the whole row (row-wise FP8)."""
+    if num_blocks == 1:
+        return torch.zeros(length, dtype=torch.long, device=device)
+    return torch.arange(length, device=device) // MX_BLOCK
 
 
 def _block_amax(x_XL: torch.Tensor, block_ids_L: torch.Tensor) -> torch.Tensor:

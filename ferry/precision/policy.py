@@ -31,6 +31,17 @@ class PrecisionPolicy:
     experts_mode: str
     recipe: LowPrecisionRecipe | None
     decisions: list[str] = field(default_factory=list)
+    experts_kernel: str | None = None
+
+    def record_experts_kernel(self, key: str, native: bool) -> None:
+        """The expert GEMMs run native only where a vendor kernel computes the format; else they are emulated."""
+        self.experts_kernel = key
+        if self.experts_mode == "native" and not native:
+            self.experts_mode = "emulated"
+            self.decisions.append(
+                f"experts={self.experts}: the hardware has the format, but no vendor kernel for it is selected "
+                f"here; {key} emulates it"
+            )
 
     @property
     def torch_param_dtype(self) -> torch.dtype:
@@ -64,6 +75,7 @@ class PrecisionPolicy:
             "loss_scaling": self.loss_scaling,
             "experts": self.experts,
             "experts_mode": self.experts_mode,
+            "experts_kernel": self.experts_kernel,
             "experts_formats": None
             if self.recipe is None
             else {"forward": str(self.recipe.forward_format.dtype), "grad": str(self.recipe.grad_format.dtype)},

@@ -28,7 +28,7 @@ from ferry.parallel.zero import optimizer_state_bytes
 from ferry.platform import environment_fingerprint, resolve_device
 from ferry.platform.hardware import HardwareProfile, measured_cpu_profile, resolve_profile
 from ferry.precision import resolve_precision
-from ferry.precision.kernels import with_low_precision_experts
+from ferry.precision.kernels import low_precision_op, with_low_precision_experts
 from ferry.train.checkpointing import (
     check_config,
     optimizer_record,
@@ -77,6 +77,8 @@ class Trainer:
         self.kernels = select_kernels(config.kernels, self.device, self.precision.torch_param_dtype)
         if self.precision.recipe is not None:
             self.kernels = with_low_precision_experts(self.kernels, self.precision.recipe)
+            low = self.kernels.choices[low_precision_op(self.precision.recipe)].implementation
+            self.precision.record_experts_kernel(low.key, native=not low.portable)
         torch.manual_seed(config.run.seed)
         self.model: Transformer = config.model.build(self.kernels).to(
             self.device, dtype=self.precision.torch_param_dtype

@@ -1,0 +1,131 @@
+"""`moe.fp8_grouped_mm` on `torch._scaled_grouped_mm`: FP8 elements, fp32 row-wise scales, one call per GEMM.
+
+torch's FP8 grouped GEMM runs on compute capability 9.0 (H100, H200; not SM100,
+where torch offers MXFP8 instead). It takes the left operand row-major and the right
+one column-major, one dequantization scale per row of each, and for the weight
+gradient (groups along the reduction dim, "2d x 2d") one scale per row and group,
+group-major. Its reduction-dim groups must be multiples of 16 rows, so this
+implementation pads token groups with zero rows there, which add nothing to a sum.
+The recipe quantizes, exactly as the portable emulation does; only the GEMM differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ferry.kernels.amp import outside_autocast
+
+GROUP_ALIGN_ROWS = 16
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+ScaledGroupedMM = Callable[..., torch.Tensor]
+
+
+def probe_cuda(device: torch.device, dtype: torch.dtype) -> str | None:
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no _scaled_grouped_mm (it needs torch 2.9 or newer)"
+    if dtype != torch.bfloat16:
+        return f"its kernel writes bfloat16, the run computes in {dtype}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return f"torch's FP8 grouped GEMM runs on compute capability 9.0, this GPU has {capability[0]}.{capability[1]}"
+    return None
+
+
+@outside_autocast
+def fp8_grouped_mm(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, recipe) -> torch.Tensor:
+    return scaled_grouped_mm_with(torch._scaled_grouped_mm, x_NI, w_EOI, offsets_E, recipe)
+
+
+def scaled_grouped_mm_with(
+    kernel: ScaledGroupedMM, x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, recipe
+) -> torch.Tensor:
+    """The implementation over any kernel with `torch._scaled_grouped_mm`'s contract (tests pass a reference)."""
+    _check_recipe(recipe)
+    return _FP8GroupedMM.apply(x_NI, w_EOI, offsets_E, recipe, kernel)
+
+
+class _FP8GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NI, w_EOI, offsets_E, recipe, kernel):
+        ctx.save_for_backward(x_NI, w_EOI, offsets_E)
+        ctx.recipe, ctx.kernel = recipe, kernel
+        fmt = recipe.forward_format
+        x_q, x_scale_N1 = recipe.quantize_scaled(x_NI, fmt, -1)
+        w_q, w_scale_EO1 = recipe.quantize_scaled(w_EOI, fmt, -1)
+        return kernel(
+            x_q, w_q.transpose(-2, -1), x_scale_N1[:, 0], w_scale_EO1[..., 0], offs=offsets_E, out_dtype=x_NI.dtype
+        )
+
+    @staticmethod
+    def backward(ctx, dy_NO):
+        x_NI, w_EOI, offsets_E = ctx.saved_tensors
+        recipe, kernel = ctx.recipe, ctx.kernel
+        dy_NO = dy_NO.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            dy_q, dy_scale_N1 = recipe.quantize_scaled(dy_NO, recipe.grad_format, -1)
+            w_q, w_scale_EI1 = recipe.quantize_scaled(w_EOI, recipe.forward_format, 1)
+            w_q_column_major = w_q.transpose(1, 2).contiguous().transpose(1, 2)
+            grad_x = kernel(
+                dy_q, w_q_column_major, dy_scale_N1[:, 0], w_scale_EI1[..., 0], offs=offsets_E, out_dtype=x_NI.dtype
+            )
+        if ctx.needs_input_grad[1]:
+            grad_w = _weight_gradient(kernel, recipe, dy_NO, x_NI, offsets_E, w_EOI.shape[0])
+        return grad_x, grad_w, None, None, None
+
+
+def _weight_gradient(kernel, recipe, dy_NO, x_NI, offsets_E, num_experts: int) -> torch.Tensor:
+    """dw[e] = dy[group e].T @ x[group e]: the 2d x 2d form, groups along tokens, scaled per channel and group."""
+    block_ids_N = recipe.token_block_ids(offsets_E, x_NI.shape[0])
+    dy_q, dy_scale_OB = recipe.quantize_scaled(dy_NO, recipe.grad_format, 0, block_ids_N)
+    x_q, x_scale_IB = recipe.quantize_scaled(x_NI, recipe.forward_format, 0, block_ids_N)
+    dy_q, x_q, padded_offsets_E = _pad_groups([dy_q, x_q], offsets_E)
+    grad_EOI = kernel(
+        dy_q.t().contiguous(),
+        x_q.t().contiguous().t(),
+        _group_major(dy_scale_OB, num_experts),
+        _group_major(x_scale_IB, num_experts),
+        offs=padded_offsets_E,
+        out_dtype=x_NI.dtype,
+    )
+    empty_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)) == 0
+    return grad_EOI.masked_fill(empty_E.view(-1, 1, 1), 0.0)
+
+
+def _group_major(scale_XB: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[channel, group] scales as the kernel reads them: group by group; groups past the last token get 1."""
+    missing = num_groups - scale_XB.shape[1]
+    if missing:
+        scale_XB = torch.cat([scale_XB, scale_XB.new_ones(scale_XB.shape[0], missing)], dim=1)
+    return scale_XB.t().contiguous().view(-1)
+
+
+def _pad_groups(tensors_NX: list[torch.Tensor], offsets_E: torch.Tensor):
+    """Each group's rows moved to a start that is a multiple of 16, zero rows between; with the new offsets."""
+    sizes_E = torch.diff(offsets_E.long(), prepend=offsets_E.new_zeros(1).long())
+    padded_E = (sizes_E + GROUP_ALIGN_ROWS - 1) // GROUP_ALIGN_ROWS * GROUP_ALIGN_ROWS
+    if torch.equal(padded_E, sizes_E):
+        return (*tensors_NX, offsets_E)
+    padded_offsets_E = torch.cumsum(padded_E, 0)
+    rows_N = torch.arange(int(offsets_E[-1]), device=offsets_E.device)
+    group_N = torch.searchsorted(offsets_E.long(), rows_N, right=True)
+    destination_N = rows_N + (padded_offsets_E - padded_E - (offsets_E.long() - sizes_E))[group_N]
+    total = int(padded_offsets_E[-1])
+    padded = []
+    for tensor_NX in tensors_NX:
+        bytes_NX = tensor_NX.view(torch.uint8)  # fp8 has no index_copy kernel everywhere; its bytes do
+        out_PX = bytes_NX.new_zeros(total, *bytes_NX.shape[1:])
+        padded.append(out_PX.index_copy_(0, destination_N, bytes_NX).view(tensor_NX.dtype))
+    return (*padded, padded_offsets_E.to(offsets_E.dtype))
+
+
+def _check_recipe(recipe) -> None:
+    formats = (recipe.forward_format.dtype, recipe.grad_format.dtype)
+    if recipe.kind != "fp8" or any(dtype not in FP8_DTYPES for dtype in formats):
+        raise ValueError(
+            f"moe.fp8_grouped_mm torch_scaled_grouped_mm computes row-wise scaled OCP FP8 (e4m3fn, e5m2); "
+            f"the recipe is {recipe.kind} with {formats[0]} forward and {formats[1]} gradients"
+        )

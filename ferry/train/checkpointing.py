@@ -29,7 +29,6 @@ from ferry.checkpoint import Checkpoint, CheckpointError, CheckpointMeta, Tensor
 from ferry.checkpoint.writer import RankRecord, begin_save, build_manifest, publish, write_manifest, write_rank_files
 from ferry.config import ConfigError
 from ferry.parallel import ParallelPlan
-from ferry.platform.host_memory import empty_host_like
 from ferry.train.config import RunConfig
 from ferry.train.optimizer import decayed_parameter_names
 
@@ -156,7 +155,7 @@ def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer, plan:
         if key == "step":
             value = checkpoint.read(logical)
         else:
-            value = _fresh_state_like(param)
+            value = torch.empty_like(param, memory_format=torch.contiguous_format)  # filled whole below
             _read_piece(checkpoint, logical, _piece(name, value, plan))
         state.setdefault(param, {})[key] = value
     optimizer.state.clear()
@@ -188,17 +187,6 @@ def _piece(name: str, tensor: torch.Tensor, plan: ParallelPlan) -> TensorPiece:
         return TensorPiece.whole(tensor)
     offset = (expert_slice.start,) + (0,) * (tensor.ndim - 1)
     return TensorPiece(tensor, offset, (expert_slice.num_experts, *tensor.shape[1:]))
-
-
-def _fresh_state_like(param: torch.Tensor) -> torch.Tensor:
-    """Uninitialised memory for one moment of `param`, which the checkpoint then fills whole.
-
-    Plain CPU state goes on huge pages (ferry.platform.host_memory): allocating the
-    moments is otherwise the largest cost of a CPU resume.
-    """
-    if isinstance(param, DTensor) or param.device.type != "cpu":
-        return torch.empty_like(param, memory_format=torch.contiguous_format)
-    return empty_host_like(param)
 
 
 def _read_piece(checkpoint: Checkpoint, name: str, piece: TensorPiece) -> None:

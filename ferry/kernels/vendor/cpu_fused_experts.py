@@ -10,6 +10,21 @@ and adds its weighted output straight into the token-ordered result; only the
 gate and up activations, which the backward needs, span all rows. The backward
 walks the blocks again and recomputes the cheap elementwise parts. A loop of many
 small kernels is the wrong shape for a GPU, hence: CPU only.
+
+The weight-gradient GEMMs accumulate straight into the parameters' `.grad` (as
+Megatron's fused weight-gradient accumulation does), into one buffer per parameter
+that is kept across steps: `zero_grad(set_to_none=True)` drops the reference, the
+next backward takes the same memory again. Returning fresh gradients through
+autograd instead maps 3 x E x F x D new floats every step (192 MB at 128 experts),
+and their page faults cost as much as the weight-gradient GEMMs themselves. A weight
+that is not a leaf (a view) gets its gradient through autograd. A sharding wrapper
+that drops `.grad` after reducing it (FSDP) leaves the kept buffer in place: on a CPU
+its unsharded expert gradients stay allocated between steps.
+
+For the same reason the gate and up activations saved for the backward come from a
+pool: a finished backward hands its buffer back, and the next forward of the same
+size takes it. Were a retained graph's backward run again after another forward had
+reused the buffer, autograd's version check on saved tensors would refuse it.
 """
 
 from __future__ import annotations
@@ -49,8 +64,8 @@ class _FusedExperts(torch.autograd.Function):
         token_of_N = torch.div(order_N, top_k, rounding_mode="floor")
         weight_N1 = weights_TK.flatten().index_select(0, order_N).unsqueeze(1)
         sizes = tokens_per_expert_E.tolist()
-        gate_NF = x_TD.new_empty(order_N.numel(), w_gate_EFD.shape[1])
-        up_NF = torch.empty_like(gate_NF)
+        activations_2NF = _SPARE_ACTIVATIONS.take((2, order_N.numel(), w_gate_EFD.shape[1]), x_TD.dtype)
+        gate_NF, up_NF = activations_2NF
         out_TD = torch.zeros_like(x_TD)
         for expert, _, rows in _blocks(sizes):
             tokens_M = token_of_N[rows]
@@ -59,25 +74,24 @@ class _FusedExperts(torch.autograd.Function):
             up_MF = torch.mm(x_MD, w_up_EFD[expert].t(), out=up_NF[rows])
             y_MD = torch.mm(F.silu(gate_MF).mul_(up_MF), w_down_EDF[expert].t())
             out_TD.index_add_(0, tokens_M, y_MD.mul_(weight_N1[rows]))
-        ctx.save_for_backward(x_TD, order_N, token_of_N, weight_N1, gate_NF, up_NF, w_gate_EFD, w_up_EFD, w_down_EDF)
+        ctx.save_for_backward(x_TD, order_N, token_of_N, weight_N1, activations_2NF, w_gate_EFD, w_up_EFD, w_down_EDF)
         ctx.sizes = sizes
         ctx.weights_shape = weights_TK.shape
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_TD):
-        x_TD, order_N, token_of_N, weight_N1, gate_NF, up_NF, w_gate_EFD, w_up_EFD, w_down_EDF = ctx.saved_tensors
+        x_TD, order_N, token_of_N, weight_N1, activations_2NF, w_gate_EFD, w_up_EFD, w_down_EDF = ctx.saved_tensors
+        gate_NF, up_NF = activations_2NF
         grad_TD = grad_TD.contiguous()
         grad_x_TD = torch.zeros_like(x_TD)
         grad_weight_N = weight_N1.new_empty(order_N.numel())
-        grad_gate_EFD = torch.empty_like(w_gate_EFD)
-        grad_up_EFD = torch.empty_like(w_up_EFD)
-        grad_down_EDF = torch.empty_like(w_down_EDF)
+        targets = [_WeightGradient(weight) for weight in (w_gate_EFD, w_up_EFD, w_down_EDF)]
+        grad_gate_EFD, grad_up_EFD, grad_down_EDF = (target.tensor for target in targets)
         for expert, size in enumerate(ctx.sizes):
             if size == 0:
-                grad_gate_EFD[expert].zero_()
-                grad_up_EFD[expert].zero_()
-                grad_down_EDF[expert].zero_()
+                for target in targets:
+                    target.zero_expert(expert)
         for expert, first, rows in _blocks(ctx.sizes):
             beta = 0.0 if first else 1.0  # an expert's first block writes its weight gradients, later ones add
             tokens_M = token_of_N[rows]
@@ -89,25 +103,83 @@ class _FusedExperts(torch.autograd.Function):
             # the gradient at the hidden layer before the routing weight also yields the weight's gradient
             grad_hidden_MF = torch.mm(grad_out_MD, w_down_EDF[expert])
             torch.linalg.vecdot(grad_hidden_MF, hidden_MF, out=grad_weight_N[rows])
-            grad_down_EDF[expert].addmm_(grad_out_MD.t(), hidden_MF.mul_(weight_M1), beta=beta)
+            grad_down_EDF[expert].addmm_(grad_out_MD.t(), hidden_MF.mul_(weight_M1), beta=targets[2].beta(beta))
             grad_hidden_MF.mul_(weight_M1)
             grad_up_MF = grad_hidden_MF * silu_MF
             grad_gate_MF = torch.ops.aten.silu_backward(grad_hidden_MF.mul_(up_MF), gate_MF)
-            grad_gate_EFD[expert].addmm_(grad_gate_MF.t(), x_MD, beta=beta)
-            grad_up_EFD[expert].addmm_(grad_up_MF.t(), x_MD, beta=beta)
+            grad_gate_EFD[expert].addmm_(grad_gate_MF.t(), x_MD, beta=targets[0].beta(beta))
+            grad_up_EFD[expert].addmm_(grad_up_MF.t(), x_MD, beta=targets[1].beta(beta))
             grad_x_MD = torch.mm(grad_gate_MF, w_gate_EFD[expert])
             grad_x_TD.index_add_(0, tokens_M, grad_x_MD.addmm_(grad_up_MF, w_up_EFD[expert]))
         grad_weights_TK = torch.empty_like(grad_weight_N)
         grad_weights_TK[order_N] = grad_weight_N
+        _SPARE_ACTIVATIONS.give_back(activations_2NF)
         return (
             grad_x_TD,
             None,
             grad_weights_TK.view(ctx.weights_shape),
             None,
-            grad_gate_EFD,
-            grad_up_EFD,
-            grad_down_EDF,
+            *(target.returned for target in targets),
         )
+
+
+class _SparePool:
+    """Activation buffers handed back by a finished backward, for the next forward of the same size."""
+
+    def __init__(self):
+        self._spare: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        spare = self._spare.get((shape, dtype))
+        return spare.pop() if spare else torch.empty(shape, dtype=dtype)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        self._spare.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+
+
+_SPARE_ACTIVATIONS = _SparePool()
+
+
+# The attribute that holds a parameter's kept weight-gradient buffer (as Megatron keeps `main_grad`
+# on the parameter): it lives exactly as long as the parameter.
+_KEPT_GRAD = "ferry_kept_grad"
+
+
+class _WeightGradient:
+    """Where one expert weight's gradient is written, and what the backward hands to autograd.
+
+    A leaf parameter's gradient goes into `.grad` directly: added to it when it holds
+    one (gradient accumulation over micro-batches), else written into the parameter's
+    kept buffer, which becomes its `.grad`; autograd then gets None for it. Any other
+    weight gets a fresh tensor through autograd.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        direct = weight.is_leaf and weight.requires_grad
+        existing = weight.grad if direct else None
+        self.accumulate = existing is not None and existing.shape == weight.shape and existing.is_contiguous()
+        if self.accumulate:
+            self.tensor = existing
+        elif direct and existing is None:
+            buffer = getattr(weight, _KEPT_GRAD, None)
+            if buffer is None or buffer.shape != weight.shape or buffer.dtype != weight.dtype:
+                buffer = torch.empty_like(weight, memory_format=torch.contiguous_format)
+                setattr(weight, _KEPT_GRAD, buffer)
+            weight.grad = buffer
+            self.tensor = buffer
+        else:
+            direct = False
+            self.tensor = torch.empty_like(weight, memory_format=torch.contiguous_format)
+        self.returned = None if direct else self.tensor
+
+    def beta(self, block_beta: float) -> float:
+        """The GEMM's beta: an expert's first block overwrites a fresh gradient and adds to an existing one."""
+        return 1.0 if self.accumulate else block_beta
+
+    def zero_expert(self, expert: int) -> None:
+        """An expert without tokens has a zero gradient: written into a fresh one, nothing added to an existing one."""
+        if not self.accumulate:
+            self.tensor[expert].zero_()
 
 
 def _blocks(sizes: list[int]) -> Iterator[tuple[int, bool, slice]]:

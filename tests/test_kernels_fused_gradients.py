@@ -1,0 +1,90 @@
+"""The fused CPU expert path writes weight gradients into kept `.grad` buffers: same values, reused memory.
+
+Tolerance: 1e-5 relative in fp32 against the portable composition, as in
+test_kernels_agreement.py (the two differ only in the order of sums).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferry.kernels import portable_kernels
+from ferry.kernels.vendor import cpu_fused_experts
+
+TOLERANCE = 1e-5
+T, D, F, E, K = 37, 16, 8, 6, 2
+
+
+def _problem(seed: int):
+    """Routing in which expert 3 receives no token, and the three expert weights as leaf parameters."""
+    generator = torch.Generator().manual_seed(seed)
+    scores_TE = torch.randn(T, E, generator=generator).softmax(-1)
+    scores_TE[:, 3] = -1.0
+    weights_TK, expert_ids_TK = scores_TE.topk(K, dim=-1)
+    counts_E = torch.bincount(expert_ids_TK.flatten(), minlength=E)
+    x_TD = torch.randn(T, D, generator=generator)
+    return x_TD, expert_ids_TK, weights_TK, counts_E
+
+
+def _weights(seed: int = 7) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*shape, generator=generator)) for shape in ((E, F, D), (E, F, D), (E, D, F))]
+
+
+def _backward(fn, weights, seeds, transform=lambda w: w) -> None:
+    for seed in seeds:
+        x_TD, expert_ids_TK, weights_TK, counts_E = _problem(seed)
+        out = fn(x_TD, expert_ids_TK, weights_TK, counts_E, *(transform(w) for w in weights))
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 100)))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return ((a - b).norm() / b.norm()).item() < TOLERANCE
+
+
+@pytest.fixture(autouse=True)
+def several_blocks_per_expert(monkeypatch):
+    monkeypatch.setattr(cpu_fused_experts, "BLOCK_ROWS", 3)
+
+
+def test_gradients_accumulate_over_micro_batches_like_autograd():
+    fused, reference = _weights(), _weights()
+    _backward(cpu_fused_experts.routed_experts, fused, seeds=(1, 2))
+    _backward(portable_kernels()["moe.routed_experts"], reference, seeds=(1, 2))
+    for ours, theirs in zip(fused, reference, strict=True):
+        assert _close(ours.grad, theirs.grad)
+        assert torch.equal(ours.grad[3], torch.zeros_like(ours.grad[3]))  # expert 3 never had a token
+
+
+def test_the_kept_buffer_is_reused_after_zero_grad_and_overwritten():
+    fused, reference = _weights(), _weights()
+    _backward(cpu_fused_experts.routed_experts, fused, seeds=(1,))
+    first_storage = [w.grad.data_ptr() for w in fused]
+    for w in fused:
+        w.grad = None  # what zero_grad(set_to_none=True) does
+    _backward(cpu_fused_experts.routed_experts, fused, seeds=(2,))
+    _backward(portable_kernels()["moe.routed_experts"], reference, seeds=(2,))
+    assert [w.grad.data_ptr() for w in fused] == first_storage
+    for ours, theirs in zip(fused, reference, strict=True):
+        assert _close(ours.grad, theirs.grad)  # step 1's values are gone, not added to
+        assert torch.equal(ours.grad[3], torch.zeros_like(ours.grad[3]))
+
+
+def test_a_weight_that_is_not_a_leaf_gets_its_gradient_through_autograd():
+    fused, reference = _weights(), _weights()
+    _backward(cpu_fused_experts.routed_experts, fused, seeds=(1,), transform=lambda w: w * 2.0)
+    _backward(portable_kernels()["moe.routed_experts"], reference, seeds=(1,), transform=lambda w: w * 2.0)
+    for ours, theirs in zip(fused, reference, strict=True):
+        assert _close(ours.grad, theirs.grad)
+        assert not hasattr(ours, cpu_fused_experts._KEPT_GRAD)
+
+
+def test_a_retained_graph_whose_activations_were_reused_is_refused_not_corrupted():
+    weights = _weights()
+    x_TD, expert_ids_TK, weights_TK, counts_E = _problem(1)
+    retained = cpu_fused_experts.routed_experts(x_TD, expert_ids_TK, weights_TK, counts_E, *weights)
+    retained.sum().backward(retain_graph=True)
+    _backward(cpu_fused_experts.routed_experts, weights, seeds=(2,))  # takes the handed-back activation buffer
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        retained.sum().backward()

@@ -7,6 +7,7 @@ import os
 import sys
 
 from ferry.cli import ckpt
+from ferry.cli.hardware import add_hardware_commands
 from ferry.cli.kernels import add_kernels_commands
 from ferry.cli.metrics import add_metrics_commands
 from ferry.config import UserError
@@ -60,6 +61,7 @@ def _build_parser() -> argparse.ArgumentParser:
     ckpt.register(commands)
     add_metrics_commands(commands)
     add_kernels_commands(commands)
+    add_hardware_commands(commands)
     return parser
 
 

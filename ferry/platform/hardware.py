@@ -103,23 +103,52 @@ def measured_cpu_profile(cache_dir: Path | None = None) -> HardwareProfile:
 
 
 def cpu_peak_tflops(cache_dir: Path | None = None) -> dict[str, float]:
-    cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ferry"
-    key = f"{platform.node()}-{platform.processor() or platform.machine()}-{torch.get_num_threads()}t-{torch.__version__}"
-    cache = cache_dir / "cpu_peak.json"
+    """The peaks cached for this host, thread count and torch; measured (briefly) and cached when there are none."""
+    cached = cached_cpu_peak(cache_dir)
+    if cached is not None:
+        return cached["peak_tflops"]
+    return measure_cpu_peak(cache_dir)["peak_tflops"]
+
+
+def cached_cpu_peak(cache_dir: Path | None = None) -> dict | None:
+    """The cache entry for this machine (peaks, when and under what load they were measured), if any."""
     try:
-        cached = json.loads(cache.read_text())
-        if cached.get("key") == key:
-            return cached["peak_tflops"]
+        cached = json.loads(_peak_cache(cache_dir).read_text())
     except (OSError, ValueError):
-        pass
+        return None
+    return cached if cached.get("key") == _peak_key() else None
+
+
+def measure_cpu_peak(cache_dir: Path | None = None, seconds: float = 0.3) -> dict:
+    """Measure fp32, bf16 and fp16 matmul peaks now, best of `seconds` each, and cache them.
+
+    A measurement taken while other work runs on the same cores understates the peak
+    and so overstates every MFU computed from it; the entry records the load average
+    at the time, and `ferry hardware measure` takes a new one on a quiet machine.
+    """
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    peaks = {name: _matmul_tflops(dtype) for name, dtype in dtypes.items()}
+    entry = {
+        "key": _peak_key(),
+        "peak_tflops": {name: _matmul_tflops(dtype, seconds) for name, dtype in dtypes.items()},
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average": round(os.getloadavg()[0], 2),
+        "cores": os.cpu_count(),
+    }
+    cache = _peak_cache(cache_dir)
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"key": key, "peak_tflops": peaks}))
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(entry))
     except OSError:
         pass
-    return peaks
+    return entry
+
+
+def _peak_cache(cache_dir: Path | None) -> Path:
+    return (cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ferry") / "cpu_peak.json"
+
+
+def _peak_key() -> str:
+    return f"{platform.node()}-{platform.processor() or platform.machine()}-{torch.get_num_threads()}t-{torch.__version__}"
 
 
 def _matmul_tflops(dtype: torch.dtype, seconds: float = 0.3) -> float:

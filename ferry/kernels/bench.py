@@ -213,13 +213,17 @@ def _cases(
 
 
 def _time(case: _Case, fn: Callable, repeats: int, device: torch.device) -> float:
-    """Median seconds of forward + backward, after one warm-up call that also fixes the output gradient."""
+    """Median seconds of forward + backward, after one warm-up call that also fixes the output gradient.
+
+    The inputs that take gradients are the same leaves in every call, their gradients
+    dropped in between, as a training step drops its parameters' gradients.
+    """
     grad = None
     seconds = []
+    args = [arg.detach().requires_grad_() if index in case.grad_args else arg for index, arg in enumerate(case.args)]
     for attempt in range(repeats + 1):
-        args = [
-            arg.detach().requires_grad_() if index in case.grad_args else arg for index, arg in enumerate(case.args)
-        ]
+        for index in case.grad_args:
+            args[index].grad = None
         _synchronize(device)
         started = time.perf_counter()
         out = case.output(fn(*args))

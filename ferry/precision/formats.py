@@ -40,10 +40,8 @@ def float_format(name: str) -> FloatFormat:
 
 def round_to_format(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """Round to the nearest value of `fmt`, saturating at ±max; NaN and ±inf become NaN."""
-    finite = torch.isfinite(x)
-    clamped = x.clamp(-fmt.max, fmt.max)
-    rounded = clamped.to(fmt.dtype).to(x.dtype)
-    return torch.where(finite, rounded, torch.full_like(x, float("nan")))
+    rounded = x.clamp(-fmt.max, fmt.max).to(fmt.dtype).to(x.dtype)
+    return torch.where(torch.isfinite(x), rounded, float("nan"))
 
 
 def mx_scale_exponents(amax: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
@@ -67,10 +65,9 @@ def quantize_mx(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Te
     blocks of 32, so that a block never spans two experts' token groups.
     """
     moved = x.movedim(dim, -1).float()
-    if block_ids is None:
-        block_ids = torch.arange(moved.shape[-1], device=x.device) // MX_BLOCK
-    scale_XB = torch.exp2(mx_scale_exponents(_block_amax(moved, block_ids), fmt))
-    return _scaled_elements(moved, scale_XB, block_ids, fmt, dim), scale_XB
+    blocks = _Blocks.of(moved.shape[-1], MX_BLOCK, block_ids)
+    scale_XB = torch.exp2(mx_scale_exponents(blocks.amax(moved), fmt))
+    return _scaled_elements(moved, scale_XB, blocks, fmt, dim), scale_XB
 
 
 def quantize_rowwise(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None):
@@ -79,19 +76,18 @@ def quantize_rowwise(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: tor
     Returns the elements in `fmt`'s dtype and the scales, laid out as `quantize_mx`'s.
     """
     moved = x.movedim(dim, -1).float()
-    if block_ids is None:
-        block_ids = torch.zeros(moved.shape[-1], dtype=torch.long, device=x.device)
-    amax_XB = _block_amax(moved, block_ids)
+    blocks = _Blocks.of(moved.shape[-1], moved.shape[-1], block_ids)
+    amax_XB = blocks.amax(moved)
     scale_XB = torch.where(amax_XB > 0, amax_XB / fmt.max, torch.ones_like(amax_XB))
-    return _scaled_elements(moved, scale_XB, block_ids, fmt, dim), scale_XB
+    return _scaled_elements(moved, scale_XB, blocks, fmt, dim), scale_XB
 
 
 def dequantize(q: torch.Tensor, scale_XB: torch.Tensor, dim: int, block_ids: torch.Tensor | None, dtype: torch.dtype):
     """Elements times their block's scale, in `dtype`: exactly what a scaled GEMM multiplies."""
     moved = q.movedim(dim, -1).float()
-    if block_ids is None:
-        block_ids = _plain_block_ids(moved.shape[-1], scale_XB.shape[-1], q.device)
-    return (moved * _per_position(scale_XB, block_ids)).to(dtype).movedim(-1, dim)
+    length, num_blocks = moved.shape[-1], scale_XB.shape[-1]
+    blocks = _Blocks.of(length, length if num_blocks == 1 else MX_BLOCK, block_ids)
+    return blocks.multiply(moved, scale_XB).to(dtype).movedim(-1, dim)
 
 
 def fake_quantize_mx(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None):
@@ -106,26 +102,48 @@ def fake_quantize_rowwise(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids
     return dequantize(q, scale_XB, dim, block_ids, x.dtype)
 
 
-def _scaled_elements(moved_XL, scale_XB, block_ids_L, fmt: FloatFormat, dim: int) -> torch.Tensor:
+def _scaled_elements(moved_XL, scale_XB, blocks: "_Blocks", fmt: FloatFormat, dim: int) -> torch.Tensor:
     """The elements `x / scale` rounded to `fmt` (NaN for non-finite input), back in `x`'s layout."""
-    rounded = round_to_format(moved_XL / _per_position(scale_XB, block_ids_L), fmt)
+    rounded = round_to_format(blocks.divide(moved_XL, scale_XB), fmt)
     return rounded.to(fmt.dtype).movedim(-1, dim)
 
 
-def _plain_block_ids(length: int, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """Blocks of 32 when there are several per row, else one block for the whole row (row-wise FP8)."""
-    if num_blocks == 1:
-        return torch.zeros(length, dtype=torch.long, device=device)
-    return torch.arange(length, device=device) // MX_BLOCK
+@dataclass(frozen=True)
+class _Blocks:
+    """How the last dim splits into scaling blocks: equal runs of `size` (fast), or one id per position.
 
+    Equal runs are handled as a reshaped view, so a block's amax and its scale
+    reach every element without materialising a per-element index.
+    """
 
-def _block_amax(x_XL: torch.Tensor, block_ids_L: torch.Tensor) -> torch.Tensor:
-    """Largest magnitude per block along the last dim; a NaN makes its block's amax inf."""
-    num_blocks = int(block_ids_L[-1]) + 1 if block_ids_L.numel() else 0
-    magnitude = torch.where(x_XL.isnan(), torch.full_like(x_XL, float("inf")), x_XL.abs())
-    amax_XB = x_XL.new_zeros(*x_XL.shape[:-1], num_blocks)
-    return amax_XB.scatter_reduce(-1, block_ids_L.expand_as(x_XL), magnitude, reduce="amax", include_self=True)
+    size: int | None
+    ids_L: torch.Tensor | None
 
+    @staticmethod
+    def of(length: int, size: int, block_ids_L: torch.Tensor | None) -> "_Blocks":
+        if block_ids_L is not None:
+            return _Blocks(None, block_ids_L)
+        if length and length % size == 0:
+            return _Blocks(size, None)
+        return _Blocks(None, torch.arange(length) // size)
 
-def _per_position(values_XB: torch.Tensor, block_ids_L: torch.Tensor) -> torch.Tensor:
-    return values_XB.index_select(-1, block_ids_L)
+    def amax(self, x_XL: torch.Tensor) -> torch.Tensor:
+        """Largest magnitude per block; a NaN makes its block's amax inf."""
+        if self.size is not None:
+            amax_XB = x_XL.abs().unflatten(-1, (-1, self.size)).amax(-1)
+            return torch.nan_to_num(amax_XB, nan=float("inf"), posinf=float("inf"))
+        ids_L = self.ids_L.to(x_XL.device)
+        num_blocks = int(ids_L[-1]) + 1 if ids_L.numel() else 0
+        magnitude = torch.nan_to_num(x_XL.abs(), nan=float("inf"), posinf=float("inf"))
+        amax_XB = x_XL.new_zeros(*x_XL.shape[:-1], num_blocks)
+        return amax_XB.scatter_reduce(-1, ids_L.expand_as(x_XL), magnitude, reduce="amax", include_self=True)
+
+    def divide(self, x_XL: torch.Tensor, scale_XB: torch.Tensor) -> torch.Tensor:
+        if self.size is not None:
+            return (x_XL.unflatten(-1, (-1, self.size)) / scale_XB.unsqueeze(-1)).flatten(-2)
+        return x_XL / scale_XB.index_select(-1, self.ids_L.to(x_XL.device))
+
+    def multiply(self, x_XL: torch.Tensor, scale_XB: torch.Tensor) -> torch.Tensor:
+        if self.size is not None:
+            return (x_XL.unflatten(-1, (-1, self.size)) * scale_XB.unsqueeze(-1)).flatten(-2)
+        return x_XL * scale_XB.index_select(-1, self.ids_L.to(x_XL.device))

@@ -21,9 +21,10 @@ that is not a leaf (a view) gets its gradient through autograd. A sharding wrapp
 that drops `.grad` after reducing it (FSDP) leaves the kept buffer in place: on a CPU
 its unsharded expert gradients stay allocated between steps.
 
-For the same reason the gate and up activations saved for the backward come from a
-pool: a finished backward hands its buffer back, and the next forward of the same
-size takes it. Were a retained graph's backward run again after another forward had
+For the same reason the activations saved for the backward (the gathered token rows
+and the gate and up outputs) come from a pool: a finished backward hands its buffers
+back, and the next forward of the same size takes them. Keeping the gathered rows
+costs N x D floats per layer in flight and saves the backward from gathering them again. Were a retained graph's backward run again after another forward had
 reused the buffer, autograd's version check on saved tensors would refuse it.
 """
 
@@ -66,25 +67,27 @@ class _FusedExperts(torch.autograd.Function):
         sizes = tokens_per_expert_E.tolist()
         activations_2NF = _SPARE_ACTIVATIONS.take((2, order_N.numel(), w_gate_EFD.shape[1]), x_TD.dtype)
         gate_NF, up_NF = activations_2NF
+        x_ND = _SPARE_ACTIVATIONS.take((order_N.numel(), x_TD.shape[1]), x_TD.dtype)
         out_TD = torch.zeros_like(x_TD)
         for expert, _, rows in _blocks(sizes):
             tokens_M = token_of_N[rows]
-            x_MD = x_TD.index_select(0, tokens_M)
+            x_MD = torch.index_select(x_TD, 0, tokens_M, out=x_ND[rows])
             gate_MF = torch.mm(x_MD, w_gate_EFD[expert].t(), out=gate_NF[rows])
             up_MF = torch.mm(x_MD, w_up_EFD[expert].t(), out=up_NF[rows])
             y_MD = torch.mm(F.silu(gate_MF).mul_(up_MF), w_down_EDF[expert].t())
             out_TD.index_add_(0, tokens_M, y_MD.mul_(weight_N1[rows]))
-        ctx.save_for_backward(x_TD, order_N, token_of_N, weight_N1, activations_2NF, w_gate_EFD, w_up_EFD, w_down_EDF)
+        ctx.save_for_backward(x_ND, order_N, token_of_N, weight_N1, activations_2NF, w_gate_EFD, w_up_EFD, w_down_EDF)
+        ctx.x_shape = x_TD.shape
         ctx.sizes = sizes
         ctx.weights_shape = weights_TK.shape
         return out_TD
 
     @staticmethod
     def backward(ctx, grad_TD):
-        x_TD, order_N, token_of_N, weight_N1, activations_2NF, w_gate_EFD, w_up_EFD, w_down_EDF = ctx.saved_tensors
+        x_ND, order_N, token_of_N, weight_N1, activations_2NF, w_gate_EFD, w_up_EFD, w_down_EDF = ctx.saved_tensors
         gate_NF, up_NF = activations_2NF
         grad_TD = grad_TD.contiguous()
-        grad_x_TD = torch.zeros_like(x_TD)
+        grad_x_TD = grad_TD.new_zeros(ctx.x_shape)
         grad_weight_N = weight_N1.new_empty(order_N.numel())
         targets = [_WeightGradient(weight) for weight in (w_gate_EFD, w_up_EFD, w_down_EDF)]
         grad_gate_EFD, grad_up_EFD, grad_down_EDF = (target.tensor for target in targets)
@@ -95,7 +98,7 @@ class _FusedExperts(torch.autograd.Function):
         for expert, first, rows in _blocks(ctx.sizes):
             beta = 0.0 if first else 1.0  # an expert's first block writes its weight gradients, later ones add
             tokens_M = token_of_N[rows]
-            x_MD = x_TD.index_select(0, tokens_M)
+            x_MD = x_ND[rows]
             grad_out_MD = grad_TD.index_select(0, tokens_M)
             gate_MF, up_MF, weight_M1 = gate_NF[rows], up_NF[rows], weight_N1[rows]
             silu_MF = F.silu(gate_MF)
@@ -114,6 +117,7 @@ class _FusedExperts(torch.autograd.Function):
         grad_weights_TK = torch.empty_like(grad_weight_N)
         grad_weights_TK[order_N] = grad_weight_N
         _SPARE_ACTIVATIONS.give_back(activations_2NF)
+        _SPARE_ACTIVATIONS.give_back(x_ND)
         return (
             grad_x_TD,
             None,

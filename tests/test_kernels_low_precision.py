@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ferry.kernels import portable_kernels
-from ferry.kernels.vendor.torch_scaled_grouped_mm import GROUP_ALIGN_ROWS, scaled_grouped_mm_with
+from ferry.kernels.vendor.torch_scaled_grouped_mm import FP8_DTYPES, GROUP_ALIGN_ROWS, scaled_grouped_mm_with
 from ferry.precision.formats import float_format
 from ferry.precision.kernels import low_precision_op, with_low_precision_experts
 from ferry.precision.policy import resolve_precision
@@ -25,11 +25,12 @@ from ferry.precision.recipe import LowPrecisionRecipe
 
 TOLERANCE = 1e-5
 FP8 = LowPrecisionRecipe("fp8", float_format("float8_e4m3fn"), float_format("float8_e5m2"))
+FP8_FNUZ = LowPrecisionRecipe("fp8", float_format("float8_e4m3fnuz"), float_format("float8_e5m2fnuz"))  # MI300
 
 
 def reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
     """torch._scaled_grouped_mm's contract, checked, computed with torch._scaled_mm group by group."""
-    assert a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert a.dtype in FP8_DTYPES and b.dtype in FP8_DTYPES
     assert scale_a.dtype == scale_b.dtype == torch.float32 and offs.dtype == torch.int32
     assert a.stride(-1) == 1, "the left operand must be row-major"
     assert b.stride(-2) == 1, "the right operand must be column-major"
@@ -67,19 +68,21 @@ def _fwd_bwd(fn, x, w, offsets):
     return [y.detach(), x.grad, w.grad]
 
 
+@pytest.mark.parametrize("recipe", [FP8, FP8_FNUZ], ids=["ocp", "fnuz"])
 @pytest.mark.parametrize(
     "group_sizes",
     [[16, 32, 0, 16], [5, 0, 37, 22, 0], [40, 9, 0, 0]],  # aligned; ragged with empty experts; empty at the end
     ids=["aligned", "ragged", "trailing-empty"],
 )
-def test_native_fp8_path_matches_the_emulation(group_sizes):
+def test_native_fp8_path_matches_the_emulation(group_sizes, recipe):
     generator = torch.Generator().manual_seed(0)
     offsets = torch.tensor(group_sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     x = torch.randn(int(offsets[-1]), 64, generator=generator) * 3
     w = torch.randn(len(group_sizes), 48, 64, generator=generator) * 0.1
     portable = portable_kernels()["moe.fp8_grouped_mm"]
-    expected = _fwd_bwd(lambda a, b, o: portable(a, b, o, FP8), x, w, offsets)
-    actual = _fwd_bwd(lambda a, b, o: scaled_grouped_mm_with(reference_scaled_grouped_mm, a, b, o, FP8), x, w, offsets)
+    expected = _fwd_bwd(lambda a, b, o: portable(a, b, o, recipe), x, w, offsets)
+    native = lambda a, b, o: scaled_grouped_mm_with(reference_scaled_grouped_mm, a, b, o, recipe)  # noqa: E731
+    actual = _fwd_bwd(native, x, w, offsets)
     for got, want in zip(actual, expected, strict=True):
         assert ((got - want).norm() / want.norm()).item() < TOLERANCE
     for expert, size in enumerate(group_sizes):

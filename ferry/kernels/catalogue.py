@@ -93,6 +93,14 @@ REGISTRY = Registry(
                     probe=torch_scaled_grouped_mm.probe_cuda,
                     summary="torch._scaled_grouped_mm: FP8 CUTLASS grouped GEMM, SM90, row-wise scales",
                 ),
+                Implementation(
+                    op="moe.fp8_grouped_mm",
+                    name="torch_scaled_grouped_mm",
+                    platform="rocm",
+                    fn=torch_scaled_grouped_mm.fp8_grouped_mm,
+                    probe=torch_scaled_grouped_mm.probe_rocm,
+                    summary="torch._scaled_grouped_mm on MI300-class GPUs (gfx942 FNUZ, gfx950 OCP), row-wise scales",
+                ),
             ),
         ),
         Op(

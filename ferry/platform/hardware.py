@@ -148,7 +148,8 @@ def _peak_cache(cache_dir: Path | None) -> Path:
 
 
 def _peak_key() -> str:
-    return f"{platform.node()}-{platform.processor() or platform.machine()}-{torch.get_num_threads()}t-{torch.__version__}"
+    processor = platform.processor() or platform.machine()
+    return f"{platform.node()}-{processor}-{torch.get_num_threads()}t-{torch.__version__}"
 
 
 def _matmul_tflops(dtype: torch.dtype, seconds: float = 0.3) -> float:

@@ -24,8 +24,9 @@ its unsharded expert gradients stay allocated between steps.
 For the same reason the activations saved for the backward (the gathered token rows
 and the gate and up outputs) come from a pool: a finished backward hands its buffers
 back, and the next forward of the same size takes them. Keeping the gathered rows
-costs N x D floats per layer in flight and saves the backward from gathering them again. Were a retained graph's backward run again after another forward had
-reused the buffer, autograd's version check on saved tensors would refuse it.
+costs N x D floats per layer in flight and saves the backward from gathering them
+again. Were a retained graph's backward run again after another forward had reused
+the buffers, autograd's version check on saved tensors would refuse it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`moe.fp8_grouped_mm` on `torch._scaled_grouped_mm`: FP8 elements, fp32 row-wise scales, one call per GEMM.
 
 torch's FP8 grouped GEMM runs on compute capability 9.0 (H100, H200; not SM100,
-where torch offers MXFP8 instead). It takes the left operand row-major and the right
+where torch offers MXFP8 instead) and on AMD MI300-class GPUs (gfx942, with the FNUZ
+variants; gfx950 with the OCP ones). It takes the left operand row-major and the right
 one column-major, one dequantization scale per row of each, and for the weight
 gradient (groups along the reduction dim, "2d x 2d") one scale per row and group,
 group-major. Its reduction-dim groups must be multiples of 16 rows, so this
@@ -18,7 +19,8 @@ import torch
 from ferry.kernels.amp import outside_autocast
 
 GROUP_ALIGN_ROWS = 16
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+ROCM_ARCHITECTURES = ("gfx942", "gfx950")
 
 ScaledGroupedMM = Callable[..., torch.Tensor]
 
@@ -31,6 +33,17 @@ def probe_cuda(device: torch.device, dtype: torch.dtype) -> str | None:
     capability = torch.cuda.get_device_capability(device)
     if capability != (9, 0):
         return f"torch's FP8 grouped GEMM runs on compute capability 9.0, this GPU has {capability[0]}.{capability[1]}"
+    return None
+
+
+def probe_rocm(device: torch.device, dtype: torch.dtype) -> str | None:
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no _scaled_grouped_mm (it needs torch 2.9 or newer)"
+    if dtype != torch.bfloat16:
+        return f"its kernel writes bfloat16, the run computes in {dtype}"
+    architecture = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+    if architecture not in ROCM_ARCHITECTURES:
+        return f"torch's FP8 grouped GEMM runs on {' and '.join(ROCM_ARCHITECTURES)}, this GPU is {architecture}"
     return None
 
 
@@ -126,6 +139,6 @@ def _check_recipe(recipe) -> None:
     formats = (recipe.forward_format.dtype, recipe.grad_format.dtype)
     if recipe.kind != "fp8" or any(dtype not in FP8_DTYPES for dtype in formats):
         raise ValueError(
-            f"moe.fp8_grouped_mm torch_scaled_grouped_mm computes row-wise scaled OCP FP8 (e4m3fn, e5m2); "
+            f"moe.fp8_grouped_mm torch_scaled_grouped_mm computes row-wise scaled FP8 (OCP or FNUZ); "
             f"the recipe is {recipe.kind} with {formats[0]} forward and {formats[1]} gradients"
         )

@@ -13,6 +13,7 @@ def add_hardware_commands(commands) -> None:
     show.set_defaults(handler=show_profile)
     measure = actions.add_parser("measure", help="measure this CPU's matmul peaks again and cache them")
     measure.add_argument("--seconds", type=float, default=2.0, help="best-of window per dtype (default 2.0)")
+    measure.add_argument("--replace", action="store_true", help="keep this measurement, not the best one so far")
     measure.set_defaults(handler=measure_peak)
 
 
@@ -29,12 +30,10 @@ def show_profile(args: argparse.Namespace) -> int:
         print(f"  peak {dtype:6s} {tflops * 1e3:10.1f} GFLOP/s")
     entry = cached_cpu_peak() if device.type == "cpu" else None
     if entry is not None:
-        conditions = (
-            f"measured {entry['measured_at']} at load average {entry['load_average']} on {entry['cores']} cores"
-            if "measured_at" in entry
-            else "measured under unrecorded conditions"
+        print(
+            f"  best fp32 figure measured {entry['measured_at']} at load average {entry['load_average']} on "
+            f"{entry['cores']} cores; `ferry hardware measure` on a quiet machine measures again"
         )
-        print(f"  {conditions}; `ferry hardware measure` on a quiet machine refreshes it")
     return 0
 
 
@@ -45,9 +44,12 @@ def measure_peak(args: argparse.Namespace) -> int:
     if args.seconds <= 0:
         raise UserError(f"--seconds must be positive, got {args.seconds}")
     before = cached_cpu_peak()
-    entry = measure_cpu_peak(seconds=args.seconds)
+    entry = measure_cpu_peak(seconds=args.seconds, replace=args.replace)
     for dtype, tflops in entry["peak_tflops"].items():
         previous = "" if before is None else f" (was {before['peak_tflops'][dtype] * 1e3:.1f})"
         print(f"ferry: peak {dtype:6s} {tflops * 1e3:10.1f} GFLOP/s{previous}")
-    print(f"ferry: measured at load average {entry['load_average']} on {entry['cores']} cores; cached for MFU")
+    print(
+        f"ferry: the fp32 figure kept was measured {entry['measured_at']} at load average {entry['load_average']} "
+        f"on {entry['cores']} cores; cached for MFU"
+    )
     return 0

@@ -112,35 +112,51 @@ def cpu_peak_tflops(cache_dir: Path | None = None) -> dict[str, float]:
 
 def cached_cpu_peak(cache_dir: Path | None = None) -> dict | None:
     """The cache entry for this machine (peaks, when and under what load they were measured), if any."""
-    try:
-        cached = json.loads(_peak_cache(cache_dir).read_text())
-    except (OSError, ValueError):
-        return None
-    return cached if cached.get("key") == _peak_key() else None
+    return _read_peak_cache(cache_dir).get(_peak_key())
 
 
-def measure_cpu_peak(cache_dir: Path | None = None, seconds: float = 0.3) -> dict:
+def measure_cpu_peak(cache_dir: Path | None = None, seconds: float = 0.3, replace: bool = False) -> dict:
     """Measure fp32, bf16 and fp16 matmul peaks now, best of `seconds` each, and cache them.
 
-    A measurement taken while other work runs on the same cores understates the peak
-    and so overstates every MFU computed from it; the entry records the load average
-    at the time, and `ferry hardware measure` takes a new one on a quiet machine.
+    A peak is a best case: a measurement taken while other work runs on the same cores
+    understates it and so overstates every MFU computed from it. The cache therefore
+    keeps, per dtype, the best figure ever measured for this host, thread count and
+    torch (with the time and load average of that measurement) unless `replace` says
+    to take this one alone, as after a hardware change that kept the host name.
     """
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    entry = {
-        "key": _peak_key(),
-        "peak_tflops": {name: _matmul_tflops(dtype, seconds) for name, dtype in dtypes.items()},
+    conditions = {
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "load_average": round(os.getloadavg()[0], 2),
         "cores": os.cpu_count(),
     }
+    peaks = {name: _matmul_tflops(dtype, seconds) for name, dtype in dtypes.items()}
+    entries = _read_peak_cache(cache_dir)
+    previous = entries.get(_peak_key())
+    if previous is not None and not replace:
+        if previous["peak_tflops"].get("fp32", 0.0) >= peaks["fp32"]:
+            conditions = {key: previous.get(key) for key in conditions}
+        peaks = {name: max(value, previous["peak_tflops"].get(name, 0.0)) for name, value in peaks.items()}
+    entry = {"peak_tflops": peaks, **conditions}
+    entries[_peak_key()] = entry
     cache = _peak_cache(cache_dir)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(entry))
+        cache.write_text(json.dumps(entries, indent=1))
     except OSError:
         pass
     return entry
+
+
+def _read_peak_cache(cache_dir: Path | None) -> dict[str, dict]:
+    """Every cached entry by key (host, processor, thread count, torch): processes with other thread counts share it."""
+    try:
+        entries = json.loads(_peak_cache(cache_dir).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(entries, dict) or "key" in entries:  # the single-entry layout of earlier versions
+        return {}
+    return {key: entry for key, entry in entries.items() if isinstance(entry, dict) and "peak_tflops" in entry}
 
 
 def _peak_cache(cache_dir: Path | None) -> Path:

@@ -3,6 +3,12 @@
 Tolerance: 1e-5 relative in fp32. Implementations differ only in the order of
 floating-point sums (grouped vs per-expert matmuls, index_add vs gather-sum), which
 moves results by a few ulps (observed: below 1e-6).
+
+Accelerator implementations (CUDA, ROCm) run where such a device is present, in
+bfloat16 as their kernels require, against the portable implementation in fp32 on the
+same bfloat16-rounded inputs: tolerance 2e-2 relative, a few bfloat16 roundings
+(2^-8 each) of the outputs and gradients. Their widths are multiples of 16, as FP8
+GEMMs need.
 """
 
 from __future__ import annotations
@@ -17,11 +23,12 @@ from ferry.precision.formats import float_format
 from ferry.precision.recipe import LowPrecisionRecipe
 
 TOLERANCE = 1e-5
+ACCELERATOR_TOLERANCE = 2e-2
 CPU = torch.device("cpu")
 T, D, F, E, K = 23, 16, 8, 5, 2
 
 
-def _inputs(op_name: str) -> tuple[tuple, tuple[int, ...]]:
+def _inputs(op_name: str, D: int = D, F: int = F) -> tuple[tuple, tuple[int, ...]]:
     """Fixed inputs of an op and the positions that take gradients; expert 3 receives no token."""
     generator = torch.Generator().manual_seed(0)
 
@@ -64,7 +71,7 @@ def _run(fn, args: tuple, grad_args: tuple[int, ...], loss: str) -> list[torch.T
     if loss == "sum":  # `.sum()` hands the backward an expanded, zero-stride gradient
         out.sum().backward()
     else:
-        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
     return [out.detach()] + [leaves[i].grad for i in grad_args]
 
 
@@ -75,18 +82,34 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 VENDOR = [pytest.param(impl, id=impl.key + " " + impl.op) for impl in REGISTRY.vendor_implementations()]
 
 
+def _on(args: tuple, device: torch.device, dtype: torch.dtype) -> list:
+    """The arguments on `device`, floating-point tensors in `dtype`; anything else as it is."""
+    return [
+        (arg.to(device, dtype) if arg.is_floating_point() else arg.to(device)) if isinstance(arg, torch.Tensor) else arg
+        for arg in args
+    ]
+
+
 @pytest.mark.parametrize("loss", ["sum", "random"])
 @pytest.mark.parametrize("impl", VENDOR)
 def test_vendor_implementation_agrees_with_portable(impl, loss, monkeypatch):
-    reason = impl.unavailable_reason(CPU, torch.float32)
+    if impl.platform in ("cuda", "rocm"):
+        if not torch.cuda.is_available():
+            pytest.skip(f"{impl.key}: needs a CUDA or ROCm device")
+        device, dtype, tolerance = torch.device("cuda"), torch.bfloat16, ACCELERATOR_TOLERANCE
+        args, grad_args = _inputs(impl.op, D=32, F=16)
+    else:
+        device, dtype, tolerance = CPU, torch.float32, TOLERANCE
+        args, grad_args = _inputs(impl.op)
+    reason = impl.unavailable_reason(device, dtype)
     if reason is not None:
         pytest.skip(f"{impl.key}: {reason}")
     monkeypatch.setattr(cpu_fused_experts, "BLOCK_ROWS", 3)  # several blocks per expert: gradients accumulate
-    args, grad_args = _inputs(impl.op)
-    expected = _run(portable_kernels()[impl.op], args, grad_args, loss)
+    args = _on(args, device, dtype)
+    expected = _run(portable_kernels()[impl.op], _on(args, device, torch.float32), grad_args, loss)
     actual = _run(bind(impl, portable_kernels().functions), args, grad_args, loss)
     for got, want in zip(actual, expected, strict=True):
-        assert _relative_error(got, want) < TOLERANCE
+        assert _relative_error(got.float(), want) < tolerance
 
 
 @pytest.mark.parametrize("op", REGISTRY.names)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The checks the CPU suite cannot make, in one run on a machine with a CUDA or ROCm GPU:
+#   1. the accelerator tests (vendor kernels against the portable ones, CUDA timers),
+#   2. `ferry kernels bench` in bfloat16 (the ledger's missing measured gains),
+#   3. a run trained on the GPU, resumed on the CPU from its checkpoint, compared with the
+#      same run continued on the GPU under the cross-accelerator tolerances.
+# Usage: bash benchmarks/device_check.sh   (writes under $OUT, default runs/device-check)
+# Needs ferry's dependencies importable next to the GPU build of torch; it says which are not.
+set -u
+out="${OUT:-runs/device-check}"
+mkdir -p "$out"
+python="${PYTHON:-python}"
+ferry() { "$python" -m ferry "$@"; }
+
+"$python" - <<'PY' || exit 2
+import importlib, sys
+missing = [m for m in ("torch", "numpy", "yaml", "pydantic", "rich", "tokenizers", "safetensors",
+                       "prometheus_client", "matplotlib", "pytest") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"device check: missing packages: {', '.join(missing)}")
+import torch
+if not torch.cuda.is_available():
+    sys.exit("device check: no CUDA or ROCm device visible to torch")
+print(f"device check: {torch.cuda.get_device_name()} torch {torch.__version__}")
+PY
+
+status=0
+"$python" -m pytest -q -rs tests/test_kernels_agreement.py tests/test_kernels_low_precision.py \
+    tests/test_metrics_step.py 2>&1 | tee "$out/accelerator_tests.txt" || status=1
+ferry kernels bench --device cuda --dtype bfloat16 2>&1 | tee "$out/kernels_bench.txt" || status=1
+
+data="$out/data"
+ferry data prepare --embedded stdlib --output "$data" --max-bytes 2000000 || exit 1
+common=(configs/tiny.yaml "data.sources.0.path=$data" train.steps=60 train.log_every=10 run.overwrite=true)
+ferry train "${common[@]}" run.device=cuda checkpoint.interval=30 "run.dir=$out/gpu" || exit 1
+ferry train "${common[@]}" run.device=cpu "resume=$out/gpu/checkpoints/step-00000030" \
+    "run.dir=$out/gpu-then-cpu" || exit 1
+ferry compare "$out/gpu" "$out/gpu-then-cpu" --profile cross-accelerator 2>&1 | tee "$out/resume_compare.txt" \
+    || status=1
+exit $status

@@ -6,7 +6,7 @@
 #      same run continued on the GPU under the cross-accelerator tolerances.
 # Usage: bash benchmarks/device_check.sh   (writes under $OUT, default runs/device-check)
 # Needs ferry's dependencies importable next to the GPU build of torch; it says which are not.
-set -u
+set -u -o pipefail
 out="${OUT:-runs/device-check}"
 mkdir -p "$out"
 python="${PYTHON:-python}"

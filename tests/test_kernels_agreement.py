@@ -19,6 +19,8 @@ import torch
 from ferry.kernels import REGISTRY, portable_kernels
 from ferry.kernels.selection import bind
 from ferry.kernels.vendor import cpu_fused_experts, torch_grouped_mm
+from ferry.platform.hardware import resolve_profile
+from ferry.precision import PrecisionConfig, resolve_precision
 from ferry.precision.formats import float_format
 from ferry.precision.recipe import LowPrecisionRecipe
 
@@ -60,18 +62,26 @@ def _inputs(op_name: str, D: int = D, F: int = F) -> tuple[tuple, tuple[int, ...
 
 
 def _recipe(kind: str) -> LowPrecisionRecipe:
-    return LowPrecisionRecipe(kind, float_format("float8_e4m3fn"), float_format("float8_e5m2"))
+    grad = "float8_e4m3fn" if kind == "fp8" else "float8_e5m2"  # as the precision layer's recipes
+    return LowPrecisionRecipe(kind, float_format("float8_e4m3fn"), float_format(grad))
 
 
-def _run(fn, args: tuple, grad_args: tuple[int, ...], loss: str) -> list[torch.Tensor]:
-    """The output and the gradient of every differentiable input, for a `sum` or a random-weighted loss."""
+def _run(
+    fn, args: tuple, grad_args: tuple[int, ...], loss: str, grad_dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """The output and the gradient of every differentiable input, for a `sum` or a random-weighted loss.
+
+    The random upstream gradient is rounded to `grad_dtype` when given, so that two runs
+    in different dtypes start their backward from the same values.
+    """
     leaves = [arg.detach().clone().requires_grad_() if i in grad_args else arg for i, arg in enumerate(args)]
     out = fn(*leaves)
     out = out[0] if isinstance(out, tuple) else out
     if loss == "sum":  # `.sum()` hands the backward an expanded, zero-stride gradient
         out.sum().backward()
     else:
-        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(grad_dtype or out.dtype)
+        out.backward(upstream.to(out))
     return [out.detach()] + [leaves[i].grad for i in grad_args]
 
 
@@ -80,6 +90,12 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 VENDOR = [pytest.param(impl, id=impl.key + " " + impl.op) for impl in REGISTRY.vendor_implementations()]
+
+
+def _device_recipe(recipe: LowPrecisionRecipe, device: torch.device) -> LowPrecisionRecipe:
+    """The recipe of the same kind in the formats of `device`'s hardware profile (FNUZ on MI300)."""
+    config = PrecisionConfig(experts=recipe.kind, on_unsupported="emulate")
+    return resolve_precision(config, resolve_profile("auto", device)).recipe
 
 
 def _on(args: tuple, device: torch.device, dtype: torch.dtype) -> list:
@@ -98,6 +114,7 @@ def test_vendor_implementation_agrees_with_portable(impl, loss, monkeypatch):
             pytest.skip(f"{impl.key}: needs a CUDA or ROCm device")
         device, dtype, tolerance = torch.device("cuda"), torch.bfloat16, ACCELERATOR_TOLERANCE
         args, grad_args = _inputs(impl.op, D=32, F=16)
+        args = tuple(_device_recipe(arg, device) if isinstance(arg, LowPrecisionRecipe) else arg for arg in args)
     else:
         device, dtype, tolerance = CPU, torch.float32, TOLERANCE
         args, grad_args = _inputs(impl.op)
@@ -106,8 +123,8 @@ def test_vendor_implementation_agrees_with_portable(impl, loss, monkeypatch):
         pytest.skip(f"{impl.key}: {reason}")
     monkeypatch.setattr(cpu_fused_experts, "BLOCK_ROWS", 3)  # several blocks per expert: gradients accumulate
     args = _on(args, device, dtype)
-    expected = _run(portable_kernels()[impl.op], _on(args, device, torch.float32), grad_args, loss)
-    actual = _run(bind(impl, portable_kernels().functions), args, grad_args, loss)
+    expected = _run(portable_kernels()[impl.op], _on(args, device, torch.float32), grad_args, loss, dtype)
+    actual = _run(bind(impl, portable_kernels().functions), args, grad_args, loss, dtype)
     for got, want in zip(actual, expected, strict=True):
         assert _relative_error(got.float(), want) < tolerance
 

@@ -88,3 +88,30 @@ def test_a_retained_graph_whose_activations_were_reused_is_refused_not_corrupted
     _backward(cpu_fused_experts.routed_experts, weights, seeds=(2,))  # takes the handed-back activation buffer
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         retained.sum().backward()
+
+
+def test_a_second_backward_of_a_retained_graph_hands_its_buffers_back_once():
+    weights = _weights()
+    x_TD, expert_ids_TK, weights_TK, counts_E = _problem(1)
+    retained = cpu_fused_experts.routed_experts(x_TD, expert_ids_TK, weights_TK, counts_E, *weights)
+    retained.sum().backward(retain_graph=True)
+    retained.sum().backward()  # no forward in between: allowed, and it reads what it saved
+    pooled = [id(buffer) for spare in cpu_fused_experts._SPARE_ACTIVATIONS._spare.values() for buffer in spare]
+    assert len(pooled) == len(set(pooled)) == 2
+
+
+def test_autograd_grad_and_hooks_get_the_weight_gradients_through_autograd():
+    fused, reference = _weights(), _weights()
+    x_TD, expert_ids_TK, weights_TK, counts_E = _problem(1)
+    out = cpu_fused_experts.routed_experts(x_TD, expert_ids_TK, weights_TK, counts_E, *fused)
+    expected_out = portable_kernels()["moe.routed_experts"](x_TD, expert_ids_TK, weights_TK, counts_E, *reference)
+    grads = torch.autograd.grad(out.square().sum(), fused)
+    expected = torch.autograd.grad(expected_out.square().sum(), reference)
+    for got, want, weight in zip(grads, expected, fused, strict=True):
+        assert got is not None and _close(got, want)
+        assert weight.grad is None  # autograd.grad accumulates nothing
+    hooked = _weights()
+    seen = []
+    hooked[0].register_hook(lambda grad: seen.append(grad.norm()) or grad * 0.0)
+    _backward(cpu_fused_experts.routed_experts, hooked, seeds=(1,))
+    assert len(seen) == 1 and seen[0] > 0 and torch.equal(hooked[0].grad, torch.zeros_like(hooked[0].grad))

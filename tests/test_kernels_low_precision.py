@@ -11,11 +11,18 @@ scales; they differ in where the scales are applied (before or after the sums).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from ferry.kernels import portable_kernels
-from ferry.kernels.vendor.torch_scaled_grouped_mm import FP8_DTYPES, GROUP_ALIGN_ROWS, scaled_grouped_mm_with
+from ferry.kernels.vendor.torch_scaled_grouped_mm import (
+    CUDA_ELEMENTS,
+    GROUP_ALIGN_ROWS,
+    ROCM_ELEMENTS,
+    scaled_grouped_mm_with,
+)
 from ferry.precision.formats import float_format
 from ferry.precision.kernels import low_precision_op, with_low_precision_experts
 from ferry.precision.policy import resolve_precision
@@ -24,13 +31,13 @@ from ferry.platform.hardware import load_profile
 from ferry.precision.recipe import LowPrecisionRecipe
 
 TOLERANCE = 1e-5
-FP8 = LowPrecisionRecipe("fp8", float_format("float8_e4m3fn"), float_format("float8_e5m2"))
-FP8_FNUZ = LowPrecisionRecipe("fp8", float_format("float8_e4m3fnuz"), float_format("float8_e5m2fnuz"))  # MI300
+FP8 = LowPrecisionRecipe("fp8", float_format("float8_e4m3fn"), float_format("float8_e4m3fn"))  # NVIDIA SM90
+FP8_FNUZ = LowPrecisionRecipe("fp8", float_format("float8_e4m3fnuz"), float_format("float8_e4m3fnuz"))  # AMD MI300
 
 
 def reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
     """torch._scaled_grouped_mm's contract, checked, computed with torch._scaled_mm group by group."""
-    assert a.dtype in FP8_DTYPES and b.dtype in FP8_DTYPES
+    assert a.dtype == b.dtype and a.dtype in (CUDA_ELEMENTS, ROCM_ELEMENTS), "both operands E4M3, one variant"
     assert scale_a.dtype == scale_b.dtype == torch.float32 and offs.dtype == torch.int32
     assert a.stride(-1) == 1, "the left operand must be row-major"
     assert b.stride(-2) == 1, "the right operand must be column-major"
@@ -68,21 +75,22 @@ def _fwd_bwd(fn, x, w, offsets):
     return [y.detach(), x.grad, w.grad]
 
 
-@pytest.mark.parametrize("recipe", [FP8, FP8_FNUZ], ids=["ocp", "fnuz"])
+@pytest.mark.parametrize(
+    "recipe, elements", [(FP8, CUDA_ELEMENTS), (FP8_FNUZ, ROCM_ELEMENTS)], ids=["ocp", "fnuz"]
+)
 @pytest.mark.parametrize(
     "group_sizes",
     [[16, 32, 0, 16], [5, 0, 37, 22, 0], [40, 9, 0, 0]],  # aligned; ragged with empty experts; empty at the end
     ids=["aligned", "ragged", "trailing-empty"],
 )
-def test_native_fp8_path_matches_the_emulation(group_sizes, recipe):
+def test_native_fp8_path_matches_the_emulation(group_sizes, recipe, elements):
     generator = torch.Generator().manual_seed(0)
     offsets = torch.tensor(group_sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     x = torch.randn(int(offsets[-1]), 64, generator=generator) * 3
     w = torch.randn(len(group_sizes), 48, 64, generator=generator) * 0.1
     portable = portable_kernels()["moe.fp8_grouped_mm"]
     expected = _fwd_bwd(lambda a, b, o: portable(a, b, o, recipe), x, w, offsets)
-    native = lambda a, b, o: scaled_grouped_mm_with(reference_scaled_grouped_mm, a, b, o, recipe)  # noqa: E731
-    actual = _fwd_bwd(native, x, w, offsets)
+    actual = _fwd_bwd(partial(scaled_grouped_mm_with, reference_scaled_grouped_mm, elements, recipe=recipe), x, w, offsets)
     for got, want in zip(actual, expected, strict=True):
         assert ((got - want).norm() / want.norm()).item() < TOLERANCE
     for expert, size in enumerate(group_sizes):
@@ -90,16 +98,26 @@ def test_native_fp8_path_matches_the_emulation(group_sizes, recipe):
             assert actual[2][expert].abs().sum() == 0
 
 
-def test_native_fp8_path_refuses_other_recipes():
-    mx = LowPrecisionRecipe("mxfp8", float_format("float8_e4m3fn"), float_format("float8_e5m2"))
-    with pytest.raises(ValueError, match="recipe is mxfp8"):
-        scaled_grouped_mm_with(reference_scaled_grouped_mm, torch.randn(4, 16), torch.randn(1, 16, 16),
-                               torch.tensor([4], dtype=torch.int32), mx)
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        LowPrecisionRecipe("mxfp8", float_format("float8_e4m3fn"), float_format("float8_e5m2")),
+        LowPrecisionRecipe("fp8", float_format("float8_e4m3fn"), float_format("float8_e5m2")),  # E5M2 gradients
+        FP8_FNUZ,  # the AMD variant, on a kernel that takes OCP elements
+    ],
+    ids=["mxfp8", "e5m2-gradients", "fnuz-on-cuda"],
+)
+def test_native_fp8_path_refuses_recipes_its_kernel_cannot_take(recipe):
+    with pytest.raises(ValueError, match=f"with {CUDA_ELEMENTS} for every operand here; the recipe is {recipe.kind}"):
+        scaled_grouped_mm_with(
+            reference_scaled_grouped_mm, CUDA_ELEMENTS, torch.randn(4, 16), torch.randn(1, 16, 16),
+            torch.tensor([4], dtype=torch.int32), recipe,
+        )
 
 
 @pytest.mark.parametrize("kind", ["fp8", "mxfp8"])
 def test_low_precision_experts_bind_the_chosen_op(kind):
-    recipe = LowPrecisionRecipe(kind, float_format("float8_e4m3fn"), float_format("float8_e5m2"))
+    recipe = resolve_precision(PrecisionConfig(experts=kind), load_profile("cpu")).recipe
     selection = with_low_precision_experts(portable_kernels(), recipe)
     assert f"inside {low_precision_op(recipe)} portable" in selection.choices["moe.grouped_mm"].reason
     generator = torch.Generator().manual_seed(0)
@@ -117,3 +135,11 @@ def test_hardware_format_without_a_vendor_kernel_is_recorded_as_emulated():
     assert policy.experts_mode == "emulated" and policy.mfu_dtype != "mxfp8"
     assert policy.as_dict()["experts_kernel"] == "portable"
     assert "no vendor kernel" in policy.decisions[-1]
+
+
+@pytest.mark.parametrize(
+    "profile, elements", [("h100", CUDA_ELEMENTS), ("h200", CUDA_ELEMENTS), ("mi300x", ROCM_ELEMENTS)]
+)
+def test_the_profiles_fp8_recipe_is_one_the_native_kernel_takes(profile, elements):
+    recipe = resolve_precision(PrecisionConfig(experts="fp8"), load_profile(profile)).recipe
+    assert recipe.forward_format.dtype == recipe.grad_format.dtype == elements

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import datetime
 import re
 import sys
@@ -184,17 +186,32 @@ def test_model_files_call_kernels_only_through_the_registry():
 
 
 def test_every_selection_runs_under_autocast_and_agrees():
-    """Ops compute in the dtypes they are given, so autocast cannot mix dtypes inside an implementation."""
+    """Ops compute in the dtypes they are given, so autocast cannot mix dtypes inside an implementation.
+
+    Under autocast the expert layer hands its op every operand in the autocast dtype
+    (the expert GEMMs follow precision.compute_dtype), and the fp32 weights get fp32
+    gradients. Tolerance 2e-2: in bfloat16 the two grouped GEMMs round their outputs
+    (2^-8 relative) after summing in different orders; measured 1.0e-3.
+    """
     outputs = []
     for config in (KernelsConfig(policy="portable"), KernelsConfig(ops={"moe.grouped_mm": "torch_grouped_mm"})):
         torch.manual_seed(0)
-        model = ModelConfig.model_validate(SMALL).build(
-            select_kernels(config, "cpu", ledger=_ledger(TODAY, TODAY), today=TODAY)
-        )
+        selection = select_kernels(config, "cpu", ledger=_ledger(TODAY, TODAY), today=TODAY)
+        seen_dtypes = set()
+        routed = selection.functions["moe.routed_experts"]
+
+        def spy(*args, routed=routed, seen_dtypes=seen_dtypes):
+            seen_dtypes.update(arg.dtype for arg in args if isinstance(arg, torch.Tensor) and arg.is_floating_point())
+            return routed(*args)
+
+        selection.choices["moe.routed_experts"] = dataclasses.replace(selection.choices["moe.routed_experts"], fn=spy)
+        model = ModelConfig.model_validate(SMALL).build(selection)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits_BSV = model(torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))).logits_BSV
         logits_BSV.float().pow(2).mean().backward()
-        outputs.append((logits_BSV.float(), model.layers[1].ffn.experts.w_gate_EFD.grad))
+        weight = model.layers[1].ffn.experts.w_gate_EFD
+        assert seen_dtypes == {torch.bfloat16} and weight.grad.dtype == torch.float32
+        outputs.append((logits_BSV.float(), weight.grad))
     (logits_a, grad_a), (logits_b, grad_b) = outputs
-    assert (logits_a - logits_b).norm() < 1e-5 * logits_a.norm()
-    assert (grad_a - grad_b).norm() < 1e-5 * grad_a.norm()
+    assert (logits_a - logits_b).norm() < 2e-2 * logits_a.norm()
+    assert (grad_a - grad_b).norm() < 2e-2 * grad_a.norm()

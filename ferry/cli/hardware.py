@@ -46,7 +46,8 @@ def measure_peak(args: argparse.Namespace) -> int:
     before = cached_cpu_peak()
     entry = measure_cpu_peak(seconds=args.seconds, replace=args.replace)
     for dtype, tflops in entry["peak_tflops"].items():
-        previous = "" if before is None else f" (was {before['peak_tflops'][dtype] * 1e3:.1f})"
+        was = None if before is None else before["peak_tflops"].get(dtype)
+        previous = "" if was is None else f" (was {was * 1e3:.1f})"
         print(f"ferry: peak {dtype:6s} {tflops * 1e3:10.1f} GFLOP/s{previous}")
     print(
         f"ferry: the fp32 figure kept was measured {entry['measured_at']} at load average {entry['load_average']} "

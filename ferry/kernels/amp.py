@@ -24,3 +24,18 @@ def outside_autocast(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in autocast's dtype while autocast is on for their device, as they are otherwise.
+
+    For ops whose operands are parameters rather than outputs of autocast ops (the
+    expert weights): they compute in the dtypes they are given, so they follow
+    `precision.compute_dtype` only if their caller casts. The casts are differentiable;
+    fp32 parameters receive fp32 gradients through them.
+    """
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(tensor.to(dtype) for tensor in tensors)

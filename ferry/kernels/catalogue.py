@@ -99,7 +99,7 @@ REGISTRY = Registry(
                     platform="rocm",
                     fn=torch_scaled_grouped_mm.fp8_grouped_mm,
                     probe=torch_scaled_grouped_mm.probe_rocm,
-                    summary="torch._scaled_grouped_mm on MI300-class GPUs (gfx942 FNUZ, gfx950 OCP), row-wise scales",
+                    summary="torch._scaled_grouped_mm on MI300X/MI325X (gfx942), FNUZ E4M3, row-wise scales",
                 ),
             ),
         ),

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ferry.kernels import KernelSelection, portable_kernels
+from ferry.kernels.amp import in_autocast_dtype
 from ferry.model.router import Routing
 
 
@@ -28,16 +29,17 @@ class Experts(nn.Module):
 
     def forward(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """`x_ND` holds the rows of expert 0, then expert 1, ...: what an expert-parallel dispatcher hands over."""
-        return self._expert_mlp(x_ND, tokens_per_expert_E, self.w_gate_EFD, self.w_up_EFD, self.w_down_EDF)
+        x_ND, w_gate_EFD, w_up_EFD, w_down_EDF = in_autocast_dtype(
+            x_ND, self.w_gate_EFD, self.w_up_EFD, self.w_down_EDF
+        )
+        return self._expert_mlp(x_ND, tokens_per_expert_E, w_gate_EFD, w_up_EFD, w_down_EDF)
 
     def routed(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Every token through its routed experts, summed with its routing weights, all experts local."""
-        return self._routed_experts(
-            x_TD,
-            routing.expert_ids_TK,
-            routing.weights_TK,
-            routing.tokens_per_expert_E,
-            self.w_gate_EFD,
-            self.w_up_EFD,
-            self.w_down_EDF,
+        x_TD, weights_TK, w_gate_EFD, w_up_EFD, w_down_EDF = in_autocast_dtype(
+            x_TD, routing.weights_TK, self.w_gate_EFD, self.w_up_EFD, self.w_down_EDF
         )
+        return self._routed_experts(
+            x_TD, routing.expert_ids_TK, weights_TK, routing.tokens_per_expert_E, w_gate_EFD, w_up_EFD, w_down_EDF
+        )
+

@@ -140,9 +140,11 @@ def measure_cpu_peak(cache_dir: Path | None = None, seconds: float = 0.3, replac
     entry = {"peak_tflops": peaks, **conditions}
     entries[_peak_key()] = entry
     cache = _peak_cache(cache_dir)
-    try:
+    try:  # written whole under a private name, then renamed: a concurrent reader never sees half a file
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(entries, indent=1))
+        staging = cache.with_name(f".{cache.name}.{os.getpid()}")
+        staging.write_text(json.dumps(entries, indent=1))
+        os.replace(staging, cache)
     except OSError:
         pass
     return entry

@@ -123,10 +123,16 @@ def resolve_precision(config: PrecisionConfig, profile: HardwareProfile) -> Prec
 
 
 def _recipe(kind: str, profile: HardwareProfile) -> LowPrecisionRecipe:
-    """E4M3 forward and E5M2 gradients in the variant the hardware uses (OCP or FNUZ)."""
-    formats = profile.float8_formats
-    forward = next(name for name in formats if name.startswith("float8_e4m3"))
-    grad = next((name for name in formats if name.startswith("float8_e5m2")), forward)
+    """The formats of each kind, in the variant the hardware uses (OCP or FNUZ).
+
+    FP8 rounds every operand, gradients included, to E4M3: with one scale per row (per
+    channel and expert group for the weight gradient) gradients keep their range
+    without E5M2, and E4M3 on both sides is what torch's FP8 grouped GEMM accepts on
+    NVIDIA and AMD. MXFP8 uses E4M3 elements forward and E5M2 for gradients, as the OCP
+    MX format allows.
+    """
+    e4m3 = next(name for name in profile.float8_formats if name.startswith("float8_e4m3"))
     if kind == "mxfp8":
-        forward, grad = "float8_e4m3fn", "float8_e5m2"  # OCP MX elements are OCP FP8 on every vendor
-    return LowPrecisionRecipe(kind, float_format(forward), float_format(grad))
+        # OCP MX elements are OCP FP8 on every vendor
+        return LowPrecisionRecipe(kind, float_format("float8_e4m3fn"), float_format("float8_e5m2"))
+    return LowPrecisionRecipe(kind, float_format(e4m3), float_format(e4m3))

@@ -3,7 +3,8 @@
 A recipe says how each of the three GEMMs of an expert layer rounds its operands:
 forward (x, w: along the reduction dim I), input gradient (dy, w: along O) and
 weight gradient (dy, x: along tokens, blocks never crossing an expert's group).
-Forward operands use the profile's E4M3 variant; gradients its E5M2 (or E4M3).
+FP8 rounds every operand to the profile's E4M3 variant with row-wise scales; MXFP8
+uses OCP E4M3 elements forward and E5M2 for gradients.
 The kernel ops `moe.fp8_grouped_mm` and `moe.mxfp8_grouped_mm` take a recipe with
 every call: their portable implementation emulates it, a vendor one computes natively.
 """

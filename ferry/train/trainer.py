@@ -74,7 +74,7 @@ class Trainer:
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's "
                 f"vocabulary ({tokenizer_vocab}) of {self.loader.datasets[0].label}"
             )
-        self.kernels = select_kernels(config.kernels, self.device, self.precision.torch_param_dtype)
+        self.kernels = select_kernels(config.kernels, self.device, self.precision.torch_compute_dtype)
         if self.precision.recipe is not None:
             self.kernels = with_low_precision_experts(self.kernels, self.precision.recipe)
             low = self.kernels.choices[low_precision_op(self.precision.recipe)].implementation

@@ -14,7 +14,10 @@ small kernels is the wrong shape for a GPU, hence: CPU only.
 The weight-gradient GEMMs accumulate straight into the parameters' `.grad` (as
 Megatron's fused weight-gradient accumulation does), into one buffer per parameter
 that is kept across steps: `zero_grad(set_to_none=True)` drops the reference, the
-next backward takes the same memory again. Returning fresh gradients through
+next backward takes the same memory again (so a reference kept to an earlier step's
+`.grad` sees it overwritten). Only where the backward would accumulate into `.grad`
+anyway: `torch.autograd.grad`, `backward(inputs=...)` without the weight and tensor
+hooks on it get the gradient through autograd. Returning fresh gradients through
 autograd instead maps 3 x E x F x D new floats every step (192 MB at 128 experts),
 and their page faults cost as much as the weight-gradient GEMMs themselves. A weight
 that is not a leaf (a view) gets its gradient through autograd. A sharding wrapper
@@ -66,6 +69,7 @@ class _FusedExperts(torch.autograd.Function):
         token_of_N = torch.div(order_N, top_k, rounding_mode="floor")
         weight_N1 = weights_TK.flatten().index_select(0, order_N).unsqueeze(1)
         sizes = tokens_per_expert_E.tolist()
+        _SPARE_ACTIVATIONS.serve_rows(order_N.numel())
         activations_2NF = _SPARE_ACTIVATIONS.take((2, order_N.numel(), w_gate_EFD.shape[1]), x_TD.dtype)
         gate_NF, up_NF = activations_2NF
         x_ND = _SPARE_ACTIVATIONS.take((order_N.numel(), x_TD.shape[1]), x_TD.dtype)
@@ -117,8 +121,10 @@ class _FusedExperts(torch.autograd.Function):
             grad_x_TD.index_add_(0, tokens_M, grad_x_MD.addmm_(grad_up_MF, w_up_EFD[expert]))
         grad_weights_TK = torch.empty_like(grad_weight_N)
         grad_weights_TK[order_N] = grad_weight_N
-        _SPARE_ACTIVATIONS.give_back(activations_2NF)
-        _SPARE_ACTIVATIONS.give_back(x_ND)
+        if not getattr(ctx, "handed_back", False):  # a retained graph's second backward must not hand back twice
+            ctx.handed_back = True
+            _SPARE_ACTIVATIONS.give_back(activations_2NF)
+            _SPARE_ACTIVATIONS.give_back(x_ND)
         return (
             grad_x_TD,
             None,
@@ -129,10 +135,21 @@ class _FusedExperts(torch.autograd.Function):
 
 
 class _SparePool:
-    """Activation buffers handed back by a finished backward, for the next forward of the same size."""
+    """Activation buffers handed back by a finished backward, for the next forward of the same size.
+
+    It holds buffers for one row count only: a forward with another count (a new batch
+    size, a shorter last micro-batch) lets the others go, so the pool never holds more
+    than the largest set of buffers a step had in flight.
+    """
 
     def __init__(self):
         self._spare: dict[tuple, list[torch.Tensor]] = {}
+        self._rows: int | None = None
+
+    def serve_rows(self, rows: int) -> None:
+        if rows != self._rows:
+            self._spare.clear()
+            self._rows = rows
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         spare = self._spare.get((shape, dtype))
@@ -160,14 +177,14 @@ class _WeightGradient:
     """
 
     def __init__(self, weight: torch.Tensor):
-        direct = weight.is_leaf and weight.requires_grad
+        direct = weight.is_leaf and weight.requires_grad and _engine_accumulates(weight)
         existing = weight.grad if direct else None
-        self.accumulate = existing is not None and existing.shape == weight.shape and existing.is_contiguous()
+        self.accumulate = existing is not None and _fits(existing, weight) and existing.is_contiguous()
         if self.accumulate:
             self.tensor = existing
         elif direct and existing is None:
             buffer = getattr(weight, _KEPT_GRAD, None)
-            if buffer is None or buffer.shape != weight.shape or buffer.dtype != weight.dtype:
+            if buffer is None or not _fits(buffer, weight):
                 buffer = torch.empty_like(weight, memory_format=torch.contiguous_format)
                 setattr(weight, _KEPT_GRAD, buffer)
             weight.grad = buffer
@@ -185,6 +202,27 @@ class _WeightGradient:
         """An expert without tokens has a zero gradient: written into a fresh one, nothing added to an existing one."""
         if not self.accumulate:
             self.tensor[expert].zero_()
+
+
+def _engine_accumulates(weight: torch.Tensor) -> bool:
+    """Will this backward accumulate into `weight.grad`, with no tensor hook to see the gradient first?
+
+    Not under `torch.autograd.grad` (which returns gradients instead of accumulating
+    them), nor when `backward(inputs=...)` leaves the weight out, nor with a hook
+    registered on the weight: there the gradient must travel through autograd.
+    """
+    if weight._backward_hooks:
+        return False
+    with torch.enable_grad():
+        accumulate_node = weight.view_as(weight).grad_fn.next_functions[0][0]
+    try:
+        return torch._C._will_engine_execute_node(accumulate_node)
+    except RuntimeError:  # torch refuses leaves while torch.autograd.grad runs, which fills no .grad
+        return False
+
+
+def _fits(gradient: torch.Tensor, weight: torch.Tensor) -> bool:
+    return gradient.shape == weight.shape and gradient.dtype == weight.dtype and gradient.device == weight.device
 
 
 def _blocks(sizes: list[int]) -> Iterator[tuple[int, bool, slice]]:

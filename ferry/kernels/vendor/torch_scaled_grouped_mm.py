@@ -1,13 +1,14 @@
 """`moe.fp8_grouped_mm` on `torch._scaled_grouped_mm`: FP8 elements, fp32 row-wise scales, one call per GEMM.
 
 torch's FP8 grouped GEMM runs on compute capability 9.0 (H100, H200; not SM100,
-where torch offers MXFP8 instead) and on AMD MI300-class GPUs (gfx942, with the FNUZ
-variants; gfx950 with the OCP ones). It takes the left operand row-major and the right
-one column-major, one dequantization scale per row of each, and for the weight
-gradient (groups along the reduction dim, "2d x 2d") one scale per row and group,
-group-major. Its reduction-dim groups must be multiples of 16 rows, so this
-implementation pads token groups with zero rows there, which add nothing to a sum.
-The recipe quantizes, exactly as the portable emulation does; only the GEMM differs.
+where torch offers MXFP8 instead) and on AMD MI300X/MI325X (gfx942), and takes E4M3
+elements for both operands (OCP on NVIDIA, FNUZ on AMD), gradients included. It takes
+the left operand row-major and the right one column-major, one dequantization scale
+per row of each, and for the weight gradient (groups along the reduction dim,
+"2d x 2d") one scale per row and group, group-major. Its reduction-dim groups must be
+multiples of 16 rows, so this implementation pads token groups with zero rows there,
+which add nothing to a sum. The recipe quantizes, exactly as the portable emulation
+does; only the GEMM differs.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import torch
 from ferry.kernels.amp import outside_autocast
 
 GROUP_ALIGN_ROWS = 16
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-ROCM_ARCHITECTURES = ("gfx942", "gfx950")
+# The element format torch's row-wise FP8 grouped GEMM takes, for both operands: OCP E4M3 on
+# NVIDIA, the FNUZ variant on AMD MI300-class GPUs.
+CUDA_ELEMENTS = torch.float8_e4m3fn
+ROCM_ELEMENTS = torch.float8_e4m3fnuz
+ROCM_ARCHITECTURES = ("gfx942",)
 
 ScaledGroupedMM = Callable[..., torch.Tensor]
 
@@ -49,14 +53,21 @@ def probe_rocm(device: torch.device, dtype: torch.dtype) -> str | None:
 
 @outside_autocast
 def fp8_grouped_mm(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, recipe) -> torch.Tensor:
-    return scaled_grouped_mm_with(torch._scaled_grouped_mm, x_NI, w_EOI, offsets_E, recipe)
+    elements = ROCM_ELEMENTS if torch.version.hip else CUDA_ELEMENTS
+    return scaled_grouped_mm_with(torch._scaled_grouped_mm, elements, x_NI, w_EOI, offsets_E, recipe)
 
 
 def scaled_grouped_mm_with(
-    kernel: ScaledGroupedMM, x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, recipe
+    kernel: ScaledGroupedMM,
+    elements: torch.dtype,
+    x_NI: torch.Tensor,
+    w_EOI: torch.Tensor,
+    offsets_E: torch.Tensor,
+    recipe,
 ) -> torch.Tensor:
-    """The implementation over any kernel with `torch._scaled_grouped_mm`'s contract (tests pass a reference)."""
-    _check_recipe(recipe)
+    """The implementation over any kernel with `torch._scaled_grouped_mm`'s contract (tests pass a reference),
+    for a kernel that takes `elements` for both operands."""
+    _check_recipe(recipe, elements)
     return _FP8GroupedMM.apply(x_NI, w_EOI, offsets_E, recipe, kernel)
 
 
@@ -135,10 +146,10 @@ def _pad_groups(tensors_NX: list[torch.Tensor], offsets_E: torch.Tensor):
     return (*padded, padded_offsets_E.to(offsets_E.dtype))
 
 
-def _check_recipe(recipe) -> None:
+def _check_recipe(recipe, elements: torch.dtype) -> None:
     formats = (recipe.forward_format.dtype, recipe.grad_format.dtype)
-    if recipe.kind != "fp8" or any(dtype not in FP8_DTYPES for dtype in formats):
+    if recipe.kind != "fp8" or any(dtype != elements for dtype in formats):
         raise ValueError(
-            f"moe.fp8_grouped_mm torch_scaled_grouped_mm computes row-wise scaled FP8 (OCP or FNUZ); "
-            f"the recipe is {recipe.kind} with {formats[0]} forward and {formats[1]} gradients"
+            f"moe.fp8_grouped_mm torch_scaled_grouped_mm computes row-wise scaled FP8 with {elements} for every "
+            f"operand here; the recipe is {recipe.kind} with {formats[0]} forward and {formats[1]} gradients"
         )

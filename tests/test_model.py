@@ -147,3 +147,26 @@ def test_bias_is_ignored_when_balancing_is_off():
     layer = _layer()
     layer.router.update_bias(torch.tensor([100, 0, 0, 0]))
     assert torch.equal(layer.router.expert_bias_E, torch.zeros(4))
+
+
+def test_under_autocast_experts_compute_in_its_dtype_on_the_local_and_the_dispatched_path():
+    """The dispatched path (permute, experts behind a dispatcher, combine) must take the same dtypes as the
+    local one. Tolerance 2e-2: both compute the expert GEMMs in bfloat16 (2^-8 per rounding), in other orders."""
+    torch.manual_seed(0)
+    layer = MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=8, shared_expert_ffn_dim=8))
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0.0, 0.2)
+    x_BSD = torch.randn(2, 5, 16)
+    results = []
+    for dispatcher in (None, lambda x_ND, tokens_per_expert_E, experts: experts(x_ND, tokens_per_expert_E)):
+        layer.dispatcher = dispatcher
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out_BSD, _ = layer(x_BSD)
+        out_BSD.float().square().sum().backward()
+        assert out_BSD.dtype == torch.bfloat16 and layer.experts.w_up_EFD.grad.dtype == torch.float32
+        results.append((out_BSD.float(), layer.experts.w_up_EFD.grad))
+    (out_local, grad_local), (out_dispatched, grad_dispatched) = results
+    assert (out_local - out_dispatched).norm() < 2e-2 * out_local.norm()
+    assert (grad_local - grad_dispatched).norm() < 2e-2 * grad_local.norm()

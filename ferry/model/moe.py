@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ferry.kernels import KernelSelection, portable_kernels
+from ferry.kernels.amp import in_autocast_dtype
 from ferry.model.config import MoEConfig
 from ferry.model.experts import Experts
 from ferry.model.feedforward import SwiGLU
@@ -57,9 +58,10 @@ class MoELayer(nn.Module):
         """Local experts, or the parallel layer's dispatcher when experts live on several ranks."""
         if self.dispatcher is None:
             return self.experts.routed(x_TD, routing)
+        x_TD, weights_TK = in_autocast_dtype(x_TD, routing.weights_TK)  # tokens travel in the compute dtype
         x_ND, dispatch = self._permute(x_TD, routing.expert_ids_TK)
         y_ND = self.dispatcher(x_ND, routing.tokens_per_expert_E, self.experts)
-        return self._combine(y_ND, routing.weights_TK, dispatch)
+        return self._combine(y_ND, weights_TK, dispatch)
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
         batch, seq_len, dim = x_BSD.shape

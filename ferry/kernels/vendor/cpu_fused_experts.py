@@ -17,7 +17,9 @@ that is kept across steps: `zero_grad(set_to_none=True)` drops the reference, th
 next backward takes the same memory again (so a reference kept to an earlier step's
 `.grad` sees it overwritten). Only where the backward would accumulate into `.grad`
 anyway: `torch.autograd.grad`, `backward(inputs=...)` without the weight and tensor
-hooks on it get the gradient through autograd. Returning fresh gradients through
+hooks on it get the gradient through autograd, and so do the autocast copies of the
+weights that a layer under autocast passes in (fp32 parameters, bf16 compute): that
+case keeps correct gradients but not the saving. Returning fresh gradients through
 autograd instead maps 3 x E x F x D new floats every step (192 MB at 128 experts),
 and their page faults cost as much as the weight-gradient GEMMs themselves. A weight
 that is not a leaf (a view) gets its gradient through autograd. A sharding wrapper

@@ -38,7 +38,13 @@ from ferry.checkpoint import CheckpointMeta, Layout, save_checkpoint, verify_che
 from ferry.model import ModelConfig, MoEConfig
 from ferry.comm import DistContext
 from ferry.parallel import ParallelConfig, build_plan
-from ferry.train.checkpointing import optimizer_record, restore_model, restore_optimizer, train_state_pieces
+from ferry.train.checkpointing import (
+    optimizer_prefetch,
+    optimizer_record,
+    restore_model,
+    restore_optimizer,
+    train_state_pieces,
+)
 from ferry.train.optimizer import decayed_parameter_names
 
 CPU = torch.device("cpu")
@@ -153,9 +159,10 @@ def _raw_read(path: Path, arrays: list[np.ndarray]) -> None:
 
 
 def _load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan, split: list[float]) -> None:
-    """Verify, then restore into `model` and the stateless `optimizer`; appends the verification time to `split`."""
+    """Verify, then restore into `model` and the stateless `optimizer`, as a resume does; appends the
+    verification time (which includes reading the moments into the fresh optimizer state) to `split`."""
     started = time.perf_counter()
-    with verify_checkpoint(path) as checkpoint:
+    with verify_checkpoint(path, optimizer_prefetch(model, optimizer, plan)) as checkpoint:
         split.append(time.perf_counter() - started)
         restore_model(checkpoint, model, plan)
         restore_optimizer(checkpoint, model, optimizer, plan)

@@ -35,13 +35,13 @@ def test_verify_exits_0_for_a_valid_checkpoint(run_dir, capsys):
 
 def test_verify_exits_1_with_the_reason_for_a_corrupt_one(run_dir, capsys):
     checkpoint = run_dir / "checkpoints" / "step-00000002"
-    model_file = checkpoint / "model-rank00000.safetensors"
+    model_file = checkpoint / "model-rank00000-part0000.safetensors"
     data = bytearray(model_file.read_bytes())
     data[-1] ^= 0xFF
     model_file.write_bytes(bytes(data))
     assert main(["ckpt", "verify", str(checkpoint)]) == 1
     out = capsys.readouterr().out
-    assert "is invalid" in out and "model-rank00000.safetensors does not match its sha256" in out
+    assert "is invalid" in out and "model-rank00000-part0000.safetensors does not match its sha256" in out
 
 
 def test_verify_of_a_missing_path_is_a_user_error(tmp_path, capsys):

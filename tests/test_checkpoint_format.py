@@ -133,9 +133,9 @@ def test_a_planted_pickle_is_refused_and_never_runs(tmp_path):
         verify_checkpoint(extra)
 
     swapped = save_checkpoint(tmp_path / "b", pieces, _meta(1))
-    (swapped / "optim-rank00000.safetensors").write_bytes(payload)
+    (swapped / "optim-rank00000-part0000.safetensors").write_bytes(payload)
     manifest = json.loads((swapped / "manifest.json").read_text())
-    manifest["files"]["optim-rank00000.safetensors"] = {
+    manifest["files"]["optim-rank00000-part0000.safetensors"] = {
         "bytes": len(payload),
         "sha256": hashlib.sha256(payload).hexdigest(),
     }

@@ -64,7 +64,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one_with_a_war
     saving = ("checkpoint.interval=2", "checkpoint.keep=3")
     Trainer(make_config("train.steps=8", *saving, run_dir=run_dir)).fit(stop_at=6)
     newest = run_dir / "checkpoints" / "step-00000006"
-    optim_file = newest / "optim-rank00000.safetensors"
+    optim_file = newest / "optim-rank00000-part0000.safetensors"
     with open(optim_file, "r+b") as handle:
         handle.truncate(optim_file.stat().st_size // 2)
     capsys.readouterr()

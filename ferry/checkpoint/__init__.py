@@ -10,6 +10,7 @@ from ferry.checkpoint.manager import CheckpointManager, clear_checkpoints
 from ferry.checkpoint.reader import (
     Checkpoint,
     Found,
+    Prefetch,
     find_resume_point,
     list_checkpoints,
     newest_valid,
@@ -40,6 +41,7 @@ __all__ = [
     "clear_checkpoints",
     "Checkpoint",
     "Found",
+    "Prefetch",
     "find_resume_point",
     "list_checkpoints",
     "newest_valid",

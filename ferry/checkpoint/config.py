@@ -15,6 +15,12 @@ class CheckpointConfig(Section):
     dir: str | None = Field(None, min_length=1, description="where checkpoints go; default <run.dir>/checkpoints")
     interval: int = Field(0, ge=0, description="save every N optimizer steps; 0 saves only at the end of the run")
     keep: int = Field(3, ge=1, description="keep the newest K checkpoints and delete older ones")
+    file_mb: int = Field(
+        256,
+        ge=1,
+        description="largest tensor file in MiB: a rank's state is split over several, which hash and read on all "
+        "cores at once (a tensor larger than this gets a file of its own)",
+    )
     async_save: bool = Field(
         False, description="copy the tensors, then write on a background thread while training goes on"
     )

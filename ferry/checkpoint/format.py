@@ -24,7 +24,11 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 TENSOR_SUFFIX = ".safetensors"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_]+-rank\d{5}\.safetensors$")
+# Older checkpoints have one file per group and rank, without the part number.
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_]+-rank\d{5}(-part\d{4})?\.safetensors$")
+# A rank's group of tensors is split into files of at most this many bytes (one tensor per file
+# when a tensor alone is larger), so that the files of a checkpoint hash and read on all cores.
+DEFAULT_FILE_BYTES = 256 << 20
 
 # torch dtype name -> the safetensors header code of the same element type
 SAFETENSORS_DTYPES = {
@@ -65,9 +69,10 @@ def parse_step(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def rank_file_name(group: str, rank: int) -> str:
-    """Each rank writes one file per name group (`model`, `optim`, `rng`): `model-rank00000.safetensors`."""
-    return f"{group}-rank{rank:05d}{TENSOR_SUFFIX}"
+def rank_file_name(group: str, rank: int, part: int) -> str:
+    """Each rank writes its tensors of a name group (`model`, `optim`, `rng`) into one or more parts:
+    `model-rank00000-part0000.safetensors`."""
+    return f"{group}-rank{rank:05d}-part{part:04d}{TENSOR_SUFFIX}"
 
 
 def name_group(name: str) -> str:

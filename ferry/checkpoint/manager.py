@@ -29,11 +29,11 @@ class CheckpointManager:
         config: CheckpointConfig,
         root: Path,
         last_step: int | None = None,
-        write: Callable[[Path, dict[str, TensorPiece], CheckpointMeta], Path] = save_checkpoint,
+        write: Callable[..., Path] = save_checkpoint,
         is_main: bool = True,
     ):
-        """`write` saves one checkpoint (the default: this process holds everything); in a
-        multi-rank job every rank calls it together and only the main rank prunes."""
+        """`write(root, pieces, meta, max_file_bytes=...)` saves one checkpoint (the default: this process holds
+        everything); in a multi-rank job every rank calls it together and only the main rank prunes."""
         self.config = config
         self.root = root
         self.last_step = last_step
@@ -71,7 +71,7 @@ class CheckpointManager:
             raise error
 
     def _write(self, pieces: dict[str, TensorPiece], meta: CheckpointMeta) -> None:
-        path = self._write_checkpoint(self.root, pieces, meta)
+        path = self._write_checkpoint(self.root, pieces, meta, max_file_bytes=self.config.file_mb << 20)
         self.saved.append(path)
         if self._is_main:
             prune(self.root, self.config.keep, protect=path)

@@ -9,6 +9,8 @@ the checkpoint invalid rather than being looked at.
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ferry.checkpoint.files import hash_file
+from ferry.checkpoint.byte_reads import TensorFile, hash_and_fill, is_plain_cpu
 from ferry.checkpoint.format import (
     MANIFEST_NAME,
     SAFETENSORS_DTYPES,
@@ -27,18 +29,28 @@ from ferry.checkpoint.format import (
 )
 from ferry.config.errors import UserError
 
+# Given a checkpoint's manifest, fresh CPU tensors (by logical name) that the verification fills with
+# whole stored tensors as it hashes their files, so that those bytes are read once, not twice.
+Prefetch = Callable[[Manifest], dict[str, torch.Tensor]]
+
 
 class Checkpoint:
     """A verified checkpoint directory: its manifest, and reads of any box of a logical tensor.
 
     A read assembles the box from whichever pieces overlap it, so a reader in one
     layout can load what another layout wrote (resharding is a choice of boxes).
+    A whole piece going into contiguous CPU memory of its own dtype is read from the
+    file straight into that memory, with no intermediate copy; everything else (a
+    slice, a cast, another device) goes through the safetensors library.
     """
 
-    def __init__(self, path: Path, manifest: Manifest):
+    def __init__(self, path: Path, manifest: Manifest, prefetched: dict[str, torch.Tensor] | None = None):
         self.path = path
         self.manifest = manifest
+        self._prefetched = prefetched or {}
         self._handles: dict = {}
+        self._files: dict[str, TensorFile] = {}
+        self._lock = threading.Lock()
 
     @property
     def step(self) -> int:
@@ -53,12 +65,27 @@ class Checkpoint:
             raise CheckpointError(f"{self.path} holds no tensor {name!r}")
         return record
 
+    def prefetched(self, name: str) -> torch.Tensor | None:
+        """The whole tensor `name` as the verification read it (a tensor the `Prefetch` asked for), else None."""
+        return self._prefetched.get(name)
+
     def read(self, name: str) -> torch.Tensor:
         """The whole logical tensor `name`, in its stored dtype, on the CPU."""
         record = self.record(name)
         out = torch.empty(record.shape, dtype=getattr(torch, record.dtype))
         self.read_into(name, out)
         return out
+
+    def read_many(self, boxes: list[tuple[str, torch.Tensor, tuple[int, ...] | None]]) -> None:
+        """`read_into` for each (name, out, offset), on all cores at once, largest first; an empty `out` reads nothing.
+
+        Reads release the GIL, and filling fresh memory is mostly the kernel's page
+        faults, which one core alone takes twice as long to serve as two.
+        """
+        ordered = sorted((box for box in boxes if box[1].numel()), key=lambda box: box[1].nbytes, reverse=True)
+        with ThreadPoolExecutor(max_workers=max(1, min(len(ordered), os.cpu_count() or 1))) as pool:
+            for done in [pool.submit(self.read_into, *box) for box in ordered]:
+                done.result()
 
     def read_into(self, name: str, out: torch.Tensor, offset: tuple[int, ...] | None = None) -> None:
         """Fill `out` with the box of `name` that starts at `offset` (default: the origin); casts to `out`'s dtype."""
@@ -72,16 +99,25 @@ class Checkpoint:
             high = [min(p + n, o + s) for p, n, o, s in zip(piece.offset, piece.shape, offset, size)]
             if any(lo >= hi for lo, hi in zip(low, high)):
                 continue
+            target = out[tuple(slice(lo - o, hi - o) for lo, hi, o in zip(low, high, offset))]
+            whole = low == piece.offset and high == [p + n for p, n in zip(piece.offset, piece.shape)]
+            if whole and is_plain_cpu(target, record.dtype):
+                self._tensor_file(piece.file).read_into(name, target)
+                continue
             handle = self._handle(piece.file)
-            if low == piece.offset and high == [p + n for p, n in zip(piece.offset, piece.shape)]:
+            if whole:
                 data = handle.get_tensor(name)
             else:
                 within = tuple(slice(lo - p, hi - p) for lo, hi, p in zip(low, high, piece.offset))
                 data = handle.get_slice(name)[within]
-            out[tuple(slice(lo - o, hi - o) for lo, hi, o in zip(low, high, offset))].copy_(data)
+            target.copy_(data)
 
     def close(self) -> None:
         self._handles.clear()
+        self._prefetched = {}
+        for raw in self._files.values():
+            raw.close()
+        self._files.clear()
 
     def __enter__(self) -> "Checkpoint":
         return self
@@ -90,9 +126,16 @@ class Checkpoint:
         self.close()
 
     def _handle(self, file: str):
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        return self._handles[file]
+        with self._lock:
+            if file not in self._handles:
+                self._handles[file] = safe_open(str(self.path / file), framework="pt")
+            return self._handles[file]
+
+    def _tensor_file(self, file: str) -> "TensorFile":
+        with self._lock:
+            if file not in self._files:
+                self._files[file] = TensorFile(self.path / file)
+            return self._files[file]
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -116,8 +159,12 @@ def read_manifest(path: Path) -> Manifest:
     return Manifest.parse(text, manifest_path)
 
 
-def verify_checkpoint(path: Path) -> Checkpoint:
-    """Open a checkpoint only if it is complete and intact: listed files only, sizes, sha256, headers."""
+def verify_checkpoint(path: Path, prefetch: Prefetch | None = None) -> Checkpoint:
+    """Open a checkpoint only if it is complete and intact: listed files only, sizes, sha256, headers.
+
+    With `prefetch`, the tensors it asks for are read as their files are hashed; the
+    `Checkpoint` hands them out (`prefetched`) only once every file has verified.
+    """
     path = Path(path)
     manifest = read_manifest(path)
     unexpected = sorted({entry.name for entry in path.iterdir()} - set(manifest.files) - {MANIFEST_NAME})
@@ -133,15 +180,34 @@ def verify_checkpoint(path: Path) -> Checkpoint:
         size = file_path.stat().st_size
         if size != expected.bytes:
             raise CheckpointError(f"{file_path} has {size:,} bytes where the manifest says {expected.bytes:,}")
-    files = list(manifest.files)
-    # hashlib releases the GIL while it hashes, so the files of a checkpoint hash on all cores at once.
+    targets = _prefetch_targets(manifest, prefetch(manifest) if prefetch else {})
+    by_file: dict[str, dict[str, torch.Tensor]] = {file: {} for file in manifest.files}
+    for name, tensor in targets.items():
+        by_file[manifest.tensors[name].pieces[0].file][name] = tensor
+    # hashlib and reads release the GIL, so the files of a checkpoint hash on all cores at once, largest first.
+    files = sorted(manifest.files, key=lambda file: manifest.files[file].bytes, reverse=True)
     with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1))) as pool:
-        digests = list(pool.map(lambda file: hash_file(path / file).sha256, files))
+        digests = list(pool.map(lambda file: hash_and_fill(path / file, by_file[file]), files))
     for file, digest in zip(files, digests):
         if digest != manifest.files[file].sha256:
             raise CheckpointError(f"{path / file} does not match its sha256 in the manifest (corrupt or modified)")
     _check_headers(path, manifest)
-    return Checkpoint(path, manifest)
+    return Checkpoint(path, manifest, targets)
+
+
+def _prefetch_targets(manifest: Manifest, asked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The asked-for tensors that can take a stored tensor's bytes as they are: one piece, same shape and dtype."""
+    targets = {}
+    for name, tensor in asked.items():
+        record = manifest.tensors.get(name)
+        if (
+            record is not None
+            and len(record.pieces) == 1
+            and list(tensor.shape) == record.shape
+            and is_plain_cpu(tensor, record.dtype)
+        ):
+            targets[name] = tensor
+    return targets
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -160,22 +226,22 @@ class Found:
     skipped: list[tuple[Path, str]] = field(default_factory=list)
 
 
-def newest_valid(root: Path) -> Found:
+def newest_valid(root: Path, prefetch: Prefetch | None = None) -> Found:
     """The newest checkpoint under `root` that verifies; each newer invalid one is skipped with its reason."""
     skipped = []
     for path in reversed(list_checkpoints(root)):
         try:
-            return Found(verify_checkpoint(path), skipped)
+            return Found(verify_checkpoint(path, prefetch), skipped)
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
     return Found(None, skipped)
 
 
-def find_resume_point(resume: str, default_root: Path) -> Found:
+def find_resume_point(resume: str, default_root: Path, prefetch: Prefetch | None = None) -> Found:
     """Resolve `resume`: `latest` is the newest valid checkpoint under `default_root` (none yet is fine);
     a path is a checkpoint, or a directory of checkpoints whose newest valid one is taken."""
     if resume == "latest":
-        found = newest_valid(default_root)
+        found = newest_valid(default_root, prefetch)
         if found.checkpoint is None and found.skipped:
             raise CheckpointError(_none_valid(default_root, found.skipped))
         return found
@@ -183,8 +249,8 @@ def find_resume_point(resume: str, default_root: Path) -> Found:
     if not path.exists():
         raise UserError(f"resume: {resume!r} does not exist")
     if (path / MANIFEST_NAME).exists() or not list_checkpoints(path):
-        return Found(verify_checkpoint(path))
-    found = newest_valid(path)
+        return Found(verify_checkpoint(path, prefetch))
+    found = newest_valid(path, prefetch)
     if found.checkpoint is None:
         raise CheckpointError(_none_valid(path, found.skipped))
     return found

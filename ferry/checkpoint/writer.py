@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 from ferry.checkpoint.files import fsync_dir, hash_file
 from ferry.checkpoint.format import (
     CHECKPOINT_FORMAT,
+    DEFAULT_FILE_BYTES,
     FORMAT_VERSION,
     MANIFEST_NAME,
     FileRecord,
@@ -60,10 +62,12 @@ class RankRecord:
     tensors: dict[str, tuple[str, list[int], PieceRecord]] = field(default_factory=dict)
 
 
-def save_checkpoint(root: Path, pieces: dict[str, TensorPiece], meta: CheckpointMeta) -> Path:
+def save_checkpoint(
+    root: Path, pieces: dict[str, TensorPiece], meta: CheckpointMeta, max_file_bytes: int = DEFAULT_FILE_BYTES
+) -> Path:
     """Save a checkpoint whose every piece is held by this process (world size 1); returns its path."""
     staging = begin_save(root, meta.step)
-    record = write_rank_files(staging, 0, pieces)
+    record = write_rank_files(staging, 0, pieces, max_file_bytes)
     write_manifest(staging, build_manifest([record], meta))
     return publish(staging, root / step_dir_name(meta.step))
 
@@ -77,22 +81,46 @@ def begin_save(root: Path, step: int) -> Path:
     return staging
 
 
-def write_rank_files(staging: Path, rank: int, pieces: dict[str, TensorPiece]) -> RankRecord:
-    """Write this rank's pieces, one safetensors file per name group, each fsynced and hashed."""
+def write_rank_files(
+    staging: Path, rank: int, pieces: dict[str, TensorPiece], max_file_bytes: int = DEFAULT_FILE_BYTES
+) -> RankRecord:
+    """Write this rank's pieces, per name group, into files of at most `max_file_bytes`, each fsynced and hashed.
+
+    A file is hashed and fsynced on a helper thread while the next one is written.
+    """
     groups: dict[str, dict[str, TensorPiece]] = {}
     for name, piece in pieces.items():
         piece.check(name)
         groups.setdefault(name_group(name), {})[name] = piece
     record = RankRecord()
-    for group, members in groups.items():
-        file = rank_file_name(group, rank)
-        tensors = _unshared({name: piece.local.detach().contiguous() for name, piece in members.items()})
-        save_file(tensors, staging / file)
-        record.files[file] = hash_file(staging / file, fsync=True)
-        for name, piece in members.items():
-            entry = PieceRecord(file=file, offset=list(piece.offset), shape=list(piece.local.shape))
-            record.tensors[name] = (dtype_name(piece.local.dtype), list(piece.global_shape), entry)
+    finishing = {}
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        for group, members in groups.items():
+            for part, names in enumerate(_parts(members, max_file_bytes)):
+                file = rank_file_name(group, rank, part)
+                tensors = _unshared({name: members[name].local.detach().contiguous() for name in names})
+                save_file(tensors, staging / file)
+                finishing[file] = pool.submit(hash_file, staging / file, fsync=True)
+                for name in names:
+                    piece = members[name]
+                    entry = PieceRecord(file=file, offset=list(piece.offset), shape=list(piece.local.shape))
+                    record.tensors[name] = (dtype_name(piece.local.dtype), list(piece.global_shape), entry)
+        record.files = {file: done.result() for file, done in finishing.items()}
     return record
+
+
+def _parts(members: dict[str, TensorPiece], max_file_bytes: int) -> list[list[str]]:
+    """Consecutive runs of names whose bytes fit `max_file_bytes`; a larger tensor is a file of its own."""
+    parts: list[list[str]] = [[]]
+    size = 0
+    for name, piece in members.items():
+        nbytes = piece.local.nbytes
+        if parts[-1] and size + nbytes > max_file_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(name)
+        size += nbytes
+    return parts
 
 
 def build_manifest(records: list[RankRecord], meta: CheckpointMeta) -> Manifest:

@@ -25,7 +25,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ferry.checkpoint import Checkpoint, CheckpointError, CheckpointMeta, TensorPiece, config_differences
+from ferry.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointMeta,
+    Manifest,
+    Prefetch,
+    TensorPiece,
+    config_differences,
+)
 from ferry.checkpoint.writer import RankRecord, begin_save, build_manifest, publish, write_manifest, write_rank_files
 from ferry.config import ConfigError
 from ferry.parallel import ParallelPlan
@@ -69,7 +77,9 @@ def train_state_pieces(
     return pieces
 
 
-def save_on_all_ranks(root: Path, pieces: dict[str, TensorPiece], meta: CheckpointMeta, plan: ParallelPlan) -> Path:
+def save_on_all_ranks(
+    root: Path, pieces: dict[str, TensorPiece], meta: CheckpointMeta, plan: ParallelPlan, max_file_bytes: int
+) -> Path:
     """Every rank writes its files into one staging directory; rank 0 writes the manifest and publishes.
 
     Rank records travel between ranks as JSON text; nothing is pickled to disk.
@@ -80,7 +90,7 @@ def save_on_all_ranks(root: Path, pieces: dict[str, TensorPiece], meta: Checkpoi
         begin_save(root, meta.step)
     dist.barrier()
     staging = root / staging_dir_name(meta.step)
-    record = write_rank_files(staging, plan.context.rank, pieces)
+    record = write_rank_files(staging, plan.context.rank, pieces, max_file_bytes)
     gathered: list[str] | None = [""] * plan.context.world_size if plan.context.rank == 0 else None
     dist.gather_object(_record_json(record), gathered, dst=0)
     final = root / step_dir_name(meta.step)
@@ -129,8 +139,8 @@ def restore_model(checkpoint: Checkpoint, model: nn.Module, plan: ParallelPlan) 
             f"{checkpoint.path} does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     with torch.no_grad():
-        for name, tensor in targets.items():
-            _read_piece(checkpoint, MODEL + name, _piece(name, tensor, plan))
+        boxes = [_box(checkpoint, MODEL + name, _piece(name, tensor, plan)) for name, tensor in targets.items()]
+        checkpoint.read_many(boxes)
 
 
 def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer, plan: ParallelPlan) -> None:
@@ -145,6 +155,7 @@ def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer, plan:
     params = dict(model.named_parameters())
     held = {param for group in optimizer.param_groups for param in group["params"]}
     state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    boxes = []
     for logical in checkpoint.names(OPTIM):
         key, _, name = logical.removeprefix(OPTIM).partition(".")
         if name not in params:
@@ -152,14 +163,46 @@ def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer, plan:
         param = params[name]
         if param not in held:
             continue
+        value = checkpoint.prefetched(logical)
         if key == "step":
             value = checkpoint.read(logical)
-        else:
+        elif value is None or value.shape != param.shape or value.dtype != param.dtype:
             value = torch.empty_like(param, memory_format=torch.contiguous_format)  # filled whole below
-            _read_piece(checkpoint, logical, _piece(name, value, plan))
+            boxes.append(_box(checkpoint, logical, _piece(name, value, plan)))
         state.setdefault(param, {})[key] = value
+    checkpoint.read_many(boxes)
     optimizer.state.clear()
     optimizer.state.update(state)
+
+
+def optimizer_prefetch(model: nn.Module, optimizer, plan: ParallelPlan) -> Prefetch:
+    """What the verification of a checkpoint may read straight into fresh optimizer state for this rank.
+
+    Moments of parameters this rank holds whole on the CPU, in the parameter's dtype:
+    `restore_optimizer` then adopts them as they are, and their bytes are read once.
+    """
+    params = dict(model.named_parameters())
+    held = {param for group in optimizer.param_groups for param in group["params"]}
+
+    def fresh_moments(manifest: Manifest) -> dict[str, torch.Tensor]:
+        moments = {}
+        for logical, record in manifest.tensors.items():
+            key, _, name = logical.removeprefix(OPTIM).partition(".")
+            param = params.get(name) if logical.startswith(OPTIM) and key != "step" else None
+            if (
+                param is None
+                or param not in held
+                or isinstance(param, DTensor)
+                or _piece(name, param, plan).global_shape != tuple(param.shape)
+                or param.device.type != "cpu"
+                or record.shape != list(param.shape)
+                or record.dtype != str(param.dtype).removeprefix("torch.")
+            ):
+                continue
+            moments[logical] = torch.empty(record.shape, dtype=param.dtype)
+        return moments
+
+    return fresh_moments
 
 
 def restore_rng(checkpoint: Checkpoint, device: torch.device, rank: int, world_size: int) -> list[str]:
@@ -189,12 +232,12 @@ def _piece(name: str, tensor: torch.Tensor, plan: ParallelPlan) -> TensorPiece:
     return TensorPiece(tensor, offset, (expert_slice.num_experts, *tensor.shape[1:]))
 
 
-def _read_piece(checkpoint: Checkpoint, name: str, piece: TensorPiece) -> None:
+def _box(checkpoint: Checkpoint, name: str, piece: TensorPiece) -> tuple[str, torch.Tensor, tuple[int, ...]]:
+    """What `Checkpoint.read_many` reads for `piece` of `name`, once the stored shape is known to fit."""
     stored = checkpoint.record(name).shape
     if stored != list(piece.global_shape):
         raise CheckpointError(f"{checkpoint.path}: {name} is stored as {stored}, this model has {list(piece.global_shape)}")
-    if piece.local.numel():
-        checkpoint.read_into(name, piece.local, piece.offset)
+    return name, piece.local, piece.offset
 
 
 def _is_state_sharded(optimizer) -> bool:

@@ -31,6 +31,7 @@ from ferry.precision import resolve_precision
 from ferry.precision.kernels import low_precision_op, with_low_precision_experts
 from ferry.train.checkpointing import (
     check_config,
+    optimizer_prefetch,
     optimizer_record,
     restore_model,
     restore_optimizer,
@@ -317,7 +318,8 @@ class Trainer:
         config = self.config
         if config.resume is None:
             return None, []
-        found = find_resume_point(config.resume, config.checkpoint.path(config.run.path))
+        prefetch = optimizer_prefetch(self.model, self.optimizer, self.plan)
+        found = find_resume_point(config.resume, config.checkpoint.path(config.run.path), prefetch)
         return found, self.restore(found.checkpoint) if found.checkpoint else []
 
     def _announce(self, run_dir: Path, found: Found | None, notes: list[str]) -> None:

@@ -1,0 +1,123 @@
+"""Reading a safetensors file's tensors by byte range, straight into caller-owned memory.
+
+The safetensors library copies a tensor into memory of its own; a resume that must
+fill fresh optimizer state (or live parameters) would then pay a second copy and twice
+the page faults. Here a tensor's bytes go from the file into their final memory with
+one `preadv`, and `hash_and_fill` does so while it computes the file's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from ferry.checkpoint.files import hash_file
+from ferry.checkpoint.format import CheckpointError
+
+
+class TensorFile:
+    """Positional reads of a verified safetensors file's tensors into caller-owned memory.
+
+    The header (a little-endian u64 length, then JSON with each tensor's byte range
+    after it) was already checked against the manifest by the safetensors library in
+    `verify_checkpoint`; here it only gives the byte ranges.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._descriptor = os.open(path, os.O_RDONLY)
+        try:
+            self._ranges = _byte_ranges(self._descriptor, path)
+        except CheckpointError:
+            os.close(self._descriptor)
+            raise
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        _pread_exactly(self._descriptor, self.path, name, self._ranges[name], out)
+
+    def close(self) -> None:
+        os.close(self._descriptor)
+
+
+def _byte_ranges(descriptor: int, path: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's [start, end) in the file, from its safetensors header (a u64 length, then JSON)."""
+    try:
+        (length,) = struct.unpack("<Q", os.pread(descriptor, 8, 0))
+        if length > os.fstat(descriptor).st_size - 8:
+            raise ValueError(f"a header of {length} bytes does not fit in the file")
+        header = json.loads(os.pread(descriptor, length, 8))
+        start = 8 + length
+        return {
+            key: (start + int(value["data_offsets"][0]), start + int(value["data_offsets"][1]))
+            for key, value in header.items()
+            if key != "__metadata__"
+        }
+    except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        raise CheckpointError(f"{path} has an unreadable safetensors header: {exc!r}") from None
+
+
+def _pread_exactly(descriptor: int, path: Path, name: str, byte_range: tuple[int, int], out: torch.Tensor) -> None:
+    """Read the bytes of tensor `name` straight into `out`'s memory."""
+    start, end = byte_range
+    if end - start != out.nbytes:
+        raise CheckpointError(f"{path}: {name} holds {end - start} bytes, {out.nbytes} expected")
+    view = _bytes_of(out)
+    done = 0
+    while done < len(view):
+        count = os.preadv(descriptor, [view[done:]], start + done)
+        if count == 0:
+            raise CheckpointError(f"{path} ends inside {name}")
+        done += count
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def hash_and_fill(path: Path, targets: dict[str, torch.Tensor]) -> str:
+    """The file's sha256, reading the tensors named in `targets` into them on the way.
+
+    The digest covers the file's bytes in order: the stretches between targets come
+    from a memory map of the file, each target's bytes from the memory they were just
+    read into. A header whose ranges would skip or repeat bytes is refused.
+    """
+    if not targets:
+        return hash_file(path).sha256
+    digest = hashlib.sha256()
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_WILLNEED)
+        ranges = _byte_ranges(descriptor, path)
+        missing = sorted(set(targets) - set(ranges))
+        if missing:
+            raise CheckpointError(f"{path} does not hold {', '.join(missing[:5])}, which the manifest puts there")
+        size = os.fstat(descriptor).st_size
+        with mmap.mmap(descriptor, size, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as whole:
+            position = 0
+            for name in sorted(targets, key=lambda key: ranges[key]):
+                start, end = ranges[name]
+                if not position <= start <= end <= size:
+                    raise CheckpointError(f"{path}: the header puts {name} at bytes {start}-{end}: not possible")
+                digest.update(whole[position:start])
+                _pread_exactly(descriptor, path, name, (start, end), targets[name])
+                digest.update(_bytes_of(targets[name]))
+                position = end
+            digest.update(whole[position:])
+    finally:
+        os.close(descriptor)
+    return digest.hexdigest()
+
+
+def is_plain_cpu(tensor: torch.Tensor, stored_dtype: str) -> bool:
+    """Whether the bytes as stored can go straight into `tensor`'s memory."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and str(tensor.dtype).removeprefix("torch.") == stored_dtype
+    )

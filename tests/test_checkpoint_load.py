@@ -1,0 +1,190 @@
+"""How a checkpoint is read: bounded files, direct reads, and moments read while their files are hashed."""
+
+import hashlib
+import json
+import struct
+
+import pytest
+import torch
+
+from ferry.checkpoint import CheckpointError, CheckpointMeta, Layout, TensorPiece, save_checkpoint, verify_checkpoint
+from ferry.checkpoint.byte_reads import hash_and_fill
+from ferry.comm import DistContext
+from ferry.model import ModelConfig, MoEConfig
+from ferry.parallel import ParallelConfig, build_plan
+from ferry.train.checkpointing import (
+    optimizer_prefetch,
+    optimizer_record,
+    restore_model,
+    restore_optimizer,
+    train_state_pieces,
+)
+from ferry.train.optimizer import decayed_parameter_names
+
+
+def _meta(step: int = 1, train_state: dict | None = None) -> CheckpointMeta:
+    layout = Layout(world_size=1, ep_degree=1, mode="single")
+    return CheckpointMeta(step, 0, layout, {}, {}, {}, train_state or {})
+
+
+def _pieces() -> dict[str, TensorPiece]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "model.a": TensorPiece.whole(torch.randn(10, 10, generator=generator)),  # 400 bytes
+        "model.b": TensorPiece.whole(torch.randn(100, generator=generator)),  # 400 bytes
+        "model.c": TensorPiece.whole(torch.randn(10, 10, generator=generator)),  # 400 bytes
+        "model.big": TensorPiece.whole(torch.randn(600, generator=generator)),  # 2400 bytes
+        "model.half": TensorPiece.whole(torch.randn(7, generator=generator).to(torch.bfloat16)),
+        "optim.exp_avg.a": TensorPiece.whole(torch.randn(10, 10, generator=generator)),
+    }
+
+
+def test_a_group_is_split_into_parts_of_bounded_size_that_read_back_whole(tmp_path):
+    pieces = _pieces()
+    path = save_checkpoint(tmp_path, pieces, _meta(), max_file_bytes=1000)
+    checkpoint = verify_checkpoint(path)
+    files = {name: record.pieces[0].file for name, record in checkpoint.manifest.tensors.items()}
+    assert files["model.a"] == files["model.b"] == "model-rank00000-part0000.safetensors"
+    assert files["model.c"] == "model-rank00000-part0001.safetensors"
+    assert files["model.big"] == "model-rank00000-part0002.safetensors"  # larger than the bound: a file alone
+    assert files["model.half"] == "model-rank00000-part0003.safetensors"
+    assert files["optim.exp_avg.a"] == "optim-rank00000-part0000.safetensors"
+    for name, piece in pieces.items():
+        assert torch.equal(checkpoint.read(name), piece.local)
+
+
+def test_checkpoints_named_before_parts_still_verify_and_read(tmp_path):
+    pieces = _pieces()
+    path = save_checkpoint(tmp_path, pieces, _meta())
+    manifest = json.loads((path / "manifest.json").read_text())
+    for group in ("model", "optim"):
+        old, new = f"{group}-rank00000-part0000.safetensors", f"{group}-rank00000.safetensors"
+        (path / old).rename(path / new)
+        manifest["files"][new] = manifest["files"].pop(old)
+        for record in manifest["tensors"].values():
+            for piece in record["pieces"]:
+                piece["file"] = new if piece["file"] == old else piece["file"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    checkpoint = verify_checkpoint(path)
+    assert torch.equal(checkpoint.read("model.big"), pieces["model.big"].local)
+
+
+def test_direct_reads_and_library_reads_give_the_same_tensors(tmp_path):
+    """Whole pieces into plain CPU memory take `preadv`; casts and strided targets take safetensors."""
+    pieces = _pieces()
+    checkpoint = verify_checkpoint(save_checkpoint(tmp_path, pieces, _meta(), max_file_bytes=1000))
+    direct = {name: torch.empty_like(piece.local) for name, piece in pieces.items()}
+    checkpoint.read_many([(name, out, None) for name, out in direct.items()])
+    cast = torch.empty(600, dtype=torch.float64)
+    checkpoint.read_into("model.big", cast)
+    strided = torch.empty(10, 10).t()
+    checkpoint.read_into("model.a", strided)
+    for name, piece in pieces.items():
+        assert torch.equal(direct[name], piece.local)
+    assert torch.equal(cast, pieces["model.big"].local.double())
+    assert torch.equal(strided, pieces["model.a"].local)
+    assert len(checkpoint._files) == 5  # the direct path really ran, once per file
+
+
+def test_prefetch_fills_only_tensors_that_fit_and_hands_them_out_after_verification(tmp_path):
+    pieces = _pieces()
+    path = save_checkpoint(tmp_path, pieces, _meta(), max_file_bytes=1000)
+    asked = {
+        "model.b": torch.empty(100),
+        "optim.exp_avg.a": torch.empty(10, 10),
+        "model.c": torch.empty(100),  # wrong shape
+        "model.half": torch.empty(7),  # wrong dtype
+        "model.nothing": torch.empty(3),  # not in the checkpoint
+    }
+    checkpoint = verify_checkpoint(path, lambda manifest: asked)
+    assert checkpoint.prefetched("model.b") is asked["model.b"]
+    assert checkpoint.prefetched("optim.exp_avg.a") is asked["optim.exp_avg.a"]
+    assert torch.equal(asked["model.b"], pieces["model.b"].local)
+    assert torch.equal(asked["optim.exp_avg.a"], pieces["optim.exp_avg.a"].local)
+    for name in ("model.c", "model.half", "model.nothing", "model.a"):
+        assert checkpoint.prefetched(name) is None
+
+
+@pytest.mark.parametrize("victim", ["model.a", "model.b"])
+def test_a_corrupt_byte_fails_verification_with_a_prefetch_whether_or_not_it_was_prefetched(tmp_path, victim):
+    pieces = _pieces()
+    path = save_checkpoint(tmp_path, pieces, _meta(), max_file_bytes=1000)
+    file = path / "model-rank00000-part0000.safetensors"
+    data = bytearray(file.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    start = 8 + length + json.loads(data[8 : 8 + length])[victim]["data_offsets"][0]
+    data[start + 5] ^= 0x40
+    file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        verify_checkpoint(path, lambda manifest: {"model.b": torch.empty(100)})
+
+
+def _safetensors_file(path, header: dict, payload: bytes):
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + payload)
+
+
+def test_hash_and_fill_is_the_file_sha256_and_refuses_ranges_that_skip_or_repeat_bytes(tmp_path):
+    good = tmp_path / "good.safetensors"
+    values = torch.arange(6, dtype=torch.float32)
+    header = {
+        "x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "y": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+    }
+    _safetensors_file(good, header, values.numpy().tobytes())
+    target = torch.empty(4)
+    assert hash_and_fill(good, {"y": target}) == hashlib.sha256(good.read_bytes()).hexdigest()
+    assert torch.equal(target, values[2:])
+
+    overlapping = tmp_path / "overlapping.safetensors"
+    header["y"]["data_offsets"] = [4, 20]
+    _safetensors_file(overlapping, header, values.numpy().tobytes())
+    with pytest.raises(CheckpointError, match="not possible"):
+        hash_and_fill(overlapping, {"x": torch.empty(2), "y": torch.empty(4)})
+
+    huge = tmp_path / "huge.safetensors"
+    huge.write_bytes(struct.pack("<Q", 2**62) + b"{}")
+    with pytest.raises(CheckpointError, match="unreadable safetensors header"):
+        hash_and_fill(huge, {"x": torch.empty(2)})
+
+
+def test_a_resume_adopts_the_prefetched_moments_and_restores_exactly(tmp_path):
+    model_config = ModelConfig(
+        vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, max_seq_len=8,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=8),
+    )
+    torch.manual_seed(0)
+    model = model_config.build()
+    plan = build_plan(ParallelConfig(), DistContext(rank=0, world_size=1, local_rank=0, backend=None), model, "cpu")
+
+    def fresh():
+        return plan.build_optimizer(decayed_parameter_names(model), 0.1, zero=False, lr=1e-2)
+
+    optimizer = fresh()
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    saved = {name: value.clone() for name, value in model.state_dict().items()}
+    pieces = train_state_pieces(model, optimizer, plan, torch.device("cpu"))
+    path = save_checkpoint(tmp_path, pieces, _meta(train_state={"optimizer": optimizer_record(model, optimizer)}))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+
+    resumed = fresh()
+    with verify_checkpoint(path, optimizer_prefetch(model, resumed, plan)) as checkpoint:
+        restore_model(checkpoint, model, plan)
+        restore_optimizer(checkpoint, model, resumed, plan)
+        names = {param: name for name, param in model.named_parameters()}
+        adopted = 0
+        for param, state in resumed.state.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                prefetched = checkpoint.prefetched(f"optim.{key}.{names[param]}")
+                assert prefetched is not None
+                adopted += state[key] is prefetched
+    assert adopted == 2 * len(resumed.state) > 0
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            assert torch.equal(resumed.state[param][key], value)

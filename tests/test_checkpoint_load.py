@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import struct
 
 import pytest
@@ -53,18 +54,31 @@ def test_a_group_is_split_into_parts_of_bounded_size_that_read_back_whole(tmp_pa
         assert torch.equal(checkpoint.read(name), piece.local)
 
 
-def test_checkpoints_named_before_parts_still_verify_and_read(tmp_path):
-    pieces = _pieces()
-    path = save_checkpoint(tmp_path, pieces, _meta())
+def _rename_files(path, renames: dict[str, str]) -> None:
     manifest = json.loads((path / "manifest.json").read_text())
-    for group in ("model", "optim"):
-        old, new = f"{group}-rank00000-part0000.safetensors", f"{group}-rank00000.safetensors"
+    for old, new in renames.items():
         (path / old).rename(path / new)
         manifest["files"][new] = manifest["files"].pop(old)
         for record in manifest["tensors"].values():
             for piece in record["pieces"]:
                 piece["file"] = new if piece["file"] == old else piece["file"]
     (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_checkpoints_named_before_parts_still_verify_and_read(tmp_path):
+    pieces = _pieces()
+    path = save_checkpoint(tmp_path, pieces, _meta())
+    groups = ("model", "optim")
+    _rename_files(path, {f"{g}-rank00000-part0000.safetensors": f"{g}-rank00000.safetensors" for g in groups})
+    checkpoint = verify_checkpoint(path)
+    assert torch.equal(checkpoint.read("model.big"), pieces["model.big"].local)
+
+
+def test_part_and_rank_numbers_past_four_and_five_digits_verify(tmp_path):
+    """A 10 GB group at checkpoint.file_mb=1 has 10,000+ parts; a job of 100,000+ ranks, six-digit ranks."""
+    pieces = _pieces()
+    path = save_checkpoint(tmp_path, pieces, _meta())
+    _rename_files(path, {"model-rank00000-part0000.safetensors": "model-rank123456-part10000.safetensors"})
     checkpoint = verify_checkpoint(path)
     assert torch.equal(checkpoint.read("model.big"), pieces["model.big"].local)
 
@@ -74,7 +88,9 @@ def test_direct_reads_and_library_reads_give_the_same_tensors(tmp_path):
     pieces = _pieces()
     checkpoint = verify_checkpoint(save_checkpoint(tmp_path, pieces, _meta(), max_file_bytes=1000))
     direct = {name: torch.empty_like(piece.local) for name, piece in pieces.items()}
+    descriptors = len(os.listdir("/proc/self/fd"))
     checkpoint.read_many([(name, out, None) for name, out in direct.items()])
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # no file stays open between reads
     cast = torch.empty(600, dtype=torch.float64)
     checkpoint.read_into("model.big", cast)
     strided = torch.empty(10, 10).t()

@@ -8,11 +8,13 @@ one `preadv`, and `hash_and_fill` does so while it computes the file's sha256.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,23 +28,28 @@ class TensorFile:
 
     The header (a little-endian u64 length, then JSON with each tensor's byte range
     after it) was already checked against the manifest by the safetensors library in
-    `verify_checkpoint`; here it only gives the byte ranges.
+    `verify_checkpoint`; here it only gives the byte ranges. Each read opens the file
+    for itself: a reader holding many parts (a rank resharding from many ranks' files)
+    keeps no descriptors open between reads.
     """
 
     def __init__(self, path: Path):
         self.path = path
-        self._descriptor = os.open(path, os.O_RDONLY)
-        try:
-            self._ranges = _byte_ranges(self._descriptor, path)
-        except CheckpointError:
-            os.close(self._descriptor)
-            raise
+        with _opened(path) as descriptor:
+            self._ranges = _byte_ranges(descriptor, path)
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
-        _pread_exactly(self._descriptor, self.path, name, self._ranges[name], out)
+        with _opened(self.path) as descriptor:
+            _pread_exactly(descriptor, self.path, name, self._ranges[name], out)
 
-    def close(self) -> None:
-        os.close(self._descriptor)
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[int]:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        yield descriptor
+    finally:
+        os.close(descriptor)
 
 
 def _byte_ranges(descriptor: int, path: Path) -> dict[str, tuple[int, int]]:
@@ -85,14 +92,14 @@ def hash_and_fill(path: Path, targets: dict[str, torch.Tensor]) -> str:
 
     The digest covers the file's bytes in order: the stretches between targets come
     from a memory map of the file, each target's bytes from the memory they were just
-    read into. A header whose ranges would skip or repeat bytes is refused.
+    read into. A header whose ranges overlap or run past the end of the file is refused.
     """
     if not targets:
         return hash_file(path).sha256
     digest = hashlib.sha256()
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_WILLNEED)
+    with _opened(path) as descriptor:
+        if hasattr(os, "posix_fadvise"):  # start reading the whole file ahead of the hash
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_WILLNEED)
         ranges = _byte_ranges(descriptor, path)
         missing = sorted(set(targets) - set(ranges))
         if missing:
@@ -109,8 +116,6 @@ def hash_and_fill(path: Path, targets: dict[str, torch.Tensor]) -> str:
                 digest.update(_bytes_of(targets[name]))
                 position = end
             digest.update(whole[position:])
-    finally:
-        os.close(descriptor)
     return digest.hexdigest()
 
 

@@ -25,9 +25,9 @@ MANIFEST_NAME = "manifest.json"
 TENSOR_SUFFIX = ".safetensors"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 # Older checkpoints have one file per group and rank, without the part number.
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_]+-rank\d{5}(-part\d{4})?\.safetensors$")
-# A rank's group of tensors is split into files of at most this many bytes (one tensor per file
-# when a tensor alone is larger), so that the files of a checkpoint hash and read on all cores.
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_]+-rank\d{5,}(-part\d{4,})?\.safetensors$")
+# A rank's group of tensors is split into files of at most this many tensor bytes (one tensor per
+# file when a tensor alone is larger), so that the files of a checkpoint hash and read on all cores.
 DEFAULT_FILE_BYTES = 256 << 20
 
 # torch dtype name -> the safetensors header code of the same element type

@@ -77,15 +77,22 @@ class Checkpoint:
         return out
 
     def read_many(self, boxes: list[tuple[str, torch.Tensor, tuple[int, ...] | None]]) -> None:
-        """`read_into` for each (name, out, offset), on all cores at once, largest first; an empty `out` reads nothing.
+        """`read_into` for each (name, out, offset); an empty `out` reads nothing.
 
-        Reads release the GIL, and filling fresh memory is mostly the kernel's page
-        faults, which one core alone takes twice as long to serve as two.
+        Boxes that go into plain CPU memory are read on all cores at once, largest
+        first: reads release the GIL, and filling fresh memory is mostly the kernel's
+        page faults, which one core alone takes twice as long to serve as two. The
+        others (casts, other devices) take a whole host copy each and go one at a time.
         """
-        ordered = sorted((box for box in boxes if box[1].numel()), key=lambda box: box[1].nbytes, reverse=True)
+        boxes = [box for box in boxes if box[1].numel()]
+        direct = [box for box in boxes if is_plain_cpu(box[1], self.record(box[0]).dtype)]
+        ordered = sorted(direct, key=lambda box: box[1].nbytes, reverse=True)
         with ThreadPoolExecutor(max_workers=max(1, min(len(ordered), os.cpu_count() or 1))) as pool:
             for done in [pool.submit(self.read_into, *box) for box in ordered]:
                 done.result()
+        for box in boxes:
+            if not any(box is other for other in direct):
+                self.read_into(*box)
 
     def read_into(self, name: str, out: torch.Tensor, offset: tuple[int, ...] | None = None) -> None:
         """Fill `out` with the box of `name` that starts at `offset` (default: the origin); casts to `out`'s dtype."""
@@ -115,8 +122,6 @@ class Checkpoint:
     def close(self) -> None:
         self._handles.clear()
         self._prefetched = {}
-        for raw in self._files.values():
-            raw.close()
         self._files.clear()
 
     def __enter__(self) -> "Checkpoint":

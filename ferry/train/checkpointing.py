@@ -166,7 +166,7 @@ def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer, plan:
         value = checkpoint.prefetched(logical)
         if key == "step":
             value = checkpoint.read(logical)
-        elif value is None or value.shape != param.shape or value.dtype != param.dtype:
+        elif not _adoptable(value, param):
             value = torch.empty_like(param, memory_format=torch.contiguous_format)  # filled whole below
             boxes.append(_box(checkpoint, logical, _piece(name, value, plan)))
         state.setdefault(param, {})[key] = value
@@ -238,6 +238,15 @@ def _box(checkpoint: Checkpoint, name: str, piece: TensorPiece) -> tuple[str, to
     if stored != list(piece.global_shape):
         raise CheckpointError(f"{checkpoint.path}: {name} is stored as {stored}, this model has {list(piece.global_shape)}")
     return name, piece.local, piece.offset
+
+
+def _adoptable(value: torch.Tensor | None, param: nn.Parameter) -> bool:
+    """Whether a prefetched whole tensor can be this parameter's optimizer state as it is."""
+    return (
+        value is not None
+        and not isinstance(param, DTensor)
+        and (value.shape, value.dtype, value.device) == (param.shape, param.dtype, param.device)
+    )
 
 
 def _is_state_sharded(optimizer) -> bool:

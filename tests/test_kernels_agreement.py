@@ -5,7 +5,7 @@ floating-point sums (grouped vs per-expert matmuls, index_add vs gather-sum), wh
 moves results by a few ulps (observed: below 1e-6).
 
 Accelerator implementations (CUDA, ROCm) run where such a device is present, in
-bfloat16 as their kernels require, against the portable implementation in fp32 on the
+bfloat16 as their kernels require (as do CPU implementations made for bfloat16), against the portable implementation in fp32 on the
 same bfloat16-rounded inputs: tolerance 2e-2 relative, a few bfloat16 roundings
 (2^-8 each) of the outputs and gradients. Their widths are multiples of 16, as FP8
 GEMMs need.
@@ -48,6 +48,7 @@ def _inputs(op_name: str, D: int = D, F: int = F) -> tuple[tuple, tuple[int, ...
     offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     return {
         "norm.rms": ((randn(3, 7, D), randn(D), 1e-5), (0, 1)),
+        "linear": ((randn(3, 7, D), randn(F, D)), (0, 1)),
         "attention": ((randn(2, 4, 9, 8), randn(2, 2, 9, 8), randn(2, 2, 9, 8)), (0, 1, 2)),
         "moe.permute": ((x_TD, expert_ids_TK), (0,)),
         "moe.grouped_mm": ((x_ND.detach(), w_gate_EFD, offsets_E), (0, 1)),
@@ -119,6 +120,9 @@ def test_vendor_implementation_agrees_with_portable(impl, loss, monkeypatch):
             pytest.skip(f"{impl.key}: needs a CUDA or ROCm device")
         device, dtype, tolerance = torch.device("cuda"), torch.bfloat16, ACCELERATOR_TOLERANCE
         args, grad_args = _inputs(impl.op, D=32, F=16)
+    elif impl.unavailable_reason(CPU, torch.float32) is not None:  # a CPU path for reduced precision only
+        device, dtype, tolerance = CPU, torch.bfloat16, ACCELERATOR_TOLERANCE
+        args, grad_args = _inputs(impl.op)
     else:
         device, dtype, tolerance = CPU, torch.float32, TOLERANCE
         args, grad_args = _inputs(impl.op)
@@ -133,6 +137,25 @@ def test_vendor_implementation_agrees_with_portable(impl, loss, monkeypatch):
     actual = _run(bind(impl, portable_kernels().functions), args, grad_args, loss, dtype)
     for got, want in zip(actual, expected, strict=True):
         assert _relative_error(got.float(), want) < tolerance
+
+
+CPU_VENDOR = [param for param in VENDOR if param.values[0].platform == "cpu"]
+
+
+@pytest.mark.parametrize("impl", CPU_VENDOR)
+def test_cpu_implementations_agree_in_bfloat16_too(impl, monkeypatch):
+    """A CPU run with `compute_dtype: bf16` takes other code paths (GEMM layouts, casts) than fp32."""
+    reason = impl.unavailable_reason(CPU, torch.bfloat16)
+    if reason is not None:
+        pytest.skip(f"{impl.key}: {reason}")
+    monkeypatch.setattr(cpu_fused_experts, "BLOCK_ROWS", 3)
+    args, grad_args = _inputs(impl.op)
+    args = _on(args, CPU, torch.bfloat16)
+    expected = _run(portable_kernels()[impl.op], _on(args, CPU, torch.float32), grad_args, "random", torch.bfloat16)
+    actual = _run(bind(impl, portable_kernels().functions), args, grad_args, "random", torch.bfloat16)
+    for got, want in zip(actual, expected, strict=True):
+        assert got.dtype == torch.bfloat16
+        assert _relative_error(got.float(), want) < ACCELERATOR_TOLERANCE
 
 
 @pytest.mark.parametrize("op", REGISTRY.names)

@@ -194,6 +194,7 @@ def _cases(
     return {
         **low_precision,
         "norm.rms": _Case((x_TD, randn(dim), 1e-5), (0, 1)),
+        "linear": _Case((x_TD, randn(ffn, dim, scale=0.02)), (0, 1)),
         "attention": _Case(
             (
                 randn(batch, shape.heads, seq_len, head_dim),

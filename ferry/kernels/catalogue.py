@@ -8,9 +8,16 @@ order `auto` prefers them.
 
 from __future__ import annotations
 
-from ferry.kernels.portable import attention, low_precision, moe, norm
+from ferry.kernels.portable import attention, linear, low_precision, moe, norm
 from ferry.kernels.registry import PORTABLE, Implementation, Op, Registry
-from ferry.kernels.vendor import cpu_fused_experts, grouped_gemm, padded_bmm, torch_grouped_mm, torch_scaled_grouped_mm
+from ferry.kernels.vendor import (
+    cpu_fused_experts,
+    cpu_linear,
+    grouped_gemm,
+    padded_bmm,
+    torch_grouped_mm,
+    torch_scaled_grouped_mm,
+)
 
 
 def _portable(op: str, fn, summary: str, uses: tuple[str, ...] = ()) -> Implementation:
@@ -23,6 +30,21 @@ REGISTRY = Registry(
             name="norm.rms",
             summary="(x_XD, weight_D, eps) -> weight * x / sqrt(mean(x^2) + eps), statistics in fp32",
             portable=_portable("norm.rms", norm.rms_norm, "fp32 statistics in plain tensor ops"),
+        ),
+        Op(
+            name="linear",
+            summary="(x_XI, w_OI) -> x @ w.T over the last dim, no bias: every dense projection of the model",
+            portable=_portable("linear", linear.linear, "torch.nn.functional.linear and autograd's backward"),
+            vendor=(
+                Implementation(
+                    op="linear",
+                    name="transposed_dgrad",
+                    platform="cpu",
+                    fn=cpu_linear.linear,
+                    probe=cpu_linear.probe,
+                    summary="bfloat16/float16: the input gradient from a column-major copy of the weight",
+                ),
+            ),
         ),
         Op(
             name="attention",

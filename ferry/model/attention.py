@@ -7,6 +7,7 @@ from torch import nn
 
 from ferry.kernels import KernelSelection, portable_kernels
 from ferry.model.config import ModelConfig
+from ferry.model.linear import Linear
 from ferry.model.norm import RMSNorm
 from ferry.model.rope import RotaryEmbedding
 
@@ -21,10 +22,10 @@ class Attention(nn.Module):
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
         q_width, kv_width = config.n_heads * self.head_dim, config.n_kv_heads * self.head_dim
-        self.wq = nn.Linear(config.dim, q_width, bias=False)
-        self.wk = nn.Linear(config.dim, kv_width, bias=False)
-        self.wv = nn.Linear(config.dim, kv_width, bias=False)
-        self.wo = nn.Linear(q_width, config.dim, bias=False)
+        self.wq = Linear(config.dim, q_width, kernels)
+        self.wk = Linear(config.dim, kv_width, kernels)
+        self.wv = Linear(config.dim, kv_width, kernels)
+        self.wo = Linear(q_width, config.dim, kernels)
         self.q_norm = RMSNorm(q_width, config.norm_eps, kernels) if config.qk_norm else None
         self.k_norm = RMSNorm(kv_width, config.norm_eps, kernels) if config.qk_norm else None
         self.rope = rope

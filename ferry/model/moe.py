@@ -49,7 +49,8 @@ class MoELayer(nn.Module):
         self.top_k = config.top_k
         self.router = Router(dim, config)
         self.experts = Experts(config.num_experts, dim, config.expert_ffn_dim, kernels)
-        self.shared_expert = SwiGLU(dim, config.shared_expert_ffn_dim) if config.shared_expert_ffn_dim else None
+        shared_ffn_dim = config.shared_expert_ffn_dim
+        self.shared_expert = SwiGLU(dim, shared_ffn_dim, kernels) if shared_ffn_dim else None
         self.dispatcher: ExpertDispatcher | None = None
         self._permute = kernels["moe.permute"]
         self._combine = kernels["moe.combine"]

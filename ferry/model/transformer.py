@@ -12,6 +12,7 @@ from ferry.kernels import KernelSelection, portable_kernels
 from ferry.model.attention import Attention
 from ferry.model.config import ModelConfig
 from ferry.model.feedforward import SwiGLU
+from ferry.model.linear import Linear
 from ferry.model.moe import MoELayer, MoEStats
 from ferry.model.norm import RMSNorm
 from ferry.model.rope import RotaryEmbedding
@@ -33,7 +34,8 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
         self.attn = Attention(config, rope, kernels)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
-        self.ffn = MoELayer(config.dim, config.moe, kernels) if use_moe else SwiGLU(config.dim, config.dense_ffn_dim)
+        dense = not use_moe
+        self.ffn = SwiGLU(config.dim, config.dense_ffn_dim, kernels) if dense else MoELayer(config.dim, config.moe, kernels)
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats | None]:
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
@@ -60,7 +62,7 @@ class Transformer(nn.Module):
             Block(config, rope, index >= config.dense_layers, self.kernels) for index in range(config.n_layers)
         )
         self.norm = RMSNorm(config.dim, config.norm_eps, self.kernels)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = Linear(config.dim, config.vocab_size, self.kernels)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.reset_parameters()

@@ -9,7 +9,9 @@ beside them. Here each expert gathers its own tokens in blocks of at most
 and adds its weighted output straight into the token-ordered result; only the
 gate and up activations, which the backward needs, span all rows. The backward
 walks the blocks again and recomputes the cheap elementwise parts. A loop of many
-small kernels is the wrong shape for a GPU, hence: CPU only.
+small kernels is the wrong shape for a GPU, hence: CPU only. In bfloat16/float16 the input
+gradient's GEMMs take a column-major copy of each expert's weight (see `cpu_linear`: the
+row-major layout runs at a tenth of the speed on CPUs without bfloat16 units).
 
 The weight-gradient GEMMs accumulate straight into the parameters' `.grad` (as
 Megatron's fused weight-gradient accumulation does), into one buffer per parameter
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kernels.amp import outside_autocast
+from ferry.kernels.vendor.cpu_linear import REDUCED_DTYPES, fast_right_operand
 
 # Large enough for full-speed matmuls, small enough that a block's temporaries stay in cache
 # and are recycled by the allocator instead of being mapped afresh.
@@ -102,6 +105,7 @@ class _FusedExperts(torch.autograd.Function):
             if size == 0:
                 for target in targets:
                     target.zero_expert(expert)
+        column_major = w_down_EDF.dtype in REDUCED_DTYPES  # the input gradient's GEMMs want it (cpu_linear)
         for expert, first, rows in _blocks(ctx.sizes):
             beta = 0.0 if first else 1.0  # an expert's first block writes its weight gradients, later ones add
             tokens_M = token_of_N[rows]
@@ -110,8 +114,11 @@ class _FusedExperts(torch.autograd.Function):
             gate_MF, up_MF, weight_M1 = gate_NF[rows], up_NF[rows], weight_N1[rows]
             silu_MF = F.silu(gate_MF)
             hidden_MF = silu_MF * up_MF
+            w_down_DF, w_gate_FD, w_up_FD = w_down_EDF[expert], w_gate_EFD[expert], w_up_EFD[expert]
+            if column_major:
+                w_down_DF, w_gate_FD, w_up_FD = map(fast_right_operand, (w_down_DF, w_gate_FD, w_up_FD))
             # the gradient at the hidden layer before the routing weight also yields the weight's gradient
-            grad_hidden_MF = torch.mm(grad_out_MD, w_down_EDF[expert])
+            grad_hidden_MF = torch.mm(grad_out_MD, w_down_DF)
             torch.linalg.vecdot(grad_hidden_MF, hidden_MF, out=grad_weight_N[rows])
             grad_down_EDF[expert].addmm_(grad_out_MD.t(), hidden_MF.mul_(weight_M1), beta=targets[2].beta(beta))
             grad_hidden_MF.mul_(weight_M1)
@@ -119,8 +126,8 @@ class _FusedExperts(torch.autograd.Function):
             grad_gate_MF = torch.ops.aten.silu_backward(grad_hidden_MF.mul_(up_MF), gate_MF)
             grad_gate_EFD[expert].addmm_(grad_gate_MF.t(), x_MD, beta=targets[0].beta(beta))
             grad_up_EFD[expert].addmm_(grad_up_MF.t(), x_MD, beta=targets[1].beta(beta))
-            grad_x_MD = torch.mm(grad_gate_MF, w_gate_EFD[expert])
-            grad_x_TD.index_add_(0, tokens_M, grad_x_MD.addmm_(grad_up_MF, w_up_EFD[expert]))
+            grad_x_MD = torch.mm(grad_gate_MF, w_gate_FD)
+            grad_x_TD.index_add_(0, tokens_M, grad_x_MD.addmm_(grad_up_MF, w_up_FD))
         grad_weights_TK = torch.empty_like(grad_weight_N)
         grad_weights_TK[order_N] = grad_weight_N
         if not getattr(ctx, "handed_back", False):  # a retained graph's second backward must not hand back twice

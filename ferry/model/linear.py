@@ -1,0 +1,24 @@
+"""The model's dense projections: `nn.Linear` parameters whose matmul is the `linear` kernel op."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferry.kernels import KernelSelection, portable_kernels
+from ferry.kernels.amp import in_autocast_dtype
+
+
+class Linear(nn.Linear):
+    """A bias-free `nn.Linear` (same parameter, same state-dict key) computed by the selected `linear` op.
+
+    The op runs outside autocast, so the operands are cast here to autocast's dtype,
+    as autocast would have cast them for `F.linear`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, kernels: KernelSelection | None = None):
+        super().__init__(in_features, out_features, bias=False)
+        self._linear = (kernels or portable_kernels())["linear"]
+
+    def forward(self, x_XI: torch.Tensor) -> torch.Tensor:
+        return self._linear(*in_autocast_dtype(x_XI, self.weight))

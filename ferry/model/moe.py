@@ -47,7 +47,7 @@ class MoELayer(nn.Module):
         super().__init__()
         kernels = kernels or portable_kernels()
         self.top_k = config.top_k
-        self.router = Router(dim, config)
+        self.router = Router(dim, config, kernels)
         self.experts = Experts(config.num_experts, dim, config.expert_ffn_dim, kernels)
         shared_ffn_dim = config.shared_expert_ffn_dim
         self.shared_expert = SwiGLU(dim, shared_ffn_dim, kernels) if shared_ffn_dim else None

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ferry.kernels import KernelSelection, portable_kernels
+from ferry.kernels.amp import in_autocast_dtype
 from ferry.metrics.moe import router_entropy
 from ferry.model.config import MoEConfig
 
@@ -33,8 +34,9 @@ class Router(nn.Module):
     scores, and the bias moves outside the gradient (see `update_bias`).
     """
 
-    def __init__(self, dim: int, config: MoEConfig):
+    def __init__(self, dim: int, config: MoEConfig, kernels: KernelSelection | None = None):
         super().__init__()
+        self._linear = (kernels or portable_kernels())["linear"]
         self.num_experts = config.num_experts
         self.top_k = config.top_k
         self.score_func = config.score_func
@@ -44,7 +46,7 @@ class Router(nn.Module):
         self.register_buffer("expert_bias_E", torch.zeros(config.num_experts), persistent=True)
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
-        logits_TE = F.linear(x_TD, self.weight_ED).float()
+        logits_TE = self._linear(*in_autocast_dtype(x_TD, self.weight_ED)).float()
         if self.score_func == "softmax":
             scores_TE = logits_TE.softmax(dim=-1)
         else:

@@ -10,8 +10,8 @@ and adds its weighted output straight into the token-ordered result; only the
 gate and up activations, which the backward needs, span all rows. The backward
 walks the blocks again and recomputes the cheap elementwise parts. A loop of many
 small kernels is the wrong shape for a GPU, hence: CPU only. In bfloat16/float16 the input
-gradient's GEMMs take a column-major copy of each expert's weight (see `cpu_linear`: the
-row-major layout runs at a tenth of the speed on CPUs without bfloat16 units).
+gradient's GEMMs take a column-major copy of each expert's weight (the
+row-major layout runs at a tenth of the speed on CPUs without bfloat16 units: `cpu_gemm_layout`).
 
 The weight-gradient GEMMs accumulate straight into the parameters' `.grad` (as
 Megatron's fused weight-gradient accumulation does), into one buffer per parameter
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kernels.amp import outside_autocast
-from ferry.kernels.vendor.cpu_linear import REDUCED_DTYPES, fast_right_operand
+from ferry.kernels.vendor.cpu_gemm_layout import REDUCED_DTYPES, fast_right_operand
 
 # Large enough for full-speed matmuls, small enough that a block's temporaries stay in cache
 # and are recycled by the allocator instead of being mapped afresh.
@@ -105,7 +105,7 @@ class _FusedExperts(torch.autograd.Function):
             if size == 0:
                 for target in targets:
                     target.zero_expert(expert)
-        column_major = w_down_EDF.dtype in REDUCED_DTYPES  # the input gradient's GEMMs want it (cpu_linear)
+        column_major = w_down_EDF.dtype in REDUCED_DTYPES  # the input gradient's GEMMs want it (cpu_gemm_layout)
         for expert, first, rows in _blocks(ctx.sizes):
             beta = 0.0 if first else 1.0  # an expert's first block writes its weight gradients, later ones add
             tokens_M = token_of_N[rows]

@@ -1,14 +1,11 @@
-"""`linear` for CPUs in bfloat16/float16: the input gradient from a transposed copy of the weight.
+"""`linear` for CPUs in bfloat16/float16: the input gradient from a column-major copy of the weight.
 
 Autograd's linear backward computes the input gradient as grad @ w, both operands
-row-major. On a CPU without bfloat16 matrix units (AVX2, no AVX-512 BF16 or AMX)
-torch routes that layout to a reference GEMM that runs at about 1.3 GFLOP/s, a tenth
-of what the same product reaches when its second operand is a transposed view
-(grad @ (w.T contiguous).T, about 11-14 GFLOP/s): a bfloat16 rehearsal on such a
-CPU spent most of its step in the output head's and the projections' input
-gradients. The copy of the weight costs one pass over it per backward. The forward
-and the weight gradient (grad.T @ x) already take the fast layout. In float32 every
-layout is fast, hence bfloat16 and float16 only.
+row-major, the layout that runs at a tenth of the speed on CPUs without bfloat16
+units (`cpu_gemm_layout`): a bfloat16 rehearsal on such a CPU spent most of its step
+in the output head's and the projections' input gradients. The forward (x @ w.T) and
+the weight gradient (grad.T @ x) already take fast layouts. In float32 every layout
+is fast, hence bfloat16 and float16 only.
 """
 
 from __future__ import annotations
@@ -17,21 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kernels.amp import outside_autocast
-
-REDUCED_DTYPES = (torch.bfloat16, torch.float16)
+from ferry.kernels.vendor.cpu_gemm_layout import REDUCED_DTYPES, fast_right_operand
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> str | None:
     if dtype not in REDUCED_DTYPES:
         return f"it only changes the GEMM layouts of bfloat16/float16; in {dtype} the portable path is as fast"
     return None
-
-
-def fast_right_operand(b_KN: torch.Tensor) -> torch.Tensor:
-    """The same matrix as `b_KN`, laid out column-major where the fast reduced-precision GEMM wants it."""
-    if b_KN.dtype not in REDUCED_DTYPES:
-        return b_KN
-    return b_KN.t().contiguous().t()
 
 
 @outside_autocast

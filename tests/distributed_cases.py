@@ -145,3 +145,20 @@ def model_ep_equals_single(mode: str, ep: int):
             expected = expected[piece.start : piece.stop]
         worst = max(worst, ((grad - expected).norm() / expected.norm().clamp_min(1e-12)).item())
     return logits_error.item(), worst
+
+
+def resume_point_with_shared_verification(root: str):
+    """The checkpoint two ranks agree to resume from when they split the hashing; and what they skipped."""
+    from pathlib import Path
+
+    from ferry.checkpoint import SharedVerification, find_resume_point
+
+    context = init_distributed(CommConfig(backend="gloo"), CPU)
+
+    def agree(verdict):
+        verdicts = [None] * context.world_size
+        dist.all_gather_object(verdicts, verdict)
+        return verdicts
+
+    found = find_resume_point("latest", Path(root), share=SharedVerification(context.rank, context.world_size, agree))
+    return found.checkpoint.step, [reason for _, reason in found.skipped]

@@ -8,9 +8,19 @@ import struct
 import pytest
 import torch
 
-from ferry.checkpoint import CheckpointError, CheckpointMeta, Layout, TensorPiece, save_checkpoint, verify_checkpoint
+from ferry.checkpoint import (
+    CheckpointError,
+    CheckpointMeta,
+    Layout,
+    SharedVerification,
+    TensorPiece,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from ferry.checkpoint import reader
 from ferry.checkpoint.byte_reads import hash_and_fill
 from ferry.comm import DistContext
+from ferry.comm.spawn import run_on_ranks
 from ferry.model import ModelConfig, MoEConfig
 from ferry.parallel import ParallelConfig, build_plan
 from ferry.train.checkpointing import (
@@ -21,6 +31,8 @@ from ferry.train.checkpointing import (
     train_state_pieces,
 )
 from ferry.train.optimizer import decayed_parameter_names
+
+import distributed_cases
 
 
 def _meta(step: int = 1, train_state: dict | None = None) -> CheckpointMeta:
@@ -204,3 +216,60 @@ def test_a_resume_adopts_the_prefetched_moments_and_restores_exactly(tmp_path):
     for param, state in optimizer.state.items():
         for key, value in state.items():
             assert torch.equal(resumed.state[param][key], value)
+
+
+def _shared(rank: int, verdicts_of_others: list[str | None], heard: list):
+    """A SharedVerification for `rank` of 2 whose other rank reports `verdicts_of_others[0]`."""
+
+    def agree(verdict):
+        heard.append(verdict)
+        return [verdict, *verdicts_of_others] if rank == 0 else [*verdicts_of_others, verdict]
+
+    return SharedVerification(rank, 2, agree)
+
+
+def test_ranks_split_the_hashing_and_agree_on_the_verdict(tmp_path):
+    pieces = _pieces()
+    path = save_checkpoint(tmp_path, pieces, _meta(), max_file_bytes=1000)
+    of_rank_1 = _second_largest(path)  # largest first, dealt in turn: the second-largest file is rank 1's to hash
+    data = bytearray((path / of_rank_1).read_bytes())
+    data[-1] ^= 0x01
+    (path / of_rank_1).write_bytes(bytes(data))
+    heard = []
+    verify_checkpoint(path, share=_shared(0, [None], heard))  # rank 0 does not hash rank 1's file
+    assert heard == [None]
+    with pytest.raises(CheckpointError, match=rf"{of_rank_1} does not match its sha256"):
+        verify_checkpoint(path, share=_shared(1, [None], heard))
+    assert "does not match its sha256" in heard[-1]  # rank 1 told the others before raising
+    with pytest.raises(CheckpointError, match=r"found by rank 1"):
+        verify_checkpoint(path, share=_shared(0, [heard[-1]], heard))
+
+
+def test_a_rank_that_fails_unexpectedly_still_reaches_the_agreement(tmp_path, monkeypatch):
+    path = save_checkpoint(tmp_path, _pieces(), _meta())
+    heard = []
+    monkeypatch.setattr(reader, "hash_and_fill", lambda *args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        verify_checkpoint(path, share=_shared(0, [None], heard))
+    assert len(heard) == 1 and "division by zero" in heard[0]
+
+
+def _second_largest(path) -> str:
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    return sorted(files, key=lambda file: (-files[file]["bytes"], file))[1]
+
+
+def test_two_ranks_skip_a_checkpoint_only_one_of_them_finds_corrupt(tmp_path):
+    pieces = _pieces()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, pieces, _meta(step), max_file_bytes=1000)
+    newest = tmp_path / "step-00000002"
+    victim = newest / _second_largest(newest)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x01
+    victim.write_bytes(bytes(data))
+    results = run_on_ranks(distributed_cases.resume_point_with_shared_verification, 2, str(tmp_path))
+    for step, skipped in results:
+        assert step == 1
+        assert len(skipped) == 1 and victim.name in skipped[0]
+    assert "found by rank 1" in results[0][1][0] and "found by rank" not in results[1][1][0]

@@ -34,6 +34,21 @@ from ferry.config.errors import UserError
 Prefetch = Callable[[Manifest], dict[str, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class SharedVerification:
+    """How the ranks of a job split a checkpoint's verification instead of each hashing every file.
+
+    This rank hashes every `world_size`-th file (largest first); `agree` exchanges each
+    rank's verdict (None, or why a file failed) with every other rank (an all-gather),
+    so that all ranks accept or refuse the same checkpoint. Every rank calls `agree`
+    exactly once per checkpoint looked at, whatever failed on it.
+    """
+
+    rank: int
+    world_size: int
+    agree: Callable[[str | None], list[str | None]]
+
+
 class Checkpoint:
     """A verified checkpoint directory: its manifest, and reads of any box of a logical tensor.
 
@@ -164,13 +179,33 @@ def read_manifest(path: Path) -> Manifest:
     return Manifest.parse(text, manifest_path)
 
 
-def verify_checkpoint(path: Path, prefetch: Prefetch | None = None) -> Checkpoint:
+def verify_checkpoint(
+    path: Path, prefetch: Prefetch | None = None, share: SharedVerification | None = None
+) -> Checkpoint:
     """Open a checkpoint only if it is complete and intact: listed files only, sizes, sha256, headers.
 
     With `prefetch`, the tensors it asks for are read as their files are hashed; the
-    `Checkpoint` hands them out (`prefetched`) only once every file has verified.
+    `Checkpoint` hands them out (`prefetched`) only once every file has verified. With
+    `share`, this rank hashes only its share of the files and the ranks agree on the verdict.
     """
-    path = Path(path)
+    if share is None:
+        return _verify(Path(path), prefetch, 0, 1)
+    try:
+        checkpoint, error = _verify(Path(path), prefetch, share.rank, share.world_size), None
+    except Exception as exc:  # every rank must reach `agree`, or the others wait for it forever
+        checkpoint, error = None, exc
+    verdicts = share.agree(None if error is None else str(error) or repr(error))
+    if error is not None and not isinstance(error, (UserError, OSError)):
+        raise error  # a defect, not a bad checkpoint: with its traceback, after the others heard of it
+    failed = [(rank, verdict) for rank, verdict in enumerate(verdicts) if verdict is not None]
+    if failed:
+        rank, verdict = failed[0]
+        raise CheckpointError(verdict if rank == share.rank else f"{verdict} (found by rank {rank})")
+    return checkpoint
+
+
+def _verify(path: Path, prefetch: Prefetch | None, rank: int, world_size: int) -> Checkpoint:
+    """`verify_checkpoint`, hashing files rank, rank + world_size, ... of the files sorted largest first."""
     manifest = read_manifest(path)
     unexpected = sorted({entry.name for entry in path.iterdir()} - set(manifest.files) - {MANIFEST_NAME})
     if unexpected:
@@ -185,12 +220,14 @@ def verify_checkpoint(path: Path, prefetch: Prefetch | None = None) -> Checkpoin
         size = file_path.stat().st_size
         if size != expected.bytes:
             raise CheckpointError(f"{file_path} has {size:,} bytes where the manifest says {expected.bytes:,}")
+    # hashlib and reads release the GIL, so the files of a checkpoint hash on all cores at once, largest first.
+    files = sorted(manifest.files, key=lambda file: (-manifest.files[file].bytes, file))[rank::world_size]
+    mine = set(files)
     targets = _prefetch_targets(manifest, prefetch(manifest) if prefetch else {})
-    by_file: dict[str, dict[str, torch.Tensor]] = {file: {} for file in manifest.files}
+    targets = {name: tensor for name, tensor in targets.items() if manifest.tensors[name].pieces[0].file in mine}
+    by_file: dict[str, dict[str, torch.Tensor]] = {file: {} for file in files}
     for name, tensor in targets.items():
         by_file[manifest.tensors[name].pieces[0].file][name] = tensor
-    # hashlib and reads release the GIL, so the files of a checkpoint hash on all cores at once, largest first.
-    files = sorted(manifest.files, key=lambda file: manifest.files[file].bytes, reverse=True)
     with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1))) as pool:
         digests = list(pool.map(lambda file: hash_and_fill(path / file, by_file[file]), files))
     for file, digest in zip(files, digests):
@@ -231,22 +268,24 @@ class Found:
     skipped: list[tuple[Path, str]] = field(default_factory=list)
 
 
-def newest_valid(root: Path, prefetch: Prefetch | None = None) -> Found:
+def newest_valid(root: Path, prefetch: Prefetch | None = None, share: SharedVerification | None = None) -> Found:
     """The newest checkpoint under `root` that verifies; each newer invalid one is skipped with its reason."""
     skipped = []
     for path in reversed(list_checkpoints(root)):
         try:
-            return Found(verify_checkpoint(path, prefetch), skipped)
+            return Found(verify_checkpoint(path, prefetch, share), skipped)
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
     return Found(None, skipped)
 
 
-def find_resume_point(resume: str, default_root: Path, prefetch: Prefetch | None = None) -> Found:
+def find_resume_point(
+    resume: str, default_root: Path, prefetch: Prefetch | None = None, share: SharedVerification | None = None
+) -> Found:
     """Resolve `resume`: `latest` is the newest valid checkpoint under `default_root` (none yet is fine);
     a path is a checkpoint, or a directory of checkpoints whose newest valid one is taken."""
     if resume == "latest":
-        found = newest_valid(default_root, prefetch)
+        found = newest_valid(default_root, prefetch, share)
         if found.checkpoint is None and found.skipped:
             raise CheckpointError(_none_valid(default_root, found.skipped))
         return found
@@ -254,8 +293,8 @@ def find_resume_point(resume: str, default_root: Path, prefetch: Prefetch | None
     if not path.exists():
         raise UserError(f"resume: {resume!r} does not exist")
     if (path / MANIFEST_NAME).exists() or not list_checkpoints(path):
-        return Found(verify_checkpoint(path, prefetch))
-    found = newest_valid(path, prefetch)
+        return Found(verify_checkpoint(path, prefetch, share))
+    found = newest_valid(path, prefetch, share)
     if found.checkpoint is None:
         raise CheckpointError(_none_valid(path, found.skipped))
     return found

@@ -16,7 +16,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ferry.checkpoint import Checkpoint, CheckpointManager, CheckpointMeta, Found, Layout, TensorPiece, find_resume_point
+from ferry.checkpoint import (
+    Checkpoint,
+    CheckpointManager,
+    CheckpointMeta,
+    Found,
+    Layout,
+    SharedVerification,
+    TensorPiece,
+    find_resume_point,
+)
 from ferry.comm import init_distributed, launcher_ranks
 from ferry.config import UserError
 from ferry.data import DataCursor, MixedLoader
@@ -319,8 +328,20 @@ class Trainer:
         if config.resume is None:
             return None, []
         prefetch = optimizer_prefetch(self.model, self.optimizer, self.plan)
-        found = find_resume_point(config.resume, config.checkpoint.path(config.run.path), prefetch)
+        found = find_resume_point(config.resume, config.checkpoint.path(config.run.path), prefetch, self._share())
         return found, self.restore(found.checkpoint) if found.checkpoint else []
+
+    def _share(self) -> SharedVerification | None:
+        """In a multi-rank job the ranks split the hashing of a checkpoint's files and agree on the verdict."""
+        if not self.context.is_distributed:
+            return None
+
+        def agree(verdict: str | None) -> list[str | None]:
+            verdicts: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(verdicts, verdict)
+            return verdicts
+
+        return SharedVerification(self.rank, self.world_size, agree)
 
     def _announce(self, run_dir: Path, found: Found | None, notes: list[str]) -> None:
         say = self.hub.message

@@ -13,6 +13,7 @@ from ferry.kernels.registry import PORTABLE, Implementation, Op, Registry
 from ferry.kernels.vendor import (
     cpu_fused_experts,
     cpu_linear,
+    cpu_loop_grouped_mm,
     grouped_gemm,
     padded_bmm,
     torch_grouped_mm,
@@ -76,6 +77,14 @@ REGISTRY = Registry(
                     fn=grouped_gemm.grouped_mm,
                     probe=grouped_gemm.probe,
                     summary="grouped_gemm package (MegaBlocks' CUTLASS kernels), SM80+, bfloat16",
+                ),
+                Implementation(
+                    op="moe.grouped_mm",
+                    name="loop_column_major",
+                    platform="cpu",
+                    fn=cpu_loop_grouped_mm.grouped_mm,
+                    probe=cpu_loop_grouped_mm.probe,
+                    summary="bfloat16/float16: the portable loop, each input gradient from a column-major weight",
                 ),
                 Implementation(
                     op="moe.grouped_mm",

@@ -30,7 +30,14 @@ def permute(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor) -> tuple[torch.Tens
 @outside_autocast
 def grouped_mm(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """Rows of group e times w[e].T, one matmul per expert (the reference every other one must meet)."""
-    return _LoopGroupedMM.apply(x_NI, w_EOI, offsets_E)
+    return loop_grouped_mm(x_NI, w_EOI, offsets_E)
+
+
+def loop_grouped_mm(
+    x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, input_grad_weight=None
+) -> torch.Tensor:
+    """`grouped_mm`; `input_grad_weight(w_OI)`, when given, lays out each weight for the input gradient's GEMM."""
+    return _LoopGroupedMM.apply(x_NI, w_EOI, offsets_E, input_grad_weight)
 
 
 def expert_mlp(
@@ -127,10 +134,11 @@ class _LoopGroupedMM(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, input_grad_weight):
         sizes = group_sizes(offsets_E)
         ctx.save_for_backward(x_NI, w_EOI)
         ctx.sizes = sizes
+        ctx.input_grad_weight = input_grad_weight
         y_NO = x_NI.new_empty(x_NI.shape[0], w_EOI.shape[1])
         for x_MI, w_OI, y_MO in zip(x_NI.split(sizes), w_EOI, y_NO.split(sizes)):
             torch.mm(x_MI, w_OI.t(), out=y_MO)
@@ -145,9 +153,9 @@ class _LoopGroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x_NI = torch.empty_like(x_NI)
             for grad_MO, w_OI, grad_x_MI in zip(grad_NO.split(sizes), w_EOI, grad_x_NI.split(sizes)):
-                torch.mm(grad_MO, w_OI, out=grad_x_MI)
+                torch.mm(grad_MO, ctx.input_grad_weight(w_OI) if ctx.input_grad_weight else w_OI, out=grad_x_MI)
         if ctx.needs_input_grad[1]:
             grad_w_EOI = torch.empty_like(w_EOI)
             for grad_MO, x_MI, grad_w_OI in zip(grad_NO.split(sizes), x_NI.split(sizes), grad_w_EOI):
                 torch.mm(grad_MO.t(), x_MI, out=grad_w_OI)
-        return grad_x_NI, grad_w_EOI, None
+        return grad_x_NI, grad_w_EOI, None, None

@@ -155,10 +155,10 @@ def resume_point_with_shared_verification(root: str):
 
     context = init_distributed(CommConfig(backend="gloo"), CPU)
 
-    def agree(verdict):
-        verdicts = [None] * context.world_size
-        dist.all_gather_object(verdicts, verdict)
-        return verdicts
+    def agree(payload):
+        payloads = [None] * context.world_size
+        dist.all_gather_object(payloads, payload)
+        return payloads
 
     found = find_resume_point("latest", Path(root), share=SharedVerification(context.rank, context.world_size, agree))
     return found.checkpoint.step, [reason for _, reason in found.skipped]

@@ -14,6 +14,7 @@ from ferry.checkpoint import (
     Layout,
     SharedVerification,
     TensorPiece,
+    newest_valid,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -218,12 +219,13 @@ def test_a_resume_adopts_the_prefetched_moments_and_restores_exactly(tmp_path):
             assert torch.equal(resumed.state[param][key], value)
 
 
-def _shared(rank: int, verdicts_of_others: list[str | None], heard: list):
-    """A SharedVerification for `rank` of 2 whose other rank reports `verdicts_of_others[0]`."""
+def _shared(rank: int, heard: list, other=lambda subject, details: (subject, ("valid", ""))):
+    """A SharedVerification for `rank` of 2; `other` makes the other rank's payload from this rank's."""
 
-    def agree(verdict):
-        heard.append(verdict)
-        return [verdict, *verdicts_of_others] if rank == 0 else [*verdicts_of_others, verdict]
+    def agree(payload):
+        heard.append(payload)
+        theirs = other(*payload)
+        return [payload, theirs] if rank == 0 else [theirs, payload]
 
     return SharedVerification(rank, 2, agree)
 
@@ -236,22 +238,42 @@ def test_ranks_split_the_hashing_and_agree_on_the_verdict(tmp_path):
     data[-1] ^= 0x01
     (path / of_rank_1).write_bytes(bytes(data))
     heard = []
-    verify_checkpoint(path, share=_shared(0, [None], heard))  # rank 0 does not hash rank 1's file
-    assert heard == [None]
+    verify_checkpoint(path, share=_shared(0, heard))  # rank 0 does not hash rank 1's file
+    assert heard == [(("verify", str(path)), ("valid", ""))]
     with pytest.raises(CheckpointError, match=rf"{of_rank_1} does not match its sha256"):
-        verify_checkpoint(path, share=_shared(1, [None], heard))
-    assert "does not match its sha256" in heard[-1]  # rank 1 told the others before raising
+        verify_checkpoint(path, share=_shared(1, heard))
+    (_, (kind, message)) = heard[-1]  # rank 1 told the others before raising
+    assert kind == "invalid" and "does not match its sha256" in message
     with pytest.raises(CheckpointError, match=r"found by rank 1"):
-        verify_checkpoint(path, share=_shared(0, [heard[-1]], heard))
+        verify_checkpoint(path, share=_shared(0, heard, other=lambda subject, _: (subject, ("invalid", message))))
 
 
-def test_a_rank_that_fails_unexpectedly_still_reaches_the_agreement(tmp_path, monkeypatch):
-    path = save_checkpoint(tmp_path, _pieces(), _meta())
+def test_an_unexpected_failure_on_one_rank_stops_every_rank_at_the_same_exchange(tmp_path, monkeypatch):
+    for step in (1, 2):
+        save_checkpoint(tmp_path, _pieces(), _meta(step))
     heard = []
-    monkeypatch.setattr(reader, "hash_and_fill", lambda *args: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        verify_checkpoint(path, share=_shared(0, [None], heard))
-    assert len(heard) == 1 and "division by zero" in heard[0]
+    with monkeypatch.context() as patch:
+        patch.setattr(reader, "hash_and_fill", lambda *args: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            newest_valid(tmp_path, share=_shared(0, heard))
+    assert [subject[0] for subject, _ in heard] == ["list", "verify"] and heard[-1][1][0] == "defect"
+    heard.clear()
+
+    def defect_elsewhere(subject, details):
+        return subject, ("defect", "ZeroDivisionError") if subject[0] == "verify" else details
+
+    with pytest.raises(RuntimeError, match="rank 1 failed verifying"):  # not a CheckpointError: no older one is tried
+        newest_valid(tmp_path, share=_shared(0, heard, other=defect_elsewhere))
+    assert len(heard) == 2
+
+
+def test_ranks_that_see_different_checkpoints_all_stop_at_the_first_exchange(tmp_path):
+    save_checkpoint(tmp_path, _pieces(), _meta(1))
+    heard = []
+    sees_another = lambda subject, details: (("list", subject[1], "step-00000002", "step-00000001"), details)
+    with pytest.raises(RuntimeError, match="disagree on the checkpoints"):
+        newest_valid(tmp_path, share=_shared(0, heard, other=sees_another))
+    assert len(heard) == 1
 
 
 def _second_largest(path) -> str:

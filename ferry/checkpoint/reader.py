@@ -38,15 +38,32 @@ Prefetch = Callable[[Manifest], dict[str, torch.Tensor]]
 class SharedVerification:
     """How the ranks of a job split a checkpoint's verification instead of each hashing every file.
 
-    This rank hashes every `world_size`-th file (largest first); `agree` exchanges each
-    rank's verdict (None, or why a file failed) with every other rank (an all-gather),
-    so that all ranks accept or refuse the same checkpoint. Every rank calls `agree`
-    exactly once per checkpoint looked at, whatever failed on it.
+    This rank hashes every `world_size`-th file (largest first); `agree` exchanges a
+    payload with every other rank (an all-gather: each rank gets every rank's payload),
+    first the list of checkpoints each rank sees, then each rank's verdict on the
+    checkpoint looked at, so that all ranks accept or refuse the same one. Every payload
+    names what it is about, so ranks that disagree (they see other checkpoints, or one
+    failed unexpectedly) all stop with the same error at the same exchange: none is left
+    waiting at an exchange the others never reach.
     """
 
     rank: int
     world_size: int
-    agree: Callable[[str | None], list[str | None]]
+    agree: Callable[[tuple], list[tuple]]
+
+    def same_everywhere(self, subject: tuple, details: tuple = ()) -> list[tuple]:
+        """Every rank's `details`; an error on every rank when their `subject`s differ."""
+        payloads = self.agree((subject, details))
+        if len({other_subject for other_subject, _ in payloads}) > 1:
+            raise RuntimeError(
+                "the ranks disagree on the checkpoints they look at (do they all see the same directory?): "
+                + "; ".join(f"rank {rank}: {other}" for rank, (other, _) in enumerate(payloads))
+            )
+        return [other_details for _, other_details in payloads]
+
+
+class _DefectElsewhere(RuntimeError):
+    """Another rank failed with an error that is not about the checkpoint: every rank stops."""
 
 
 class Checkpoint:
@@ -192,15 +209,20 @@ def verify_checkpoint(
         return _verify(Path(path), prefetch, 0, 1)
     try:
         checkpoint, error = _verify(Path(path), prefetch, share.rank, share.world_size), None
-    except Exception as exc:  # every rank must reach `agree`, or the others wait for it forever
+    except Exception as exc:  # every rank must reach the exchange, or the others wait for it forever
         checkpoint, error = None, exc
-    verdicts = share.agree(None if error is None else str(error) or repr(error))
-    if error is not None and not isinstance(error, (UserError, OSError)):
-        raise error  # a defect, not a bad checkpoint: with its traceback, after the others heard of it
-    failed = [(rank, verdict) for rank, verdict in enumerate(verdicts) if verdict is not None]
+    kind = "valid" if error is None else "invalid" if isinstance(error, (UserError, OSError)) else "defect"
+    message = "" if error is None else str(error) or repr(error)
+    verdicts = share.same_everywhere(("verify", str(path)), (kind, message))
+    if kind == "defect":
+        raise error  # not about the checkpoint: with its traceback, after the others heard of it
+    defects = [(rank, message) for rank, (other, message) in enumerate(verdicts) if other == "defect"]
+    if defects:
+        raise _DefectElsewhere(f"rank {defects[0][0]} failed verifying {path}: {defects[0][1]}")
+    failed = [(rank, message) for rank, (other, message) in enumerate(verdicts) if other == "invalid"]
     if failed:
-        rank, verdict = failed[0]
-        raise CheckpointError(verdict if rank == share.rank else f"{verdict} (found by rank {rank})")
+        rank, message = failed[0]
+        raise CheckpointError(message if rank == share.rank else f"{message} (found by rank {rank})")
     return checkpoint
 
 
@@ -271,7 +293,10 @@ class Found:
 def newest_valid(root: Path, prefetch: Prefetch | None = None, share: SharedVerification | None = None) -> Found:
     """The newest checkpoint under `root` that verifies; each newer invalid one is skipped with its reason."""
     skipped = []
-    for path in reversed(list_checkpoints(root)):
+    candidates = list(reversed(list_checkpoints(root)))
+    if share is not None:
+        share.same_everywhere(("list", str(root), *(path.name for path in candidates)))
+    for path in candidates:
         try:
             return Found(verify_checkpoint(path, prefetch, share), skipped)
         except CheckpointError as exc:

@@ -336,10 +336,10 @@ class Trainer:
         if not self.context.is_distributed:
             return None
 
-        def agree(verdict: str | None) -> list[str | None]:
-            verdicts: list[str | None] = [None] * self.world_size
-            dist.all_gather_object(verdicts, verdict)
-            return verdicts
+        def agree(payload: tuple) -> list[tuple]:
+            payloads: list = [None] * self.world_size
+            dist.all_gather_object(payloads, payload)
+            return payloads
 
         return SharedVerification(self.rank, self.world_size, agree)
 

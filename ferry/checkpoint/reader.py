@@ -116,15 +116,16 @@ class Checkpoint:
         page faults, which one core alone takes twice as long to serve as two. The
         others (casts, other devices) take a whole host copy each and go one at a time.
         """
-        boxes = [box for box in boxes if box[1].numel()]
-        direct = [box for box in boxes if is_plain_cpu(box[1], self.record(box[0]).dtype)]
+        direct, copied = [], []
+        for box in boxes:
+            if box[1].numel():
+                (direct if is_plain_cpu(box[1], self.record(box[0]).dtype) else copied).append(box)
         ordered = sorted(direct, key=lambda box: box[1].nbytes, reverse=True)
         with ThreadPoolExecutor(max_workers=max(1, min(len(ordered), os.cpu_count() or 1))) as pool:
             for done in [pool.submit(self.read_into, *box) for box in ordered]:
                 done.result()
-        for box in boxes:
-            if not any(box is other for other in direct):
-                self.read_into(*box)
+        for box in copied:
+            self.read_into(*box)
 
     def read_into(self, name: str, out: torch.Tensor, offset: tuple[int, ...] | None = None) -> None:
         """Fill `out` with the box of `name` that starts at `offset` (default: the origin); casts to `out`'s dtype."""

@@ -3,7 +3,9 @@
 #   1. the accelerator tests (vendor kernels against the portable ones, CUDA timers),
 #   2. `ferry kernels bench` in bfloat16 (the ledger's missing measured gains),
 #   3. a run trained on the GPU, resumed on the CPU from its checkpoint, compared with the
-#      same run continued on the GPU under the cross-accelerator tolerances.
+#      same run continued on the GPU under the cross-accelerator tolerances,
+#   4. whole training steps with the vendor kernels against the portable path (bfloat16 and FP8),
+#   5. checkpoint save and load throughput on the machine's disk.
 # Usage: bash benchmarks/device_check.sh   (writes under $OUT, default runs/device-check)
 # Needs ferry's dependencies importable next to the GPU build of torch; it says which are not.
 set -u -o pipefail
@@ -37,4 +39,6 @@ ferry train "${common[@]}" run.device=cpu "resume=$out/gpu/checkpoints/step-0000
     "run.dir=$out/gpu-then-cpu" || exit 1
 ferry compare "$out/gpu" "$out/gpu-then-cpu" --profile cross-accelerator 2>&1 | tee "$out/resume_compare.txt" \
     || status=1
+"$python" benchmarks/accelerator_training.py --data "$data" 2>&1 | tee "$out/accelerator_training.txt" || status=1
+"$python" benchmarks/checkpoint_io.py --dir "$out" 2>&1 | tee "$out/checkpoint_io.txt" || status=1
 exit $status

@@ -1,8 +1,8 @@
 """The low-precision expert GEMM ops: the native FP8 path computes what the emulation computes.
 
 `torch._scaled_grouped_mm` runs on CUDA SM90 only, so on a CPU the vendor
-implementation runs over a reference kernel with the same contract, built from
-`torch._scaled_mm` per group (the way torch's own tests check the grouped kernel).
+implementation runs over a reference kernel with the same contract, computed group by
+group as a row-wise scaled product (the way torch's own tests check the grouped kernel).
 The reference also enforces the contract's layouts, dtypes and the 16-row alignment
 of reduction-dim groups, so a layout or padding mistake fails here, not on the GPU.
 Tolerance 1e-5 relative in fp32: both sides multiply the same FP8 elements and
@@ -36,7 +36,7 @@ FP8_FNUZ = LowPrecisionRecipe("fp8", float_format("float8_e4m3fnuz"), float_form
 
 
 def reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
-    """torch._scaled_grouped_mm's contract, checked, computed with torch._scaled_mm group by group."""
+    """torch._scaled_grouped_mm's contract, checked, computed group by group."""
     assert a.dtype == b.dtype and a.dtype in (CUDA_ELEMENTS, ROCM_ELEMENTS), "both operands E4M3, one variant"
     assert scale_a.dtype == scale_b.dtype == torch.float32 and offs.dtype == torch.int32
     assert a.stride(-1) == 1, "the left operand must be row-major"
@@ -48,9 +48,8 @@ def reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
         out = torch.zeros(a.shape[0], b.shape[2], dtype=out_dtype)
         for group, (start, end) in enumerate(zip(starts, ends)):
             if end > start:
-                out[start:end] = torch._scaled_mm(
-                    a[start:end], b[group], scale_a[start:end].view(-1, 1), scale_b[group].view(1, -1),
-                    out_dtype=out_dtype,
+                out[start:end] = _row_col_scaled_mm(
+                    a[start:end], b[group], scale_a[start:end], scale_b[group], out_dtype
                 )
         return out
     rows, cols, groups = a.shape[0], b.shape[1], len(ends)  # 2d x 2d: groups along the reduction dim
@@ -59,13 +58,22 @@ def reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
     for group, (start, end) in enumerate(zip(starts, ends)):
         assert (end - start) % GROUP_ALIGN_ROWS == 0, "reduction-dim groups must be multiples of 16 rows"
         if end > start:
-            out[group] = torch._scaled_mm(
+            out[group] = _row_col_scaled_mm(
                 a[:, start:end], b[start:end],
-                scale_a[group * rows : (group + 1) * rows].view(-1, 1),
-                scale_b[group * cols : (group + 1) * cols].view(1, -1),
-                out_dtype=out_dtype,
+                scale_a[group * rows : (group + 1) * rows], scale_b[group * cols : (group + 1) * cols], out_dtype,
             )
     return out
+
+
+def _row_col_scaled_mm(a, b, scale_rows, scale_cols, out_dtype):
+    """The row-wise scaled FP8 product: one scale per row of `a` and per column of `b`, after the sums.
+
+    Every FP8 element is exact in float32, so the product is taken there and scaled afterwards, as the
+    row-wise kernel applies its scales. torch's CPU `_scaled_mm` cannot serve on every supported torch:
+    before 2.13 it takes per-tensor scales only and refuses the FNUZ variant.
+    """
+    product = a.to(torch.float32) @ b.to(torch.float32)
+    return (product * scale_rows.view(-1, 1) * scale_cols.view(1, -1)).to(out_dtype)
 
 
 def _fwd_bwd(fn, x, w, offsets):

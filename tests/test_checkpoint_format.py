@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 import ferry.checkpoint.writer as writer
 from ferry.checkpoint import (
@@ -138,6 +139,7 @@ def test_a_planted_pickle_is_refused_and_never_runs(tmp_path):
     manifest["files"]["optim-rank00000-part0000.safetensors"] = {
         "bytes": len(payload),
         "sha256": hashlib.sha256(payload).hexdigest(),
+        "xxh3_128": xxhash.xxh3_128(payload).hexdigest(),
     }
     (swapped / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):

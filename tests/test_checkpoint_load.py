@@ -7,6 +7,7 @@ import struct
 
 import pytest
 import torch
+import xxhash
 
 from ferry.checkpoint import (
     CheckpointError,
@@ -134,8 +135,9 @@ def test_prefetch_fills_only_tensors_that_fit_and_hands_them_out_after_verificat
         assert checkpoint.prefetched(name) is None
 
 
+@pytest.mark.parametrize("digest", ["xxh3_128", "sha256"])
 @pytest.mark.parametrize("victim", ["model.a", "model.b"])
-def test_a_corrupt_byte_fails_verification_with_a_prefetch_whether_or_not_it_was_prefetched(tmp_path, victim):
+def test_a_corrupt_byte_fails_verification_with_a_prefetch_whether_or_not_it_was_prefetched(tmp_path, victim, digest):
     pieces = _pieces()
     path = save_checkpoint(tmp_path, pieces, _meta(), max_file_bytes=1000)
     file = path / "model-rank00000-part0000.safetensors"
@@ -144,8 +146,8 @@ def test_a_corrupt_byte_fails_verification_with_a_prefetch_whether_or_not_it_was
     start = 8 + length + json.loads(data[8 : 8 + length])[victim]["data_offsets"][0]
     data[start + 5] ^= 0x40
     file.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="does not match its sha256"):
-        verify_checkpoint(path, lambda manifest: {"model.b": torch.empty(100)})
+    with pytest.raises(CheckpointError, match=f"does not match its {digest}"):
+        verify_checkpoint(path, lambda manifest: {"model.b": torch.empty(100)}, digests=(digest,))
 
 
 def _safetensors_file(path, header: dict, payload: bytes):
@@ -153,7 +155,7 @@ def _safetensors_file(path, header: dict, payload: bytes):
     path.write_bytes(struct.pack("<Q", len(text)) + text + payload)
 
 
-def test_hash_and_fill_is_the_file_sha256_and_refuses_ranges_that_skip_or_repeat_bytes(tmp_path):
+def test_hash_and_fill_gives_the_file_digests_and_refuses_ranges_that_skip_or_repeat_bytes(tmp_path):
     good = tmp_path / "good.safetensors"
     values = torch.arange(6, dtype=torch.float32)
     header = {
@@ -162,19 +164,22 @@ def test_hash_and_fill_is_the_file_sha256_and_refuses_ranges_that_skip_or_repeat
     }
     _safetensors_file(good, header, values.numpy().tobytes())
     target = torch.empty(4)
-    assert hash_and_fill(good, {"y": target}) == hashlib.sha256(good.read_bytes()).hexdigest()
+    assert hash_and_fill(good, {"y": target}, ("sha256", "xxh3_128")) == {
+        "sha256": hashlib.sha256(good.read_bytes()).hexdigest(),
+        "xxh3_128": xxhash.xxh3_128(good.read_bytes()).hexdigest(),
+    }
     assert torch.equal(target, values[2:])
 
     overlapping = tmp_path / "overlapping.safetensors"
     header["y"]["data_offsets"] = [4, 20]
     _safetensors_file(overlapping, header, values.numpy().tobytes())
     with pytest.raises(CheckpointError, match="not possible"):
-        hash_and_fill(overlapping, {"x": torch.empty(2), "y": torch.empty(4)})
+        hash_and_fill(overlapping, {"x": torch.empty(2), "y": torch.empty(4)}, ("xxh3_128",))
 
     huge = tmp_path / "huge.safetensors"
     huge.write_bytes(struct.pack("<Q", 2**62) + b"{}")
     with pytest.raises(CheckpointError, match="unreadable safetensors header"):
-        hash_and_fill(huge, {"x": torch.empty(2)})
+        hash_and_fill(huge, {"x": torch.empty(2)}, ("xxh3_128",))
 
 
 def test_a_resume_adopts_the_prefetched_moments_and_restores_exactly(tmp_path):
@@ -240,10 +245,10 @@ def test_ranks_split_the_hashing_and_agree_on_the_verdict(tmp_path):
     heard = []
     verify_checkpoint(path, share=_shared(0, heard))  # rank 0 does not hash rank 1's file
     assert heard == [(("verify", str(path)), ("valid", ""))]
-    with pytest.raises(CheckpointError, match=rf"{of_rank_1} does not match its sha256"):
+    with pytest.raises(CheckpointError, match=rf"{of_rank_1} does not match its xxh3_128"):
         verify_checkpoint(path, share=_shared(1, heard))
     (_, (kind, message)) = heard[-1]  # rank 1 told the others before raising
-    assert kind == "invalid" and "does not match its sha256" in message
+    assert kind == "invalid" and "does not match its xxh3_128" in message
     with pytest.raises(CheckpointError, match=r"found by rank 1"):
         verify_checkpoint(path, share=_shared(0, heard, other=lambda subject, _: (subject, ("invalid", message))))
 

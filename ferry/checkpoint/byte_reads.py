@@ -3,23 +3,23 @@
 The safetensors library copies a tensor into memory of its own; a resume that must
 fill fresh optimizer state (or live parameters) would then pay a second copy and twice
 the page faults. Here a tensor's bytes go from the file into their final memory with
-one `preadv`, and `hash_and_fill` does so while it computes the file's sha256.
+one `preadv`, and `hash_and_fill` does so while it computes the file's digests.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
-from ferry.checkpoint.files import hash_file
+from ferry.checkpoint.digests import Digests
+from ferry.checkpoint.files import digest_file
 from ferry.checkpoint.format import CheckpointError
 
 
@@ -87,16 +87,16 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def hash_and_fill(path: Path, targets: dict[str, torch.Tensor]) -> str:
-    """The file's sha256, reading the tensors named in `targets` into them on the way.
+def hash_and_fill(path: Path, targets: dict[str, torch.Tensor], names: Iterable[str]) -> dict[str, str]:
+    """The file's digests `names`, reading the tensors named in `targets` into them on the way.
 
     The digest covers the file's bytes in order: the stretches between targets come
     from a memory map of the file, each target's bytes from the memory they were just
     read into. A header whose ranges overlap or run past the end of the file is refused.
     """
     if not targets:
-        return hash_file(path).sha256
-    digest = hashlib.sha256()
+        return digest_file(path, names)
+    digest = Digests(names)
     with _opened(path) as descriptor:
         if hasattr(os, "posix_fadvise"):  # start reading the whole file ahead of the hash
             os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_WILLNEED)
@@ -116,7 +116,7 @@ def hash_and_fill(path: Path, targets: dict[str, torch.Tensor]) -> str:
                 digest.update(_bytes_of(targets[name]))
                 position = end
             digest.update(whole[position:])
-    return digest.hexdigest()
+    return digest.hexdigests()
 
 
 def is_plain_cpu(tensor: torch.Tensor, stored_dtype: str) -> bool:

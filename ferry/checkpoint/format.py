@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ferry.config.errors import UserError
 
 CHECKPOINT_FORMAT = "ferry-checkpoint"
-FORMAT_VERSION = 1
+# 2: every file also records its xxh3-128 (ferry/checkpoint/digests.py); version 1 manifests still load.
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 TENSOR_SUFFIX = ".safetensors"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -121,6 +122,7 @@ class _Record(BaseModel):
 class FileRecord(_Record):
     bytes: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    xxh3_128: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")  # absent in format version 1
 
 
 class PieceRecord(_Record):
@@ -184,9 +186,11 @@ class Manifest(_Record):
 
     def check(self, source: Path) -> None:
         """File names are plain and listed; every tensor is tiled exactly by its pieces."""
-        for file in self.files:
+        for file, record in self.files.items():
             if not _FILE_NAME.match(file):
                 raise CheckpointError(f"{source}: file name {file!r} is not a ferry rank file")
+            if self.format_version >= 2 and record.xxh3_128 is None:
+                raise CheckpointError(f"{source}: {file} has no xxh3_128, which format version 2 records")
         for name, tensor in self.tensors.items():
             if tensor.dtype not in SAFETENSORS_DTYPES:
                 raise CheckpointError(f"{source}: {name} has unknown dtype {tensor.dtype!r}")

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ferry.checkpoint.byte_reads import TensorFile, hash_and_fill, is_plain_cpu
+from ferry.checkpoint.digests import FAST
 from ferry.checkpoint.format import (
     MANIFEST_NAME,
     SAFETENSORS_DTYPES,
@@ -198,18 +199,23 @@ def read_manifest(path: Path) -> Manifest:
 
 
 def verify_checkpoint(
-    path: Path, prefetch: Prefetch | None = None, share: SharedVerification | None = None
+    path: Path,
+    prefetch: Prefetch | None = None,
+    share: SharedVerification | None = None,
+    digests: tuple[str, ...] = (FAST,),
 ) -> Checkpoint:
-    """Open a checkpoint only if it is complete and intact: listed files only, sizes, sha256, headers.
+    """Open a checkpoint only if it is complete and intact: listed files only, sizes, digests, headers.
 
-    With `prefetch`, the tensors it asks for are read as their files are hashed; the
-    `Checkpoint` hands them out (`prefetched`) only once every file has verified. With
-    `share`, this rank hashes only its share of the files and the ranks agree on the verdict.
+    `digests` are the file digests checked (ferry/checkpoint/digests.py); a manifest that lacks
+    them (format version 1) is checked by its sha256. With `prefetch`, the tensors it asks for
+    are read as their files are hashed; the `Checkpoint` hands them out (`prefetched`) only once
+    every file has verified. With `share`, this rank hashes only its share of the files and the
+    ranks agree on the verdict.
     """
     if share is None:
-        return _verify(Path(path), prefetch, 0, 1)
+        return _verify(Path(path), prefetch, digests, 0, 1)
     try:
-        checkpoint, error = _verify(Path(path), prefetch, share.rank, share.world_size), None
+        checkpoint, error = _verify(Path(path), prefetch, digests, share.rank, share.world_size), None
     except Exception as exc:  # every rank must reach the exchange, or the others wait for it forever
         checkpoint, error = None, exc
     kind = "valid" if error is None else "invalid" if isinstance(error, (UserError, OSError)) else "defect"
@@ -227,7 +233,7 @@ def verify_checkpoint(
     return checkpoint
 
 
-def _verify(path: Path, prefetch: Prefetch | None, rank: int, world_size: int) -> Checkpoint:
+def _verify(path: Path, prefetch: Prefetch | None, digests: tuple[str, ...], rank: int, world_size: int) -> Checkpoint:
     """`verify_checkpoint`, hashing files rank, rank + world_size, ... of the files sorted largest first."""
     manifest = read_manifest(path)
     unexpected = sorted({entry.name for entry in path.iterdir()} - set(manifest.files) - {MANIFEST_NAME})
@@ -251,13 +257,21 @@ def _verify(path: Path, prefetch: Prefetch | None, rank: int, world_size: int) -
     by_file: dict[str, dict[str, torch.Tensor]] = {file: {} for file in files}
     for name, tensor in targets.items():
         by_file[manifest.tensors[name].pieces[0].file][name] = tensor
+    names = recorded_digests(manifest, digests)
     with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1))) as pool:
-        digests = list(pool.map(lambda file: hash_and_fill(path / file, by_file[file]), files))
-    for file, digest in zip(files, digests):
-        if digest != manifest.files[file].sha256:
-            raise CheckpointError(f"{path / file} does not match its sha256 in the manifest (corrupt or modified)")
+        found = list(pool.map(lambda file: hash_and_fill(path / file, by_file[file], names), files))
+    for file, values in zip(files, found):
+        for name, value in values.items():
+            if value != getattr(manifest.files[file], name):
+                raise CheckpointError(f"{path / file} does not match its {name} in the manifest (corrupt or modified)")
     _check_headers(path, manifest)
     return Checkpoint(path, manifest, targets)
+
+
+def recorded_digests(manifest: Manifest, digests: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `digests` that the manifest records for every file; its sha256 (always there) if none is."""
+    names = tuple(name for name in digests if all(getattr(r, name) is not None for r in manifest.files.values()))
+    return names or ("sha256",)
 
 
 def _prefetch_targets(manifest: Manifest, asked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -291,7 +305,12 @@ class Found:
     skipped: list[tuple[Path, str]] = field(default_factory=list)
 
 
-def newest_valid(root: Path, prefetch: Prefetch | None = None, share: SharedVerification | None = None) -> Found:
+def newest_valid(
+    root: Path,
+    prefetch: Prefetch | None = None,
+    share: SharedVerification | None = None,
+    digests: tuple[str, ...] = (FAST,),
+) -> Found:
     """The newest checkpoint under `root` that verifies; each newer invalid one is skipped with its reason."""
     skipped = []
     candidates = list(reversed(list_checkpoints(root)))
@@ -299,19 +318,23 @@ def newest_valid(root: Path, prefetch: Prefetch | None = None, share: SharedVeri
         share.same_everywhere(("list", str(root), *(path.name for path in candidates)))
     for path in candidates:
         try:
-            return Found(verify_checkpoint(path, prefetch, share), skipped)
+            return Found(verify_checkpoint(path, prefetch, share, digests), skipped)
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
     return Found(None, skipped)
 
 
 def find_resume_point(
-    resume: str, default_root: Path, prefetch: Prefetch | None = None, share: SharedVerification | None = None
+    resume: str,
+    default_root: Path,
+    prefetch: Prefetch | None = None,
+    share: SharedVerification | None = None,
+    digests: tuple[str, ...] = (FAST,),
 ) -> Found:
     """Resolve `resume`: `latest` is the newest valid checkpoint under `default_root` (none yet is fine);
     a path is a checkpoint, or a directory of checkpoints whose newest valid one is taken."""
     if resume == "latest":
-        found = newest_valid(default_root, prefetch, share)
+        found = newest_valid(default_root, prefetch, share, digests)
         if found.checkpoint is None and found.skipped:
             raise CheckpointError(_none_valid(default_root, found.skipped))
         return found
@@ -319,8 +342,8 @@ def find_resume_point(
     if not path.exists():
         raise UserError(f"resume: {resume!r} does not exist")
     if (path / MANIFEST_NAME).exists() or not list_checkpoints(path):
-        return Found(verify_checkpoint(path, prefetch, share))
-    found = newest_valid(path, prefetch, share)
+        return Found(verify_checkpoint(path, prefetch, share, digests))
+    found = newest_valid(path, prefetch, share, digests)
     if found.checkpoint is None:
         raise CheckpointError(_none_valid(path, found.skipped))
     return found

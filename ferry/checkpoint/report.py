@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from ferry.checkpoint.format import Manifest, TensorRecord
-from ferry.checkpoint.reader import read_manifest, verify_checkpoint
+from ferry.checkpoint.digests import RECORDED
+from ferry.checkpoint.reader import read_manifest, recorded_digests, verify_checkpoint
 
 
 def inspect_lines(path: Path) -> list[str]:
@@ -42,13 +43,17 @@ def inspect_lines(path: Path) -> list[str]:
 
 
 def verify_lines(path: Path) -> list[str]:
-    """One line saying the checkpoint is valid; raises `CheckpointError` with the reason when it is not."""
-    checkpoint = verify_checkpoint(Path(path))
+    """One line saying the checkpoint is valid; raises `CheckpointError` with the reason when it is not.
+
+    Every digest the manifest records is checked, not only the one a resume checks.
+    """
+    checkpoint = verify_checkpoint(Path(path), digests=RECORDED)
+    checked = recorded_digests(checkpoint.manifest, RECORDED)
     manifest = checkpoint.manifest
     total = sum(record.bytes for record in manifest.files.values())
     return [
         f"ferry: checkpoint {path} is valid — step {manifest.step:,}, {len(manifest.tensors)} tensors "
-        f"in {len(manifest.files)} files ({_size(total)}), every sha256 matches"
+        f"in {len(manifest.files)} files ({_size(total)}), every {' and '.join(checked)} matches"
     ]
 
 

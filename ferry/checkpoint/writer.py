@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ferry.checkpoint.files import fsync_dir, hash_file
+from ferry.checkpoint.files import fsync_dir, record_file
 from ferry.checkpoint.format import (
     CHECKPOINT_FORMAT,
     DEFAULT_FILE_BYTES,
@@ -100,7 +100,7 @@ def write_rank_files(
                 file = rank_file_name(group, rank, part)
                 tensors = _unshared({name: members[name].local.detach().contiguous() for name in names})
                 save_file(tensors, staging / file)
-                finishing[file] = pool.submit(hash_file, staging / file, fsync=True)
+                finishing[file] = pool.submit(record_file, staging / file, fsync=True)
                 for name in names:
                     piece = members[name]
                     entry = PieceRecord(file=file, offset=list(piece.offset), shape=list(piece.local.shape))

@@ -12,7 +12,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     inspect = actions.add_parser("inspect", help="step, layout, files, and every tensor with dtype, shape and size")
     inspect.add_argument("dir", help="a checkpoint directory, e.g. runs/tiny/checkpoints/step-00000300")
     inspect.set_defaults(handler=_inspect)
-    verify = actions.add_parser("verify", help="check files, sizes, sha256 and headers; exit 0 valid, 1 invalid")
+    verify = actions.add_parser(
+        "verify", help="check files, sizes, every digest (sha256, xxh3_128) and headers; exit 0 valid, 1 invalid"
+    )
     verify.add_argument("dir", help="a checkpoint directory")
     verify.set_defaults(handler=_verify)
 

@@ -328,7 +328,13 @@ class Trainer:
         if config.resume is None:
             return None, []
         prefetch = optimizer_prefetch(self.model, self.optimizer, self.plan)
-        found = find_resume_point(config.resume, config.checkpoint.path(config.run.path), prefetch, self._share())
+        found = find_resume_point(
+            config.resume,
+            config.checkpoint.path(config.run.path),
+            prefetch,
+            self._share(),
+            digests=(config.checkpoint.verify,),
+        )
         return found, self.restore(found.checkpoint) if found.checkpoint else []
 
     def _share(self) -> SharedVerification | None:

@@ -1,0 +1,34 @@
+"""The digests a checkpoint records for each file, several of them computed in one pass over the bytes.
+
+Every manifest records each file's sha256, which any tool can check (`sha256sum`), and its
+xxh3-128, which is what a resume checks by default (`checkpoint.verify`). Both find a corrupt or
+truncated file (a 128-bit digest misses a random change with probability 2^-128), but xxh3 runs at
+about 11 GB/s on one core where sha256 runs at 1.4 (with SHA instructions), so checking every byte
+no longer dominates the time to resume. Neither guards against someone who can write the
+checkpoint directory: they can rewrite the manifest as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import xxhash
+
+DIGESTS = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}
+RECORDED = tuple(DIGESTS)  # every save records all of them
+FAST = "xxh3_128"
+
+
+class Digests:
+    """Several digests of one stream of bytes, updated together so the bytes are read once."""
+
+    def __init__(self, names: Iterable[str]):
+        self._hashers = {name: DIGESTS[name]() for name in names}
+
+    def update(self, data) -> None:
+        for hasher in self._hashers.values():
+            hasher.update(data)
+
+    def hexdigests(self) -> dict[str, str]:
+        return {name: hasher.hexdigest() for name, hasher in self._hashers.items()}

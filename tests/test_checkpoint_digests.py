@@ -1,0 +1,108 @@
+"""File digests: every manifest records sha256 and xxh3-128; a resume checks the configured one, `ckpt verify` both."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+import xxhash
+
+from ferry.checkpoint import CheckpointError, CheckpointMeta, Layout, TensorPiece, save_checkpoint, verify_checkpoint
+from ferry.checkpoint.digests import RECORDED
+from ferry.checkpoint.report import verify_lines
+from ferry.train import Trainer
+
+
+def _save(tmp_path):
+    pieces = {
+        "model.w": TensorPiece.whole(torch.randn(64, 32)),
+        "optim.exp_avg.w": TensorPiece.whole(torch.randn(64, 32)),
+    }
+    meta = CheckpointMeta(1, 10, Layout(world_size=1, ep_degree=1, mode="single"), {}, {}, {}, {})
+    return save_checkpoint(tmp_path, pieces, meta)
+
+
+def _edit_manifest(path, edit):
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _other_digest(value: str) -> str:
+    """The same-length digest that differs in its first character."""
+    return ("1" if value[0] == "0" else "0") + value[1:]
+
+
+def test_every_file_records_the_sha256_and_xxh3_of_its_bytes_on_disk(tmp_path):
+    path = _save(tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format_version"] == 2
+    for file, record in manifest["files"].items():
+        data = (path / file).read_bytes()
+        assert record == {
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "xxh3_128": xxhash.xxh3_128(data).hexdigest(),
+        }
+
+
+def test_a_version_1_manifest_has_only_sha256_and_is_checked_by_it(tmp_path):
+    path = _save(tmp_path)
+
+    def to_version_1(manifest):
+        manifest["format_version"] = 1
+        for record in manifest["files"].values():
+            del record["xxh3_128"]
+
+    _edit_manifest(path, to_version_1)
+    verify_checkpoint(path)
+    assert "every sha256 matches" in verify_lines(path)[0]
+    file = path / "model-rank00000-part0000.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0x10
+    file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        verify_checkpoint(path)
+
+
+def test_a_version_2_manifest_without_an_xxh3_is_refused_naming_the_file(tmp_path):
+    path = _save(tmp_path)
+    _edit_manifest(path, lambda manifest: manifest["files"]["optim-rank00000-part0000.safetensors"].pop("xxh3_128"))
+    with pytest.raises(CheckpointError, match="optim-rank00000-part0000.safetensors has no xxh3_128"):
+        verify_checkpoint(path)
+
+
+@pytest.mark.parametrize("digest", RECORDED)
+def test_a_resume_checks_the_digest_it_is_given_and_ckpt_verify_checks_every_one(tmp_path, digest):
+    path = _save(tmp_path)
+    file = "model-rank00000-part0000.safetensors"
+
+    def misstate(manifest):
+        manifest["files"][file][digest] = _other_digest(manifest["files"][file][digest])
+
+    _edit_manifest(path, misstate)
+    other = next(name for name in RECORDED if name != digest)
+    verify_checkpoint(path, digests=(other,))
+    with pytest.raises(CheckpointError, match=f"{file} does not match its {digest}"):
+        verify_checkpoint(path, digests=(digest,))
+    with pytest.raises(CheckpointError, match=f"does not match its {digest}"):
+        verify_lines(path)
+
+
+def test_checkpoint_verify_sha256_makes_a_resume_check_sha256(make_config, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    saving = ("train.steps=4", "checkpoint.interval=2")
+    Trainer(make_config(*saving, run_dir=run_dir)).fit(stop_at=4)
+    newest = run_dir / "checkpoints" / "step-00000004"
+
+    def misstate_every_sha256(manifest):
+        for record in manifest["files"].values():
+            record["sha256"] = _other_digest(record["sha256"])
+
+    _edit_manifest(newest, misstate_every_sha256)
+    capsys.readouterr()
+
+    Trainer(make_config(*saving, "resume=latest", "checkpoint.verify=sha256", run_dir=run_dir)).fit()
+    out = capsys.readouterr().out
+    assert f"warning: skipping checkpoint {newest}" in out and "does not match its sha256" in out
+    assert "step-00000002 at step 2" in out

@@ -7,7 +7,16 @@ import pytest
 import torch
 import xxhash
 
-from ferry.checkpoint import CheckpointError, CheckpointMeta, Layout, TensorPiece, save_checkpoint, verify_checkpoint
+from ferry.checkpoint import (
+    CheckpointError,
+    CheckpointMeta,
+    Layout,
+    SharedVerification,
+    TensorPiece,
+    find_resume_point,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from ferry.checkpoint.digests import RECORDED
 from ferry.checkpoint.report import verify_lines
 from ferry.train import Trainer
@@ -33,6 +42,20 @@ def _other_digest(value: str) -> str:
     return ("1" if value[0] == "0" else "0") + value[1:]
 
 
+def _misstate_every(digest: str):
+    def misstate(manifest):
+        for record in manifest["files"].values():
+            record[digest] = _other_digest(record[digest])
+
+    return misstate
+
+
+def _to_version_1(manifest):
+    manifest["format_version"] = 1
+    for record in manifest["files"].values():
+        del record["xxh3_128"]
+
+
 def test_every_file_records_the_sha256_and_xxh3_of_its_bytes_on_disk(tmp_path):
     path = _save(tmp_path)
     manifest = json.loads((path / "manifest.json").read_text())
@@ -44,24 +67,33 @@ def test_every_file_records_the_sha256_and_xxh3_of_its_bytes_on_disk(tmp_path):
             "sha256": hashlib.sha256(data).hexdigest(),
             "xxh3_128": xxhash.xxh3_128(data).hexdigest(),
         }
+    assert verify_lines(path)[0].endswith("every file's sha256 and xxh3_128 match")
 
 
 def test_a_version_1_manifest_has_only_sha256_and_is_checked_by_it(tmp_path):
     path = _save(tmp_path)
-
-    def to_version_1(manifest):
-        manifest["format_version"] = 1
-        for record in manifest["files"].values():
-            del record["xxh3_128"]
-
-    _edit_manifest(path, to_version_1)
+    _edit_manifest(path, _to_version_1)
     verify_checkpoint(path)
-    assert "every sha256 matches" in verify_lines(path)[0]
+    assert verify_lines(path)[0].endswith("every file's sha256 match")
     file = path / "model-rank00000-part0000.safetensors"
     data = bytearray(file.read_bytes())
     data[-3] ^= 0x10
     file.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="does not match its sha256"):
+        verify_checkpoint(path)
+
+
+def test_a_version_1_manifest_where_only_some_files_record_xxh3_is_checked_by_sha256_throughout(tmp_path):
+    path = _save(tmp_path)
+    model_file = "model-rank00000-part0000.safetensors"
+
+    def mixed(manifest):
+        manifest["format_version"] = 1
+        del manifest["files"]["optim-rank00000-part0000.safetensors"]["xxh3_128"]
+        manifest["files"][model_file]["sha256"] = _other_digest(manifest["files"][model_file]["sha256"])
+
+    _edit_manifest(path, mixed)
+    with pytest.raises(CheckpointError, match=f"{model_file} does not match its sha256"):
         verify_checkpoint(path)
 
 
@@ -89,20 +121,52 @@ def test_a_resume_checks_the_digest_it_is_given_and_ckpt_verify_checks_every_one
         verify_lines(path)
 
 
-def test_checkpoint_verify_sha256_makes_a_resume_check_sha256(make_config, tmp_path, capsys):
+def _one_rank_of_two(rank: int) -> SharedVerification:
+    """A rank of a 2-rank job whose other rank finds the checkpoint valid."""
+    return SharedVerification(rank, 2, lambda payload: [payload, (payload[0], ("valid", ""))][:: 1 - 2 * rank])
+
+
+def test_every_route_to_a_checkpoint_checks_the_digest_it_is_given(tmp_path):
+    path = _save(tmp_path / "checkpoints")
+    _edit_manifest(path, _misstate_every("sha256"))
+    routes = {
+        "latest": lambda digests: find_resume_point("latest", tmp_path / "checkpoints", digests=digests),
+        "path": lambda digests: find_resume_point(str(path), tmp_path, digests=digests),
+        "rank 0 of 2": lambda digests: verify_checkpoint(path, share=_one_rank_of_two(0), digests=digests),
+        "rank 1 of 2": lambda digests: verify_checkpoint(path, share=_one_rank_of_two(1), digests=digests),
+    }
+    for route, open_checkpoint in routes.items():
+        open_checkpoint(("xxh3_128",))
+        with pytest.raises(CheckpointError, match="sha256"):
+            open_checkpoint(("sha256",))
+            pytest.fail(f"{route}: the sha256 was not checked")
+
+
+def test_a_resume_checks_xxh3_unless_checkpoint_verify_says_sha256(make_config, tmp_path, capsys):
     run_dir = tmp_path / "run"
     saving = ("train.steps=4", "checkpoint.interval=2")
     Trainer(make_config(*saving, run_dir=run_dir)).fit(stop_at=4)
     newest = run_dir / "checkpoints" / "step-00000004"
-
-    def misstate_every_sha256(manifest):
-        for record in manifest["files"].values():
-            record["sha256"] = _other_digest(record["sha256"])
-
-    _edit_manifest(newest, misstate_every_sha256)
+    _edit_manifest(newest, _misstate_every("sha256"))
     capsys.readouterr()
 
+    Trainer(make_config(*saving, "resume=latest", run_dir=run_dir)).fit()
+    out = capsys.readouterr().out
+    assert "skipping" not in out and "step-00000004 at step 4" in out
+
+    _edit_manifest(newest, _misstate_every("sha256"))  # whether or not the run saved step 4 again
     Trainer(make_config(*saving, "resume=latest", "checkpoint.verify=sha256", run_dir=run_dir)).fit()
     out = capsys.readouterr().out
     assert f"warning: skipping checkpoint {newest}" in out and "does not match its sha256" in out
     assert "step-00000002 at step 2" in out
+
+
+def test_a_run_resumes_from_a_version_1_checkpoint(make_config, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    Trainer(make_config("train.steps=4", "checkpoint.interval=2", run_dir=run_dir)).fit(stop_at=4)
+    _edit_manifest(run_dir / "checkpoints" / "step-00000004", _to_version_1)
+    capsys.readouterr()
+
+    Trainer(make_config("train.steps=6", "checkpoint.interval=2", "resume=latest", run_dir=run_dir)).fit()
+    out = capsys.readouterr().out
+    assert "skipping" not in out and "step-00000004 at step 4" in out

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ferry.checkpoint.byte_reads import TensorFile, hash_and_fill, is_plain_cpu
-from ferry.checkpoint.digests import FAST
+from ferry.checkpoint.digests import DIGESTS, FAST
 from ferry.checkpoint.format import (
     MANIFEST_NAME,
     SAFETENSORS_DTYPES,
@@ -212,6 +212,9 @@ def verify_checkpoint(
     every file has verified. With `share`, this rank hashes only its share of the files and the
     ranks agree on the verdict.
     """
+    unknown = sorted(set(digests) - set(DIGESTS))
+    if unknown or not digests:
+        raise ValueError(f"digests {list(digests)}: each must be one of {', '.join(DIGESTS)}")
     if share is None:
         return _verify(Path(path), prefetch, digests, 0, 1)
     try:
@@ -249,7 +252,7 @@ def _verify(path: Path, prefetch: Prefetch | None, digests: tuple[str, ...], ran
         size = file_path.stat().st_size
         if size != expected.bytes:
             raise CheckpointError(f"{file_path} has {size:,} bytes where the manifest says {expected.bytes:,}")
-    # hashlib and reads release the GIL, so the files of a checkpoint hash on all cores at once, largest first.
+    # hashlib, xxhash and reads release the GIL, so the files of a checkpoint hash on all cores at once, largest first.
     files = sorted(manifest.files, key=lambda file: (-manifest.files[file].bytes, file))[rank::world_size]
     mine = set(files)
     targets = _prefetch_targets(manifest, prefetch(manifest) if prefetch else {})

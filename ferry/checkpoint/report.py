@@ -53,7 +53,7 @@ def verify_lines(path: Path) -> list[str]:
     total = sum(record.bytes for record in manifest.files.values())
     return [
         f"ferry: checkpoint {path} is valid — step {manifest.step:,}, {len(manifest.tensors)} tensors "
-        f"in {len(manifest.files)} files ({_size(total)}), every {' and '.join(checked)} matches"
+        f"in {len(manifest.files)} files ({_size(total)}), every file's {' and '.join(checked)} match"
     ]
 
 

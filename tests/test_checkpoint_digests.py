@@ -170,3 +170,9 @@ def test_a_run_resumes_from_a_version_1_checkpoint(make_config, tmp_path, capsys
     Trainer(make_config("train.steps=6", "checkpoint.interval=2", "resume=latest", run_dir=run_dir)).fit()
     out = capsys.readouterr().out
     assert "skipping" not in out and "step-00000004 at step 4" in out
+
+
+def test_an_unknown_digest_name_is_refused_before_any_file_is_read(tmp_path):
+    path = _save(tmp_path)
+    with pytest.raises(ValueError, match=r"'xxh3-128'\]: each must be one of sha256, xxh3_128"):
+        verify_checkpoint(path, digests=("xxh3-128",))

@@ -3,8 +3,8 @@
     python benchmarks/checkpoint_io.py [--dir DIR] [--repeats 3]
 
 The train state is a real MoE model (84M parameters) with its AdamW moments after one
-step: 1.0 GB of tensors. Save is `save_checkpoint` (safetensors files, fsync, sha256,
-manifest, rename); load is what a resume does (check every file's digest, by default
+step: 1.0 GB of tensors. Save is `save_checkpoint` (safetensors files, fsync, sha256 and
+xxh3-128, manifest, rename); load is what a resume does (check every file's digest, by default
 xxh3-128, then read into the live model and a fresh optimizer, whose moments it allocates,
 as `np.fromfile` allocates its arrays). `load_sha256` is the same load checking sha256
 instead (`checkpoint.verify: sha256`). The baseline writes the same tensors' bytes to one file with

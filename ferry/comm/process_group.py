@@ -66,6 +66,11 @@ def init_distributed(config: CommConfig, device: torch.device) -> DistContext:
     if world_size == 1 and not dist.is_initialized():
         return DistContext(0, 1, 0, None)
     backend = resolve_backend(config.backend, device)
+    if device.type != "cpu":
+        # Object collectives (`all_gather_object`, `gather_object`) stage their bytes on the current
+        # device of the backend's type, not the group's bound device: without this, every rank of a
+        # node would use device 0.
+        torch.get_device_module(device.type).set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,

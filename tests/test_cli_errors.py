@@ -66,3 +66,13 @@ def test_a_real_process_exits_2_without_traceback(tmp_path):
     assert result.returncode == 2
     assert "optim.lr" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_widths_the_selected_grouped_gemm_cannot_take_exit_2_naming_them(stdlib_dataset, tmp_path, capsys):
+    pinned = 'kernels.ops={"moe.routed_experts": "portable", "moe.grouped_mm": "torch_grouped_mm"}'
+    argv = [TINY, f"data.sources.0.path={stdlib_dataset}", f"run.dir={tmp_path / 'run'}", "train.steps=1"]
+    code = main(["train", *argv, "model.moe.expert_ffn_dim=190", pinned])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "got in 128 and out 190 (model.dim, model.moe.expert_ffn_dim)" in err
+    assert "Traceback" not in err

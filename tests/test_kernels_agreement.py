@@ -177,5 +177,5 @@ def test_grouped_mm_implementations_agree_with_a_per_row_reference():
 def test_torch_grouped_mm_rejects_misaligned_bfloat16_widths_by_name():
     x_NI = torch.randn(4, 12, dtype=torch.bfloat16)
     w_EOI = torch.randn(2, 8, 12, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="multiples of 8 torch.bfloat16 values"):
+    with pytest.raises(UserError, match="multiples of 8 torch.bfloat16 values"):
         torch_grouped_mm.grouped_mm(x_NI, w_EOI, torch.tensor([2, 4], dtype=torch.int32))

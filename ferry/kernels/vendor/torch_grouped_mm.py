@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ferry.config import UserError
 from ferry.kernels.amp import outside_autocast
 
 _ALIGNMENT_BYTES = 16
@@ -71,7 +72,8 @@ def _check_alignment(x_NI: torch.Tensor, w_EOI: torch.Tensor) -> None:
     values = _ALIGNMENT_BYTES // x_NI.element_size()
     in_width, out_width = w_EOI.shape[2], w_EOI.shape[1]
     if in_width % values or out_width % values:
-        raise ValueError(
+        raise UserError(
             f"moe.grouped_mm torch_grouped_mm needs widths that are multiples of {values} {x_NI.dtype} values "
-            f"(16 bytes), got in {in_width} and out {out_width}; pin kernels.ops.\"moe.grouped_mm\" to portable"
+            f"(16 bytes), got in {in_width} and out {out_width} (model.dim, model.moe.expert_ffn_dim): make them "
+            f"multiples of {values}, or pin kernels.ops.\"moe.grouped_mm\" to portable"
         )

@@ -58,6 +58,24 @@ def test_a_resumed_run_equals_the_uninterrupted_run_bitwise(make_config, tmp_pat
     assert record["resumed_from"]["step"] == 10 and record["resumed_from"]["checkpoint"].endswith("step-00000010")
 
 
+def test_train_stop_at_stops_like_a_preempted_run_and_resume_records_what_it_carried(make_config, tmp_path):
+    """The schedule spans train.steps whatever the stop; run.json says which state came back and what it cost."""
+    expected = Trainer(make_config("train.steps=8", run_dir=tmp_path / "straight")).fit().losses
+    run_dir = tmp_path / "run"
+    first = Trainer(make_config("train.steps=8", "train.stop_at=3", run_dir=run_dir)).fit()
+    stopped = json.loads((run_dir / "run.json").read_text())
+    assert len(first.losses) == 3 and stopped["status"] == "stopped"
+    assert [path.name for path in list_checkpoints(run_dir / "checkpoints")] == ["step-00000003"]
+    assert stopped["started_at"] and stopped["first_step_at_unix"] <= time.time()
+    second = Trainer(make_config("train.steps=8", "train.stop_at=3", "resume=latest", run_dir=run_dir)).fit(stop_at=8)
+    assert first.losses + second.losses == expected
+    resumed = json.loads((run_dir / "run.json").read_text())["resumed_from"]
+    assert resumed["step"] == 3 and resumed["verify_s"] > 0 and resumed["restore_s"] > 0
+    assert resumed["carried"]["weights"] == "carried" and resumed["carried"]["rng"] == "carried"
+    assert resumed["carried"]["schedule"] == "carried (continues at step 3 of 8)"
+    assert resumed["carried"]["loss_scaler"] == "carried (none in use)"
+
+
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning(make_config, tmp_path, capsys):
     """(c)"""
     run_dir = tmp_path / "run"

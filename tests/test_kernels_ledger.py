@@ -10,6 +10,7 @@ import pytest
 from ferry.cli.kernels import add_kernels_commands
 from ferry.kernels import REGISTRY, load_ledger
 from ferry.kernels.boundary import code_lines, render_boundary
+from ferry.portability.history import KERNEL_BENCH, read_records
 
 from conftest import REPO
 
@@ -68,14 +69,30 @@ def test_kernels_boundary_writes_the_document(tmp_path, capsys):
     assert str(output) in capsys.readouterr().out
 
 
-def test_kernels_bench_prints_ratios_verdicts_and_a_dispatch_cost_under_one_percent(capsys):
+def test_kernels_bench_prints_ratios_verdicts_and_a_dispatch_cost_under_one_percent(capsys, tmp_path):
     argv = ["--tokens", "128", "--dim", "32", "--ffn", "16", "--experts", "4", "--top-k", "2", "--repeats", "1"]
-    assert _cli("kernels", "bench", "--device", "cpu", *argv) == 0
+    assert _cli("kernels", "bench", "--device", "cpu", *argv, "--history", str(tmp_path)) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.split()[:2] == ["moe.grouped_mm", "torch_grouped_mm@cpu"] for line in lines)
     assert any(line.startswith("  moe.routed_experts: portable") for line in lines)
     dispatch = next(line for line in lines if line.startswith("registry dispatch:"))
     assert "within the 1% limit" in dispatch
+    (_, record), = read_records(tmp_path, KERNEL_BENCH)
+    assert record["dtype"] == "float32" and record["shape"]["experts"] == 4 and record["date"]
+    routed = next(op for op in record["ops"] if op["op"] == "moe.routed_experts")
+    assert routed["fastest_vendor"] == "fused_loop@cpu" and routed["portable_loss"] is not None
+    assert lines[-1] == f"ferry: figures appended to {tmp_path / KERNEL_BENCH}"
+
+
+def test_ledger_debt_status_names_expiring_unmeasured_and_expired_entries():
+    entry = next(e for e in load_ledger().entries if e.implementation == "fused_loop")
+    assert entry.debt_status(entry.expires - datetime.timedelta(days=31)) == "approved"
+    assert entry.debt_status(entry.expires - datetime.timedelta(days=30)) == "expiring"
+    assert entry.debt_status(entry.expires + datetime.timedelta(days=1)) == "expired"
+    unmeasured = next(e for e in load_ledger().entries if e.implementation == "grouped_gemm")
+    assert not unmeasured.measured and unmeasured.debt_status(datetime.date(2026, 12, 1)) == "unmeasured"
+    rejected = next(e for e in load_ledger().entries if e.implementation == "padded_bmm")
+    assert rejected.debt_status(datetime.date(2026, 12, 1)) == "not approved"
 
 
 def test_kernels_bench_rejects_a_budget_outside_zero_to_one():

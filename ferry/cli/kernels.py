@@ -29,6 +29,10 @@ def add_kernels_commands(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--experts", type=int, default=64)
     bench.add_argument("--top-k", type=int, default=8)
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="inputs and weights")
+    bench.add_argument(
+        "--history", default="runs/portability", help="portability directory the figures are appended to, for "
+        "`ferry report` (default runs/portability)"
+    )
     bench.set_defaults(handler=bench_kernels)
 
 
@@ -54,12 +58,15 @@ def write_boundary_doc(args: argparse.Namespace) -> int:
 
 
 def bench_kernels(args: argparse.Namespace) -> int:
+    import datetime
+
     import torch
 
     from ferry.config import UserError
     from ferry.kernels import KernelsConfig
     from ferry.kernels.bench import BenchShape, run_bench
-    from ferry.platform import resolve_device
+    from ferry.platform import environment_fingerprint, resolve_device
+    from ferry.portability.history import KERNEL_BENCH, append_record
 
     budget = KernelsConfig().overhead_budget if args.budget is None else args.budget
     if not 0.0 <= budget < 1.0:
@@ -71,6 +78,15 @@ def bench_kernels(args: argparse.Namespace) -> int:
     report = run_bench(device, budget, shape, args.repeats, getattr(torch, args.dtype), _recipes(device))
     for line in report.lines():
         print(line)
+    record = {
+        "kind": "kernel-bench",
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        **report.as_record(),
+        "environment": environment_fingerprint(device),
+    }
+    print(f"ferry: figures appended to {append_record(args.history, KERNEL_BENCH, record)}")
     return 0
 
 

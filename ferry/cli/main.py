@@ -10,6 +10,7 @@ from ferry.cli import ckpt
 from ferry.cli.hardware import add_hardware_commands
 from ferry.cli.kernels import add_kernels_commands
 from ferry.cli.metrics import add_metrics_commands
+from ferry.cli.portability import add_portability_commands
 from ferry.config import UserError
 
 
@@ -62,6 +63,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_metrics_commands(commands)
     add_kernels_commands(commands)
     add_hardware_commands(commands)
+    add_portability_commands(commands)
     return parser
 
 

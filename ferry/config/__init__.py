@@ -5,13 +5,14 @@ load, override, validate and dump them.
 """
 
 from ferry.config.errors import ConfigError, UserError
-from ferry.config.loader import apply_overrides, dump_yaml, load_config, parse_override
+from ferry.config.loader import apply_override_mapping, apply_overrides, dump_yaml, load_config, parse_override
 from ferry.config.section import Section
 
 __all__ = [
     "ConfigError",
     "UserError",
     "Section",
+    "apply_override_mapping",
     "apply_overrides",
     "dump_yaml",
     "load_config",

@@ -67,6 +67,16 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return result
 
 
+def apply_override_mapping(raw: dict[str, Any], overrides: dict[str, Any], origin: str) -> dict[str, Any]:
+    """Return a copy of `raw` with each dotted key of `overrides` set to its value, already typed (a mapping
+    read from a YAML file, as an environment's `overrides:`); errors name `origin`."""
+    result = copy.deepcopy(raw)
+    for key, value in overrides.items():
+        described = f"{key}: {value!r} in {origin}"
+        _set_path(result, _split_dotted(str(key).strip(), described), copy.deepcopy(value), described)
+    return result
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split `a.b."c.d"=value` into (["a", "b", "c.d"], parsed value); values are YAML scalars or lists."""
     key_text, sep, value_text = text.partition("=")

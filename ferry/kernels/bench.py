@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -98,6 +98,22 @@ class BenchReport:
     @property
     def dispatch_fraction(self) -> float:
         return self.dispatches_per_layer * self.dispatch_seconds / self.layer_seconds
+
+    def as_record(self) -> dict:
+        """The figures as data, for the portability history that `ferry report` reads."""
+        ops = []
+        for report in self.ops:
+            fastest = report.fastest_vendor
+            ops.append({
+                "op": report.op,
+                "timings": [asdict(timing) for timing in report.timings],
+                "portable_seconds": report.portable_seconds,
+                "fastest_vendor": None if fastest is None else fastest.implementation,
+                "portable_loss": report.portable_loss(),
+                "verdict": report.verdict(self.budget),
+            })
+        return {"device": self.device, "shape": asdict(self.shape), "budget": self.budget, "ops": ops,
+                "dispatch_fraction": self.dispatch_fraction}
 
     def lines(self) -> list[str]:
         shape = self.shape

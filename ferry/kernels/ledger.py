@@ -33,6 +33,7 @@ class LedgerEntry(Section):
     owner: str = Field(min_length=1)
     reason: str = Field(min_length=1, description="why the portable path is not enough here")
     measured_gain: str = Field(min_length=1, description="speed-up over portable, with where and how it was measured")
+    measured: bool = Field(True, description="false while no measurement exists (measured_gain says what is needed)")
     approved: datetime.date | None = Field(description="approval date; none = registered but not for `auto`")
     expires: datetime.date = Field(description="review by this date; past it `auto` stops taking the implementation")
 
@@ -45,6 +46,16 @@ class LedgerEntry(Section):
         if today > self.expires:
             return "expired"
         return "approved" if self.approved is not None else "not approved"
+
+    def debt_status(self, today: datetime.date, warning_days: int = 30) -> str:
+        """For a debt report: `expired`, `expiring` (approved, due within `warning_days`), `approved`,
+        `unmeasured` (registered, never measured) or `not approved` (measured, not worth it yet)."""
+        status = self.status(today)
+        if status == "approved" and (self.expires - today).days <= warning_days:
+            return "expiring"
+        if status == "not approved" and not self.measured:
+            return "unmeasured"
+        return status
 
 
 class LedgerFile(Section):

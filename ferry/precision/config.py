@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ferry.config.section import Section
+from ferry.platform.hardware import profile_names
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 
@@ -26,6 +27,12 @@ class LossScalingConfig(Section):
 
 
 class PrecisionConfig(Section):
+    profile: str | None = Field(
+        None,
+        min_length=1,
+        description="take the defaults and FP8 variant from this hardware profile instead of the run's: another "
+        "accelerator's numerics rehearsed on this hardware (native support still depends on the run's hardware)",
+    )
     param_dtype: Dtype | None = Field(None, description="dtype the parameters are stored in")
     compute_dtype: Dtype | None = Field(None, description="autocast dtype of forward and backward")
     reduce_dtype: Dtype | None = Field(None, description="dtype of gradient reductions across ranks")
@@ -34,3 +41,10 @@ class PrecisionConfig(Section):
     on_unsupported: Literal["emulate", "error"] = Field(
         "emulate", description="when the hardware lacks the experts' format natively"
     )
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_exists(cls, name: str | None) -> str | None:
+        if name is not None and name not in profile_names():
+            raise ValueError(f"unknown hardware profile {name!r}; profiles: {', '.join(profile_names())}")
+        return name

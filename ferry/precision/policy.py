@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ferry.config import UserError
-from ferry.platform.hardware import HardwareProfile
+from ferry.platform.hardware import HardwareProfile, load_profile
 from ferry.precision.config import PrecisionConfig
 from ferry.precision.formats import float_format
 from ferry.precision.recipe import LowPrecisionRecipe
@@ -84,12 +84,21 @@ class PrecisionPolicy:
 
 
 def resolve_precision(config: PrecisionConfig, profile: HardwareProfile) -> PrecisionPolicy:
-    defaults = profile.precision_defaults
+    """The policy of a run on `profile`'s hardware.
+
+    With `precision.profile` set, the dtypes and the FP8 variant are another profile's
+    (an NVIDIA-to-AMD move rehearsed on a CPU), while whether a format runs natively
+    still depends on the hardware the run is on.
+    """
+    numerics = load_profile(config.profile) if config.profile is not None else profile
+    defaults = numerics.precision_defaults
     decisions: list[str] = []
+    if numerics is not profile:
+        decisions.append(f"numerics of profile {numerics.name} on {profile.name} hardware (precision.profile)")
 
     def pick(name: str, value):
         chosen = value if value is not None else getattr(defaults, name)
-        source = "config" if value is not None else f"profile {profile.name}"
+        source = "config" if value is not None else f"profile {numerics.name}"
         decisions.append(f"{name}={chosen} ({source})")
         return chosen
 
@@ -112,7 +121,7 @@ def resolve_precision(config: PrecisionConfig, profile: HardwareProfile) -> Prec
             )
         else:
             experts_mode = "emulated"
-        recipe = _recipe(config.experts, profile)
+        recipe = _recipe(config.experts, numerics)
         decisions.append(
             f"experts={config.experts} {experts_mode} on {profile.name} "
             f"(forward {recipe.forward_format.dtype}, gradients {recipe.grad_format.dtype})"

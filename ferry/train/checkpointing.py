@@ -45,7 +45,7 @@ OPTIM = "optim."
 RNG = "rng."
 
 # Keys that say where and how a run is recorded, not what it computes: a resume may change them freely.
-_BOOKKEEPING = ("run.name", "run.dir", "run.overwrite", "resume", "checkpoint.")
+_BOOKKEEPING = ("run.name", "run.dir", "run.overwrite", "resume", "checkpoint.", "train.stop_at")
 
 
 def train_state_pieces(

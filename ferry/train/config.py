@@ -63,6 +63,12 @@ class TrainConfig(Section):
     global_batch: int = Field(16, ge=1, description="sequences per optimizer step, over all ranks")
     micro_batch: int = Field(8, ge=1, description="sequences per forward pass on one rank")
     log_every: int = Field(10, ge=1, description="console line interval (metrics.jsonl gets every step)")
+    stop_at: int | None = Field(
+        None,
+        ge=1,
+        description="stop after this step with a checkpoint, as a preempted run would; the schedule still spans "
+        "`steps`, and resume=latest continues the run",
+    )
 
     @field_validator("micro_batch")
     @classmethod

@@ -9,6 +9,7 @@ does not depend on world size or layout.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -111,26 +112,30 @@ class Trainer:
         )
         self.plan.attach_timer(self.metrics.timer)
         self.hub: MetricsHub | None = None
+        self.carried: dict[str, str] = {}
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     def fit(self, stop_at: int | None = None) -> TrainResult:
-        """Train to `train.steps`, or stop after step `stop_at` (checkpointed, to be resumed later).
+        """Train to `train.steps`, or stop after step `stop_at` (default `train.stop_at`; checkpointed,
+        to be resumed later).
 
         With `resume` set, the train state is restored first and the run's records
         continue from the checkpoint's step.
         """
         config = self.config
-        stop_at = config.train.steps if stop_at is None else min(stop_at, config.train.steps)
-        found, notes = self._resume()
+        stop_at = stop_at or config.train.stop_at or config.train.steps
+        stop_at = min(stop_at, config.train.steps)
+        found, notes, resume_times = self._resume()
         resumed_step = found.checkpoint.step if found and found.checkpoint else None
         run_dir = config.run.path
         record = None
         if self.is_main:
             prepare_run_dir(config, resume_step=resumed_step)
-            record = RunRecord(run_dir, {**self._describe(), "resumed_from": _resume_record(found)})
+            resumed_from = _resume_record(found, self.carried, resume_times)
+            record = RunRecord(run_dir, {**self._describe(), "resumed_from": resumed_from})
         self._barrier()
         writes = {"write": partial(save_on_all_ranks, plan=self.plan)} if self.context.is_distributed else {}
         checkpoints = CheckpointManager(
@@ -157,6 +162,8 @@ class Trainer:
             while self.cursor.step < stop_at:
                 trace.step_started(self.cursor.step + 1)
                 last = self.train_step()
+                if not losses and record is not None:
+                    record.update(first_step_at_unix=time.time())
                 losses.append(last["loss"])
                 self.hub.write(last)
                 trace.step_finished(last["step"])
@@ -221,13 +228,27 @@ class Trainer:
         with checkpoint:
             restore_model(checkpoint, self.model, self.plan)
             restore_optimizer(checkpoint, self.model, self.optimizer, self.plan)
-            notes += restore_rng(checkpoint, self.device, self.rank, self.world_size)
+            rng_notes = restore_rng(checkpoint, self.device, self.rank, self.world_size)
+        notes += rng_notes
         state = checkpoint.manifest.train_state
+        self.carried = {
+            "weights": "carried",
+            "optimizer": "carried (AdamW moments and step counts)",
+            "data_cursor": "carried",
+            "schedule": f"carried (continues at step {checkpoint.step} of {self.config.train.steps})",
+            "rng": "carried" if not rng_notes else "not carried: " + "; ".join(rng_notes),
+        }
         scaler = state.get("loss_scaler")
         if scaler and scaler["kind"] == self.scaler.kind:
             self.scaler.load_state_dict(scaler)
+            self.carried["loss_scaler"] = "carried" if self.scaler.enabled else "carried (none in use)"
         elif self.scaler.enabled:
-            notes.append(f"loss scaling restarts from precision.loss_scaling.init_scale ({self.scaler.scale:g})")
+            note = f"loss scaling restarts from precision.loss_scaling.init_scale ({self.scaler.scale:g})"
+            notes.append(note)
+            self.carried["loss_scaler"] = note
+        else:
+            saved = scaler["kind"] if scaler else "absent"
+            self.carried["loss_scaler"] = f"not in use here (the checkpoint's: {saved})"
         self.cursor = DataCursor.from_dict(state["data_cursor"])
         return notes
 
@@ -322,11 +343,16 @@ class Trainer:
         if self.context.is_distributed:
             dist.barrier()
 
-    def _resume(self) -> tuple[Found | None, list[str]]:
-        """Restore the checkpoint `resume` points to, if any; None when the run does not resume."""
+    def _resume(self) -> tuple[Found | None, list[str], dict[str, float]]:
+        """Restore the checkpoint `resume` points to, if any; None when the run does not resume.
+
+        Also returns the seconds spent verifying and restoring it: the part of a move's
+        switching lead time that the checkpoint itself costs.
+        """
         config = self.config
         if config.resume is None:
-            return None, []
+            return None, [], {}
+        started = time.perf_counter()
         prefetch = optimizer_prefetch(self.model, self.optimizer, self.plan)
         found = find_resume_point(
             config.resume,
@@ -335,7 +361,9 @@ class Trainer:
             self._share(),
             digests=(config.checkpoint.verify,),
         )
-        return found, self.restore(found.checkpoint) if found.checkpoint else []
+        verified = time.perf_counter()
+        notes = self.restore(found.checkpoint) if found.checkpoint else []
+        return found, notes, {"verify_s": verified - started, "restore_s": time.perf_counter() - verified}
 
     def _share(self) -> SharedVerification | None:
         """In a multi-rank job the ranks split the hashing of a checkpoint's files and agree on the verdict."""
@@ -397,14 +425,17 @@ def _profile(name: str, device: torch.device) -> HardwareProfile:
     return measured_cpu_profile() if profile.measure_peak and device.type == "cpu" else profile
 
 
-def _resume_record(found: Found | None) -> dict | None:
-    """What run.json says about where the run continued from, and which newer checkpoints were unusable."""
+def _resume_record(found: Found | None, carried: dict[str, str], times: dict[str, float]) -> dict | None:
+    """What run.json says about where the run continued from, which newer checkpoints were unusable,
+    which parts of the train state came over, and what verifying and restoring cost."""
     if found is None or found.checkpoint is None:
         return None
     return {
         "checkpoint": str(found.checkpoint.path),
         "step": found.checkpoint.step,
         "skipped": [{"checkpoint": str(path), "reason": reason} for path, reason in found.skipped],
+        "carried": carried,
+        **times,
     }
 
 

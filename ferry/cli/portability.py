@@ -1,0 +1,110 @@
+"""`ferry rehearse` (one machine, or `start` and `finish` on two) and `ferry report`.
+
+Exit codes: 0 the move passed, 1 it failed (or could not be carried out), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ferry.config import UserError
+
+_FORMS = """usage:
+  ferry rehearse CONFIG [KEY=VALUE ...] --from ENV --to ENV [--steps N] [--switch-at K] [--profile P] [--dir DIR]
+                 [--history DIR]                          the whole drill on this machine
+  ferry rehearse start CONFIG [KEY=VALUE ...] --from ENV --out BUNDLE [--steps N] [--switch-at K] [--dir DIR]
+                                                          the source half: train, write a bundle
+  ferry rehearse finish BUNDLE --to ENV [KEY=VALUE ...] [--profile P] [--dir DIR] [--history DIR]
+                                                          the target half, on another machine: resume, judge
+
+ENV is a file or the name of a file in configs/environments/ (cpu, cpu-ep2, cpu-bf16-portable, h100-numerics,
+mi300x-numerics, cuda). Exit code 0: PASS, 1: FAIL, 2: bad input (nothing recorded)."""
+
+
+def add_portability_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Register `rehearse` and `report` on the `ferry` command's sub-parsers."""
+    rehearse = subparsers.add_parser(
+        "rehearse", add_help=False, help="prove a move between environments: train, checkpoint, resume, judge",
+    )
+    rehearse.add_argument("argv", nargs=argparse.REMAINDER)
+    rehearse.set_defaults(handler=_rehearse)
+
+    report = subparsers.add_parser(
+        "report", help="the portability report (md, json, self-contained html, png) from the rehearsal history"
+    )
+    report.add_argument("--history", default="runs/portability", help="portability directory (default runs/portability)")
+    report.add_argument("--out", required=True, help="directory to write report.md, report.json, report.html into")
+    report.add_argument(
+        "--fresh-days", type=int, default=90, help="a passing rehearsal proves a path for this many days (default 90)"
+    )
+    report.set_defaults(handler=_report)
+
+
+def _rehearse(args: argparse.Namespace) -> int:
+    from ferry.portability.rehearse import RehearsalError, finish, rehearse, start
+
+    argv = list(args.argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_FORMS)
+        return 0 if argv else 2
+    form = argv[0] if argv[0] in ("start", "finish") else "rehearse"
+    parser = _parser(form)
+    options, extra = parser.parse_known_args(argv[1:] if form != "rehearse" else argv)
+    overrides = [*getattr(options, "overrides", []), *extra]
+    unknown = [item for item in overrides if "=" not in item]
+    if unknown:
+        raise UserError(f"ferry rehearse {form}: unrecognized arguments: {' '.join(unknown)}")
+    try:
+        if form == "start":
+            start(options.config, overrides, options.source, options.out, steps=options.steps,
+                  switch_at=options.switch_at, work_dir=options.dir)
+            return 0
+        if form == "finish":
+            result = finish(options.bundle, options.target, overrides, work_dir=options.dir, profile=options.profile,
+                            history_dir=options.history)
+        else:
+            result = rehearse(options.config, overrides, options.source, options.target, steps=options.steps,
+                              switch_at=options.switch_at, work_dir=options.dir, profile=options.profile,
+                              history_dir=options.history)
+    except RehearsalError as exc:
+        print(f"ferry: rehearse: {exc}", file=sys.stderr)
+        return 1
+    return result.exit_code
+
+
+def _parser(form: str) -> argparse.ArgumentParser:
+    prog = "ferry rehearse" if form == "rehearse" else f"ferry rehearse {form}"
+    parser = argparse.ArgumentParser(prog=prog, exit_on_error=True)
+    if form == "finish":
+        parser.add_argument("bundle", help="a bundle written by `ferry rehearse start`")
+    else:
+        parser.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    if form != "finish":
+        parser.add_argument("--from", dest="source", required=True, metavar="ENV", help="the source environment")
+        parser.add_argument("--steps", type=int, default=None, help="steps in all (default: the config's train.steps)")
+        parser.add_argument("--switch-at", type=int, default=None, help="the step the run moves at (default steps/2)")
+    if form != "start":
+        parser.add_argument("--to", dest="target", required=True, metavar="ENV", help="the target environment")
+        parser.add_argument(
+            "--profile", default=None,
+            help="tolerance profile (default: same-hardware when only layout, kernels or collectives differ, "
+            "else cross-accelerator)",
+        )
+        parser.add_argument("--history", default="runs/portability", help="where the verdict is appended")
+    if form == "start":
+        parser.add_argument("--out", required=True, help="the bundle directory to write")
+    parser.add_argument("--dir", default=None, help="working directory for the legs' runs (default under runs/)")
+    return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    from ferry.portability.report import write_report
+
+    if args.fresh_days < 1:
+        raise UserError(f"--fresh-days must be at least 1, got {args.fresh_days}")
+    result = write_report(args.history, args.out, fresh_days=args.fresh_days)
+    for line in result.lines:
+        print(line)
+    return 0

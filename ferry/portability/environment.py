@@ -1,0 +1,142 @@
+"""Environments as data: what changes when a run moves, in one small YAML file.
+
+An environment names a device, hardware profile, kernel policy, precision, collective
+backend and layout (local ranks, `parallel.*`, ZeRO) as dotted overrides laid over a
+run config, plus the number of local ranks to start:
+
+    name: cpu-ep2
+    nproc: 2
+    overrides:
+      parallel.ep: 2
+      optim.zero: true
+
+`--from` / `--to` take a file path or the name of a file in `configs/environments/`.
+An environment says everything it means: the shipped ones set every key that
+defines them, so that two environments differ exactly where a move changes something,
+whatever the run config they are laid over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field
+
+import ferry
+from ferry.config import ConfigError, Section, UserError, apply_override_mapping
+from ferry.config.loader import validate
+from ferry.train.config import RunConfig
+
+ENVIRONMENTS_DIR = Path("configs") / "environments"
+
+# Keys whose change leaves the numbers a run computes the same up to summation order: the
+# layout, the kernels and the collectives. A move that changes only these is judged under
+# `same-hardware`; any other change (device, hardware profile, precision) under `cross-accelerator`.
+LAYOUT_KEYS = ("parallel.", "optim.zero", "kernels.", "comm.", "checkpoint.")
+
+
+class Environment(Section):
+    """One place a run can live: local ranks and the config keys that differ there."""
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    nproc: int = Field(1, ge=1, description="local ranks to start (as torchrun --nproc-per-node)")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="dotted config keys and their values")
+    path: str = Field("", description="the file it was read from (not written in the file)")
+
+    def run_config(self, base: dict[str, Any], *overrides: dict[str, Any]) -> RunConfig:
+        """`base` (a resolved run config as plain data) with this environment and then `overrides` laid over it.
+
+        A key the run config does not have, or a value it does not accept, is a `ConfigError`
+        naming this environment's file.
+        """
+        try:
+            raw = apply_override_mapping(base, self.overrides, self.label)
+            for extra in overrides:
+                raw = apply_override_mapping(raw, extra, "the rehearsal")
+            return validate(RunConfig, raw)
+        except ConfigError as exc:
+            raise ConfigError(f"environment {self.label}: {exc}") from None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.path})" if self.path else self.name
+
+    def as_record(self) -> dict[str, Any]:
+        """What the rehearsal history keeps of it: the definition and its digest."""
+        return {"name": self.name, "description": self.description, "nproc": self.nproc,
+                "overrides": self.overrides, "path": self.path, "digest": self.digest}
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the definition (name, ranks, overrides): two rehearsals of one path used the same one."""
+        canonical = json.dumps([self.name, self.nproc, self.overrides], sort_keys=True, default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def environment_dirs() -> list[Path]:
+    """Where environment names are looked up: `configs/environments/` here, then in ferry's own checkout."""
+    checkout = Path(ferry.__file__).resolve().parent.parent / ENVIRONMENTS_DIR
+    return [ENVIRONMENTS_DIR, checkout]
+
+
+def known_environments() -> dict[str, Path]:
+    """Every environment file by name; a name here shadows the same name in ferry's checkout."""
+    found: dict[str, Path] = {}
+    for folder in reversed(environment_dirs()):
+        for path in sorted(folder.glob("*.yaml")) if folder.is_dir() else ():
+            found[path.stem] = path
+    return found
+
+
+def load_environment(spec: str) -> Environment:
+    """An environment from a file path or the name of a file in `configs/environments/`."""
+    path = Path(spec)
+    if not path.is_file():
+        known = known_environments()
+        if spec not in known:
+            names = ", ".join(sorted(known)) or "none"
+            raise UserError(f"environment {spec!r} is neither a file nor a known environment (known: {names})")
+        path = known[spec]
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"environment file {str(path)!r} cannot be read: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"environment file {str(path)!r} must hold a mapping (name, nproc, overrides)")
+    if "path" in raw:
+        raise UserError(f"environment file {str(path)!r}: unknown key 'path' (known: name, description, nproc, overrides)")
+    try:
+        return validate(Environment, {"name": path.stem, **raw, "path": str(path)})
+    except ConfigError as exc:
+        raise ConfigError(f"environment file {str(path)!r}: {exc}") from None
+
+
+def judging_profile(source: RunConfig, source_nproc: int, target: RunConfig, target_nproc: int) -> tuple[str, str]:
+    """The tolerance profile a move is judged under, chosen before it runs, and why.
+
+    Only the layout, kernels or collectives changed: the numbers differ by summation order,
+    `same-hardware`. Anything else (device, hardware profile, precision): `cross-accelerator`.
+    """
+    differing = sorted(_differing_keys(source.model_dump(mode="json"), target.model_dump(mode="json")))
+    differing = [key for key in differing if not key.startswith(("run.", "resume", "train.stop_at"))]
+    other = [key for key in differing if not key.startswith(LAYOUT_KEYS)]
+    if other:
+        return "cross-accelerator", f"the environments differ in {', '.join(other[:6])}"
+    changed = differing + (["nproc"] if source_nproc != target_nproc else [])
+    if not changed:
+        return "same-hardware", "the environments do not differ"
+    return "same-hardware", f"only layout, kernels or collectives differ ({', '.join(changed[:6])})"
+
+
+def _differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = []
+        for key in set(a) | set(b):
+            keys += _differing_keys(a.get(key), b.get(key), f"{prefix}{key}.")
+        return keys
+    return [] if a == b else [prefix.rstrip(".")]

@@ -1,0 +1,408 @@
+"""`ferry rehearse`: prove that a run moves from one environment to another and keeps training the same.
+
+The drill, on one machine or split over two (`start` on the source, `finish` on the target):
+
+  source      train from scratch to `steps`, checkpointing at `switch_at` in the source's own
+              sharding; its uninterrupted trajectory is the reference
+  bundle      the switch checkpoint, the reference trajectory, the resolved config, the source
+              environment and the digests of all of it
+  target      resume the switch checkpoint (weights, optimizer moments, schedule, loss scaler,
+              RNG, data cursor) and continue to `steps`; then train from scratch to `switch_at`
+  judge       the resumed target against the reference after the switch, and the target from
+              scratch against the reference before it (same seed, same data), both under one
+              tolerance profile chosen before anything runs
+
+The verdict is PASS only when both comparisons pass; it is appended to the rehearsal
+history with the switching lead time, whatever it says.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ferry.config import UserError, apply_overrides
+from ferry.kernels.ledger import load_ledger
+from ferry.platform.fingerprint import code_version
+from ferry.portability.bundle import Bundle, check_compatible, config_digest, read_bundle, write_bundle
+from ferry.portability.compare import Verdict, compare_runs
+from ferry.portability.environment import Environment, judging_profile, load_environment
+from ferry.portability.history import HISTORY_DIR, REHEARSALS, append_record
+from ferry.portability.legs import LegResult, run_leg
+from ferry.portability.tolerances import tolerance_profile
+from ferry.train.config import load_run_config
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class Rehearsal:
+    """The outcome of one rehearsal: what `ferry rehearse` prints and the history keeps."""
+
+    passed: bool
+    record: dict[str, Any]
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+
+def rehearse(
+    config_path: str | Path,
+    overrides: list[str],
+    source_spec: str,
+    target_spec: str,
+    *,
+    steps: int | None = None,
+    switch_at: int | None = None,
+    work_dir: str | Path | None = None,
+    profile: str | None = None,
+    history_dir: str | Path = HISTORY_DIR,
+    say: Say = print,
+) -> Rehearsal:
+    """The whole drill on this machine: `start` into `work_dir/bundle`, then `finish` from it."""
+    source, target = load_environment(source_spec), load_environment(target_spec)
+    base, steps, switch_at = _base_config(config_path, overrides, steps, switch_at)
+    work = _work_dir(work_dir, base, source, target)
+    for leg in _leg_overrides(work, steps, switch_at, resume="checkpoint").values():
+        target.run_config(base, leg)  # the target's configs are checked before the source trains
+    if profile is not None:
+        tolerance_profile(profile)
+    bundle = _start(base, source, steps, switch_at, work, work / "bundle", say)
+    started = time.time()
+    return _finish(read_bundle(bundle.path), target, [], work, profile, history_dir, say, started)
+
+
+def start(
+    config_path: str | Path,
+    overrides: list[str],
+    source_spec: str,
+    out: str | Path,
+    *,
+    steps: int | None = None,
+    switch_at: int | None = None,
+    work_dir: str | Path | None = None,
+    say: Say = print,
+) -> Bundle:
+    """The source half: train on the source, write the bundle to `out` for the target half to finish."""
+    source = load_environment(source_spec)
+    base, steps, switch_at = _base_config(config_path, overrides, steps, switch_at)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"bundle directory {str(out)!r} is not empty; choose another --out")
+    work = Path(work_dir) if work_dir is not None else out.with_name(f"{out.name}-source")
+    _check_empty(work)
+    return _start(base, source, steps, switch_at, work, out, say)
+
+
+def finish(
+    bundle_path: str | Path,
+    target_spec: str,
+    overrides: list[str] = (),
+    *,
+    work_dir: str | Path | None = None,
+    profile: str | None = None,
+    history_dir: str | Path = HISTORY_DIR,
+    say: Say = print,
+) -> Rehearsal:
+    """The target half: check the bundle, resume it on the target, train the target from scratch, judge."""
+    started = time.time()
+    bundle = read_bundle(bundle_path)
+    target = load_environment(target_spec)
+    if profile is not None:
+        tolerance_profile(profile)
+    work = Path(work_dir) if work_dir is not None else Path(f"{Path(bundle_path)}-{target.name}")
+    _check_empty(work)
+    return _finish(bundle, target, list(overrides), work, profile, history_dir, say, started)
+
+
+def _base_config(
+    config_path: str | Path, overrides: list[str], steps: int | None, switch_at: int | None
+) -> tuple[dict, int, int]:
+    config = load_run_config(config_path, list(overrides))
+    steps = config.train.steps if steps is None else steps
+    switch_at = steps // 2 if switch_at is None else switch_at
+    if steps < 2:
+        raise UserError(f"--steps must be at least 2 (a step before the switch and one after), got {steps}")
+    if not 1 <= switch_at < steps:
+        raise UserError(f"--switch-at must lie in [1, {steps - 1}] for --steps {steps}, got {switch_at}")
+    return config.model_dump(mode="json"), steps, switch_at
+
+
+def _work_dir(work_dir: str | Path | None, base: dict, source: Environment, target: Environment) -> Path:
+    if work_dir is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        work_dir = Path("runs") / "rehearsals" / f"{base['run']['name']}-{source.name}-to-{target.name}-{stamp}"
+    work = Path(work_dir)
+    _check_empty(work)
+    return work
+
+
+def _check_empty(work: Path) -> None:
+    if work.exists() and any(work.iterdir()):
+        raise UserError(f"rehearsal directory {str(work)!r} is not empty; choose another --dir")
+
+
+def _leg_overrides(work: Path, steps: int, switch_at: int, resume: str) -> dict[str, dict]:
+    """What each leg sets over the environment: where it writes, how far it trains, what it saves."""
+    common = {"run.overwrite": True, "train.steps": steps, "checkpoint.dir": None}
+    return {
+        "source": {
+            **common,
+            "run.dir": str(work / "source"),
+            "resume": None,
+            "train.stop_at": None,
+            "checkpoint.interval": switch_at,
+            "checkpoint.keep": steps // switch_at + 1,
+        },
+        "target-resumed": {
+            **common,
+            "run.dir": str(work / "target-resumed"),
+            "resume": resume,
+            "train.stop_at": None,
+            "checkpoint.interval": 0,
+        },
+        "target-scratch": {
+            **common,
+            "run.dir": str(work / "target-scratch"),
+            "resume": None,
+            "train.stop_at": switch_at,
+            "checkpoint.interval": 0,
+        },
+    }
+
+
+def _start(
+    base: dict, source: Environment, steps: int, switch_at: int, work: Path, out: Path, say: Say
+) -> Bundle:
+    config = source.run_config(base, _leg_overrides(work, steps, switch_at, resume="")["source"])
+    say(
+        f"ferry: rehearse: source {source.name}: {steps} steps from scratch, switch checkpoint at step {switch_at}"
+    )
+    leg = run_leg("source", source, config, work, say)
+    if not leg.ok:
+        raise RehearsalError(f"the source run on {source.label} failed, so there is nothing to move:\n    {leg.failure()}")
+    checkpoint = config.checkpoint.path(config.run.path) / f"step-{switch_at:08d}"
+    if not checkpoint.is_dir():
+        raise RehearsalError(f"the source run finished without its switch checkpoint {checkpoint}")
+    bundle = write_bundle(
+        out,
+        config_name=base["run"]["name"],
+        base_config=base,
+        source=source,
+        steps=steps,
+        switch_at=switch_at,
+        source_leg=leg,
+        checkpoint=checkpoint,
+    )
+    say(f"ferry: rehearse: bundle written to {bundle.path} (switch checkpoint step {switch_at}, reference trajectory)")
+    return bundle
+
+
+def _finish(
+    bundle: Bundle,
+    target: Environment,
+    overrides: list[str],
+    work: Path,
+    profile: str | None,
+    history_dir: str | Path,
+    say: Say,
+    started: float | None = None,
+) -> Rehearsal:
+    started = time.time() if started is None else started
+    source = bundle.source()
+    base = apply_overrides(bundle.base_config, overrides)
+    legs = _leg_overrides(work, bundle.steps, bundle.switch_at, resume=str(bundle.checkpoint.resolve()))
+    resumed_config = target.run_config(base, legs["target-resumed"])
+    scratch_config = target.run_config(base, legs["target-scratch"])
+    check_compatible(bundle, resumed_config)
+    chosen, reason = judging_profile(source.run_config(bundle.base_config), source.nproc, target.run_config(base),
+                                     target.nproc)
+    if profile is not None:
+        chosen, reason = profile, "given with --profile"
+    checked = time.time()
+    say(f"ferry: rehearse: {source.name} -> {target.name}, judged under {chosen} ({reason})")
+
+    resumed = run_leg("target-resumed", target, resumed_config, work, say)
+    comparisons: dict[str, Verdict | str] = {}
+    comparisons["resumed"] = _judge(bundle, resumed, chosen, bundle.steps, work / "compare-resumed")
+    judged = time.time()
+    scratch = run_leg("target-scratch", target, scratch_config, work, say)
+    comparisons["scratch"] = _judge(bundle, scratch, chosen, bundle.switch_at, work / "compare-scratch")
+
+    passed = all(isinstance(verdict, Verdict) and verdict.passed for verdict in comparisons.values())
+    reference = bundle.reference_record()
+    resumed_from = resumed.record.get("resumed_from") or {}
+    source_tps = bundle.content.get("source_leg", {}).get("tokens_per_s")
+    target_tps = resumed.median_tokens_per_s()
+    record = {
+        "kind": "rehearsal",
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "path": f"{source.name} -> {target.name}",
+        "source": bundle.content["source"]["definition"] | {"digest": source.digest},
+        "target": target.as_record(),
+        "config": {"name": bundle.content["config"]["name"], "digest": config_digest(base)},
+        "steps": bundle.steps,
+        "switch_at": bundle.switch_at,
+        "profile": chosen,
+        "profile_reason": reason,
+        "tolerance": tolerance_profile(chosen).model_dump(),
+        "verdict": "PASS" if passed else "FAIL",
+        "passed": passed,
+        "comparisons": {name: _comparison_record(verdict) for name, verdict in comparisons.items()},
+        "worst": _worst(comparisons),
+        "carried": resumed_from.get("carried", {}),
+        "lead_time": {
+            "bundle_check_s": checked - started,
+            "verify_s": resumed_from.get("verify_s"),
+            "restore_s": resumed_from.get("restore_s"),
+            "first_step_s": None if resumed.record.get("first_step_at_unix") is None
+            else resumed.record["first_step_at_unix"] - started,
+            "judged_s": judged - started,
+        },
+        "throughput": {
+            "source_tokens_per_s": source_tps,
+            "target_tokens_per_s": target_tps,
+            "target_over_source": target_tps / source_tps if source_tps and target_tps else None,
+        },
+        "portable_on_target": portable_on_target(reference.get("kernels", {}).get("ops", {}), resumed.kernels()),
+        "fingerprints": {"source": reference.get("environment"), "target": resumed.record.get("environment")},
+        "ferry": {"source": bundle.content.get("ferry"), "target": code_version()},
+        "bundle": str(bundle.path),
+        "dir": str(work),
+    }
+    history = append_record(history_dir, REHEARSALS, record)
+    (work / "verdict.json").write_text(_json(record), encoding="utf-8")
+    lines = summary_lines(record) + [f"  recorded in {history}; details in {work / 'verdict.json'}"]
+    for line in lines:
+        say(line)
+    return Rehearsal(passed, record, lines)
+
+
+class RehearsalError(Exception):
+    """The drill could not be carried out (a source that fails): no verdict, nothing recorded; exit code 1."""
+
+
+def _judge(bundle: Bundle, leg: LegResult, profile: str, steps: int, output: Path) -> Verdict | str:
+    """The leg's trajectory against the reference, or why there is none to judge."""
+    if not leg.ok:
+        return f"the {leg.name} run failed (exit code {leg.returncode}): {leg.failure()}"
+    return compare_runs(bundle.reference, leg.run_dir, profile=profile, steps=steps, output_dir=output)
+
+
+def _comparison_record(verdict: Verdict | str) -> dict:
+    if isinstance(verdict, str):
+        return {"passed": False, "failure": verdict}
+    fields = ("passed", "steps_compared", "first_step", "last_step", "max_abs_diff", "max_rel_diff", "worst_step",
+              "first_failing_step", "plot", "verdict_file")
+    return {name: getattr(verdict, name) for name in fields}
+
+
+def _worst(comparisons: dict[str, Verdict | str]) -> dict:
+    """The comparison that came closest to (or went furthest past) its bound, by relative deviation."""
+    failed = {name: verdict for name, verdict in comparisons.items() if isinstance(verdict, str)}
+    if failed:
+        name, reason = next(iter(failed.items()))
+        return {"comparison": name, "failure": reason}
+    name, verdict = max(
+        comparisons.items(),
+        key=lambda item: float("inf") if item[1].max_rel_diff is None else item[1].max_rel_diff,
+    )
+    return {"comparison": name, "max_abs_diff": verdict.max_abs_diff, "max_rel_diff": verdict.max_rel_diff,
+            "step": verdict.worst_step}
+
+
+def portable_on_target(source_ops: dict, target_ops: dict) -> list[dict]:
+    """Ops that run their portable implementation on the target where a vendor one ran on the source,
+    or where a vendor implementation available on the target is held back because its ledger entry is
+    unmeasured or expired; with the gain the ledger measured for the vendor implementation, where it has one.
+
+    A vendor implementation that was measured and not approved is not listed: the ledger found the
+    portable path good enough there."""
+    ledger = load_ledger()
+    today = datetime.date.today()
+    entries = {(entry.op, f"{entry.implementation}@{entry.platform}"): entry for entry in ledger.entries}
+    rows = []
+    for op, choice in target_ops.items():
+        if choice["implementation"] != "portable":
+            continue
+        on_source = source_ops.get(op, {}).get("implementation", "portable")
+        if on_source != "portable":
+            entry = entries.get((op, on_source))
+            rows.append({
+                "op": op,
+                "why": f"ran {on_source} on the source; here: {choice['reason']}",
+                "vendor_implementation": on_source,
+                "ledger_measured_gain": entry.measured_gain if entry else None,
+            })
+            continue
+        for (name, key), entry in entries.items():
+            status = entry.debt_status(today)
+            if name == op and status in ("unmeasured", "expired") and f"{key}: ledger entry" in choice["reason"]:
+                rows.append({
+                    "op": op,
+                    "why": f"{key} is available here, but its ledger entry is {status}",
+                    "vendor_implementation": key,
+                    "ledger_measured_gain": entry.measured_gain,
+                })
+                break
+    return rows
+
+
+def summary_lines(record: dict) -> list[str]:
+    """The verdict as the console shows it."""
+    lines = [
+        f"ferry: rehearsal {record['path']} of {record['config']['name']}: {record['verdict']} under "
+        f"{record['profile']} ({record['profile_reason']})"
+    ]
+    titles = {"resumed": f"resumed at step {record['switch_at']} on the target",
+              "scratch": "from scratch on the target"}
+    for name, comparison in record["comparisons"].items():
+        if "failure" in comparison:
+            lines.append(f"  {titles[name]}: FAIL, {comparison['failure']}")
+            continue
+        outcome = "pass" if comparison["passed"] else f"FAIL from step {comparison['first_failing_step']}"
+        deviation = ("a non-finite loss" if comparison["max_abs_diff"] is None else
+                     f"max |diff| {comparison['max_abs_diff']:.3g} (relative {comparison['max_rel_diff']:.3g})")
+        lines.append(
+            f"  {titles[name]}: {outcome}, steps {comparison['first_step']}..{comparison['last_step']}, "
+            f"{deviation} at step {comparison['worst_step']}"
+        )
+    carried = record["carried"]
+    if carried:
+        lines.append("  carried over: " + "; ".join(f"{part}: {state}" for part, state in carried.items()))
+    lead = record["lead_time"]
+    lines.append(
+        "  lead time: bundle check " + _seconds(lead["bundle_check_s"]) + ", checkpoint verify "
+        + _seconds(lead["verify_s"]) + " + restore " + _seconds(lead["restore_s"]) + ", first target step "
+        + _seconds(lead["first_step_s"]) + " and resumed run judged " + _seconds(lead["judged_s"])
+        + " after the target half began"
+    )
+    throughput = record["throughput"]
+    ratio = throughput["target_over_source"]
+    lines.append(
+        f"  throughput: source {_rate(throughput['source_tokens_per_s'])}, target "
+        f"{_rate(throughput['target_tokens_per_s'])}" + (f" ({ratio:.2f}x)" if ratio else "")
+    )
+    portable = record["portable_on_target"]
+    lines.append("  portable on the target: " + ("; ".join(
+        f"{row['op']} ({row['why']})" for row in portable) if portable else "no op lost a vendor kernel"))
+    return lines
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} s"
+
+
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f} tok/s"
+
+
+def _json(record: dict) -> str:
+    return json.dumps(record, indent=1, default=str) + "\n"

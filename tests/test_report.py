@@ -1,0 +1,165 @@
+"""`ferry report`: which paths are proven, the lead-time, debt and overhead sections, and a page that opens offline."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from html.parser import HTMLParser
+
+import pytest
+
+from ferry.cli.main import main
+from ferry.portability.environment import load_environment
+from ferry.portability.history import KERNEL_BENCH, REHEARSALS, append_record
+from ferry.portability.report import write_report
+
+TODAY = datetime.date(2026, 12, 1)
+
+
+def rehearsal(source, target, passed=True, days_ago=1, source_digest=None, target_digest=None, rel=1e-4):
+    date = datetime.datetime(2026, 12, 1, 12, tzinfo=datetime.timezone.utc) - datetime.timedelta(days=days_ago)
+    comparison = {"passed": passed, "steps_compared": 10, "first_step": 11, "last_step": 20, "max_abs_diff": rel * 5,
+                  "max_rel_diff": rel, "worst_step": 14, "first_failing_step": None if passed else 15}
+    return {
+        "kind": "rehearsal",
+        "date": date.isoformat(),
+        "path": f"{source} -> {target}",
+        "source": {"name": source, "digest": source_digest or _digest(source)},
+        "target": {"name": target, "digest": target_digest or _digest(target)},
+        "config": {"name": "tiny", "digest": "c0ffee"},
+        "steps": 20,
+        "switch_at": 10,
+        "profile": "cross-accelerator",
+        "tolerance": {"rtol": 1e-2},
+        "verdict": "PASS" if passed else "FAIL",
+        "passed": passed,
+        "comparisons": {"resumed": comparison, "scratch": {**comparison, "passed": True}},
+        "worst": {"comparison": "resumed", "max_abs_diff": rel * 5, "max_rel_diff": rel, "step": 14},
+        "carried": {"weights": "carried"},
+        "lead_time": {"bundle_check_s": 0.1, "verify_s": 0.2, "restore_s": 0.3, "first_step_s": 2.5, "judged_s": 6.0},
+        "throughput": {"source_tokens_per_s": 1000.0, "target_tokens_per_s": 800.0, "target_over_source": 0.8},
+        "portable_on_target": [],
+    }
+
+
+def _digest(name):
+    try:
+        return load_environment(name).digest
+    except Exception:
+        return "unknown"
+
+
+BENCH = {
+    "kind": "kernel-bench",
+    "date": "2026-11-30T10:00:00+00:00",
+    "dtype": "float32",
+    "device": "cpu (torch.float32)",
+    "budget": 0.1,
+    "ops": [
+        {"op": "moe.routed_experts", "portable_seconds": 0.7, "fastest_vendor": "fused_loop@cpu",
+         "portable_loss": 0.38, "verdict": "portable loses 38.0% against fused_loop@cpu: over the 10% budget",
+         "timings": []},
+        {"op": "norm.rms", "portable_seconds": 0.07, "fastest_vendor": None, "portable_loss": None,
+         "verdict": "no vendor implementation available here", "timings": []},
+    ],
+}
+
+
+@pytest.fixture
+def history(tmp_path):
+    folder = tmp_path / "portability"
+    for record in (
+        rehearsal("cpu", "cpu-bf16-portable", passed=False, days_ago=3),
+        rehearsal("cpu", "cpu-bf16-portable", passed=True, days_ago=1),  # the latest counts
+        rehearsal("cpu-ep2", "cpu", passed=True, days_ago=2),
+        rehearsal("cpu", "h100-numerics", passed=True, days_ago=2),
+        rehearsal("h100-numerics", "mi300x-numerics", passed=True, days_ago=120),  # stale
+        rehearsal("cpu", "cuda", passed=True, days_ago=5),
+        rehearsal("cpu", "cuda", passed=False, days_ago=1, rel=0.05),  # the latest failed
+        rehearsal("cpu", "cpu-ep2", passed=True, days_ago=1, target_digest="an older definition"),
+    ):
+        append_record(folder, REHEARSALS, record)
+    append_record(folder, KERNEL_BENCH, BENCH)
+    return folder
+
+
+def test_proven_means_latest_passed_fresh_and_unchanged(history, tmp_path):
+    write_report(history, tmp_path / "out", today=TODAY)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    status = {(row["source"], row["target"]): row for row in report["alternatives"]}
+    proven = {path for path, row in status.items() if row["status"] == "proven"}
+    assert proven == {("cpu", "cpu-bf16-portable"), ("cpu-ep2", "cpu"), ("cpu", "h100-numerics")}
+    assert "freshness window" in status[("h100-numerics", "mi300x-numerics")]["reasons"][0]
+    assert "failed" in status[("cpu", "cuda")]["reasons"][0]
+    assert "changed since" in status[("cpu", "cpu-ep2")]["reasons"][0]
+    assert status[("cpu", "cuda")]["last_rehearsed"].startswith("2026-11-30")
+    assert status[("cpu-ep2", "cpu")]["evidence"] == f"{REHEARSALS} line 3"
+    assert all(set(row) >= {"source", "target", "status", "last_rehearsed"} for row in report["alternatives"])
+
+
+def test_a_shorter_freshness_window_takes_proof_away(history, tmp_path):
+    write_report(history, tmp_path / "out", fresh_days=1, today=TODAY)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    proven = {(row["source"], row["target"]) for row in report["alternatives"] if row["status"] == "proven"}
+    assert proven == {("cpu", "cpu-bf16-portable")}
+
+
+def test_an_environment_never_rehearsed_as_a_target_is_not_an_alternative(tmp_path):
+    write_report(tmp_path / "empty", tmp_path / "out", today=TODAY)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    never = {row["target"] for row in report["alternatives"] if row["reasons"] == ["never rehearsed as a target"]}
+    assert {"cpu", "cuda", "mi300x-numerics"} <= never
+    assert all(row["status"] == "not proven" for row in report["alternatives"])
+    assert "No rehearsal recorded yet" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_sections_carry_lead_time_debt_rewrite_cost_and_overhead_with_their_sources(history, tmp_path):
+    write_report(history, tmp_path / "out", today=TODAY)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    lead = {row["path"]: row for row in report["lead_time"]}
+    assert lead["cpu -> cuda"]["judged_s"] == 6.0 and lead["cpu -> cuda"]["checkpoint_s"] == pytest.approx(0.5)
+    assert lead["cpu -> cuda"]["startup_s"] == pytest.approx(2.5 - 0.1 - 0.5)
+    statuses = {entry["implementation"]: entry["status"] for entry in report["debt"]["entries"]}
+    assert statuses["fused_loop@cpu"] == "approved" and statuses["grouped_gemm@cuda"] == "unmeasured"
+    assert statuses["padded_bmm@cpu"] == "not approved"
+    assert {row["platform"] for row in report["rewrite_cost"]} >= {"cpu", "cuda", "rocm"}
+    assert report["overhead"][0]["evidence"] == f"{KERNEL_BENCH} line 1"
+    assert len(report["history"]) == 8
+    text = (tmp_path / "out" / "report.md").read_text()
+    for heading in ("Proven alternatives", "Switching lead time", "Vendor-code debt", "Portability overhead per op",
+                    "Rehearsal history"):
+        assert f"## {heading}" in text
+    assert "| cpu (torch.float32) | moe.routed_experts | 700.00 | fused_loop@cpu | 38.0% |" in text
+    assert "the portable path loses nothing, for: norm.rms" in text
+
+
+class _Sources(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.sources: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.sources += [value for name, value in attrs if name in ("src", "href") and value]
+
+
+def test_the_html_is_self_contained_with_its_charts_embedded(history, tmp_path):
+    result = write_report(history, tmp_path / "out", today=TODAY)
+    page = (tmp_path / "out" / "report.html").read_text()
+    parser = _Sources()
+    parser.feed(page)
+    assert len(parser.sources) == 3 and all(src.startswith("data:image/png;base64,") for src in parser.sources)
+    assert not re.search(r"https?://", page)
+    charts = [path for path in result.written if path.suffix == ".png"]
+    assert sorted(path.name for path in charts) == ["history.png", "lead_time.png", "overhead.png"]
+    assert all(path.read_bytes()[:4] == b"\x89PNG" for path in charts)
+
+
+def test_the_cli_writes_the_report_and_a_damaged_history_exits_2(history, tmp_path, capsys):
+    assert main(["report", "--history", str(history), "--out", str(tmp_path / "out")]) == 0
+    assert "proven alternative(s)" in capsys.readouterr().out
+    lines = (history / REHEARSALS).read_text().splitlines()
+    lines[2] = lines[2][:40]
+    (history / REHEARSALS).write_text("\n".join(lines) + "\n")
+    assert main(["report", "--history", str(history), "--out", str(tmp_path / "again")]) == 2
+    assert "line 3 is not JSON" in capsys.readouterr().err

@@ -2,8 +2,9 @@
 # The checks the CPU suite cannot make, in one run on a machine with a CUDA or ROCm GPU:
 #   1. the accelerator tests (vendor kernels against the portable ones, CUDA timers),
 #   2. `ferry kernels bench` in bfloat16 (the ledger's missing measured gains),
-#   3. a run trained on the GPU, resumed on the CPU from its checkpoint, compared with the
-#      same run continued on the GPU under the cross-accelerator tolerances,
+#   3. the rehearsal of a GPU-to-CPU move (`ferry rehearse start` on the GPU, `finish` on the CPU):
+#      trained on the GPU, resumed on the CPU from its checkpoint and trained there from scratch,
+#      judged against the GPU run; the verdict goes to $out/portability with its lead time,
 #   4. whole training steps with the vendor kernels against the portable path (bfloat16 and FP8),
 #   5. checkpoint save and load throughput on the machine's disk.
 # Usage: bash benchmarks/device_check.sh   (writes under $OUT, default runs/device-check)
@@ -29,16 +30,17 @@ PY
 status=0
 "$python" -m pytest -q -rs tests/test_kernels_agreement.py tests/test_kernels_low_precision.py \
     tests/test_metrics_step.py 2>&1 | tee "$out/accelerator_tests.txt" || status=1
-ferry kernels bench --device cuda --dtype bfloat16 2>&1 | tee "$out/kernels_bench.txt" || status=1
+ferry kernels bench --device cuda --dtype bfloat16 --history "$out/portability" 2>&1 | tee "$out/kernels_bench.txt" \
+    || status=1
 
 data="$out/data"
 ferry data prepare --embedded stdlib --output "$data" --max-bytes 2000000 || exit 1
-common=(configs/tiny.yaml "data.sources.0.path=$data" train.steps=60 train.log_every=10 run.overwrite=true)
-ferry train "${common[@]}" run.device=cuda checkpoint.interval=30 "run.dir=$out/gpu" || exit 1
-ferry train "${common[@]}" run.device=cpu "resume=$out/gpu/checkpoints/step-00000030" \
-    "run.dir=$out/gpu-then-cpu" || exit 1
-ferry compare "$out/gpu" "$out/gpu-then-cpu" --profile cross-accelerator 2>&1 | tee "$out/resume_compare.txt" \
-    || status=1
+rm -rf "$out/bundle" "$out/bundle-source" "$out/finish-cpu"
+ferry rehearse start configs/tiny.yaml "data.sources.0.path=$data" --from cuda --out "$out/bundle" \
+    --steps 60 --switch-at 30 || exit 1
+ferry rehearse finish "$out/bundle" --to cpu --dir "$out/finish-cpu" --history "$out/portability" 2>&1 \
+    | tee "$out/rehearsal.txt" || status=1
+ferry report --history "$out/portability" --out "$out/report" || status=1
 "$python" benchmarks/accelerator_training.py --data "$data" 2>&1 | tee "$out/accelerator_training.txt" || status=1
 "$python" benchmarks/checkpoint_io.py --dir "$out" 2>&1 | tee "$out/checkpoint_io.txt" || status=1
 exit $status

@@ -36,7 +36,7 @@ ENVIRONMENTS_DIR = Path("configs") / "environments"
 # Keys whose change leaves the numbers a run computes the same up to summation order: the
 # layout, the kernels and the collectives. A move that changes only these is judged under
 # `same-hardware`; any other change (device, hardware profile, precision) under `cross-accelerator`.
-LAYOUT_KEYS = ("parallel.", "optim.zero", "kernels.", "comm.", "checkpoint.")
+LAYOUT_KEYS = ("parallel.", "optim.zero", "train.micro_batch", "kernels.", "comm.", "checkpoint.")
 
 
 class Environment(Section):

@@ -162,4 +162,4 @@ def test_the_cli_writes_the_report_and_a_damaged_history_exits_2(history, tmp_pa
     lines[2] = lines[2][:40]
     (history / REHEARSALS).write_text("\n".join(lines) + "\n")
     assert main(["report", "--history", str(history), "--out", str(tmp_path / "again")]) == 2
-    assert "line 3 is not JSON" in capsys.readouterr().err
+    assert "rehearsals.jsonl: line 3 is not JSON" in capsys.readouterr().err

@@ -39,6 +39,22 @@ def read_metrics(run: str | Path) -> list[dict]:
     path = metrics_path(run)
     if not path.is_file():
         raise UserError(f"{str(run)!r} is neither a run directory holding {METRICS_FILE} nor such a file")
+    records = []
+    for number, record in read_json_lines(path):
+        if not isinstance(record.get("step"), int):
+            raise UserError(f"{path}: line {number} is not a step record (no integer 'step')")
+        records.append(record)
+    if not records:
+        raise UserError(f"{path} holds no step records")
+    return records
+
+
+def read_json_lines(path: Path) -> list[tuple[int, dict]]:
+    """Every JSON object of an append-only JSON-lines file, with its line number.
+
+    A last line cut short by a crash is ignored, as the writer would; a damaged line
+    anywhere else, or one that is not an object, is refused, naming it.
+    """
     lines = path.read_text(encoding="utf-8").splitlines()
     records = []
     for number, line in enumerate(lines, start=1):
@@ -48,9 +64,7 @@ def read_metrics(run: str | Path) -> list[dict]:
             if number == len(lines):
                 break
             raise UserError(f"{path}: line {number} is not JSON") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise UserError(f"{path}: line {number} is not a step record (no integer 'step')")
-        records.append(record)
-    if not records:
-        raise UserError(f"{path} holds no step records")
+        if not isinstance(record, dict):
+            raise UserError(f"{path}: line {number} is not a JSON object")
+        records.append((number, record))
     return records

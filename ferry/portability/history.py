@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from ferry.config import UserError
+from ferry.metrics.jsonl import read_json_lines
 
 HISTORY_DIR = Path("runs") / "portability"
 REHEARSALS = "rehearsals.jsonl"
@@ -38,18 +38,4 @@ def read_records(history_dir: str | Path, name: str) -> list[tuple[int, dict]]:
     A last line cut short by a crash is ignored; a damaged line elsewhere is refused, naming it.
     """
     path = Path(history_dir) / name
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    records = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if number == len(lines):
-                break
-            raise UserError(f"{path}: line {number} is not JSON; the history was edited by hand") from None
-        if not isinstance(record, dict):
-            raise UserError(f"{path}: line {number} is not a record")
-        records.append((number, record))
-    return records
+    return read_json_lines(path) if path.exists() else []

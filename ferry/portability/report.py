@@ -10,14 +10,10 @@ embedded, no network), with the charts as PNG files beside them.
 
 from __future__ import annotations
 
-import base64
 import datetime
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import markdown
 
 from ferry.kernels.boundary import rewrite_cost
 from ferry.kernels.ledger import LEDGER_PATH, load_ledger
@@ -25,16 +21,9 @@ from ferry.platform.fingerprint import code_version
 from ferry.portability.environment import known_environments, load_environment
 from ferry.portability.history import KERNEL_BENCH, REHEARSALS, read_records
 from ferry.portability.report_charts import history_chart, lead_time_chart, overhead_chart
+from ferry.portability.report_render import render_html, render_markdown
 
 DEBT_WARNING_DAYS = 30
-_STYLE = """
-body { font-family: system-ui, sans-serif; max-width: 70rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
-table { border-collapse: collapse; margin: 0.8rem 0; font-size: 0.9rem; }
-th, td { border: 1px solid #ccc; padding: 0.25rem 0.5rem; text-align: left; vertical-align: top; }
-th { background: #f0f0f0; }
-img { max-width: 100%; border: 1px solid #ddd; }
-code { background: #f5f5f5; padding: 0 0.2rem; }
-"""
 
 
 @dataclass
@@ -194,158 +183,6 @@ def overhead(benches: list[tuple[int, dict]]) -> list[dict]:
     return [{**record, "evidence": f"{KERNEL_BENCH} line {line}"} for line, record in latest.values()]
 
 
-def render_markdown(data: dict, history_dir: Path) -> str:
-    code = data["ferry"]
-    commit = (code.get("git_commit") or "unknown")[:12]
-    out = [
-        "# Portability report",
-        "",
-        f"Generated {data['generated_at']} from `{history_dir}` by ferry {code['ferry']} (commit {commit}). "
-        f"Every figure names its evidence: a line of `{REHEARSALS}` or `{KERNEL_BENCH}` in that directory, "
-        f"the debt ledger, or the kernel boundary.",
-        "",
-        "## Proven alternatives",
-        "",
-        f"A move from one environment to another is proven when its latest rehearsal (`ferry rehearse`) passed "
-        f"within the last {data['freshness_days']} days and neither environment's definition has changed since: "
-        "the run was trained on the source, checkpointed in its own sharding, resumed on the target with its "
-        "optimizer state, and continued within a tolerance fixed before it ran. Anything else is not an "
-        "alternative, whatever its documentation says.",
-        "",
-        "| source | target | status | last rehearsed | verdict | worst relative deviation | why not | evidence |",
-        "| --- | --- | --- | --- | --- | ---: | --- | --- |",
-    ]
-    for row in data["alternatives"]:
-        verdict = f"{row['verdict']} under {row['profile']}" if row["verdict"] else "-"
-        out.append(
-            f"| {row['source'] or 'any'} | {row['target']} | **{row['status']}** | {_date(row['last_rehearsed'])} | "
-            f"{verdict} | {_number(row['worst_rel_diff'])} | {'; '.join(row['reasons']) or '-'} | {row['evidence']} |"
-        )
-    if not data["alternatives"]:
-        out.append("| - | - | no rehearsal recorded | - | - | - | - | - |")
-    out += ["", "## Switching lead time", ""]
-    if data["lead_time"]:
-        out += [
-            "Seconds from the start of the target half (the bundle in hand) of each path's latest rehearsal: "
-            "checking the bundle, verifying and restoring the checkpoint, until the first training step on the "
-            "target, and until the resumed run was judged against the reference. Throughput is the median "
-            "tokens/s of the source's and the target's runs (first step left out).",
-            "",
-            f"![Switching lead time]({data['charts']['lead_time']})",
-            "",
-            "| path | bundle check | checkpoint verify + restore | first step | judged | source tok/s | "
-            "target tok/s | target/source | ran portable on the target | evidence |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
-        ]
-        for row in data["lead_time"]:
-            portable = "; ".join(f"{item['op']} ({item['why']})" for item in row["portable_on_target"]) or "-"
-            out.append(
-                f"| {row['path']} | {_seconds(row.get('bundle_check_s'))} | {_seconds(row['checkpoint_s'])} | "
-                f"{_seconds(row.get('first_step_s'))} | {_seconds(row.get('judged_s'))} | "
-                f"{_number(row.get('source_tokens_per_s'), ',.0f')} | {_number(row.get('target_tokens_per_s'), ',.0f')} | "
-                f"{_number(row.get('target_over_source'), '.2f')} | {portable} | {row['evidence']} |"
-            )
-    else:
-        out.append("No rehearsal recorded yet: run `ferry rehearse CONFIG --from ENV --to ENV`.")
-    debt_data = data["debt"]
-    counts = ", ".join(f"{count} {status}" for status, count in sorted(debt_data["counts"].items()))
-    out += [
-        "",
-        "## Vendor-code debt",
-        "",
-        f"Every vendor-specific kernel is registered as debt in `{debt_data['source']}` (owner, reason, measured "
-        f"gain, approval, expiry). As of {debt_data['as_of']}: {counts}. `expiring` means approved and due for "
-        f"review within {debt_data['warning_days']} days; `unmeasured` means registered but never measured; "
-        "`not approved` means measured and not worth its upkeep yet.",
-        "",
-        "| op | implementation | status | approved | expires | measured gain |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for entry in debt_data["entries"]:
-        out.append(
-            f"| {entry['op']} | {entry['implementation']} | **{entry['status']}** | {entry['approved'] or '-'} | "
-            f"{entry['expires']} | {entry['measured_gain']} |"
-        )
-    out += [
-        "",
-        "Rewrite cost, from the kernel boundary (`ferry kernels boundary`, docs/boundary.md): the vendor-specific "
-        "code that moving one platform's speed to another would rewrite. Dropping it costs no function, only the "
-        "speed the ledger records.",
-        "",
-        "| platform | vendor implementations | vendor-specific code lines |",
-        "| --- | ---: | ---: |",
-        *(f"| {row['platform']} | {row['vendor_implementations']} | {row['code_lines']} |" for row in data["rewrite_cost"]),
-        "",
-        "## Portability overhead per op",
-        "",
-    ]
-    if data["overhead"]:
-        out += [
-            "The throughput each op's portable implementation loses against the fastest vendor implementation "
-            "available on the device, from the latest `ferry kernels bench` per device and dtype (forward + "
-            "backward on fixed inputs); past the budget an op may take its vendor implementation through the ledger.",
-            "",
-            f"![Portability overhead per op]({data['charts']['overhead']})",
-            "",
-            "| device | op | portable ms | fastest vendor | portable loses | verdict | measured | evidence |",
-            "| --- | --- | ---: | --- | ---: | --- | --- | --- |",
-        ]
-        without: dict[str, list[str]] = {}
-        for bench in data["overhead"]:
-            for op in bench["ops"]:
-                if op["fastest_vendor"] is None:
-                    without.setdefault(bench["device"], []).append(op["op"])
-                    continue
-                out.append(
-                    f"| {bench['device']} | {op['op']} | {op['portable_seconds'] * 1e3:.2f} | "
-                    f"{op['fastest_vendor'] or '-'} | {_number(op['portable_loss'], '.1%')} | {op['verdict']} | "
-                    f"{_date(bench['date'])} | {bench['evidence']} |"
-                )
-        for device, ops in without.items():
-            out += ["", f"On {device} no vendor implementation was measured, so the portable path loses nothing, "
-                    f"for: {', '.join(ops)}."]
-    else:
-        out.append(f"No `ferry kernels bench` figures in `{history_dir}` yet: run `ferry kernels bench` on each device.")
-    out += ["", "## Rehearsal history", ""]
-    if data["history"]:
-        out += [
-            "Every rehearsal ever recorded, oldest first; the chart shows each path's worst deviation as a "
-            "fraction of its tolerance bound (above 1 fails) and its target/source throughput over time.",
-            "",
-            f"![Rehearsal history]({data['charts']['history']})",
-            "",
-            "| date | path | config | steps (switch) | verdict | profile | worst relative deviation | "
-            "first step | judged | target/source | evidence |",
-            "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
-        ]
-        for row in data["history"]:
-            out.append(
-                f"| {_date(row['date'])} | {row['path']} | {row['config']} | {row['steps']} ({row['switch_at']}) | "
-                f"**{row['verdict']}** | {row['profile']} | {_number(row['worst_rel_diff'])} | "
-                f"{_seconds(row['first_step_s'])} | {_seconds(row['judged_s'])} | "
-                f"{_number(row['target_over_source'], '.2f')} | {row['evidence']} |"
-            )
-    else:
-        out.append("No rehearsal recorded yet.")
-    return "\n".join(out) + "\n"
-
-
-def render_html(text: str, out: Path) -> str:
-    """The markdown as one HTML page with its charts inlined as data URIs: it opens with no network."""
-    body = markdown.markdown(text, extensions=["tables"])
-
-    def inline(match: re.Match) -> str:
-        image = out / match.group(1)
-        encoded = base64.b64encode(image.read_bytes()).decode("ascii")
-        return f'src="data:image/png;base64,{encoded}"'
-
-    body = re.sub(r'src="([^"/]+\.png)"', inline, body)
-    return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>Portability report</title>'
-        f"<style>{_STYLE}</style></head><body>\n{body}\n</body></html>\n"
-    )
-
-
 def _history_row(line: int, record: dict) -> dict:
     return {
         "date": record["date"],
@@ -378,15 +215,3 @@ def _failure_summary(record: dict) -> str:
         return worst["failure"].splitlines()[0]
     failing = [name for name, comparison in record["comparisons"].items() if not comparison["passed"]]
     return f"{', '.join(failing)} comparison outside {record['profile']}"
-
-
-def _date(value: str | None) -> str:
-    return value[:10] if value else "never"
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f} s"
-
-
-def _number(value: float | None, spec: str = ".3g") -> str:
-    return "-" if value is None else format(value, spec)

@@ -1,0 +1,120 @@
+"""What a rehearsal records and prints: its comparisons, the worst deviation, the ops that ran portable, the summary.
+
+The record is the line appended to the rehearsal history; `ferry report` reads the
+same fields, so their names are the history's format.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+from ferry.kernels.ledger import load_ledger
+from ferry.portability.compare import Verdict
+
+
+def comparison_record(verdict: Verdict | str) -> dict:
+    if isinstance(verdict, str):
+        return {"passed": False, "failure": verdict}
+    fields = ("passed", "steps_compared", "first_step", "last_step", "max_abs_diff", "max_rel_diff", "worst_step",
+              "first_failing_step", "plot", "verdict_file")
+    return {name: getattr(verdict, name) for name in fields}
+
+
+def worst_comparison(comparisons: dict[str, Verdict | str]) -> dict:
+    """The comparison that came closest to (or went furthest past) its bound, by relative deviation."""
+    failed = {name: verdict for name, verdict in comparisons.items() if isinstance(verdict, str)}
+    if failed:
+        name, reason = next(iter(failed.items()))
+        return {"comparison": name, "failure": reason}
+    name, verdict = max(
+        comparisons.items(),
+        key=lambda item: float("inf") if item[1].max_rel_diff is None else item[1].max_rel_diff,
+    )
+    return {"comparison": name, "max_abs_diff": verdict.max_abs_diff, "max_rel_diff": verdict.max_rel_diff,
+            "step": verdict.worst_step}
+
+
+def portable_on_target(source_ops: dict, target_ops: dict) -> list[dict]:
+    """Ops that run their portable implementation on the target where a vendor one ran on the source,
+    or where a vendor implementation available on the target is held back because its ledger entry is
+    unmeasured or expired; with the gain the ledger measured for the vendor implementation, where it has one.
+
+    A vendor implementation that was measured and not approved is not listed: the ledger found the
+    portable path good enough there."""
+    ledger = load_ledger()
+    today = datetime.date.today()
+    entries = {(entry.op, f"{entry.implementation}@{entry.platform}"): entry for entry in ledger.entries}
+    rows = []
+    for op, choice in target_ops.items():
+        if choice["implementation"] != "portable":
+            continue
+        on_source = source_ops.get(op, {}).get("implementation", "portable")
+        if on_source != "portable":
+            entry = entries.get((op, on_source))
+            rows.append({
+                "op": op,
+                "why": f"ran {on_source} on the source; here: {choice['reason']}",
+                "vendor_implementation": on_source,
+                "ledger_measured_gain": entry.measured_gain if entry else None,
+            })
+            continue
+        for (name, key), entry in entries.items():
+            status = entry.debt_status(today)
+            if name == op and status in ("unmeasured", "expired") and f"{key}: ledger entry" in choice["reason"]:
+                rows.append({
+                    "op": op,
+                    "why": f"{key} is available here, but its ledger entry is {status}",
+                    "vendor_implementation": key,
+                    "ledger_measured_gain": entry.measured_gain,
+                })
+                break
+    return rows
+
+
+def summary_lines(record: dict) -> list[str]:
+    """The verdict as the console shows it."""
+    lines = [
+        f"ferry: rehearsal {record['path']} of {record['config']['name']}: {record['verdict']} under "
+        f"{record['profile']} ({record['profile_reason']})"
+    ]
+    titles = {"resumed": f"resumed at step {record['switch_at']} on the target",
+              "scratch": "from scratch on the target"}
+    for name, comparison in record["comparisons"].items():
+        if "failure" in comparison:
+            lines.append(f"  {titles[name]}: FAIL, {comparison['failure']}")
+            continue
+        outcome = "pass" if comparison["passed"] else f"FAIL from step {comparison['first_failing_step']}"
+        deviation = ("a non-finite loss" if comparison["max_abs_diff"] is None else
+                     f"max |diff| {comparison['max_abs_diff']:.3g} (relative {comparison['max_rel_diff']:.3g})")
+        lines.append(
+            f"  {titles[name]}: {outcome}, steps {comparison['first_step']}..{comparison['last_step']}, "
+            f"{deviation} at step {comparison['worst_step']}"
+        )
+    carried = record["carried"]
+    if carried:
+        lines.append("  carried over: " + "; ".join(f"{part}: {state}" for part, state in carried.items()))
+    lead = record["lead_time"]
+    lines.append(
+        "  lead time: bundle check " + _seconds(lead["bundle_check_s"]) + ", checkpoint verify "
+        + _seconds(lead["verify_s"]) + " + restore " + _seconds(lead["restore_s"]) + ", first target step "
+        + _seconds(lead["first_step_s"]) + " and resumed run judged " + _seconds(lead["judged_s"])
+        + " after the target half began"
+    )
+    throughput = record["throughput"]
+    ratio = throughput["target_over_source"]
+    lines.append(
+        f"  throughput: source {_rate(throughput['source_tokens_per_s'])}, target "
+        f"{_rate(throughput['target_tokens_per_s'])}" + (f" ({ratio:.2f}x)" if ratio else "")
+    )
+    portable = record["portable_on_target"]
+    lines.append("  portable on the target: " + ("; ".join(
+        f"{row['op']} ({row['why']})" for row in portable) if portable else "no op lost a vendor kernel"))
+    return lines
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} s"
+
+
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f} tok/s"

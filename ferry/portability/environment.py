@@ -130,7 +130,7 @@ def judging_profile(source: RunConfig, source_nproc: int, target: RunConfig, tar
     changed = differing + (["nproc"] if source_nproc != target_nproc else [])
     if not changed:
         return "same-hardware", "the environments do not differ"
-    return "same-hardware", f"only layout, kernels or collectives differ ({', '.join(changed[:6])})"
+    return "same-hardware", f"only layout, kernels or collectives differ: {', '.join(changed[:6])}"
 
 
 def _differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ferry.config.section import Section
 
@@ -14,6 +14,7 @@ from ferry.config.section import Section
 class CheckpointConfig(Section):
     """A checkpoint is saved every `interval` steps and at the end of the run (docs/checkpoint-format.md)."""
 
+    enabled: bool = Field(True, description="false: the run saves no checkpoint at all (a benchmark); it cannot resume")
     dir: str | None = Field(None, min_length=1, description="where checkpoints go; default <run.dir>/checkpoints")
     interval: int = Field(0, ge=0, description="save every N optimizer steps; 0 saves only at the end of the run")
     keep: int = Field(3, ge=1, description="keep the newest K checkpoints and delete older ones")
@@ -31,6 +32,12 @@ class CheckpointConfig(Section):
     async_save: bool = Field(
         False, description="copy the tensors, then write on a background thread while training goes on"
     )
+
+    @model_validator(mode="after")
+    def _nothing_saved_without_checkpoints(self) -> "CheckpointConfig":
+        if not self.enabled and self.interval:
+            raise ValueError("interval must be 0 when enabled is false: a run that saves nothing has no interval")
+        return self
 
     def path(self, run_dir: Path) -> Path:
         return Path(self.dir) if self.dir else run_dir / "checkpoints"

@@ -17,7 +17,7 @@ from ferry.config import UserError
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "train":
+    if extra and not hasattr(args, "overrides"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:  # overrides written after an option such as --nproc
         args.overrides = [*args.overrides, *extra]

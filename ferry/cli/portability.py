@@ -1,4 +1,4 @@
-"""`ferry rehearse` (one machine, or `start` and `finish` on two) and `ferry report`.
+"""`ferry rehearse` (one machine, or `start` and `finish` on two), `ferry report`, `ferry bench` and `ferry cost`.
 
 Exit codes: 0 the move passed, 1 it failed (or could not be carried out), 2 bad input.
 """
@@ -29,6 +29,33 @@ def add_portability_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     rehearse.add_argument("argv", nargs=argparse.REMAINDER)
     rehearse.set_defaults(handler=_rehearse)
+
+    bench = subparsers.add_parser(
+        "bench", help="measure a benchmark suite here (same model, same token values, same weights everywhere)",
+        description="Exit code 0 with a record written, 1 when the measurement failed, 2 on bad input.",
+    )
+    bench.add_argument("suite", help="a suite file or the name of one in benchmarks/suites/ (moe-tiny, ...)")
+    bench.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. kernels.policy=portable")
+    bench.add_argument("--device", choices=["cpu", "cuda", "auto"], default=None, help="default: the suite's")
+    bench.add_argument("--nproc", type=int, default=None, help="local ranks (default: the suite's)")
+    bench.add_argument("--out", required=True, help="the JSON record to write")
+    bench.add_argument("--dir", default=None, help="working directory (default runs/bench/<suite>-<time>)")
+    bench.set_defaults(handler=_bench)
+
+    cost = subparsers.add_parser(
+        "cost", help="turn bench records into $ per million tokens and time to train, rented and owned",
+        description="Refuses records of different suites or inputs (exit 2).",
+    )
+    cost.add_argument("records", nargs="+", help="JSON records written by `ferry bench` (same suite, same inputs)")
+    cost.add_argument("--tokens", type=float, default=None, help="token budget (default 7.1e12, Instella-MoE)")
+    cost.add_argument("--devices", type=int, default=None, help="devices to train it on (default 128)")
+    cost.add_argument("--price", action="append", default=[], metavar="PROFILE=USD_PER_HOUR",
+                      help="rent per device-hour for a hardware profile (repeatable)")
+    cost.add_argument("--own", action="append", default=[], metavar="KEY=VALUE",
+                      help="owned-hardware assumption: depreciation_years, pue, electricity_usd_per_kwh, "
+                      "utilization, system_share, purchase_price_usd.PROFILE, power_kw.PROFILE (repeatable)")
+    cost.add_argument("--out", required=True, help="directory for cost.json, cost.md and the charts")
+    cost.set_defaults(handler=_cost)
 
     report = subparsers.add_parser(
         "report", help="the portability report (md, json, self-contained html, png) from the rehearsal history"
@@ -97,6 +124,30 @@ def _parser(form: str) -> argparse.ArgumentParser:
         parser.add_argument("--out", required=True, help="the bundle directory to write")
     parser.add_argument("--dir", default=None, help="working directory for the legs' runs (default under runs/)")
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ferry.portability.bench import BenchError, run_bench
+
+    unknown = [item for item in args.overrides if "=" not in item]
+    if unknown:
+        raise UserError(f"ferry bench: unrecognized arguments: {' '.join(unknown)}")
+    try:
+        run_bench(args.suite, args.overrides, out=args.out, device=args.device, nproc=args.nproc, work_dir=args.dir)
+    except BenchError as exc:
+        print(f"ferry: bench: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cost(args: argparse.Namespace) -> int:
+    from ferry.portability.cost_report import write_cost
+
+    result = write_cost(args.records, args.out, tokens=args.tokens, devices=args.devices, prices=args.price,
+                        own=args.own)
+    for path in result.written:
+        print(f"ferry: wrote {path}")
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -48,6 +48,8 @@ class HardwareProfile(Section):
     comm_backend: Literal["gloo", "nccl", "mpi", "xccl"]
     precision_defaults: PrecisionDefaults
     price_per_device_hour_usd: float = Field(ge=0)
+    purchase_price_usd: float = Field(ge=0, description="buying one device (the accelerator alone), for `ferry cost`")
+    power_kw: float = Field(gt=0, description="power one device draws at full load, its share of the node included")
     sources: list[str] = Field(min_length=1)
 
     def peak_flops(self, dtype: str) -> float:

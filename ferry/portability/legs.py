@@ -17,11 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from ferry.config import UserError, dump_yaml
 from ferry.metrics.jsonl import read_metrics
 from ferry.portability.environment import Environment
 from ferry.train.config import RunConfig
-from ferry.train.run_record import RUN_RECORD_NAME
+from ferry.train.run_record import METRICS_NAME, RUN_RECORD_NAME
 
 
 @dataclass
@@ -71,10 +74,12 @@ class LegResult:
 
 
 def run_leg(
-    name: str, environment: Environment, config: RunConfig, work_dir: Path, say: Callable[[str], None]
+    name: str, environment: Environment, config: RunConfig, work_dir: Path, say: Callable[[str], None],
+    steps: int | None = None,
 ) -> LegResult:
     """Train `config` on `environment`'s ranks; its config and log go under `work_dir`.
 
+    On a terminal a progress bar follows the leg's `steps` steps in its metrics.
     A leg that refuses its input (exit code 2: a device that is not here, a checkpoint that
     does not fit) is bad input to the rehearsal and raises `UserError`; other failures are
     returned for the caller to judge.
@@ -87,18 +92,41 @@ def run_leg(
     command = [sys.executable, "-m", "ferry", "train", str(config_path)]
     if environment.nproc > 1:
         command += ["--nproc", str(environment.nproc)]
-    say(f"ferry: rehearse: {name} on {environment.name} ({environment.nproc} rank(s)): log {log}")
+    say(f"ferry: {name} on {environment.name} ({environment.nproc} rank(s)): log {log}")
     launched = time.time()
     with log.open("w", encoding="utf-8") as output:
-        returncode = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, check=False).returncode
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        returncode = _follow(process, name, config.run.path / METRICS_NAME, steps)
     finished = time.time()
     result = LegResult(name, environment.name, config.run.path, log, returncode, launched, finished,
                        _run_record(config.run.path))
     if returncode == 2:
         raise UserError(f"the {name} leg on environment {environment.label} refused its input:\n    {result.failure()}")
     state = "done" if result.ok else f"FAILED (exit code {returncode})"
-    say(f"ferry: rehearse: {name} {state} in {result.wall_s:.1f} s")
+    say(f"ferry: {name} {state} in {result.wall_s:.1f} s")
     return result
+
+
+def _follow(process: subprocess.Popen, name: str, metrics: Path, steps: int | None) -> int:
+    """Wait for the leg; on a terminal show its steps as they land in its metrics file."""
+    console = Console(stderr=True)
+    if steps is None or not console.is_terminal:
+        return process.wait()
+    columns = (TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(name, total=steps)
+        while process.poll() is None:
+            progress.update(task, completed=_lines(metrics))
+            time.sleep(0.5)
+    return process.returncode
+
+
+def _lines(path: Path) -> int:
+    try:
+        with path.open("rb") as handle:
+            return sum(1 for _ in handle)
+    except OSError:
+        return 0
 
 
 def _run_record(run_dir: Path) -> dict:

@@ -190,7 +190,7 @@ def _start(
     say(
         f"ferry: rehearse: source {source.name}: {steps} steps from scratch, switch checkpoint at step {switch_at}"
     )
-    leg = run_leg("source", source, config, work, say)
+    leg = run_leg("source", source, config, work, say, steps=steps)
     if not leg.ok:
         raise RehearsalError(f"the source run on {source.label} failed, so there is nothing to move:\n    {leg.failure()}")
     checkpoint = config.checkpoint.path(config.run.path) / f"step-{switch_at:08d}"
@@ -234,11 +234,11 @@ def _finish(
     checked = time.time()
     say(f"ferry: rehearse: {source.name} -> {target.name}, judged under {chosen} ({reason})")
 
-    resumed = run_leg("target-resumed", target, resumed_config, work, say)
+    resumed = run_leg("target-resumed", target, resumed_config, work, say, steps=bundle.steps - bundle.switch_at)
     comparisons: dict[str, Verdict | str] = {}
     comparisons["resumed"] = _judge(bundle, resumed, chosen, bundle.steps, work / "compare-resumed")
     judged = time.time()
-    scratch = run_leg("target-scratch", target, scratch_config, work, say)
+    scratch = run_leg("target-scratch", target, scratch_config, work, say, steps=bundle.switch_at)
     comparisons["scratch"] = _judge(bundle, scratch, chosen, bundle.switch_at, work / "compare-scratch")
 
     passed = all(isinstance(verdict, Verdict) and verdict.passed for verdict in comparisons.values())

@@ -33,6 +33,7 @@ from ferry.data import DataCursor, MixedLoader
 from ferry.kernels import select_kernels
 from ferry.metrics import MetricsHub, StepMetrics, TorchTrace, build_sinks, moe_diagnostics
 from ferry.model import Transformer, count_model
+from ferry.model.digest import weights_digest
 from ferry.parallel import build_plan
 from ferry.parallel.zero import optimizer_state_bytes
 from ferry.platform import environment_fingerprint, resolve_device
@@ -91,9 +92,9 @@ class Trainer:
             low = self.kernels.choices[low_precision_op(self.precision.recipe)].implementation
             self.precision.record_experts_kernel(low.key, native=not low.portable)
         torch.manual_seed(config.run.seed)
-        self.model: Transformer = config.model.build(self.kernels).to(
-            self.device, dtype=self.precision.torch_param_dtype
-        )
+        model = config.model.build(self.kernels)
+        self.initial_weights = weights_digest(model) if self.is_main else None
+        self.model: Transformer = model.to(self.device, dtype=self.precision.torch_param_dtype)
         self.decayed = decayed_parameter_names(self.model)
         self.plan = build_plan(
             config.parallel, self.context, self.model, self.device, self.precision.torch_reduce_dtype
@@ -169,7 +170,7 @@ class Trainer:
                 trace.step_finished(last["step"])
                 if checkpoints.due(self.cursor.step):
                     checkpoints.save(*self.checkpoint_state())
-            if checkpoints.last_step != self.cursor.step:
+            if config.checkpoint.enabled and checkpoints.last_step != self.cursor.step:
                 checkpoints.save(*self.checkpoint_state())
             checkpoints.wait()
         except BaseException as exc:
@@ -407,8 +408,14 @@ class Trainer:
             "data_mix": self.loader.mix_record(),
             "tokenizer": self.loader.tokenizer,
             "model_size": self.size.as_dict(),
+            "initial_weights_xxh3": self.initial_weights,
             "layout": self._layout(),
-            "hardware": {"profile": self.profile.name, "peak_tflops": self.profile.peak_tflops},
+            "hardware": {
+                "profile": self.profile.name,
+                "peak_tflops": self.profile.peak_tflops,
+                "mfu_dtype": self.precision.mfu_dtype,
+                "price_per_device_hour_usd": self.profile.price_per_device_hour_usd,
+            },
             "precision": self.precision.as_dict(),
             "kernels": self.kernels.as_dict(),
             "environment": {**self.environment, "comm_backend": self.context.backend},

@@ -1,0 +1,180 @@
+"""Benchmark suites as data: one named, versioned model, batch, layout and step count in a YAML file.
+
+    name: moe-tiny            version: 1          seed: 20261201
+    nproc: 1                  device: cpu         warmup_steps: 3     measured_steps: 12
+    zipf_exponent: 1.1        config: {model: ..., data: {seq_len: ...}, train: {global_batch: ...}, parallel: ...}
+
+A suite is the standard procedure two vendors are compared by: the same MoE, the same
+batch, and (through its seed) the same token values and initial weights on every
+machine. Its digest covers everything but the description, so a record of a changed
+suite never passes for a record of the old one. Suites live in `benchmarks/suites/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field
+
+import ferry
+from ferry.config import ConfigError, Section, UserError, apply_overrides
+from ferry.config.loader import validate
+from ferry.model import count_model
+from ferry.train.config import RunConfig
+
+SUITES_DIR = Path("benchmarks") / "suites"
+
+
+class BenchSuite(Section):
+    """One benchmark: what runs, on how many local ranks, for how many steps."""
+
+    name: str = Field(min_length=1)
+    version: int = Field(ge=1, description="raise it whenever the definition changes on purpose")
+    description: str = ""
+    seed: int = Field(ge=0, description="token values and initial weights are drawn from it")
+    nproc: int = Field(1, ge=1, description="local ranks (as torchrun --nproc-per-node)")
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    warmup_steps: int = Field(ge=0, description="steps run and left out of the figures")
+    measured_steps: int = Field(ge=1)
+    zipf_exponent: float = Field(1.1, gt=0.0, description="token frequencies fall as 1 / rank ** exponent, as in text")
+    config: dict[str, Any] = Field(description="run config sections: model, data.seq_len, train batch, parallel, ...")
+
+    @property
+    def digest(self) -> str:
+        fields = self.model_dump(mode="json", exclude={"description"})
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.measured_steps
+
+    def run_config(self, work: Path, device: str, overrides: list[str]) -> RunConfig:
+        """The run config of one measurement: the suite's sections, synthetic data under `work`, no checkpoints."""
+        fixed = [
+            f"run.name={self.name}",
+            f"run.dir={work / 'run'}",
+            f"run.seed={self.seed}",
+            f"run.device={device}",
+            "run.overwrite=true",
+            f"train.steps={self.total_steps}",
+            "train.log_every=1",
+            "checkpoint.enabled=false",
+            "checkpoint.interval=0",
+        ]
+        raw = apply_overrides(self.config, fixed + list(overrides))
+        raw.setdefault("data", {})["sources"] = [{"name": "synthetic", "path": str(work / "data")}]
+        try:
+            return validate(RunConfig, raw)
+        except ConfigError as exc:
+            raise ConfigError(f"suite {self.name}: {exc}") from None
+
+
+def suite_dirs() -> list[Path]:
+    """Where suite names are looked up: `benchmarks/suites/` here, then in ferry's own checkout."""
+    return [SUITES_DIR, Path(ferry.__file__).resolve().parent.parent / SUITES_DIR]
+
+
+def load_suite(spec: str) -> BenchSuite:
+    """A suite from a file path or the name of a file in `benchmarks/suites/`."""
+    path = Path(spec)
+    if not path.is_file():
+        candidates = [folder / f"{spec}.yaml" for folder in suite_dirs()]
+        found = next((candidate for candidate in candidates if candidate.is_file()), None)
+        if found is None:
+            names = sorted({p.stem for folder in suite_dirs() if folder.is_dir() for p in folder.glob("*.yaml")})
+            raise UserError(f"benchmark suite {spec!r} is neither a file nor a known suite (known: {', '.join(names)})")
+        path = found
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"suite file {str(path)!r} cannot be read: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"suite file {str(path)!r} must hold a mapping")
+    try:
+        return validate(BenchSuite, raw)
+    except ConfigError as exc:
+        raise ConfigError(f"suite file {str(path)!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What one device must hold for a training step, by the counts of the config (an estimate, not a measurement)."""
+
+    state_bytes: int
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+
+def memory_estimate(config: RunConfig, world_size: int, device: str) -> MemoryEstimate:
+    """Parameters, gradients and AdamW moments of one device (experts split over `parallel.ep`, moments over
+    the ranks sharing each parameter under ZeRO-1, everything over all ranks under FSDP), plus the tensors one
+    micro-batch keeps for its backward: per token and layer the attention inputs and outputs and, for each
+    of its top-k experts, the expert's input, hidden and output rows; and the logits with their gradient."""
+    model, moe = config.model, config.model.moe
+    size = count_model(model, config.data.seq_len)
+    moe_layers = model.n_layers - model.dense_layers
+    expert_params = moe_layers * moe.num_experts * 3 * model.dim * moe.expert_ffn_dim
+    dense_params = size.total_params - expert_params
+    param_bytes = 2 if config.precision.param_dtype in ("bf16", "fp16") else 4
+    if config.parallel.mode == "fsdp":
+        local = size.total_params / world_size
+        moments = local
+    else:
+        ep = config.parallel.ep
+        local = dense_params + expert_params / ep
+        replicas = world_size // ep
+        moments = (dense_params / world_size + expert_params / ep / replicas) if config.optim.zero else local
+    state = local * 2 * param_bytes + moments * 8
+    compute = config.precision.compute_dtype
+    half = compute in ("bf16", "fp16") or (compute is None and device != "cpu")  # accelerator profiles compute in bf16
+    compute_bytes = 2 if half else 4
+    tokens = config.train.micro_batch * config.data.seq_len
+    per_token_layer = 12 * model.dim + moe.top_k * (2 * model.dim + 3 * moe.expert_ffn_dim)
+    activations = tokens * model.n_layers * per_token_layer * compute_bytes
+    logits = tokens * model.vocab_size * (compute_bytes + 8)
+    return MemoryEstimate(int(state), int(activations + logits))
+
+
+def device_memory_bytes(device: str) -> tuple[str, int]:
+    """(what, bytes) of memory one rank has on `device`: the GPU's, or the host's for a CPU run."""
+    if device == "cpu":
+        return "this host", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    import torch
+
+    properties = torch.cuda.get_device_properties(0)
+    return properties.name, properties.total_memory
+
+
+def check_fits(suite: BenchSuite, config: RunConfig, world_size: int) -> MemoryEstimate:
+    """Refuse, before anything runs, a suite whose estimated memory exceeds what one rank has here."""
+    device = config.run.device if config.run.device != "auto" else _auto_device()
+    estimate = memory_estimate(config, world_size, device)
+    where, available = device_memory_bytes(device)
+    per_rank = available / world_size if device == "cpu" else available
+    if estimate.total_bytes > per_rank:
+        raise UserError(
+            f"suite {suite.name} needs about {_gib(estimate.total_bytes)} GiB per rank (parameters, gradients and "
+            f"AdamW moments {_gib(estimate.state_bytes)} GiB, activations of one micro-batch "
+            f"{_gib(estimate.activation_bytes)} GiB, estimated) and {where} has {_gib(per_rank)} GiB per rank on "
+            f"{device}; run it where it fits (a GPU with enough memory: --device cuda) or shrink it with overrides"
+        )
+    return estimate
+
+
+def _auto_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:,.1f}"

@@ -1,0 +1,148 @@
+"""`ferry bench`: suites as data, identical inputs on every layout, the record, and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ferry.cli.main import main
+from ferry.data.synthetic import synthetic_tokens
+from ferry.portability.suites import load_suite
+
+SUITES = ["moe-tiny", "moe-tiny-ep2", "olmoe-1b-7b", "olmoe-1b-7b-ep8"]
+KEYS = {"suite", "suite_digest", "input_digest", "tokens_per_s", "tokens_per_s_per_device", "mfu", "environment"}
+
+
+def bench(tmp_path, name, *argv):
+    out = tmp_path / f"{name}.json"
+    code = main(["bench", *argv, "--out", str(out), "--dir", str(tmp_path / name)])
+    return code, (json.loads(out.read_text()) if out.exists() else None)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """moe-tiny on one rank (auto kernels), on two ranks with experts split, with portable kernels, and
+    moe-tiny-ep2 (cuda too when a GPU is here)."""
+    root = tmp_path_factory.mktemp("bench")
+    runs = {
+        "single": ("moe-tiny",),
+        "ep2-layout": ("moe-tiny", "--nproc", "2", "parallel.ep=2"),
+        "portable": ("moe-tiny", "kernels.policy=portable"),
+        "ep2-suite": ("moe-tiny-ep2",),
+    }
+    if torch.cuda.is_available():
+        runs["cuda"] = ("moe-tiny", "--device", "cuda")
+    found = {}
+    for name, argv in runs.items():
+        code, record = bench(root, name, *argv)
+        assert code == 0, name
+        found[name] = record
+    return root, found
+
+
+def test_every_suite_loads_and_names_its_shape():
+    for name in SUITES:
+        suite = load_suite(name)
+        assert suite.name == name and suite.version >= 1 and len(suite.digest) == 64
+    olmoe = load_suite("olmoe-1b-7b").config["model"]
+    assert (olmoe["dim"], olmoe["n_layers"], olmoe["moe"]["num_experts"], olmoe["moe"]["top_k"]) == (2048, 16, 64, 8)
+    assert olmoe["moe"]["expert_ffn_dim"] == 1024 and load_suite("olmoe-1b-7b").config["data"]["seq_len"] == 4096
+    assert load_suite("olmoe-1b-7b-ep8").nproc == 8 and load_suite("olmoe-1b-7b-ep8").config["parallel"]["ep"] == 8
+
+
+def test_a_changed_suite_changes_its_digest_and_a_new_description_does_not():
+    suite = load_suite("moe-tiny")
+    assert suite.model_copy(update={"measured_steps": 13}).digest != suite.digest
+    changed = json.loads(json.dumps(suite.config))
+    changed["model"]["moe"]["top_k"] = 1
+    assert suite.model_copy(update={"config": changed}).digest != suite.digest
+    assert suite.model_copy(update={"description": "reworded"}).digest == suite.digest
+
+
+def test_synthetic_tokens_are_a_function_of_the_seed_alone():
+    a, b = synthetic_tokens(7, 512, 10_000, 1.1), synthetic_tokens(7, 512, 10_000, 1.1)
+    assert (a == b).all() and a.min() >= 0 and a.max() < 512
+    assert not (synthetic_tokens(8, 512, 10_000, 1.1) == a).all()
+    counts = torch.bincount(torch.from_numpy(a), minlength=512)
+    assert counts[0] > 5 * counts[20], "Zipf: frequent tokens are far more frequent"
+
+
+def test_the_same_suite_has_the_same_inputs_on_every_layout_kernel_and_device(records):
+    _, found = records
+    same = [found[name] for name in found if name != "ep2-suite"]
+    for key in ("input_digest", "tokens_digest", "weights_digest", "suite_digest"):
+        assert len({record[key] for record in same}) == 1, key
+    assert found["ep2-layout"]["layout"] == {"world_size": 2, "ep_degree": 2, "mode": "ep"}
+    assert found["ep2-suite"]["input_digest"] == found["single"]["input_digest"]
+    assert found["ep2-suite"]["suite_digest"] != found["single"]["suite_digest"]
+
+
+def test_a_record_holds_the_figures_medians_spread_and_where_it_ran(records):
+    _, found = records
+    record = found["single"]
+    assert KEYS <= set(record)
+    assert record["measured_steps"] == 12 and record["warmup_steps"] == 3
+    spread = record["spread"]["tokens_per_s"]
+    assert spread["min"] <= record["tokens_per_s"] == spread["median"] <= spread["max"]
+    assert 0 < record["mfu"] < 1 and record["tokens_per_s_per_device"] == record["tokens_per_s"]
+    assert record["hardware"]["profile"] == "cpu" and record["hardware"]["price_per_device_hour_usd"] == 0.10
+    assert record["kernels"]["policy"] == "auto" and record["precision"]["compute_dtype"] == "fp32"
+    assert record["environment"]["torch"] == torch.__version__
+    assert found["portable"]["kernels"]["policy"] == "portable"
+
+
+def test_the_ep2_suite_waits_on_its_all_to_all(records):
+    _, found = records
+    record = found["ep2-suite"]
+    assert record["nproc"] == 2 and record["layout"]["ep_degree"] == 2
+    assert record["ep_wait_s"] > 0 and record["comm_s"] > 0 and record["comm_bytes_per_step"] > 0
+    assert record["comm_compute_ratio"] > 0
+    assert found["single"]["ep_wait_s"] == 0 and found["single"]["comm_s"] == 0
+
+
+def test_a_suite_that_cannot_fit_is_refused_naming_the_memory_it_needs(tmp_path, capsys):
+    code, record = bench(tmp_path, "olmoe", "olmoe-1b-7b", "--device", "cpu")
+    err = capsys.readouterr().err
+    assert code == 2 and record is None
+    assert "olmoe-1b-7b needs about 125.4 GiB per rank" in err and "AdamW moments 103.1 GiB" in err
+    assert not (tmp_path / "olmoe").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, culprit",
+    [
+        (["no-such-suite"], "'no-such-suite' is neither a file nor a known suite"),
+        (["moe-tiny", "model.dimension=3"], "model.dimension"),
+        (["moe-tiny", "--nproc", "0"], "--nproc must be at least 1"),
+        (["moe-tiny", "--nproc", "3"], "not a multiple of train.micro_batch x ranks"),
+    ],
+)
+def test_bad_bench_input_exits_2(argv, culprit, tmp_path, capsys):
+    code, record = bench(tmp_path, "bad", *argv)
+    assert code == 2 and record is None
+    assert culprit in capsys.readouterr().err
+
+
+def test_cost_of_real_records_vendor_against_portable_kernels(records, tmp_path):
+    root, found = records
+    paths = [str(root / "single.json"), str(root / "portable.json")]
+    assert main(["cost", *paths, "--out", str(tmp_path / "cost")]) == 0
+    rows = json.loads((tmp_path / "cost" / "cost.json").read_text())["records"]
+    for row, name in zip(rows, ("single", "portable")):
+        per_hour = found[name]["tokens_per_s_per_device"] * 3600
+        assert row["usd_per_million_tokens_rent"] == pytest.approx(0.10 / per_hour * 1e6)
+        assert row["measured_on_cpu"]
+    assert rows[0]["label"] == "cpu (cpu x1, kernels auto)"
+    assert rows[1]["label"] == "cpu (cpu x1, kernels portable) [kernels.policy=portable]"
+    scaling = json.loads((tmp_path / "cost" / "cost.json").read_text())["scaling"]
+    assert scaling == []  # one layout: nothing to scale
+
+
+def test_a_scaling_view_from_one_suite_at_two_layouts(records, tmp_path):
+    root, found = records
+    assert main(["cost", str(root / "single.json"), str(root / "ep2-layout.json"), "--out", str(tmp_path / "c")]) == 0
+    scaling = json.loads((tmp_path / "c" / "cost.json").read_text())["scaling"]
+    assert [(row["world_size"], row["ep_degree"]) for row in scaling] == [(1, 1), (2, 2)]
+    assert scaling[1]["comm_compute_ratio"] == found["ep2-layout"]["comm_compute_ratio"] > 0

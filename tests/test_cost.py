@@ -1,0 +1,133 @@
+"""`ferry cost`: the arithmetic against a hand calculation, the outputs, refusals and the scaling view."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ferry.cli.main import main
+from ferry.platform.hardware import load_profile
+from ferry.portability.cost import default_assumptions
+
+
+def record(tokens_per_s_per_device=10_000.0, profile="h200", device="cuda", nproc=1, ep=1, comm_s=0.0,
+           compute_s=1.0, suite="olmoe-1b-7b", input_digest="i" * 64):
+    return {
+        "kind": "ferry-bench", "version": 1, "suite": suite, "suite_digest": "s" * 64, "input_digest": input_digest,
+        "device": device, "nproc": nproc, "overrides": [],
+        "layout": {"world_size": nproc, "ep_degree": ep, "mode": "ep" if nproc > 1 else "single"},
+        "tokens_per_s_per_device": tokens_per_s_per_device, "tokens_per_s": tokens_per_s_per_device * nproc,
+        "step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
+        "comm_compute_ratio": comm_s / compute_s,
+        "kernels": {"policy": "auto"},
+        "hardware": {"profile": profile, "price_per_device_hour_usd": load_profile(profile).price_per_device_hour_usd},
+    }
+
+
+def write(tmp_path, name, content):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(content))
+    return str(path)
+
+
+def cost(tmp_path, *argv):
+    return main(["cost", *argv, "--out", str(tmp_path / "out")])
+
+
+def test_the_defaults_are_the_cited_ones_and_the_h200_profile_holds_its_prices():
+    values, sources = default_assumptions()
+    assert values == {"tokens": 7.1e12, "devices": 128, "depreciation_years": 5, "pue": 1.58,
+                      "electricity_usd_per_kwh": 0.0806, "utilization": 0.8, "system_share": 0.25}
+    assert all(len(source) > 40 for source in sources.values())
+    h200 = load_profile("h200")
+    assert (h200.price_per_device_hour_usd, h200.purchase_price_usd, h200.power_kw) == (3.79, 32000, 1.275)
+
+
+def test_rent_own_breakeven_and_time_to_train_match_a_hand_calculation(tmp_path):
+    assert cost(tmp_path, write(tmp_path, "h200", record())) == 0
+    row = json.loads((tmp_path / "out" / "cost.json").read_text())["records"][0]
+    # 10,000 tokens/s per device = 3.6e7 tokens per device-hour; H200 rents at $3.79 an hour
+    assert row["usd_per_million_tokens_rent"] == pytest.approx(3.79 / 36.0)  # 0.10528
+    capex_hour = 32000 * 1.25 / (5 * 8760)  # $0.91324 per device-hour
+    energy_hour = 1.275 * 1.58 * 0.0806  # $0.162369 per device-hour
+    assert row["capex_usd_per_device_hour"] == pytest.approx(0.913242, rel=1e-5)
+    assert row["energy_usd_per_device_hour"] == pytest.approx(0.162369, rel=1e-5)
+    assert row["usd_per_million_tokens_own"] == pytest.approx((capex_hour / 0.8 + energy_hour) / 36.0)  # 0.036220
+    assert row["usd_per_million_tokens_own"] == pytest.approx(0.036220, rel=1e-4)
+    assert row["breakeven_utilization"] == pytest.approx(capex_hour / (3.79 - energy_hour))
+    assert row["breakeven_utilization"] == pytest.approx(0.25175, rel=1e-4)
+    assert row["days_to_train"] == pytest.approx(7.1e12 / 3.6e7 / 128 / 24)  # 64.2 days
+    assert row["cost_to_train_rent_usd"] == pytest.approx(7.1e12 / 3.6e7 * 3.79)  # $747,472
+    names = {path.name for path in (tmp_path / "out").iterdir()}
+    assert names == {"cost.json", "cost.md", "usd_per_million_tokens.png", "rent_vs_own.png"}
+
+
+def test_overrides_of_price_budget_and_ownership_change_exactly_their_terms(tmp_path):
+    path = write(tmp_path, "h200", record())
+    assert cost(tmp_path, path, "--price", "h200=2.0", "--tokens", "1e12", "--devices", "64",
+                "--own", "utilization=0.5", "--own", "pue=1.1", "--own", "purchase_price_usd.h200=40000") == 0
+    data = json.loads((tmp_path / "out" / "cost.json").read_text())
+    row = data["records"][0]
+    capex_hour = 40000 * 1.25 / (5 * 8760)
+    energy_hour = 1.275 * 1.1 * 0.0806
+    assert row["usd_per_million_tokens_rent"] == pytest.approx(2.0 / 36.0)
+    assert row["usd_per_million_tokens_own"] == pytest.approx((capex_hour / 0.5 + energy_hour) / 36.0)
+    assert row["days_to_train"] == pytest.approx(1e12 / 3.6e7 / 64 / 24)
+    assert data["sources"]["utilization"] == "given with --own" and data["sources"]["tokens"] == "given with --tokens"
+
+
+def test_owning_that_never_pays_says_so(tmp_path):
+    assert cost(tmp_path, write(tmp_path, "h200", record()), "--price", "h200=0.1") == 0
+    row = json.loads((tmp_path / "out" / "cost.json").read_text())["records"][0]
+    assert row["breakeven_utilization"] is None  # energy alone (0.16 $/h) costs more than renting
+    assert "never (energy costs more than rent)" in (tmp_path / "out" / "cost.md").read_text()
+
+
+def test_records_of_other_suites_or_inputs_are_refused(tmp_path, capsys):
+    a = write(tmp_path, "a", record())
+    b = write(tmp_path, "b", record(suite="moe-tiny"))
+    c = write(tmp_path, "c", record(input_digest="j" * 64))
+    assert cost(tmp_path, a, b) == 2
+    assert "different suites" in capsys.readouterr().err
+    assert cost(tmp_path, a, c) == 2
+    assert "different input values" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, culprit",
+    [
+        (["--own", "uptime=0.9"], "unknown key 'uptime'"),
+        (["--own", "utilization=1.5"], "utilization"),
+        (["--price", "h900=2"], "unknown hardware profile 'h900'"),
+        (["--price", "h200=-1"], "cannot be negative"),
+        (["--own", "power_kw.h200=0"], "must be positive"),
+    ],
+)
+def test_bad_cost_options_exit_2(argv, culprit, tmp_path, capsys):
+    assert cost(tmp_path, write(tmp_path, "a", record()), *argv) == 2
+    assert culprit in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_a_record_is_refused(tmp_path, capsys):
+    assert cost(tmp_path, write(tmp_path, "other", {"kind": "something"})) == 2
+    assert "is not a `ferry bench` record" in capsys.readouterr().err
+
+
+def test_a_cpu_record_is_flagged_loudly(tmp_path, capsys):
+    assert cost(tmp_path, write(tmp_path, "cpu", record(profile="cpu", device="cpu"))) == 0
+    assert "WARNING" in capsys.readouterr().out and "measured on a CPU" in (tmp_path / "out" / "cost.md").read_text()
+
+
+def test_the_scaling_view_flags_communication_that_dominates(tmp_path):
+    one = write(tmp_path, "one", record(nproc=1, tokens_per_s_per_device=10_000))
+    two = write(tmp_path, "two", record(nproc=2, ep=2, tokens_per_s_per_device=9_000, comm_s=0.2))
+    eight = write(tmp_path, "eight", record(nproc=8, ep=8, tokens_per_s_per_device=4_000, comm_s=1.5))
+    assert cost(tmp_path, one, two, eight) == 0
+    scaling = json.loads((tmp_path / "out" / "cost.json").read_text())["scaling"]
+    by_size = {row["world_size"]: row for row in scaling}
+    assert by_size[2]["per_device_vs_smallest"] == pytest.approx(0.9) and not by_size[2]["communication_dominates"]
+    assert by_size[8]["communication_dominates"] and by_size[8]["comm_share_of_step"] == pytest.approx(0.6)
+    assert "communication dominates" in (tmp_path / "out" / "cost.md").read_text()
+

@@ -18,7 +18,7 @@ ferry() { "$python" -m ferry "$@"; }
 "$python" - <<'PY' || exit 2
 import importlib, sys
 missing = [m for m in ("torch", "numpy", "yaml", "pydantic", "rich", "tokenizers", "safetensors", "xxhash",
-                       "prometheus_client", "matplotlib", "pytest") if importlib.util.find_spec(m) is None]
+                       "prometheus_client", "matplotlib", "markdown", "pytest") if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"device check: missing packages: {', '.join(missing)}")
 import torch

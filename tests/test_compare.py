@@ -37,9 +37,11 @@ def test_the_three_profiles_exist_and_every_number_has_its_reason():
     bitwise = tolerance_profile("bitwise")
     assert bitwise.rtol == bitwise.atol == 0.0 and bitwise.window == 1
     numbers = [
-        line for line in TOLERANCES_FILE.read_text().splitlines() if re.match(r"\s+(steps|window|rtol|atol):", line)
+        line
+        for line in TOLERANCES_FILE.read_text().splitlines()
+        if re.match(r"\s+(steps|window|min_steps|rtol|atol):", line)
     ]
-    assert len(numbers) == 12
+    assert len(numbers) == 15
     assert all(re.search(r"#\s*\S", line) for line in numbers), "a tolerance without its reason"
 
 

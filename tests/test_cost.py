@@ -11,14 +11,32 @@ from ferry.platform.hardware import load_profile
 from ferry.portability.cost import default_assumptions
 
 
-def record(tokens_per_s_per_device=10_000.0, profile="h200", device="cuda", nproc=1, ep=1, comm_s=0.0,
-           compute_s=1.0, suite="olmoe-1b-7b", input_digest="i" * 64):
+def record(
+    tokens_per_s_per_device=10_000.0,
+    profile="h200",
+    device="cuda",
+    nproc=1,
+    ep=1,
+    comm_s=0.0,
+    compute_s=1.0,
+    suite="olmoe-1b-7b",
+    input_digest="i" * 64,
+):
     return {
-        "kind": "ferry-bench", "version": 1, "suite": suite, "suite_digest": "s" * 64, "input_digest": input_digest,
-        "device": device, "nproc": nproc, "overrides": [],
+        "kind": "ferry-bench",
+        "version": 1,
+        "suite": suite,
+        "suite_digest": "s" * 64,
+        "input_digest": input_digest,
+        "device": device,
+        "nproc": nproc,
+        "overrides": [],
         "layout": {"world_size": nproc, "ep_degree": ep, "mode": "ep" if nproc > 1 else "single"},
-        "tokens_per_s_per_device": tokens_per_s_per_device, "tokens_per_s": tokens_per_s_per_device * nproc,
-        "step_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
+        "tokens_per_s_per_device": tokens_per_s_per_device,
+        "tokens_per_s": tokens_per_s_per_device * nproc,
+        "step_s": compute_s + comm_s,
+        "compute_s": compute_s,
+        "comm_s": comm_s,
         "comm_compute_ratio": comm_s / compute_s,
         "kernels": {"policy": "auto"},
         "hardware": {"profile": profile, "price_per_device_hour_usd": load_profile(profile).price_per_device_hour_usd},
@@ -37,36 +55,60 @@ def cost(tmp_path, *argv):
 
 def test_the_defaults_are_the_cited_ones_and_the_h200_profile_holds_its_prices():
     values, sources = default_assumptions()
-    assert values == {"tokens": 7.1e12, "devices": 128, "depreciation_years": 5, "pue": 1.58,
-                      "electricity_usd_per_kwh": 0.0806, "utilization": 0.8, "system_share": 0.25}
+    assert values == {
+        "tokens": 7.1e12,
+        "devices": 128,
+        "depreciation_years": 5,
+        "pue": 1.58,
+        "electricity_usd_per_kwh": 0.0806,
+        "utilization": 0.8,
+        "system_share": 0.25,
+    }
     assert all(len(source) > 40 for source in sources.values())
     h200 = load_profile("h200")
-    assert (h200.price_per_device_hour_usd, h200.purchase_price_usd, h200.power_kw) == (3.79, 32000, 1.275)
+    assert (h200.price_per_device_hour_usd, h200.purchase_price_usd, h200.power_kw) == (4.59, 32000, 1.275)
 
 
 def test_rent_own_breakeven_and_time_to_train_match_a_hand_calculation(tmp_path):
     assert cost(tmp_path, write(tmp_path, "h200", record())) == 0
     row = json.loads((tmp_path / "out" / "cost.json").read_text())["records"][0]
-    # 10,000 tokens/s per device = 3.6e7 tokens per device-hour; H200 rents at $3.79 an hour
-    assert row["usd_per_million_tokens_rent"] == pytest.approx(3.79 / 36.0)  # 0.10528
+    # 10,000 tokens/s per device = 3.6e7 tokens per device-hour; H200 rents at $4.59 an hour
+    assert row["usd_per_million_tokens_rent"] == pytest.approx(4.59 / 36.0)  # 0.1275
     capex_hour = 32000 * 1.25 / (5 * 8760)  # $0.91324 per device-hour
     energy_hour = 1.275 * 1.58 * 0.0806  # $0.162369 per device-hour
     assert row["capex_usd_per_device_hour"] == pytest.approx(0.913242, rel=1e-5)
     assert row["energy_usd_per_device_hour"] == pytest.approx(0.162369, rel=1e-5)
     assert row["usd_per_million_tokens_own"] == pytest.approx((capex_hour / 0.8 + energy_hour) / 36.0)  # 0.036220
     assert row["usd_per_million_tokens_own"] == pytest.approx(0.036220, rel=1e-4)
-    assert row["breakeven_utilization"] == pytest.approx(capex_hour / (3.79 - energy_hour))
-    assert row["breakeven_utilization"] == pytest.approx(0.25175, rel=1e-4)
+    assert row["breakeven_utilization"] == pytest.approx(capex_hour / (4.59 - energy_hour))
+    assert row["breakeven_utilization"] == pytest.approx(0.206259, rel=1e-4)
     assert row["days_to_train"] == pytest.approx(7.1e12 / 3.6e7 / 128 / 24)  # 64.2 days
-    assert row["cost_to_train_rent_usd"] == pytest.approx(7.1e12 / 3.6e7 * 3.79)  # $747,472
+    assert row["cost_to_train_rent_usd"] == pytest.approx(7.1e12 / 3.6e7 * 4.59)  # $905,250
     names = {path.name for path in (tmp_path / "out").iterdir()}
     assert names == {"cost.json", "cost.md", "usd_per_million_tokens.png", "rent_vs_own.png"}
 
 
 def test_overrides_of_price_budget_and_ownership_change_exactly_their_terms(tmp_path):
     path = write(tmp_path, "h200", record())
-    assert cost(tmp_path, path, "--price", "h200=2.0", "--tokens", "1e12", "--devices", "64",
-                "--own", "utilization=0.5", "--own", "pue=1.1", "--own", "purchase_price_usd.h200=40000") == 0
+    assert (
+        cost(
+            tmp_path,
+            path,
+            "--price",
+            "h200=2.0",
+            "--tokens",
+            "1e12",
+            "--devices",
+            "64",
+            "--own",
+            "utilization=0.5",
+            "--own",
+            "pue=1.1",
+            "--own",
+            "purchase_price_usd.h200=40000",
+        )
+        == 0
+    )
     data = json.loads((tmp_path / "out" / "cost.json").read_text())
     row = data["records"][0]
     capex_hour = 40000 * 1.25 / (5 * 8760)
@@ -130,4 +172,3 @@ def test_the_scaling_view_flags_communication_that_dominates(tmp_path):
     assert by_size[2]["per_device_vs_smallest"] == pytest.approx(0.9) and not by_size[2]["communication_dominates"]
     assert by_size[8]["communication_dominates"] and by_size[8]["comm_share_of_step"] == pytest.approx(0.6)
     assert "communication dominates" in (tmp_path / "out" / "cost.md").read_text()
-

@@ -56,8 +56,9 @@ def test_an_environment_is_found_by_path_too_and_its_digest_follows_its_definiti
 )
 def test_the_judging_profile_follows_what_the_move_changes(source, target, profile, named, stdlib_dataset):
     a, b = load_environment(source), load_environment(target)
-    chosen, reason = judging_profile(a.run_config(_base(stdlib_dataset)), a.nproc,
-                                     b.run_config(_base(stdlib_dataset)), b.nproc)
+    chosen, reason = judging_profile(
+        a.run_config(_base(stdlib_dataset)), a.nproc, b.run_config(_base(stdlib_dataset)), b.nproc
+    )
     assert chosen == profile and named in reason
 
 
@@ -96,8 +97,22 @@ BAD = {
 def test_bad_environment_input_exits_2_naming_it_and_records_nothing(case, tmp_path, capsys):
     make, culprit = BAD[case]
     spec = make(tmp_path)
-    code = main(["rehearse", str(REPO / "configs" / "tiny.yaml"), "--from", "cpu", "--to", spec, "--steps", "4",
-                 "--dir", str(tmp_path / "work"), "--history", str(tmp_path / "history")])
+    code = main(
+        [
+            "rehearse",
+            str(REPO / "configs" / "tiny.yaml"),
+            "--from",
+            "cpu",
+            "--to",
+            spec,
+            "--steps",
+            "4",
+            "--dir",
+            str(tmp_path / "work"),
+            "--history",
+            str(tmp_path / "history"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     assert culprit in err and err.startswith("ferry: error:")
@@ -114,8 +129,21 @@ def test_bad_environment_input_exits_2_naming_it_and_records_nothing(case, tmp_p
     ],
 )
 def test_bad_rehearsal_options_exit_2(argv, culprit, tmp_path, capsys):
-    code = main(["rehearse", str(REPO / "configs" / "tiny.yaml"), "--from", "cpu", "--to", "cpu", *argv,
-                 "--dir", str(tmp_path / "work"), "--history", str(tmp_path / "history")])
+    code = main(
+        [
+            "rehearse",
+            str(REPO / "configs" / "tiny.yaml"),
+            "--from",
+            "cpu",
+            "--to",
+            "cpu",
+            *argv,
+            "--dir",
+            str(tmp_path / "work"),
+            "--history",
+            str(tmp_path / "history"),
+        ]
+    )
     assert code == 2
     assert culprit in capsys.readouterr().err
     assert not (tmp_path / "history").exists()
@@ -125,8 +153,19 @@ def test_a_non_empty_rehearsal_directory_is_never_overwritten(tmp_path, capsys):
     work = tmp_path / "work"
     work.mkdir()
     (work / "keep.txt").write_text("earlier results")
-    code = main(["rehearse", str(REPO / "configs" / "tiny.yaml"), "--from", "cpu", "--to", "cpu",
-                 "--dir", str(work), "--history", str(tmp_path / "history")])
+    code = main(
+        [
+            "rehearse",
+            str(REPO / "configs" / "tiny.yaml"),
+            "--from",
+            "cpu",
+            "--to",
+            "cpu",
+            "--dir",
+            str(work),
+            "--history",
+            str(tmp_path / "history"),
+        ]
+    )
     assert code == 2 and "not empty" in capsys.readouterr().err
     assert (work / "keep.txt").read_text() == "earlier results"
-

@@ -18,7 +18,11 @@ from ferry.portability.history import REHEARSALS, read_records
 
 from conftest import REPO, TINY_RUN
 
-STEPS, SWITCH = ["--steps", "20"], ["--switch-at", "10"]
+# windows long enough to prove a move under each profile (tolerances.yaml min_steps: same-hardware 25,
+# cross-accelerator 50), and a short one that can only be inconclusive
+LAYOUT = ["--steps", "35", "--switch-at", "25"]
+PRECISION = ["--steps", "60", "--switch-at", "50"]
+SHORT = ["--steps", "20", "--switch-at", "10"]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,7 @@ def _history(space):
 def ep2_to_cpu(space):
     """The layout move: two ranks with experts split and ZeRO-1, resumed on one rank."""
     work = space["root"] / "ep2-to-cpu"
-    code = _rehearse(space, space["config"], "--from", "cpu-ep2", "--to", "cpu", *STEPS, *SWITCH, "--dir", str(work))
+    code = _rehearse(space, space["config"], "--from", "cpu-ep2", "--to", "cpu", *LAYOUT, "--dir", str(work))
     return code, json.loads((work / "verdict.json").read_text()), work
 
 
@@ -54,9 +58,9 @@ def test_a_layout_move_passes_under_same_hardware_with_its_state_carried(ep2_to_
     assert code == 0 and record["passed"] and record["verdict"] == "PASS"
     assert record["profile"] == "same-hardware" and "parallel.ep" in record["profile_reason"]
     resumed, scratch = record["comparisons"]["resumed"], record["comparisons"]["scratch"]
-    assert (resumed["first_step"], resumed["last_step"], resumed["steps_compared"]) == (11, 20, 10)
-    assert (scratch["first_step"], scratch["last_step"]) == (1, 10)
-    assert record["worst"]["step"] in range(1, 21)
+    assert (resumed["first_step"], resumed["last_step"], resumed["steps_compared"]) == (26, 35, 10)
+    assert (scratch["first_step"], scratch["last_step"]) == (1, 25)
+    assert record["worst"]["max_abs_diff_step"] in range(1, 36) and record["conclusive"]
     carried = record["carried"]
     for part in ("weights", "optimizer", "data_cursor", "schedule"):
         assert carried[part].startswith("carried"), part
@@ -68,7 +72,7 @@ def test_a_layout_move_passes_under_same_hardware_with_its_state_carried(ep2_to_
     source_run = json.loads((work / "source" / "run.json").read_text())
     assert source_run["layout"] == {"world_size": 2, "ep_degree": 2, "mode": "ep"}
     assert source_run["config"]["optim"]["zero"] is True
-    assert (work / "bundle" / "checkpoint" / "step-00000010" / "manifest.json").is_file()
+    assert (work / "bundle" / "checkpoint" / "step-00000025" / "manifest.json").is_file()
     assert record in _history(space)
 
 
@@ -76,7 +80,7 @@ def test_a_layout_move_passes_under_same_hardware_with_its_state_carried(ep2_to_
 def cpu_to_bf16(space):
     work = space["root"] / "cpu-to-bf16"
     code = _rehearse(
-        space, space["config"], "--from", "cpu", "--to", "cpu-bf16-portable", *STEPS, *SWITCH, "--dir", str(work)
+        space, space["config"], "--from", "cpu", "--to", "cpu-bf16-portable", *PRECISION, "--dir", str(work)
     )
     return code, json.loads((work / "verdict.json").read_text())
 
@@ -94,15 +98,26 @@ def test_a_precision_and_kernel_move_passes_under_cross_accelerator(cpu_to_bf16)
 def bundle(space):
     """The source half on its own, written as a bundle."""
     out = space["root"] / "machine-a" / "bundle"
-    code = main(["rehearse", "start", space["config"], "--from", "cpu", "--out", str(out), *STEPS, *SWITCH])
+    code = main(["rehearse", "start", space["config"], "--from", "cpu", "--out", str(out), *PRECISION])
     assert code == 0
     return out
 
 
 def test_start_and_finish_in_two_directories_give_the_one_machine_verdict(bundle, cpu_to_bf16, space):
     work = space["root"] / "machine-b" / "finish"
-    code = main(["rehearse", "finish", str(bundle), "--to", "cpu-bf16-portable", "--dir", str(work),
-                 "--history", str(space["history"])])
+    code = main(
+        [
+            "rehearse",
+            "finish",
+            str(bundle),
+            "--to",
+            "cpu-bf16-portable",
+            "--dir",
+            str(work),
+            "--history",
+            str(space["history"]),
+        ]
+    )
     split = json.loads((work / "verdict.json").read_text())
     _, together = cpu_to_bf16
     assert code == 0 and split["passed"]
@@ -121,8 +136,20 @@ def test_a_target_that_changes_the_learning_rate_by_20_percent_fails(space, caps
     target.write_text(yaml.safe_dump(cpu))
     work = space["root"] / "lr"
     before = len(_history(space))
-    code = _rehearse(space, space["config"], "--from", "cpu", "--to", str(target), "--steps", "60",
-                     "--switch-at", "30", "--dir", str(work))
+    code = _rehearse(
+        space,
+        space["config"],
+        "--from",
+        "cpu",
+        "--to",
+        str(target),
+        "--steps",
+        "60",
+        "--switch-at",
+        "30",
+        "--dir",
+        str(work),
+    )
     record = json.loads((work / "verdict.json").read_text())
     assert code == 1 and not record["passed"] and record["verdict"] == "FAIL"
     assert record["profile"] == "cross-accelerator" and "optim.lr" in record["profile_reason"]
@@ -132,10 +159,11 @@ def test_a_target_that_changes_the_learning_rate_by_20_percent_fails(space, caps
 
 
 def test_h100_to_mi300x_numerics_rehearses_fp8_in_both_variants(space):
+    """A short window: it runs both FP8 variants and records the verdict, which proves nothing yet."""
     work = space["root"] / "fp8"
-    _rehearse(space, space["config"], "--from", "h100-numerics", "--to", "mi300x-numerics", *STEPS, *SWITCH,
-              "--dir", str(work))
+    _rehearse(space, space["config"], "--from", "h100-numerics", "--to", "mi300x-numerics", *SHORT, "--dir", str(work))
     record = json.loads((work / "verdict.json").read_text())
+    assert record["conclusive"] is False and "shorter than the 50" in record["inconclusive_reason"]
     source = json.loads((work / "source" / "run.json").read_text())["precision"]
     target = json.loads((work / "target-resumed" / "run.json").read_text())["precision"]
     assert source["experts_formats"]["forward"] == "torch.float8_e4m3fn" and source["experts_mode"] == "emulated"
@@ -152,17 +180,47 @@ def _tampered(bundle, tmp_path, change):
 
 
 def _flip_a_byte(copy):
-    tensor = next((copy / "checkpoint" / "step-00000010").glob("model-*.safetensors"))
+    tensor = next((copy / "checkpoint" / "step-00000050").glob("model-*.safetensors"))
     data = bytearray(tensor.read_bytes())
     data[-1] ^= 0xFF
     tensor.write_bytes(bytes(data))
 
 
+def _edit(copy, change):
+    description = json.loads((copy / "bundle.json").read_text())
+    change(description)
+    (copy / "bundle.json").write_text(json.dumps(description))
+
+
+def _forge_lr(description):
+    """Change the learning rate and write a matching config digest: only the reference config tells."""
+    from ferry.portability.bundle import config_digest
+
+    description["config"]["resolved"]["optim"]["lr"] = 1e-2
+    description["config"]["digest"] = config_digest(description["config"]["resolved"])
+
+
 BAD_BUNDLES = {
-    "a flipped byte": (_flip_a_byte, "tampered with or damaged: checkpoint/step-00000010/model"),
+    "a flipped byte": (_flip_a_byte, "tampered with or damaged: checkpoint/step-00000050/model"),
     "a missing file": (lambda c: (c / "reference" / "metrics.jsonl").unlink(), "incomplete: reference/metrics.jsonl"),
-    "an extra file": (lambda c: (c / "checkpoint" / "step-00000010" / "extra.safetensors").write_bytes(b"x"),
-                      "holds files no digest lists: checkpoint/step-00000010/extra.safetensors"),
+    "an extra file": (
+        lambda c: (c / "checkpoint" / "step-00000050" / "extra.safetensors").write_bytes(b"x"),
+        "holds files no digest lists: checkpoint/step-00000050/extra.safetensors",
+    ),
+    "a changed learning rate in bundle.json": (
+        lambda c: _edit(c, lambda d: d["config"]["resolved"]["optim"].update(lr=1e-2)),
+        "its resolved config does not match its digest",
+    ),
+    "a forged config digest": (lambda c: _edit(c, _forge_lr), "does not describe the run its reference config records"),
+    "a step count that is text": (
+        lambda c: _edit(c, lambda d: d.update(steps="60")),
+        "bundle.json is malformed at steps",
+    ),
+    "data that is not a list": (
+        lambda c: _edit(c, lambda d: d.update(data="stdlib")),
+        "bundle.json is malformed at data",
+    ),
+    "another switch step": (lambda c: _edit(c, lambda d: d.update(switch_at=40)), "its checkpoint is of step 50"),
     "no bundle.json": (lambda c: (c / "bundle.json").unlink(), "not a rehearsal bundle"),
 }
 
@@ -172,8 +230,19 @@ def test_a_damaged_bundle_is_refused_and_nothing_is_recorded(case, bundle, space
     change, message = BAD_BUNDLES[case]
     copy = _tampered(bundle, tmp_path, change)
     before = len(_history(space))
-    code = main(["rehearse", "finish", str(copy), "--to", "cpu", "--dir", str(tmp_path / "work"),
-                 "--history", str(space["history"])])
+    code = main(
+        [
+            "rehearse",
+            "finish",
+            str(copy),
+            "--to",
+            "cpu",
+            "--dir",
+            str(tmp_path / "work"),
+            "--history",
+            str(space["history"]),
+        ]
+    )
     assert code == 2
     assert message in capsys.readouterr().err
     assert len(_history(space)) == before
@@ -191,8 +260,20 @@ def test_a_target_of_another_model_or_data_is_refused(override, message, bundle,
     if "{other}" in override:
         prepare_dataset(PrepareSpec(embedded="stdlib", embedded_max_bytes=100_000, vocab_size=300), other)
     before = len(_history(space))
-    code = main(["rehearse", "finish", str(bundle), "--to", "cpu", override.format(other=other), "--dir",
-                 str(tmp_path / "work"), "--history", str(space["history"])])
+    code = main(
+        [
+            "rehearse",
+            "finish",
+            str(bundle),
+            "--to",
+            "cpu",
+            override.format(other=other),
+            "--dir",
+            str(tmp_path / "work"),
+            "--history",
+            str(space["history"]),
+        ]
+    )
     assert code == 2
     assert message in capsys.readouterr().err
     assert len(_history(space)) == before
@@ -205,7 +286,44 @@ def test_the_report_lists_exactly_the_paths_that_passed(ep2_to_cpu, cpu_to_bf16,
     alternatives = json.loads((tmp_path / "report" / "report.json").read_text())["alternatives"]
     latest = {}
     for record in _history(space):
-        latest[(record["source"]["name"], record["target"]["name"])] = record["passed"]
+        latest[(record["source"]["name"], record["target"]["name"])] = record["passed"] and record["conclusive"]
     proven = {(row["source"], row["target"]) for row in alternatives if row["status"] == "proven"}
     assert proven == {path for path, passed in latest.items() if passed}
-    assert ("cpu-ep2", "cpu") in proven and ("cpu", "cpu-lr-x1.2") not in proven
+    assert ("cpu-ep2", "cpu") in proven and ("cpu", "cpu-bf16-portable") in proven
+    assert ("cpu", "cpu-lr-x1.2") not in proven and ("h100-numerics", "mi300x-numerics") not in proven
+
+
+def test_finish_elsewhere_with_the_data_at_another_path_is_judged_as_here(bundle, cpu_to_bf16, space, tmp_path):
+    moved = tmp_path / "data-elsewhere"
+    shutil.copytree(json.loads((bundle / "bundle.json").read_text())["data"][0]["path"], moved)
+    work = tmp_path / "finish"
+    assert (
+        main(
+            [
+                "rehearse",
+                "finish",
+                str(bundle),
+                "--to",
+                "cpu-bf16-portable",
+                f"data.sources.0.path={moved}",
+                "--dir",
+                str(work),
+                "--history",
+                str(tmp_path / "history"),
+            ]
+        )
+        == 0
+    )
+    record = json.loads((work / "verdict.json").read_text())
+    _, together = cpu_to_bf16
+    assert record["profile"] == together["profile"] and record["config"]["digest"] == together["config"]["digest"]
+    assert record["finish_overrides"] == [f"data.sources.0.path={moved}"]
+    assert record["comparisons"]["resumed"]["max_abs_diff"] == together["comparisons"]["resumed"]["max_abs_diff"]
+
+
+def test_rehearse_help_and_options_before_the_config(capsys):
+    assert main(["rehearse", "--help"]) == 0
+    assert "ferry rehearse start" in capsys.readouterr().out
+    assert main(["rehearse"]) == 2
+    assert main(["rehearse", "--from", "cpu", "--to", "nowhere", str(REPO / "configs" / "tiny.yaml")]) == 2
+    assert "'nowhere' is neither a file nor a known environment" in capsys.readouterr().err

@@ -17,9 +17,11 @@ from ferry.config import UserError
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and not hasattr(args, "overrides"):
+    if extra and hasattr(args, "argv"):  # a command that parses its own arguments (`rehearse` and its forms)
+        args.argv = [*extra, *args.argv]
+    elif extra and not hasattr(args, "overrides"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra:  # overrides written after an option such as --nproc
+    elif extra:  # overrides written after an option such as --nproc
         args.overrides = [*args.overrides, *extra]
     try:
         return args.handler(args)

@@ -25,17 +25,22 @@ mi300x-numerics, cuda). Exit code 0: PASS, 1: FAIL, 2: bad input (nothing record
 def add_portability_commands(subparsers: argparse._SubParsersAction) -> None:
     """Register `rehearse` and `report` on the `ferry` command's sub-parsers."""
     rehearse = subparsers.add_parser(
-        "rehearse", add_help=False, help="prove a move between environments: train, checkpoint, resume, judge",
+        "rehearse",
+        add_help=False,
+        help="prove a move between environments: train, checkpoint, resume, judge",
     )
     rehearse.add_argument("argv", nargs=argparse.REMAINDER)
     rehearse.set_defaults(handler=_rehearse)
 
     bench = subparsers.add_parser(
-        "bench", help="measure a benchmark suite here (same model, same token values, same weights everywhere)",
+        "bench",
+        help="measure a benchmark suite here (same model, same token values, same weights everywhere)",
         description="Exit code 0 with a record written, 1 when the measurement failed, 2 on bad input.",
     )
     bench.add_argument("suite", help="a suite file or the name of one in benchmarks/suites/ (moe-tiny, ...)")
-    bench.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. kernels.policy=portable")
+    bench.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. kernels.policy=portable"
+    )
     bench.add_argument("--device", choices=["cpu", "cuda", "auto"], default=None, help="default: the suite's")
     bench.add_argument("--nproc", type=int, default=None, help="local ranks (default: the suite's)")
     bench.add_argument("--out", required=True, help="the JSON record to write")
@@ -43,24 +48,37 @@ def add_portability_commands(subparsers: argparse._SubParsersAction) -> None:
     bench.set_defaults(handler=_bench)
 
     cost = subparsers.add_parser(
-        "cost", help="turn bench records into $ per million tokens and time to train, rented and owned",
+        "cost",
+        help="turn bench records into $ per million tokens and time to train, rented and owned",
         description="Refuses records of different suites or inputs (exit 2).",
     )
     cost.add_argument("records", nargs="+", help="JSON records written by `ferry bench` (same suite, same inputs)")
     cost.add_argument("--tokens", type=float, default=None, help="token budget (default 7.1e12, Instella-MoE)")
     cost.add_argument("--devices", type=int, default=None, help="devices to train it on (default 128)")
-    cost.add_argument("--price", action="append", default=[], metavar="PROFILE=USD_PER_HOUR",
-                      help="rent per device-hour for a hardware profile (repeatable)")
-    cost.add_argument("--own", action="append", default=[], metavar="KEY=VALUE",
-                      help="owned-hardware assumption: depreciation_years, pue, electricity_usd_per_kwh, "
-                      "utilization, system_share, purchase_price_usd.PROFILE, power_kw.PROFILE (repeatable)")
+    cost.add_argument(
+        "--price",
+        action="append",
+        default=[],
+        metavar="PROFILE=USD_PER_HOUR",
+        help="rent per device-hour for a hardware profile (repeatable)",
+    )
+    cost.add_argument(
+        "--own",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="owned-hardware assumption: depreciation_years, pue, electricity_usd_per_kwh, "
+        "utilization, system_share, purchase_price_usd.PROFILE, power_kw.PROFILE (repeatable)",
+    )
     cost.add_argument("--out", required=True, help="directory for cost.json, cost.md and the charts")
     cost.set_defaults(handler=_cost)
 
     report = subparsers.add_parser(
         "report", help="the portability report (md, json, self-contained html, png) from the rehearsal history"
     )
-    report.add_argument("--history", default="runs/portability", help="portability directory (default runs/portability)")
+    report.add_argument(
+        "--history", default="runs/portability", help="portability directory (default runs/portability)"
+    )
     report.add_argument("--out", required=True, help="directory to write report.md, report.json, report.html into")
     report.add_argument(
         "--fresh-days", type=int, default=90, help="a passing rehearsal proves a path for this many days (default 90)"
@@ -73,7 +91,7 @@ def _rehearse(args: argparse.Namespace) -> int:
 
     argv = list(args.argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_FORMS)
+        print(_FORMS, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     form = argv[0] if argv[0] in ("start", "finish") else "rehearse"
     parser = _parser(form)
@@ -81,19 +99,40 @@ def _rehearse(args: argparse.Namespace) -> int:
     overrides = [*getattr(options, "overrides", []), *extra]
     unknown = [item for item in overrides if "=" not in item]
     if unknown:
-        raise UserError(f"ferry rehearse {form}: unrecognized arguments: {' '.join(unknown)}")
+        raise UserError(f"{parser.prog}: unrecognized arguments: {' '.join(unknown)}")
     try:
         if form == "start":
-            start(options.config, overrides, options.source, options.out, steps=options.steps,
-                  switch_at=options.switch_at, work_dir=options.dir)
+            start(
+                options.config,
+                overrides,
+                options.source,
+                options.out,
+                steps=options.steps,
+                switch_at=options.switch_at,
+                work_dir=options.dir,
+            )
             return 0
         if form == "finish":
-            result = finish(options.bundle, options.target, overrides, work_dir=options.dir, profile=options.profile,
-                            history_dir=options.history)
+            result = finish(
+                options.bundle,
+                options.target,
+                overrides,
+                work_dir=options.dir,
+                profile=options.profile,
+                history_dir=options.history,
+            )
         else:
-            result = rehearse(options.config, overrides, options.source, options.target, steps=options.steps,
-                              switch_at=options.switch_at, work_dir=options.dir, profile=options.profile,
-                              history_dir=options.history)
+            result = rehearse(
+                options.config,
+                overrides,
+                options.source,
+                options.target,
+                steps=options.steps,
+                switch_at=options.switch_at,
+                work_dir=options.dir,
+                profile=options.profile,
+                history_dir=options.history,
+            )
     except RehearsalError as exc:
         print(f"ferry: rehearse: {exc}", file=sys.stderr)
         return 1
@@ -115,7 +154,8 @@ def _parser(form: str) -> argparse.ArgumentParser:
     if form != "start":
         parser.add_argument("--to", dest="target", required=True, metavar="ENV", help="the target environment")
         parser.add_argument(
-            "--profile", default=None,
+            "--profile",
+            default=None,
             help="tolerance profile (default: same-hardware when only layout, kernels or collectives differ, "
             "else cross-accelerator)",
         )
@@ -143,8 +183,9 @@ def _bench(args: argparse.Namespace) -> int:
 def _cost(args: argparse.Namespace) -> int:
     from ferry.portability.cost_report import write_cost
 
-    result = write_cost(args.records, args.out, tokens=args.tokens, devices=args.devices, prices=args.price,
-                        own=args.own)
+    result = write_cost(
+        args.records, args.out, tokens=args.tokens, devices=args.devices, prices=args.price, own=args.own
+    )
     for path in result.written:
         print(f"ferry: wrote {path}")
     return 0

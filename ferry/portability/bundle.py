@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from ferry.config import UserError
 from ferry.data import MixedLoader
 from ferry.platform.fingerprint import code_version
-from ferry.portability.environment import Environment
+from ferry.portability.environment import Environment, without_locations
 from ferry.portability.legs import LegResult
 from ferry.train.config import RunConfig
 from ferry.train.run_record import CONFIG_NAME, METRICS_NAME, RUN_RECORD_NAME
@@ -40,6 +42,53 @@ BUNDLE_VERSION = 1
 REFERENCE_DIR = "reference"
 CHECKPOINT_DIR = "checkpoint"
 _REQUIRED = ("format", "version", "config", "source", "steps", "switch_at", "checkpoint", "data", "files")
+
+
+class _Open(BaseModel):
+    """A record that may carry more than ferry reads of it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class _FileDigest(_Open):
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int = Field(ge=0)
+
+
+class _Shard(_Open):
+    file: str
+    sha256: str
+
+
+class _DataSource(_Open):
+    name: str
+    tokenizer_sha256: str
+    shards: list[_Shard]
+
+
+class _Config(_Open):
+    name: str
+    resolved: dict[str, Any]
+    digest: str
+
+
+class _Source(_Open):
+    definition: dict[str, Any]
+    digest: str
+
+
+class BundleDescription(_Open):
+    """What `bundle.json` must hold, with the types ferry relies on."""
+
+    format: str
+    version: int
+    config: _Config
+    source: _Source
+    steps: int = Field(ge=2)
+    switch_at: int = Field(ge=1)
+    checkpoint: str = Field(pattern=r"^checkpoint/step-\d{8}$")
+    data: list[_DataSource]
+    files: dict[str, _FileDigest]
 
 
 @dataclass(frozen=True)
@@ -78,10 +127,9 @@ class Bundle:
 
 
 def config_digest(resolved: dict[str, Any]) -> str:
-    """sha256 of a resolved run config without the keys that only say where a run is written."""
-    kept = {key: value for key, value in resolved.items() if key not in ("resume",)}
-    kept["run"] = {key: value for key, value in resolved.get("run", {}).items() if key not in ("dir", "overwrite")}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+    """sha256 of a resolved run config without what only says where things lie: where the run is written
+    and where its datasets are (their content is checked by digest, wherever they are)."""
+    return hashlib.sha256(json.dumps(without_locations(resolved), sort_keys=True).encode()).hexdigest()
 
 
 def write_bundle(
@@ -137,7 +185,8 @@ def write_bundle(
 
 
 def read_bundle(path: str | Path) -> Bundle:
-    """Open and check a bundle whole: format, completeness, every file against its digest."""
+    """Open and check a bundle whole: format, completeness, every file against its digest, and that
+    `bundle.json` agrees with itself (config and environment digests, switch step and checkpoint)."""
     path = Path(path)
     manifest = path / BUNDLE_FILE
     if not manifest.is_file():
@@ -155,23 +204,67 @@ def read_bundle(path: str | Path) -> Bundle:
     missing_keys = [key for key in _REQUIRED if key not in content]
     if missing_keys:
         raise UserError(f"bundle {str(path)!r} is incomplete: {BUNDLE_FILE} lacks {', '.join(missing_keys)}")
-    listed: dict[str, dict] = content["files"]
-    needed = [f"{content['checkpoint']}/manifest.json", *(f"{REFERENCE_DIR}/{name}" for name in
-                                                          (METRICS_NAME, RUN_RECORD_NAME, CONFIG_NAME))]
+    try:
+        description = BundleDescription.model_validate(content)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise UserError(f"bundle {str(path)!r}: {BUNDLE_FILE} is malformed at {where}: {first['msg']}") from None
+    _check_files(path, description)
+    _check_consistent(path, description)
+    return Bundle(path, content)
+
+
+def _check_files(path: Path, description: BundleDescription) -> None:
+    listed = description.files
+    needed = [
+        f"{description.checkpoint}/manifest.json",
+        *(f"{REFERENCE_DIR}/{name}" for name in (METRICS_NAME, RUN_RECORD_NAME, CONFIG_NAME)),
+    ]
     unlisted = [name for name in needed if name not in listed]
     if unlisted:
         raise UserError(f"bundle {str(path)!r} is incomplete: it lists no {', '.join(unlisted)}")
+    root = path.resolve()
     for name, expected in listed.items():
         file = path / name
+        if not file.resolve().is_relative_to(root):
+            raise UserError(f"bundle {str(path)!r} was tampered with: it lists {name!r}, outside the bundle")
         if not file.is_file():
             raise UserError(f"bundle {str(path)!r} is incomplete: {name} is missing")
-        if _file_digest(file) != expected:
+        if _file_digest(file) != expected.model_dump(include={"sha256", "bytes"}):
             raise UserError(f"bundle {str(path)!r} was tampered with or damaged: {name} does not match its sha256")
     present = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {BUNDLE_FILE}
     extra = sorted(present - set(listed))
     if extra:
-        raise UserError(f"bundle {str(path)!r} was tampered with: it holds files no digest lists: {', '.join(extra[:5])}")
-    return Bundle(path, content)
+        raise UserError(
+            f"bundle {str(path)!r} was tampered with: it holds files no digest lists: {', '.join(extra[:5])}"
+        )
+
+
+def _check_consistent(path: Path, description: BundleDescription) -> None:
+    """bundle.json's own figures against its digests and against the digest-checked files."""
+    from ferry.checkpoint import read_manifest
+
+    if config_digest(description.config.resolved) != description.config.digest:
+        raise UserError(f"bundle {str(path)!r} was tampered with: its resolved config does not match its digest")
+    try:
+        source = Environment.model_validate(description.source.definition)
+    except ValidationError as exc:
+        raise UserError(
+            f"bundle {str(path)!r}: its source environment is malformed: {exc.errors()[0]['msg']}"
+        ) from None
+    if source.digest != description.source.digest:
+        raise UserError(f"bundle {str(path)!r} was tampered with: its source environment does not match its digest")
+    if description.switch_at >= description.steps:
+        raise UserError(
+            f"bundle {str(path)!r}: switch step {description.switch_at} is not before step {description.steps}"
+        )
+    step = read_manifest(path / description.checkpoint).step
+    if step != description.switch_at:
+        raise UserError(
+            f"bundle {str(path)!r} was tampered with: its checkpoint is of step {step}, the switch step says "
+            f"{description.switch_at}"
+        )
 
 
 def check_compatible(bundle: Bundle, config: RunConfig) -> None:
@@ -194,10 +287,9 @@ def check_compatible(bundle: Bundle, config: RunConfig) -> None:
         )
     for index, (name, source) in enumerate(here.items()):
         theirs = recorded[name]
-        same = (
-            source["tokenizer_sha256"] == theirs["tokenizer_sha256"]
-            and [shard["sha256"] for shard in source["shards"]] == [shard["sha256"] for shard in theirs["shards"]]
-        )
+        same = source["tokenizer_sha256"] == theirs["tokenizer_sha256"] and [
+            shard["sha256"] for shard in source["shards"]
+        ] == [shard["sha256"] for shard in theirs["shards"]]
         if not same:
             raise UserError(
                 f"data source {name!r} at {source['path']!r} is not the dataset the source trained on (its shard or "

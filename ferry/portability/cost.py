@@ -119,7 +119,9 @@ def read_records(paths: list[str | Path]) -> list[tuple[Path, dict]]:
         if not isinstance(record, dict) or record.get("kind") != RECORD_KIND:
             raise UserError(f"{str(path)!r} is not a `ferry bench` record")
         if record.get("version") != RECORD_VERSION:
-            raise UserError(f"record {str(path)!r} is version {record.get('version')!r}; this ferry reads {RECORD_VERSION}")
+            raise UserError(
+                f"record {str(path)!r} is version {record.get('version')!r}; this ferry reads {RECORD_VERSION}"
+            )
         records.append((path, record))
     return records
 
@@ -145,7 +147,8 @@ def cost_record(path: Path, record: dict, inputs: CostInputs) -> dict:
     if not per_device or per_device <= 0:
         raise UserError(f"record {path} has no positive tokens_per_s_per_device")
     tokens_per_hour = per_device * 3600.0
-    rent = inputs.prices.get(profile_name, record["hardware"].get("price_per_device_hour_usd", profile.price_per_device_hour_usd))
+    recorded_rent = record["hardware"].get("price_per_device_hour_usd", profile.price_per_device_hour_usd)
+    rent = inputs.prices.get(profile_name, recorded_rent)
     purchase = inputs.purchase.get(profile_name, profile.purchase_price_usd)
     power = inputs.power.get(profile_name, profile.power_kw)
     capex_hour = purchase * (1 + assumptions.system_share) / (assumptions.depreciation_years * HOURS_PER_YEAR)
@@ -189,15 +192,19 @@ def scaling_view(records: list[tuple[Path, dict]]) -> list[dict]:
     rows = []
     for path, record in records:
         layout = record.get("layout") or {}
-        rows.append({
-            "file": str(path),
-            "device": record["device"],
-            "world_size": layout.get("world_size", record["nproc"]),
-            "ep_degree": layout.get("ep_degree", 1),
-            "tokens_per_s_per_device": record["tokens_per_s_per_device"],
-            "comm_compute_ratio": record.get("comm_compute_ratio"),
-            "comm_share_of_step": (record.get("comm_s") or 0.0) / record["step_s"] if record.get("step_s") else None,
-        })
+        rows.append(
+            {
+                "file": str(path),
+                "device": record["device"],
+                "world_size": layout.get("world_size", record["nproc"]),
+                "ep_degree": layout.get("ep_degree", 1),
+                "tokens_per_s_per_device": record["tokens_per_s_per_device"],
+                "comm_compute_ratio": record.get("comm_compute_ratio"),
+                "comm_share_of_step": (record.get("comm_s") or 0.0) / record["step_s"]
+                if record.get("step_s")
+                else None,
+            }
+        )
     if len({(row["world_size"], row["ep_degree"]) for row in rows}) < 2:
         return []
     rows.sort(key=lambda row: (row["device"], row["world_size"], row["ep_degree"]))

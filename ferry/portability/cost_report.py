@@ -56,7 +56,8 @@ def write_cost(
     scaling = scaling_view(records)
     warnings = [
         f"WARNING: {row['file']} was measured on a CPU: its throughput and cost say nothing about any accelerator"
-        for row in costed if row["measured_on_cpu"]
+        for row in costed
+        if row["measured_on_cpu"]
     ]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,13 +70,19 @@ def write_cost(
         "input_digest": first["input_digest"],
         "assumptions": inputs.assumptions.model_dump(),
         "sources": inputs.sources,
-        "overrides": {"rent_usd_per_device_hour": inputs.prices, "purchase_price_usd": inputs.purchase,
-                      "power_kw": inputs.power},
+        "overrides": {
+            "rent_usd_per_device_hour": inputs.prices,
+            "purchase_price_usd": inputs.purchase,
+            "power_kw": inputs.power,
+        },
         "records": costed,
         "scaling": scaling,
         "warnings": warnings,
     }
-    charts = [_cost_chart(costed, out / "usd_per_million_tokens.png"), _rent_vs_own_chart(costed, out / "rent_vs_own.png")]
+    charts = [
+        _cost_chart(costed, out / "usd_per_million_tokens.png"),
+        _rent_vs_own_chart(costed, out / "rent_vs_own.png"),
+    ]
     (out / "cost.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     (out / "cost.md").write_text(render_markdown(data, inputs, [chart.name for chart in charts]), encoding="utf-8")
     result.written = [out / "cost.json", out / "cost.md", *charts]
@@ -88,15 +95,29 @@ def _print(console: Console, data: dict) -> None:
         console.print(f"[bold red]{escape(warning)}[/]")
     assumptions = data["assumptions"]
     table = Table(title=f"{data['suite']}: {assumptions['tokens']:.3g} tokens on {assumptions['devices']} devices")
-    for column in ("record", "tok/s/device", "$/h rent", "$/1M rent", "$/1M own", "break-even util.", "days",
-                   "rent total $", "own total $"):
+    for column in (
+        "record",
+        "tok/s/device",
+        "$/h rent",
+        "$/1M rent",
+        "$/1M own",
+        "break-even util.",
+        "days",
+        "rent total $",
+        "own total $",
+    ):
         table.add_column(column, justify="left" if column == "record" else "right")
     for row in data["records"]:
         table.add_row(
-            escape(row["label"]), f"{row['tokens_per_s_per_device']:,.0f}", f"{row['rent_usd_per_device_hour']:.2f}",
-            f"{row['usd_per_million_tokens_rent']:.4g}", f"{row['usd_per_million_tokens_own']:.4g}",
-            _utilization(row["breakeven_utilization"]), f"{row['days_to_train']:,.1f}",
-            f"{row['cost_to_train_rent_usd']:,.0f}", f"{row['cost_to_train_own_usd']:,.0f}",
+            escape(row["label"]),
+            f"{row['tokens_per_s_per_device']:,.0f}",
+            f"{row['rent_usd_per_device_hour']:.2f}",
+            f"{row['usd_per_million_tokens_rent']:.4g}",
+            f"{row['usd_per_million_tokens_own']:.4g}",
+            _utilization(row["breakeven_utilization"]),
+            f"{row['days_to_train']:,.1f}",
+            f"{row['cost_to_train_rent_usd']:,.0f}",
+            f"{row['cost_to_train_own_usd']:,.0f}",
         )
     console.print(table)
     for row in data["scaling"]:
@@ -130,8 +151,15 @@ def render_markdown(data: dict, inputs: CostInputs, charts: list[str]) -> str:
             f"{_utilization(row['breakeven_utilization'])} | {row['days_to_train']:,.1f} | "
             f"{row['cost_to_train_rent_usd']:,.0f} | {row['cost_to_train_own_usd']:,.0f} |"
         )
-    out += ["", *(f"![{name}]({name})" for name in charts), "", "## Assumptions", "",
-            "| assumption | value | source |", "| --- | ---: | --- |"]
+    out += [
+        "",
+        *(f"![{name}]({name})" for name in charts),
+        "",
+        "## Assumptions",
+        "",
+        "| assumption | value | source |",
+        "| --- | ---: | --- |",
+    ]
     for key, value in assumptions.items():
         out.append(f"| {key} | {value:g} | {' '.join(inputs.sources[key].split())} |")
     out += [
@@ -144,10 +172,14 @@ def render_markdown(data: dict, inputs: CostInputs, charts: list[str]) -> str:
         "at the number of devices given.",
     ]
     if data["scaling"]:
-        out += ["", "## Scaling", "",
-                "| device | world size | EP degree | tokens/s per device | vs the smallest layout | comm/compute | "
-                "communication share of the step | |",
-                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        out += [
+            "",
+            "## Scaling",
+            "",
+            "| device | world size | EP degree | tokens/s per device | vs the smallest layout | comm/compute | "
+            "communication share of the step | |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
         for row in data["scaling"]:
             flag = "**communication dominates**" if row["communication_dominates"] else ""
             out.append(
@@ -177,14 +209,18 @@ def _rent_vs_own_chart(costed: list[dict], path: Path) -> Path:
     for row in costed:
         owned = [owned_usd_per_million_tokens(row, u) for u in utilization]
         line = axes.plot(utilization, owned, label=f"{row['label']}: owned")[0]
-        axes.axhline(row["usd_per_million_tokens_rent"], color=line.get_color(), linestyle="--",
-                     label=f"{row['label']}: rented")
+        axes.axhline(
+            row["usd_per_million_tokens_rent"], color=line.get_color(), linestyle="--", label=f"{row['label']}: rented"
+        )
         breakeven = row["breakeven_utilization"]
         if breakeven is not None and breakeven <= 1.0:
             axes.plot([breakeven], [row["usd_per_million_tokens_rent"]], marker="o", color=line.get_color())
     axes.set_yscale("log")
-    axes.set(xlabel="utilisation of owned devices", ylabel="$ per million tokens",
-             title="Rent against own (dots: break-even utilisation)")
+    axes.set(
+        xlabel="utilisation of owned devices",
+        ylabel="$ per million tokens",
+        title="Rent against own (dots: break-even utilisation)",
+    )
     axes.legend(fontsize="x-small")
     axes.grid(alpha=0.3)
     return save_figure(figure, path)

@@ -18,6 +18,7 @@ whatever the run config they are laid over.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -68,8 +69,14 @@ class Environment(Section):
 
     def as_record(self) -> dict[str, Any]:
         """What the rehearsal history keeps of it: the definition and its digest."""
-        return {"name": self.name, "description": self.description, "nproc": self.nproc,
-                "overrides": self.overrides, "path": self.path, "digest": self.digest}
+        return {
+            "name": self.name,
+            "description": self.description,
+            "nproc": self.nproc,
+            "overrides": self.overrides,
+            "path": self.path,
+            "digest": self.digest,
+        }
 
     @property
     def digest(self) -> str:
@@ -109,7 +116,9 @@ def load_environment(spec: str) -> Environment:
     if not isinstance(raw, dict):
         raise UserError(f"environment file {str(path)!r} must hold a mapping (name, nproc, overrides)")
     if "path" in raw:
-        raise UserError(f"environment file {str(path)!r}: unknown key 'path' (known: name, description, nproc, overrides)")
+        raise UserError(
+            f"environment file {str(path)!r}: unknown key 'path' (known: name, description, nproc, overrides)"
+        )
     try:
         return validate(Environment, {"name": path.stem, **raw, "path": str(path)})
     except ConfigError as exc:
@@ -120,10 +129,14 @@ def judging_profile(source: RunConfig, source_nproc: int, target: RunConfig, tar
     """The tolerance profile a move is judged under, chosen before it runs, and why.
 
     Only the layout, kernels or collectives changed: the numbers differ by summation order,
-    `same-hardware`. Anything else (device, hardware profile, precision): `cross-accelerator`.
+    `same-hardware`. Anything else (device, hardware profile, precision, seed, optimizer):
+    `cross-accelerator`. Where runs are written and where their datasets lie do not count.
     """
-    differing = sorted(_differing_keys(source.model_dump(mode="json"), target.model_dump(mode="json")))
-    differing = [key for key in differing if not key.startswith(("run.", "resume", "train.stop_at"))]
+    differing = sorted(
+        _differing_keys(
+            without_locations(source.model_dump(mode="json")), without_locations(target.model_dump(mode="json"))
+        )
+    )
     other = [key for key in differing if not key.startswith(LAYOUT_KEYS)]
     if other:
         return "cross-accelerator", f"the environments differ in {', '.join(other[:6])}"
@@ -140,3 +153,13 @@ def _differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
             keys += _differing_keys(a.get(key), b.get(key), f"{prefix}{key}.")
         return keys
     return [] if a == b else [prefix.rstrip(".")]
+
+
+def without_locations(resolved: dict[str, Any]) -> dict[str, Any]:
+    """A resolved run config as plain data, less what only says where things lie: run.dir, run.overwrite,
+    resume and the datasets' paths (their content is checked by digest, wherever they are)."""
+    kept = copy.deepcopy({key: value for key, value in resolved.items() if key != "resume"})
+    kept["run"] = {key: value for key, value in kept.get("run", {}).items() if key not in ("dir", "overwrite")}
+    for source in kept.get("data", {}).get("sources", []):
+        source.pop("path", None)
+    return kept

@@ -13,7 +13,6 @@ import json
 import os
 from pathlib import Path
 
-from ferry.metrics.jsonl import read_json_lines
 
 HISTORY_DIR = Path("runs") / "portability"
 REHEARSALS = "rehearsals.jsonl"
@@ -25,17 +24,32 @@ def append_record(history_dir: str | Path, name: str, record: dict) -> Path:
     path = Path(history_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(line)
+    with path.open("a+b") as handle:
+        if handle.tell() and (handle.seek(handle.tell() - 1), handle.read(1))[1] != b"\n":
+            handle.write(b"\n")  # a line torn by a crash stays a line of its own; this record starts a new one
+        handle.write(line.encode("utf-8"))
         handle.flush()
         os.fsync(handle.fileno())
     return path
 
 
-def read_records(history_dir: str | Path, name: str) -> list[tuple[int, dict]]:
+def read_records(history_dir: str | Path, name: str, damaged: list[int] | None = None) -> list[tuple[int, dict]]:
     """Every record of `history_dir/name` with its line number (a report cites it); none when the file is absent.
 
-    A last line cut short by a crash is ignored; a damaged line elsewhere is refused, naming it.
+    A line that is not a JSON object (torn by a crash, or edited) is left out, and its number added to
+    `damaged` for the caller to report: one bad line must not make the rest of the evidence unreadable.
     """
     path = Path(history_dir) / name
-    return read_json_lines(path) if path.exists() else []
+    if not path.exists():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append((number, record))
+        elif damaged is not None and line.strip():
+            damaged.append(number)
+    return records

@@ -74,7 +74,11 @@ class LegResult:
 
 
 def run_leg(
-    name: str, environment: Environment, config: RunConfig, work_dir: Path, say: Callable[[str], None],
+    name: str,
+    environment: Environment,
+    config: RunConfig,
+    work_dir: Path,
+    say: Callable[[str], None],
     steps: int | None = None,
 ) -> LegResult:
     """Train `config` on `environment`'s ranks; its config and log go under `work_dir`.
@@ -98,8 +102,9 @@ def run_leg(
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         returncode = _follow(process, name, config.run.path / METRICS_NAME, steps)
     finished = time.time()
-    result = LegResult(name, environment.name, config.run.path, log, returncode, launched, finished,
-                       _run_record(config.run.path))
+    result = LegResult(
+        name, environment.name, config.run.path, log, returncode, launched, finished, _run_record(config.run.path)
+    )
     if returncode == 2:
         raise UserError(f"the {name} leg on environment {environment.label} refused its input:\n    {result.failure()}")
     state = "done" if result.ok else f"FAILED (exit code {returncode})"

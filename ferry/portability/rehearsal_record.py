@@ -15,8 +15,18 @@ from ferry.portability.compare import Verdict
 def comparison_record(verdict: Verdict | str) -> dict:
     if isinstance(verdict, str):
         return {"passed": False, "failure": verdict}
-    fields = ("passed", "steps_compared", "first_step", "last_step", "max_abs_diff", "max_rel_diff", "worst_step",
-              "first_failing_step", "plot", "verdict_file")
+    fields = (
+        "passed",
+        "steps_compared",
+        "first_step",
+        "last_step",
+        "max_abs_diff",
+        "max_rel_diff",
+        "worst_step",
+        "first_failing_step",
+        "plot",
+        "verdict_file",
+    )
     return {name: getattr(verdict, name) for name in fields}
 
 
@@ -30,8 +40,12 @@ def worst_comparison(comparisons: dict[str, Verdict | str]) -> dict:
         comparisons.items(),
         key=lambda item: float("inf") if item[1].max_rel_diff is None else item[1].max_rel_diff,
     )
-    return {"comparison": name, "max_abs_diff": verdict.max_abs_diff, "max_rel_diff": verdict.max_rel_diff,
-            "step": verdict.worst_step}
+    return {
+        "comparison": name,
+        "max_abs_diff": verdict.max_abs_diff,
+        "max_rel_diff": verdict.max_rel_diff,
+        "max_abs_diff_step": verdict.worst_step,
+    }
 
 
 def portable_on_target(source_ops: dict, target_ops: dict) -> list[dict]:
@@ -51,22 +65,26 @@ def portable_on_target(source_ops: dict, target_ops: dict) -> list[dict]:
         on_source = source_ops.get(op, {}).get("implementation", "portable")
         if on_source != "portable":
             entry = entries.get((op, on_source))
-            rows.append({
-                "op": op,
-                "why": f"ran {on_source} on the source; here: {choice['reason']}",
-                "vendor_implementation": on_source,
-                "ledger_measured_gain": entry.measured_gain if entry else None,
-            })
+            rows.append(
+                {
+                    "op": op,
+                    "why": f"ran {on_source} on the source; here: {choice['reason']}",
+                    "vendor_implementation": on_source,
+                    "ledger_measured_gain": entry.measured_gain if entry else None,
+                }
+            )
             continue
         for (name, key), entry in entries.items():
             status = entry.debt_status(today)
             if name == op and status in ("unmeasured", "expired") and f"{key}: ledger entry" in choice["reason"]:
-                rows.append({
-                    "op": op,
-                    "why": f"{key} is available here, but its ledger entry is {status}",
-                    "vendor_implementation": key,
-                    "ledger_measured_gain": entry.measured_gain,
-                })
+                rows.append(
+                    {
+                        "op": op,
+                        "why": f"{key} is available here, but its ledger entry is {status}",
+                        "vendor_implementation": key,
+                        "ledger_measured_gain": entry.measured_gain,
+                    }
+                )
                 break
     return rows
 
@@ -77,15 +95,22 @@ def summary_lines(record: dict) -> list[str]:
         f"ferry: rehearsal {record['path']} of {record['config']['name']}: {record['verdict']} under "
         f"{record['profile']} ({record['profile_reason']})"
     ]
-    titles = {"resumed": f"resumed at step {record['switch_at']} on the target",
-              "scratch": "from scratch on the target"}
+    if not record["conclusive"]:
+        lines.append(f"  inconclusive: {record['inconclusive_reason']}; `ferry report` does not count it as proof")
+    titles = {
+        "resumed": f"resumed at step {record['switch_at']} on the target",
+        "scratch": "from scratch on the target",
+    }
     for name, comparison in record["comparisons"].items():
         if "failure" in comparison:
             lines.append(f"  {titles[name]}: FAIL, {comparison['failure']}")
             continue
         outcome = "pass" if comparison["passed"] else f"FAIL from step {comparison['first_failing_step']}"
-        deviation = ("a non-finite loss" if comparison["max_abs_diff"] is None else
-                     f"max |diff| {comparison['max_abs_diff']:.3g} (relative {comparison['max_rel_diff']:.3g})")
+        deviation = (
+            "a non-finite loss"
+            if comparison["max_abs_diff"] is None
+            else f"max |diff| {comparison['max_abs_diff']:.3g} (relative {comparison['max_rel_diff']:.3g})"
+        )
         lines.append(
             f"  {titles[name]}: {outcome}, steps {comparison['first_step']}..{comparison['last_step']}, "
             f"{deviation} at step {comparison['worst_step']}"
@@ -95,9 +120,16 @@ def summary_lines(record: dict) -> list[str]:
         lines.append("  carried over: " + "; ".join(f"{part}: {state}" for part, state in carried.items()))
     lead = record["lead_time"]
     lines.append(
-        "  lead time: bundle check " + _seconds(lead["bundle_check_s"]) + ", checkpoint verify "
-        + _seconds(lead["verify_s"]) + " + restore " + _seconds(lead["restore_s"]) + ", first target step "
-        + _seconds(lead["first_step_s"]) + " and resumed run judged " + _seconds(lead["judged_s"])
+        "  lead time: bundle check "
+        + _seconds(lead["bundle_check_s"])
+        + ", checkpoint verify "
+        + _seconds(lead["verify_s"])
+        + " + restore "
+        + _seconds(lead["restore_s"])
+        + ", first target step "
+        + _seconds(lead["first_step_s"])
+        + " and resumed run judged "
+        + _seconds(lead["judged_s"])
         + " after the target half began"
     )
     throughput = record["throughput"]
@@ -107,8 +139,10 @@ def summary_lines(record: dict) -> list[str]:
         f"{_rate(throughput['target_tokens_per_s'])}" + (f" ({ratio:.2f}x)" if ratio else "")
     )
     portable = record["portable_on_target"]
-    lines.append("  portable on the target: " + ("; ".join(
-        f"{row['op']} ({row['why']})" for row in portable) if portable else "no op lost a vendor kernel"))
+    lines.append(
+        "  portable on the target: "
+        + ("; ".join(f"{row['op']} ({row['why']})" for row in portable) if portable else "no op lost a vendor kernel")
+    )
     return lines
 
 

@@ -26,11 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from ferry.config import UserError, apply_overrides
+from ferry.config.loader import validate
 from ferry.platform.fingerprint import code_version
 from ferry.portability.bundle import Bundle, check_compatible, config_digest, read_bundle, write_bundle
 from ferry.portability.compare import Verdict, compare_runs
-from ferry.portability.environment import Environment, judging_profile, load_environment
+from ferry.portability.environment import Environment, judging_profile, load_environment, without_locations
 from ferry.portability.history import HISTORY_DIR, REHEARSALS, append_record
 from ferry.portability.legs import LegResult, run_leg
 from ferry.portability.rehearsal_record import (
@@ -40,7 +43,8 @@ from ferry.portability.rehearsal_record import (
     worst_comparison,
 )
 from ferry.portability.tolerances import tolerance_profile
-from ferry.train.config import load_run_config
+from ferry.train.config import RunConfig, load_run_config
+from ferry.train.run_record import CONFIG_NAME
 
 Say = Callable[[str], None]
 
@@ -183,16 +187,14 @@ def _leg_overrides(work: Path, steps: int, switch_at: int, resume: str) -> dict[
     }
 
 
-def _start(
-    base: dict, source: Environment, steps: int, switch_at: int, work: Path, out: Path, say: Say
-) -> Bundle:
+def _start(base: dict, source: Environment, steps: int, switch_at: int, work: Path, out: Path, say: Say) -> Bundle:
     config = source.run_config(base, _leg_overrides(work, steps, switch_at, resume="")["source"])
-    say(
-        f"ferry: rehearse: source {source.name}: {steps} steps from scratch, switch checkpoint at step {switch_at}"
-    )
+    say(f"ferry: rehearse: source {source.name}: {steps} steps from scratch, switch checkpoint at step {switch_at}")
     leg = run_leg("source", source, config, work, say, steps=steps)
     if not leg.ok:
-        raise RehearsalError(f"the source run on {source.label} failed, so there is nothing to move:\n    {leg.failure()}")
+        raise RehearsalError(
+            f"the source run on {source.label} failed, so there is nothing to move:\n    {leg.failure()}"
+        )
     checkpoint = config.checkpoint.path(config.run.path) / f"step-{switch_at:08d}"
     if not checkpoint.is_dir():
         raise RehearsalError(f"the source run finished without its switch checkpoint {checkpoint}")
@@ -226,11 +228,15 @@ def _finish(
     legs = _leg_overrides(work, bundle.steps, bundle.switch_at, resume=str(bundle.checkpoint.resolve()))
     resumed_config = target.run_config(base, legs["target-resumed"])
     scratch_config = target.run_config(base, legs["target-scratch"])
+    _check_reference(bundle, source, legs["source"])
     check_compatible(bundle, resumed_config)
-    chosen, reason = judging_profile(source.run_config(bundle.base_config), source.nproc, target.run_config(base),
-                                     target.nproc)
+    chosen, reason = judging_profile(
+        source.run_config(bundle.base_config), source.nproc, target.run_config(base), target.nproc
+    )
     if profile is not None:
-        chosen, reason = profile, "given with --profile"
+        chosen, reason = profile, f"given with --profile (ferry would have chosen {chosen}: {reason})"
+    tolerance = tolerance_profile(chosen)
+    conclusive = bundle.switch_at >= tolerance.min_steps
     checked = time.time()
     say(f"ferry: rehearse: {source.name} -> {target.name}, judged under {chosen} ({reason})")
 
@@ -255,11 +261,19 @@ def _finish(
         "config": {"name": bundle.content["config"]["name"], "digest": config_digest(base)},
         "steps": bundle.steps,
         "switch_at": bundle.switch_at,
+        "finish_overrides": list(overrides),
         "profile": chosen,
         "profile_reason": reason,
-        "tolerance": tolerance_profile(chosen).model_dump(),
+        "tolerance": tolerance.model_dump(),
         "verdict": "PASS" if passed else "FAIL",
         "passed": passed,
+        "conclusive": conclusive,
+        "inconclusive_reason": None
+        if conclusive
+        else (
+            f"the from-scratch window of {bundle.switch_at} steps is shorter than the {tolerance.min_steps} that "
+            f"{chosen} needs to tell a real change from drift (ferry/portability/tolerances.yaml)"
+        ),
         "comparisons": {name: comparison_record(verdict) for name, verdict in comparisons.items()},
         "worst": worst_comparison(comparisons),
         "carried": resumed_from.get("carried", {}),
@@ -267,7 +281,8 @@ def _finish(
             "bundle_check_s": checked - started,
             "verify_s": resumed_from.get("verify_s"),
             "restore_s": resumed_from.get("restore_s"),
-            "first_step_s": None if resumed.record.get("first_step_at_unix") is None
+            "first_step_s": None
+            if resumed.record.get("first_step_at_unix") is None
             else resumed.record["first_step_at_unix"] - started,
             "judged_s": judged - started,
         },
@@ -288,6 +303,24 @@ def _finish(
     for line in lines:
         say(line)
     return Rehearsal(passed, record, lines)
+
+
+def _check_reference(bundle: Bundle, source: Environment, source_leg: dict) -> None:
+    """The bundle's config and source environment must be what the source actually ran: its reference
+    config (a digest-checked file) must equal them laid over each other, wherever the runs were written."""
+    reference = validate(RunConfig, yaml.safe_load((bundle.reference / CONFIG_NAME).read_text(encoding="utf-8")))
+    expected = source.run_config(bundle.base_config, source_leg)
+    differing = [
+        key
+        for key in without_locations(expected.model_dump(mode="json"))
+        if without_locations(expected.model_dump(mode="json"))[key]
+        != without_locations(reference.model_dump(mode="json")).get(key)
+    ]
+    if differing:
+        raise UserError(
+            f"bundle {str(bundle.path)!r} was tampered with: its bundle.json does not describe the run its reference "
+            f"config records (they differ in {', '.join(differing)})"
+        )
 
 
 class RehearsalError(Exception):

@@ -39,12 +39,18 @@ def write_report(
     """Read the portability directory and write the report into `out`."""
     history_dir, out = Path(history_dir), Path(out)
     today = today or datetime.date.today()
-    rehearsals = read_records(history_dir, REHEARSALS)
-    benches = read_records(history_dir, KERNEL_BENCH)
+    damaged: dict[str, list[int]] = {REHEARSALS: [], KERNEL_BENCH: []}
+    rehearsals = _usable(
+        read_records(history_dir, REHEARSALS, damaged[REHEARSALS]), _REHEARSAL_KEYS, damaged[REHEARSALS]
+    )
+    benches = _usable(
+        read_records(history_dir, KERNEL_BENCH, damaged[KERNEL_BENCH]), _BENCH_KEYS, damaged[KERNEL_BENCH]
+    )
     out.mkdir(parents=True, exist_ok=True)
     data = {
         "generated_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "history_dir": str(history_dir),
+        "damaged_lines": {name: lines for name, lines in damaged.items() if lines},
         "freshness_days": fresh_days,
         "ferry": code_version(),
         "alternatives": alternatives(rehearsals, today, fresh_days),
@@ -83,8 +89,9 @@ def write_report(
 def alternatives(rehearsals: list[tuple[int, dict]], today: datetime.date, fresh_days: int) -> list[dict]:
     """Every rehearsed path with its status, and every known environment never rehearsed as a target.
 
-    A path is `proven` when its latest rehearsal passed, is at most `fresh_days` old, and
-    neither environment's definition (where its file is known here) changed since.
+    A path is `proven` when its latest rehearsal (by date: histories of several machines may be
+    concatenated) passed over a window long enough for its tolerance profile, is at most
+    `fresh_days` old, and neither environment's definition (where its file is known here) changed since.
     """
     latest: dict[tuple[str, str], tuple[int, dict]] = {}
     for line, record in rehearsals:
@@ -97,36 +104,44 @@ def alternatives(rehearsals: list[tuple[int, dict]], today: datetime.date, fresh
         reasons = []
         if not record["passed"]:
             reasons.append(f"the latest rehearsal failed ({_failure_summary(record)})")
+        elif record.get("conclusive") is False:
+            reasons.append(f"the latest rehearsal passed but proves nothing: {record.get('inconclusive_reason')}")
         if age > fresh_days:
             reasons.append(f"the latest rehearsal is {age} days old, past the {fresh_days}-day freshness window")
         for side in ("source", "target"):
             name, digest = record[side]["name"], record[side].get("digest")
             if name in current and current[name][0] != digest:
                 reasons.append(f"the {side} environment {name!r} has changed since it was rehearsed")
-        rows.append({
-            "source": source,
-            "target": target,
-            "status": "not proven" if reasons else "proven",
-            "last_rehearsed": record["date"],
-            "verdict": record["verdict"],
-            "profile": record["profile"],
-            "worst_rel_diff": record.get("worst", {}).get("max_rel_diff"),
-            "reasons": reasons,
-            "evidence": f"{REHEARSALS} line {line}",
-        })
+        rows.append(
+            {
+                "source": source,
+                "target": target,
+                "status": "not proven" if reasons else "proven",
+                "last_rehearsed": record["date"],
+                "verdict": record["verdict"],
+                "profile": record["profile"],
+                "profile_given": str(record.get("profile_reason", "")).startswith("given with --profile"),
+                "worst_rel_diff": record.get("worst", {}).get("max_rel_diff"),
+                "reasons": reasons,
+                "evidence": f"{REHEARSALS} line {line}",
+            }
+        )
     rehearsed_targets = {target for _, target in latest}
     for name in sorted(set(current) - rehearsed_targets):
-        rows.append({
-            "source": None,
-            "target": name,
-            "status": "not proven",
-            "last_rehearsed": None,
-            "verdict": None,
-            "profile": None,
-            "worst_rel_diff": None,
-            "reasons": ["never rehearsed as a target"],
-            "evidence": f"{current[name][1]} (no rehearsal)",
-        })
+        rows.append(
+            {
+                "source": None,
+                "target": name,
+                "status": "not proven",
+                "last_rehearsed": None,
+                "verdict": None,
+                "profile": None,
+                "profile_given": False,
+                "worst_rel_diff": None,
+                "reasons": ["never rehearsed as a target"],
+                "evidence": f"{current[name][1]} (no rehearsal)",
+            }
+        )
     return rows
 
 
@@ -141,17 +156,19 @@ def lead_times(rehearsals: list[tuple[int, dict]]) -> list[dict]:
         checkpoint = (lead.get("verify_s") or 0.0) + (lead.get("restore_s") or 0.0)
         first = lead.get("first_step_s")
         bundle = lead.get("bundle_check_s") or 0.0
-        rows.append({
-            "path": path,
-            "date": record["date"],
-            **lead,
-            "checkpoint_s": checkpoint,
-            "startup_s": None if first is None else max(first - bundle - checkpoint, 0.0),
-            "training_s": None if first is None else max(lead["judged_s"] - first, 0.0),
-            **record["throughput"],
-            "portable_on_target": record.get("portable_on_target", []),
-            "evidence": f"{REHEARSALS} line {line}",
-        })
+        rows.append(
+            {
+                "path": path,
+                "date": record["date"],
+                **lead,
+                "checkpoint_s": checkpoint,
+                "startup_s": None if first is None else max(first - bundle - checkpoint, 0.0),
+                "training_s": None if first is None else max(lead["judged_s"] - first, 0.0),
+                **record["throughput"],
+                "portable_on_target": record.get("portable_on_target", []),
+                "evidence": f"{REHEARSALS} line {line}",
+            }
+        )
     return rows
 
 
@@ -159,20 +176,27 @@ def debt(today: datetime.date) -> dict:
     """The ledger's entries by status today, with the counts."""
     entries = []
     for entry in load_ledger().entries:
-        entries.append({
-            "op": entry.op,
-            "implementation": f"{entry.implementation}@{entry.platform}",
-            "status": entry.debt_status(today, DEBT_WARNING_DAYS),
-            "owner": entry.owner,
-            "approved": str(entry.approved) if entry.approved else None,
-            "expires": str(entry.expires),
-            "measured_gain": " ".join(entry.measured_gain.split()),
-        })
+        entries.append(
+            {
+                "op": entry.op,
+                "implementation": f"{entry.implementation}@{entry.platform}",
+                "status": entry.debt_status(today, DEBT_WARNING_DAYS),
+                "owner": entry.owner,
+                "approved": str(entry.approved) if entry.approved else None,
+                "expires": str(entry.expires),
+                "measured_gain": " ".join(entry.measured_gain.split()),
+            }
+        )
     counts: dict[str, int] = {}
     for entry in entries:
         counts[entry["status"]] = counts.get(entry["status"], 0) + 1
-    return {"as_of": str(today), "warning_days": DEBT_WARNING_DAYS, "counts": counts, "entries": entries,
-            "source": str(LEDGER_PATH.relative_to(LEDGER_PATH.parents[2]))}
+    return {
+        "as_of": str(today),
+        "warning_days": DEBT_WARNING_DAYS,
+        "counts": counts,
+        "entries": entries,
+        "source": str(LEDGER_PATH.relative_to(LEDGER_PATH.parents[2])),
+    }
 
 
 def overhead(benches: list[tuple[int, dict]]) -> list[dict]:
@@ -181,6 +205,40 @@ def overhead(benches: list[tuple[int, dict]]) -> list[dict]:
     for line, record in benches:
         latest[(record["device"], record.get("dtype", ""))] = (line, record)
     return [{**record, "evidence": f"{KERNEL_BENCH} line {line}"} for line, record in latest.values()]
+
+
+_REHEARSAL_KEYS = (
+    "date",
+    "path",
+    "source",
+    "target",
+    "config",
+    "steps",
+    "switch_at",
+    "profile",
+    "verdict",
+    "passed",
+    "comparisons",
+    "lead_time",
+    "throughput",
+)
+_BENCH_KEYS = ("date", "device", "budget", "ops")
+
+
+def _usable(records: list[tuple[int, dict]], keys: tuple[str, ...], damaged: list[int]) -> list[tuple[int, dict]]:
+    """The records that hold what the report reads, oldest first by date; the others join `damaged`."""
+    kept = []
+    for line, record in records:
+        try:
+            date = datetime.datetime.fromisoformat(record["date"])
+        except (KeyError, TypeError, ValueError):
+            date = None
+        if date is None or any(key not in record for key in keys):
+            damaged.append(line)
+            continue
+        kept.append((date.timestamp(), line, record))
+    damaged.sort()
+    return [(line, record) for _, line, record in sorted(kept, key=lambda item: item[:2])]
 
 
 def _history_row(line: int, record: dict) -> dict:

@@ -4,6 +4,7 @@ with its charts inlined, so the two pages never say different things and the HTM
 from __future__ import annotations
 
 import base64
+import html
 import re
 from pathlib import Path
 
@@ -28,10 +29,15 @@ def render_markdown(data: dict, history_dir: Path) -> str:
     out = [
         "# Portability report",
         "",
-        f"Generated {data['generated_at']} from `{history_dir}` by ferry {code['ferry']} (commit {commit}). "
+        f"Generated {data['generated_at']} from `{_cell(history_dir)}` by ferry {code['ferry']} (commit {commit}). "
         f"Every figure names its evidence: a line of `{REHEARSALS}` or `{KERNEL_BENCH}` in that directory, "
         f"the debt ledger, or the kernel boundary.",
         "",
+        *(
+            f"**Left out: lines {', '.join(map(str, lines))} of `{name}` are not readable records (torn by a crash "
+            "or edited by hand).**\n"
+            for name, lines in data["damaged_lines"].items()
+        ),
         "## Proven alternatives",
         "",
         f"A move from one environment to another is proven when its latest rehearsal (`ferry rehearse`) passed "
@@ -44,10 +50,12 @@ def render_markdown(data: dict, history_dir: Path) -> str:
         "| --- | --- | --- | --- | --- | ---: | --- | --- |",
     ]
     for row in data["alternatives"]:
-        verdict = f"{row['verdict']} under {row['profile']}" if row["verdict"] else "-"
+        given = " (given with --profile)" if row["profile_given"] else ""
+        verdict = f"{row['verdict']} under {row['profile']}{given}" if row["verdict"] else "-"
         out.append(
-            f"| {row['source'] or 'any'} | {row['target']} | **{row['status']}** | {_date(row['last_rehearsed'])} | "
-            f"{verdict} | {_number(row['worst_rel_diff'])} | {'; '.join(row['reasons']) or '-'} | {row['evidence']} |"
+            f"| {_cell(row['source'] or 'any')} | {_cell(row['target'])} | **{row['status']}** | "
+            f"{_date(row['last_rehearsed'])} | {verdict} | {_number(row['worst_rel_diff'])} | "
+            f"{_cell('; '.join(row['reasons']) or '-')} | {_cell(row['evidence'])} |"
         )
     if not data["alternatives"]:
         out.append("| - | - | no rehearsal recorded | - | - | - | - | - |")
@@ -68,10 +76,11 @@ def render_markdown(data: dict, history_dir: Path) -> str:
         for row in data["lead_time"]:
             portable = "; ".join(f"{item['op']} ({item['why']})" for item in row["portable_on_target"]) or "-"
             out.append(
-                f"| {row['path']} | {_seconds(row.get('bundle_check_s'))} | {_seconds(row['checkpoint_s'])} | "
+                f"| {_cell(row['path'])} | {_seconds(row.get('bundle_check_s'))} | {_seconds(row['checkpoint_s'])} | "
                 f"{_seconds(row.get('first_step_s'))} | {_seconds(row.get('judged_s'))} | "
-                f"{_number(row.get('source_tokens_per_s'), ',.0f')} | {_number(row.get('target_tokens_per_s'), ',.0f')} | "
-                f"{_number(row.get('target_over_source'), '.2f')} | {portable} | {row['evidence']} |"
+                f"{_number(row.get('source_tokens_per_s'), ',.0f')} | "
+                f"{_number(row.get('target_tokens_per_s'), ',.0f')} | "
+                f"{_number(row.get('target_over_source'), '.2f')} | {_cell(portable)} | {row['evidence']} |"
             )
     else:
         out.append("No rehearsal recorded yet: run `ferry rehearse CONFIG --from ENV --to ENV`.")
@@ -102,7 +111,10 @@ def render_markdown(data: dict, history_dir: Path) -> str:
         "",
         "| platform | vendor implementations | vendor-specific code lines |",
         "| --- | ---: | ---: |",
-        *(f"| {row['platform']} | {row['vendor_implementations']} | {row['code_lines']} |" for row in data["rewrite_cost"]),
+        *(
+            f"| {row['platform']} | {row['vendor_implementations']} | {row['code_lines']} |"
+            for row in data["rewrite_cost"]
+        ),
         "",
         "## Portability overhead per op",
         "",
@@ -125,15 +137,20 @@ def render_markdown(data: dict, history_dir: Path) -> str:
                     without.setdefault(bench["device"], []).append(op["op"])
                     continue
                 out.append(
-                    f"| {bench['device']} | {op['op']} | {op['portable_seconds'] * 1e3:.2f} | "
+                    f"| {_cell(bench['device'])} | {op['op']} | {op['portable_seconds'] * 1e3:.2f} | "
                     f"{op['fastest_vendor'] or '-'} | {_number(op['portable_loss'], '.1%')} | {op['verdict']} | "
                     f"{_date(bench['date'])} | {bench['evidence']} |"
                 )
         for device, ops in without.items():
-            out += ["", f"On {device} no vendor implementation was measured, so the portable path loses nothing, "
-                    f"for: {', '.join(ops)}."]
+            out += [
+                "",
+                f"On {device} no vendor implementation was measured, so the portable path loses nothing, "
+                f"for: {', '.join(ops)}.",
+            ]
     else:
-        out.append(f"No `ferry kernels bench` figures in `{history_dir}` yet: run `ferry kernels bench` on each device.")
+        out.append(
+            f"No `ferry kernels bench` figures in `{history_dir}` yet: run `ferry kernels bench` on each device."
+        )
     out += ["", "## Rehearsal history", ""]
     if data["history"]:
         out += [
@@ -148,7 +165,8 @@ def render_markdown(data: dict, history_dir: Path) -> str:
         ]
         for row in data["history"]:
             out.append(
-                f"| {_date(row['date'])} | {row['path']} | {row['config']} | {row['steps']} ({row['switch_at']}) | "
+                f"| {_date(row['date'])} | {_cell(row['path'])} | {_cell(row['config'])} | "
+                f"{row['steps']} ({row['switch_at']}) | "
                 f"**{row['verdict']}** | {row['profile']} | {_number(row['worst_rel_diff'])} | "
                 f"{_seconds(row['first_step_s'])} | {_seconds(row['judged_s'])} | "
                 f"{_number(row['target_over_source'], '.2f')} | {row['evidence']} |"
@@ -184,3 +202,9 @@ def _seconds(value: float | None) -> str:
 
 def _number(value: float | None, spec: str = ".3g") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _cell(value) -> str:
+    """Text from a history file (environment, config and path names) as inert markdown: HTML escaped, so a
+    name cannot put markup or a remote reference into the page, and table bars escaped."""
+    return html.escape(str(value)).replace("|", "\\|")

@@ -25,6 +25,7 @@ class ToleranceProfile(Section):
     description: str = Field(min_length=1)
     steps: int = Field(ge=1, description="how many early steps are judged by default")
     window: int = Field(ge=1, description="trailing moving-average window, in steps (1 = raw values)")
+    min_steps: int = Field(ge=1, description="the shortest from-scratch window a rehearsal proves a move with")
     rtol: float = Field(ge=0.0)
     atol: float = Field(ge=0.0)
 

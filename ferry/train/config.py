@@ -67,7 +67,7 @@ class TrainConfig(Section):
         None,
         ge=1,
         description="stop after this step with a checkpoint, as a preempted run would; the schedule still spans "
-        "`steps`, and resume=latest continues the run",
+        "`steps`; resume=latest with stop_at unset (or later) continues the run",
     )
 
     @field_validator("micro_batch")

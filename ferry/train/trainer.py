@@ -186,8 +186,14 @@ class Trainer:
         status = "completed" if self.cursor.step >= config.train.steps else "stopped"
         if record is not None:
             record.finish(status, last_step=last, checkpoints=[str(path) for path in checkpoints.saved])
-        ending = "done" if status == "completed" else f"stopped at step {self.cursor.step}"
-        self.hub.message(f"ferry: {ending} — final loss {last.get('loss', float('nan')):.4f}; run in {run_dir}")
+        if not losses:
+            self.hub.message(
+                f"ferry: nothing to train: the run is at step {self.cursor.step} and stops at {stop_at} "
+                f"(train.steps {config.train.steps}, train.stop_at {config.train.stop_at}); run in {run_dir}"
+            )
+        else:
+            ending = "done" if status == "completed" else f"stopped at step {self.cursor.step}"
+            self.hub.message(f"ferry: {ending} — final loss {last['loss']:.4f}; run in {run_dir}")
         return TrainResult(run_dir, losses, last)
 
     def checkpoint_state(self) -> tuple[dict[str, TensorPiece], CheckpointMeta]:

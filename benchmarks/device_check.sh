@@ -6,6 +6,7 @@
 #      trained on the GPU, resumed on the CPU from its checkpoint and trained there from scratch,
 #      judged against the GPU run; the verdict goes to $out/portability with its lead time,
 #   4. whole training steps with the vendor kernels against the portable path (bfloat16 and FP8),
+#      and the standard suites (`ferry bench moe-tiny` on the GPU, `ferry bench olmoe-1b-7b`) with their cost,
 #   5. checkpoint save and load throughput on the machine's disk.
 # Usage: bash benchmarks/device_check.sh   (writes under $OUT, default runs/device-check)
 # Needs ferry's dependencies importable next to the GPU build of torch; it says which are not.
@@ -42,5 +43,11 @@ ferry rehearse finish "$out/bundle" --to cpu --dir "$out/finish-cpu" --history "
     | tee "$out/rehearsal.txt" || status=1
 ferry report --history "$out/portability" --out "$out/report" || status=1
 "$python" benchmarks/accelerator_training.py --data "$data" 2>&1 | tee "$out/accelerator_training.txt" || status=1
+rm -rf "$out"/bench-*
+for suite in moe-tiny olmoe-1b-7b; do
+    ferry bench "$suite" --device cuda --out "$out/bench-$suite.json" --dir "$out/bench-$suite" 2>&1 \
+        | tee "$out/bench-$suite.txt" || status=1
+    ferry cost "$out/bench-$suite.json" --out "$out/bench-$suite-cost" 2>&1 | tee -a "$out/bench-$suite.txt" || status=1
+done
 "$python" benchmarks/checkpoint_io.py --dir "$out" 2>&1 | tee "$out/checkpoint_io.txt" || status=1
 exit $status

@@ -4,7 +4,6 @@ with its charts inlined, so the two pages never say different things and the HTM
 from __future__ import annotations
 
 import base64
-import html
 import re
 from pathlib import Path
 
@@ -207,4 +206,4 @@ def _number(value: float | None, spec: str = ".3g") -> str:
 def _cell(value) -> str:
     """Text from a history file (environment, config and path names) as inert markdown: HTML escaped, so a
     name cannot put markup or a remote reference into the page, and table bars escaped."""
-    return html.escape(str(value)).replace("|", "\\|")
+    return str(value).replace("&", "&amp;").replace("<", "&lt;").replace("|", "\\|")

@@ -56,6 +56,9 @@ def full_record(step: int) -> dict:
         "optimizer_state_mib": 12.5,
         "loss_scale": 1.0,
         "skipped_steps": 0,
+        "checkpoint_save_s": 0.0,
+        "checkpoint_interval_steps": 10,
+        "goodput": 0.9,
         **moe_diagnostics(counts_LE, probs_LE, torch.tensor([1.2, 1.3]), ep_degree=2),
     }
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ferry.config.section import Section
 
@@ -16,7 +16,14 @@ class CheckpointConfig(Section):
 
     enabled: bool = Field(True, description="false: the run saves no checkpoint at all (a benchmark); it cannot resume")
     dir: str | None = Field(None, min_length=1, description="where checkpoints go; default <run.dir>/checkpoints")
-    interval: int = Field(0, ge=0, description="save every N optimizer steps; 0 saves only at the end of the run")
+    interval: int | Literal["auto"] = Field(
+        0,
+        description="save every N optimizer steps; 0 saves only at the end of the run; auto: Young/Daly from the "
+        "measured cost of a save and the job's failure rate (fault.mtbf_hours_per_device)",
+    )
+    auto_first_step: int = Field(
+        10, ge=1, description="with interval auto: the first save, which measures the cost, this many steps in"
+    )
     keep: int = Field(3, ge=1, description="keep the newest K checkpoints and delete older ones")
     file_mb: int = Field(
         256,
@@ -32,6 +39,13 @@ class CheckpointConfig(Section):
     async_save: bool = Field(
         False, description="copy the tensors, then write on a background thread while training goes on"
     )
+
+    @field_validator("interval")
+    @classmethod
+    def _interval_not_negative(cls, interval: int | str) -> int | str:
+        if isinstance(interval, int) and interval < 0:
+            raise ValueError("must be 0 or more, or auto")
+        return interval
 
     @model_validator(mode="after")
     def _nothing_saved_without_checkpoints(self) -> "CheckpointConfig":

@@ -43,23 +43,28 @@ class CheckpointManager:
         self._asynchronous = config.async_save and write is save_checkpoint
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        if is_main:
-            remove_leftovers(root)
+        self.removed_leftovers = remove_leftovers(root) if is_main else []
 
     def due(self, step: int) -> bool:
-        return bool(self.config.interval) and step % self.config.interval == 0 and step != self.last_step
+        """Whether a fixed interval asks for a save at `step` (an `auto` interval is decided by the trainer)."""
+        interval = self.config.interval
+        return isinstance(interval, int) and interval > 0 and step % interval == 0 and step != self.last_step
 
-    def save(self, pieces: dict[str, TensorPiece], meta: CheckpointMeta) -> None:
+    def save(
+        self, pieces: dict[str, TensorPiece], meta: CheckpointMeta, before_publish: Callable[[], None] | None = None
+    ) -> None:
+        """Save now (or start a background save); `before_publish` runs once the files are written."""
         self.wait()
         self.last_step = meta.step
         if self._asynchronous:
             snapshot = {name: replace(p, local=p.local.detach().to("cpu", copy=True)) for name, p in pieces.items()}
             self._thread = threading.Thread(
-                target=self._write_in_background, args=(snapshot, meta), name="ferry-checkpoint-save"
+                target=self._write_in_background, args=(snapshot, meta, before_publish), name="ferry-checkpoint-save"
             )
             self._thread.start()
         else:
-            self._write({name: replace(p, local=p.local.detach().cpu()) for name, p in pieces.items()}, meta)
+            pieces = {name: replace(p, local=p.local.detach().cpu()) for name, p in pieces.items()}
+            self._write(pieces, meta, before_publish)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is on disk; raise what made it fail."""
@@ -70,15 +75,16 @@ class CheckpointManager:
             error, self._error = self._error, None
             raise error
 
-    def _write(self, pieces: dict[str, TensorPiece], meta: CheckpointMeta) -> None:
-        path = self._write_checkpoint(self.root, pieces, meta, max_file_bytes=self.config.file_mb << 20)
+    def _write(self, pieces: dict[str, TensorPiece], meta: CheckpointMeta, before_publish=None) -> None:
+        hook = {"before_publish": before_publish} if before_publish is not None else {}
+        path = self._write_checkpoint(self.root, pieces, meta, max_file_bytes=self.config.file_mb << 20, **hook)
         self.saved.append(path)
         if self._is_main:
             prune(self.root, self.config.keep, protect=path)
 
-    def _write_in_background(self, pieces: dict[str, TensorPiece], meta: CheckpointMeta) -> None:
+    def _write_in_background(self, pieces: dict[str, TensorPiece], meta: CheckpointMeta, before_publish) -> None:
         try:
-            self._write(pieces, meta)
+            self._write(pieces, meta, before_publish)
         except BaseException as exc:  # handed to the training thread by wait()
             self._error = exc
 
@@ -94,12 +100,16 @@ def prune(root: Path, keep: int, protect: Path) -> None:
             shutil.rmtree(path)
 
 
-def remove_leftovers(root: Path) -> None:
-    """Staging directories of saves that never finished (a crash, a SIGKILL); no reader ever looks at them."""
+def remove_leftovers(root: Path) -> list[Path]:
+    """Staging directories of saves that never finished (a crash, a SIGKILL); no reader ever looks at them.
+    Returns what was removed, for the run's record."""
+    removed = []
     if root.is_dir():
         for pattern in _LEFTOVERS:
             for path in root.glob(pattern):
                 shutil.rmtree(path)
+                removed.append(path)
+    return removed
 
 
 def clear_checkpoints(root: Path) -> None:

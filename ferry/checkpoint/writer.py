@@ -10,6 +10,8 @@ leaves at most a dot-prefixed staging directory, never a half-written `step-*`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import os
 import shutil
 import time
@@ -63,11 +65,21 @@ class RankRecord:
 
 
 def save_checkpoint(
-    root: Path, pieces: dict[str, TensorPiece], meta: CheckpointMeta, max_file_bytes: int = DEFAULT_FILE_BYTES
+    root: Path,
+    pieces: dict[str, TensorPiece],
+    meta: CheckpointMeta,
+    max_file_bytes: int = DEFAULT_FILE_BYTES,
+    before_publish: Callable[[], None] | None = None,
 ) -> Path:
-    """Save a checkpoint whose every piece is held by this process (world size 1); returns its path."""
+    """Save a checkpoint whose every piece is held by this process (world size 1); returns its path.
+
+    `before_publish` runs once the tensor files are written and before the manifest makes them a
+    checkpoint (fault injection kills the process there).
+    """
     staging = begin_save(root, meta.step)
     record = write_rank_files(staging, 0, pieces, max_file_bytes)
+    if before_publish is not None:
+        before_publish()
     write_manifest(staging, build_manifest([record], meta))
     return publish(staging, root / step_dir_name(meta.step))
 

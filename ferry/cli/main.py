@@ -45,6 +45,10 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--nproc", type=int, default=None, metavar="N", help="start N local ranks (as torchrun --nproc-per-node N)"
     )
+    train.add_argument(
+        "--max-restarts", type=int, default=None, metavar="K",
+        help="supervise: after a failure restart every rank from the newest valid checkpoint, up to K times",
+    )
     train.set_defaults(handler=_train)
 
     data = commands.add_parser("data", help="prepare token datasets")
@@ -73,9 +77,18 @@ def _train(args: argparse.Namespace) -> int:
     from ferry.train import load_run_config, train
 
     config = load_run_config(args.config, args.overrides)
+    if args.nproc is not None and args.nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if "WORLD_SIZE" not in os.environ and args.max_restarts is not None:
+        from ferry.launch import supervise
+
+        argv = ["train", args.config, *args.overrides]
+        return supervise(
+            args.nproc or 1, argv, config.run.path, args.max_restarts, config.fault.max_no_progress_restarts
+        )
     if args.nproc is not None and "WORLD_SIZE" not in os.environ:
-        if args.nproc < 1:
-            raise UserError(f"--nproc must be at least 1, got {args.nproc}")
         from ferry.launch import launch_local
 
         return launch_local(args.nproc, ["train", args.config, *args.overrides])

@@ -73,6 +73,20 @@ def add_portability_commands(subparsers: argparse._SubParsersAction) -> None:
     cost.add_argument("--out", required=True, help="directory for cost.json, cost.md and the charts")
     cost.set_defaults(handler=_cost)
 
+    drill = subparsers.add_parser(
+        "drill", help="a failure drill: the job uninterrupted and under random faults, whose final states must match",
+        description="Exit code 0 when the drilled run ends bitwise equal to the uninterrupted one, 1 when not, "
+        "2 on bad input.",
+    )
+    drill.add_argument("config", help="YAML run config")
+    drill.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    drill.add_argument("--nproc", type=int, default=1, help="local ranks (default 1)")
+    drill.add_argument("--faults", type=int, default=3, help="faults to inject (default 3)")
+    drill.add_argument("--seed", type=int, default=0, help="draws the fault schedule (default 0)")
+    drill.add_argument("--max-restarts", type=int, default=None, help="restart budget (default: faults + 2)")
+    drill.add_argument("--dir", default=None, help="working directory (default runs/drills/<name>-seed<S>)")
+    drill.set_defaults(handler=_drill)
+
     report = subparsers.add_parser(
         "report", help="the portability report (md, json, self-contained html, png) from the rehearsal history"
     )
@@ -189,6 +203,17 @@ def _cost(args: argparse.Namespace) -> int:
     for path in result.written:
         print(f"ferry: wrote {path}")
     return 0
+
+
+def _drill(args: argparse.Namespace) -> int:
+    from ferry.portability.drill import run_drill
+
+    unknown = [item for item in args.overrides if "=" not in item]
+    if unknown:
+        raise UserError(f"ferry drill: unrecognized arguments: {' '.join(unknown)}")
+    result = run_drill(args.config, args.overrides, nproc=args.nproc, faults=args.faults, seed=args.seed,
+                       max_restarts=args.max_restarts, work_dir=args.dir)
+    return 0 if result.passed else 1
 
 
 def _report(args: argparse.Namespace) -> int:

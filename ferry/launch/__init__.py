@@ -1,5 +1,6 @@
-"""Launching: several local processes through PyTorch's elastic launcher (torchrun's engine)."""
+"""Launching: local ranks through PyTorch's elastic launcher (torchrun's engine), and the supervisor that restarts them."""
 
 from ferry.launch.local import launch_local
+from ferry.launch.supervisor import supervise
 
-__all__ = ["launch_local"]
+__all__ = ["launch_local", "supervise"]

@@ -8,7 +8,9 @@ rank and exit code, and the launcher stops the others instead of letting them ha
 from __future__ import annotations
 
 import sys
+import time
 import uuid
+from dataclasses import dataclass, field
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -16,12 +18,33 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from ferry.comm.spawn import free_port
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
-    """Run `python -m ferry *argv` on `nproc` local ranks.
+@dataclass
+class Outcome:
+    """How one launch of the ranks ended: exit code by rank (negative: the signal), the first failure's time."""
 
-    Returns 0 on success, 2 when every rank that failed by itself failed on bad input
-    (ranks the launcher stopped after the first failure do not count), 1 otherwise.
-    """
+    exit_codes: dict[int, int] = field(default_factory=dict)
+    failed_at_unix: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.exit_codes
+
+    @property
+    def own_codes(self) -> set[int]:
+        """Exit codes of the ranks that failed by themselves (not stopped by the launcher after another failed)."""
+        return {code for code in self.exit_codes.values() if code >= 0}
+
+    @property
+    def bad_input(self) -> bool:
+        """Every rank that failed by itself refused its input (exit code 2): a restart would refuse it again."""
+        return self.own_codes == {2}
+
+    def exit_code(self) -> int:
+        return 0 if self.ok else 2 if self.bad_input else 1
+
+
+def run_ranks(nproc: int, argv: list[str], report: bool = True) -> Outcome:
+    """Run `python -m ferry *argv` on `nproc` local ranks once; every failure is named by rank."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -35,12 +58,27 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "ferry", *argv)
     except ChildFailedError as exc:
-        own_codes = set()
+        outcome = Outcome()
         for rank, failure in sorted(exc.failures.items()):
-            if failure.exitcode < 0:
+            outcome.exit_codes[rank] = failure.exitcode
+            stamp = failure.timestamp or time.time()
+            outcome.failed_at_unix = min(outcome.failed_at_unix or stamp, stamp)
+            if not report:
+                continue
+            if failure.exitcode == -9:
+                print(f"ferry: rank {rank} was killed (SIGKILL)", file=sys.stderr)
+            elif failure.exitcode < 0:
                 print(f"ferry: rank {rank} was stopped by the launcher (signal {-failure.exitcode})", file=sys.stderr)
             else:
-                own_codes.add(failure.exitcode)
                 print(f"ferry: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
-        return 2 if own_codes == {2} else 1
-    return 0
+        return outcome
+    return Outcome()
+
+
+def launch_local(nproc: int, argv: list[str]) -> int:
+    """Run `python -m ferry *argv` on `nproc` local ranks.
+
+    Returns 0 on success, 2 when every rank that failed by itself failed on bad input
+    (ranks the launcher stopped after the first failure do not count), 1 otherwise.
+    """
+    return run_ranks(nproc, argv).exit_code()

@@ -80,6 +80,7 @@ def run_leg(
     work_dir: Path,
     say: Callable[[str], None],
     steps: int | None = None,
+    options: list[str] = (),
 ) -> LegResult:
     """Train `config` on `environment`'s ranks; its config and log go under `work_dir`.
 
@@ -96,6 +97,7 @@ def run_leg(
     command = [sys.executable, "-m", "ferry", "train", str(config_path)]
     if environment.nproc > 1:
         command += ["--nproc", str(environment.nproc)]
+    command += list(options)
     say(f"ferry: {name} on {environment.name} ({environment.nproc} rank(s)): log {log}")
     launched = time.time()
     with log.open("w", encoding="utf-8") as output:

@@ -78,11 +78,17 @@ def train_state_pieces(
 
 
 def save_on_all_ranks(
-    root: Path, pieces: dict[str, TensorPiece], meta: CheckpointMeta, plan: ParallelPlan, max_file_bytes: int
+    root: Path,
+    pieces: dict[str, TensorPiece],
+    meta: CheckpointMeta,
+    plan: ParallelPlan,
+    max_file_bytes: int,
+    before_publish=None,
 ) -> Path:
     """Every rank writes its files into one staging directory; rank 0 writes the manifest and publishes.
 
-    Rank records travel between ranks as JSON text; nothing is pickled to disk.
+    Rank records travel between ranks as JSON text; nothing is pickled to disk. `before_publish`
+    runs on this rank once its files are written (fault injection kills the process there).
     """
     from ferry.checkpoint.format import staging_dir_name, step_dir_name
 
@@ -91,6 +97,8 @@ def save_on_all_ranks(
     dist.barrier()
     staging = root / staging_dir_name(meta.step)
     record = write_rank_files(staging, plan.context.rank, pieces, max_file_bytes)
+    if before_publish is not None:
+        before_publish()
     gathered: list[str] | None = [""] * plan.context.world_size if plan.context.rank == 0 else None
     dist.gather_object(_record_json(record), gathered, dst=0)
     final = root / step_dir_name(meta.step)

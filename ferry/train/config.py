@@ -20,6 +20,7 @@ from ferry.metrics.config import MetricsConfig, ProfileConfig
 from ferry.model.config import ModelConfig
 from ferry.parallel.config import ParallelConfig
 from ferry.precision.config import PrecisionConfig
+from ferry.train.fault_config import FaultConfig
 
 
 class RunSection(Section):
@@ -95,11 +96,21 @@ class RunConfig(Section):
     parallel: ParallelConfig = ParallelConfig()
     metrics: MetricsConfig = MetricsConfig()
     profile: ProfileConfig = ProfileConfig()
+    fault: FaultConfig = FaultConfig()
     resume: str | None = Field(
         None,
         min_length=1,
         description="latest (the newest valid checkpoint in checkpoint.dir, if any) or the path of a checkpoint",
     )
+
+    @field_validator("fault")
+    @classmethod
+    def _faults_within_the_run(cls, fault: FaultConfig, info: ValidationInfo) -> FaultConfig:
+        train = info.data.get("train")
+        for index, spec in enumerate(fault.inject):
+            if train is not None and spec.step > train.steps:
+                raise ValueError(f"inject.{index}.step {spec.step} is past the run's last step ({train.steps})")
+        return fault
 
     @field_validator("data")
     @classmethod

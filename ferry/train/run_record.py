@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from ferry.train.config import RunConfig
 CONFIG_NAME = "config.yaml"
 RUN_RECORD_NAME = "run.json"
 METRICS_NAME = "metrics.jsonl"
-_RUN_FILES = (CONFIG_NAME, RUN_RECORD_NAME, METRICS_NAME)
+EVENTS_NAME = "restarts.jsonl"
+FAULTS_DIR = ".faults"
+_RUN_FILES = (CONFIG_NAME, RUN_RECORD_NAME, METRICS_NAME, EVENTS_NAME)
 
 
 def prepare_run_dir(config: RunConfig, resume_step: int | None = None) -> Path:
@@ -38,6 +41,7 @@ def prepare_run_dir(config: RunConfig, resume_step: int | None = None) -> Path:
             )
         for name in _RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(run_dir / FAULTS_DIR, ignore_errors=True)  # fired faults and causes belong to the old run
         clear_checkpoints(checkpoints)
     else:
         _drop_metrics_after(run_dir / METRICS_NAME, resume_step)

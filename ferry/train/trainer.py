@@ -28,6 +28,7 @@ from ferry.checkpoint import (
     find_resume_point,
 )
 from ferry.comm import init_distributed, launcher_ranks
+from ferry.comm.process_group import shutdown
 from ferry.config import UserError
 from ferry.data import DataCursor, MixedLoader
 from ferry.kernels import select_kernels
@@ -53,6 +54,7 @@ from ferry.train.checkpointing import (
 from ferry.train.config import RunConfig
 from ferry.train.losses import compute_loss
 from ferry.train.optimizer import decayed_parameter_names, learning_rate
+from ferry.train.resilience import Resilience, restarted_by_torchrun
 from ferry.train.run_record import RunRecord, prepare_run_dir
 
 
@@ -67,11 +69,13 @@ class Trainer:
     """Owns the model, its parallel plan, optimizer, loss scaler, data loader and metrics of one run."""
 
     def __init__(self, config: RunConfig):
+        started_unix = time.time()
         self.config = config
         train = config.train
         self.device = resolve_device(config.run.device, launcher_ranks()[2])
         self.context = init_distributed(config.comm, self.device)
         self.rank, self.world_size = self.context.rank, self.context.world_size
+        self.resilience = Resilience(config, self.rank, self.world_size, started_unix)
         if train.global_batch % (train.micro_batch * self.world_size):
             raise UserError(
                 f"train.global_batch ({train.global_batch}) must be a multiple of "
@@ -129,8 +133,11 @@ class Trainer:
         config = self.config
         stop_at = stop_at or config.train.stop_at or config.train.steps
         stop_at = min(stop_at, config.train.steps)
-        found, notes, resume_times = self._resume()
-        resumed_step = found.checkpoint.step if found and found.checkpoint else None
+        resume = config.resume or ("latest" if restarted_by_torchrun() else None)
+        self.resilience.note_agent_restart()
+        found, notes, resume_times = self._resume(resume)
+        # `latest` with nothing to resume from is a run resumed at step 0: its records are its own
+        resumed_step = found.checkpoint.step if found and found.checkpoint else (0 if resume == "latest" else None)
         run_dir = config.run.path
         record = None
         if self.is_main:
@@ -157,35 +164,58 @@ class Trainer:
         )
         trace = TorchTrace(config.profile, run_dir, self.device, self.rank)
         self._announce(run_dir, found, notes)
+        for leftover in checkpoints.removed_leftovers:
+            self.hub.message(f"ferry: warning: removed the unfinished save {leftover} (its process died mid-save)")
+        if record is not None:
+            record.update(removed_unfinished_saves=[str(path) for path in checkpoints.removed_leftovers])
+        resilience = self.resilience
+        resume_info = {
+            **resume_times,
+            "skipped": [str(path) for path, _ in found.skipped] if found else [],
+            "removed_unfinished_saves": [str(path) for path in checkpoints.removed_leftovers],
+        }
+        resilience.begin(resumed_step, resume_info, record, say=self.hub.message)
         losses: list[float] = []
         last: dict = {}
         try:
             while self.cursor.step < stop_at:
-                trace.step_started(self.cursor.step + 1)
+                step = self.cursor.step + 1
+                trace.step_started(step)
+                resilience.before_step(step)
                 last = self.train_step()
-                if not losses and record is not None:
-                    record.update(first_step_at_unix=time.time())
+                resilience.after_step(last)
                 losses.append(last["loss"])
+                if resilience.save_due(self.cursor.step, checkpoints):
+                    resilience.save(self.cursor.step, checkpoints, self.checkpoint_state, last)
                 self.hub.write(last)
                 trace.step_finished(last["step"])
-                if checkpoints.due(self.cursor.step):
-                    checkpoints.save(*self.checkpoint_state())
             if config.checkpoint.enabled and checkpoints.last_step != self.cursor.step:
-                checkpoints.save(*self.checkpoint_state())
+                resilience.save(self.cursor.step, checkpoints, self.checkpoint_state, {})
             checkpoints.wait()
         except BaseException as exc:
+            resilience.failed(exc)
             # A save still in flight is of an earlier, good step: let it finish, but report the first failure.
             with contextlib.suppress(Exception):
                 checkpoints.wait()
             if record is not None:
-                record.finish("failed", error=f"{type(exc).__name__}: {exc}", last_step=last)
+                record.finish("failed", error=f"{type(exc).__name__}: {exc}", last_step=last, **resilience.finish())
             raise
         finally:
+            resilience.watchdog.stop()
             self.hub.close()
             trace.close()
         status = "completed" if self.cursor.step >= config.train.steps else "stopped"
+        outcome = resilience.finish()
         if record is not None:
-            record.finish(status, last_step=last, checkpoints=[str(path) for path in checkpoints.saved])
+            record.finish(
+                status, last_step=last, checkpoints=[str(path) for path in checkpoints.saved], **outcome
+            )
+        if self.is_main and outcome.get("restarts"):
+            good = outcome["goodput"]
+            self.hub.message(
+                f"ferry: {len(outcome['restarts'])} restart(s), {good['lost_steps']} step(s) lost; goodput "
+                f"{good['goodput']:.1%} ({good['productive_s']:.1f} s of steps in {good['wall_s']:.1f} s)"
+            )
         if not losses:
             self.hub.message(
                 f"ferry: nothing to train: the run is at step {self.cursor.step} and stops at {stop_at} "
@@ -286,11 +316,13 @@ class Trainer:
         micro_batches = self.loader.micro_batches(self.cursor, self.rank, self.world_size, config.train.micro_batch)
         for batch in micro_batches:
             share = batch.inputs_BS.shape[0] / config.train.global_batch
+            self.resilience.phase("forward")
             with timer.region("forward"), autocast:
                 output = self.model(batch.inputs_BS.to(self.device))
                 parts = compute_loss(
                     output, batch.targets_BS.to(self.device), config.model.moe, self.tokens_per_step, share
                 )
+            self.resilience.phase("backward")
             with timer.region("backward"):
                 self.scaler.scale_loss(parts.objective).backward()
             sums_3 += torch.stack([parts.lm_loss_sum, share * parts.aux_loss, share * parts.z_loss]).double()
@@ -298,8 +330,10 @@ class Trainer:
                 counts_LE[index] += stats.tokens_per_expert_E
                 mean_prob_LE[index] += share * stats.mean_prob_E.double()
                 entropy_L[index] += share * stats.entropy.double()
+        self.resilience.after_backward(step + 1, self.model)
+        self.resilience.phase("optimizer")
         with timer.region("optimizer"):
-            grad_norm, stepped = self._apply_gradients(config.optim.grad_clip)
+            grad_norm, stepped = self._apply_gradients(config.optim.grad_clip, step + 1)
             self.plan.sum_over_ranks(totals)
             if stepped:
                 for layer, layer_counts_E in zip(moe_layers, counts_LE):
@@ -329,14 +363,20 @@ class Trainer:
             **moe_diagnostics(counts_LE, mean_prob_LE, entropy_L, ep_degree=self._ep_degree()),
         }
 
-    def _apply_gradients(self, grad_clip: float) -> tuple[float, bool]:
+    def _apply_gradients(self, grad_clip: float, step: int) -> tuple[float, bool]:
         """Reduce, unscale, check, clip and step; a step whose gradients overflowed is skipped
-        on every rank, leaving parameters and optimizer state untouched."""
+        on every rank, leaving parameters and optimizer state untouched (or, with
+        `fault.on_nonfinite: raise` and no dynamic loss scaling, fails on every rank)."""
         self.plan.sync_gradients()
         finite = self.scaler.unscale_and_check(self.model.parameters())
         if self.plan.world is not None:
             overflow = torch.tensor([0.0 if finite else 1.0], device=self.device)
             finite = self.plan.world.all_reduce(overflow, op=dist.ReduceOp.MAX).item() == 0.0
+        if not finite and self.config.fault.on_nonfinite == "raise" and self.scaler.kind != "dynamic":
+            raise NonFiniteGradients(
+                f"step {step}: the gradients hold inf or NaN (fault.on_nonfinite: raise); a supervised run "
+                "resumes from its last checkpoint"
+            )
         grad_norm = self.plan.clip_gradients(self.model, grad_clip) if finite else float("nan")
         if finite:
             self.optimizer.step()
@@ -350,19 +390,19 @@ class Trainer:
         if self.context.is_distributed:
             dist.barrier()
 
-    def _resume(self) -> tuple[Found | None, list[str], dict[str, float]]:
+    def _resume(self, resume: str | None) -> tuple[Found | None, list[str], dict[str, float]]:
         """Restore the checkpoint `resume` points to, if any; None when the run does not resume.
 
         Also returns the seconds spent verifying and restoring it: the part of a move's
         switching lead time that the checkpoint itself costs.
         """
         config = self.config
-        if config.resume is None:
+        if resume is None:
             return None, [], {}
         started = time.perf_counter()
         prefetch = optimizer_prefetch(self.model, self.optimizer, self.plan)
         found = find_resume_point(
-            config.resume,
+            resume,
             config.checkpoint.path(config.run.path),
             prefetch,
             self._share(),
@@ -432,6 +472,10 @@ class Trainer:
         return {"world_size": self.world_size, "ep_degree": self._ep_degree(), "mode": mode}
 
 
+class NonFiniteGradients(RuntimeError):
+    """A step's gradients hold inf or NaN where no loss scaling expects them."""
+
+
 def _profile(name: str, device: torch.device) -> HardwareProfile:
     """The hardware profile of the run; a CPU's peak is measured (once per machine, cached)."""
     profile = resolve_profile(name, device)
@@ -453,5 +497,14 @@ def _resume_record(found: Found | None, carried: dict[str, str], times: dict[str
 
 
 def train(config: RunConfig) -> TrainResult:
-    """Build a trainer from `config` and run it to `train.steps`."""
-    return Trainer(config).fit()
+    """Build a trainer from `config` and run it to `train.steps`.
+
+    A finished multi-rank run leaves its process group in order: all ranks meet, then the group
+    is destroyed, so no rank ends while a peer's collective threads still talk to it (an abort at
+    exit would read as a failure to whoever supervises the job).
+    """
+    result = Trainer(config).fit()
+    if dist.is_initialized():
+        dist.barrier()
+        shutdown()
+    return result

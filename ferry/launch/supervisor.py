@@ -1,0 +1,71 @@
+"""`ferry train CONFIG --max-restarts K`: run the job, and after a failure restart every rank from the
+newest checkpoint that verifies, until the restart budget is spent.
+
+A restart that trains no step the job had not already trained (the same crash at the same place)
+counts against a second, small budget (`fault.max_no_progress_restarts`), so a deterministic bug
+stops the job with a clear message instead of looping K times. Every failure is recorded in the
+run directory (`restarts.jsonl`: when, what the failing ranks said or how they ended, how far the
+job had got); the trainer pairs it with the resumption that follows and reports both, with the
+job's goodput, in `run.json`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from ferry.launch.local import run_ranks
+from ferry.train.restarts import append_event, collect_causes, describe_causes, last_metrics_step
+
+
+def supervise(nproc: int, argv: list[str], run_dir: Path, max_restarts: int, max_no_progress: int) -> int:
+    """Run `ferry *argv` on `nproc` ranks under supervision; 0 when the job finished, 2 on bad input, 1 otherwise."""
+    best_step = last_metrics_step(run_dir) if _resumes(argv) else 0
+    restarts = no_progress = 0
+    attempt_argv = list(argv)
+    while True:
+        outcome = run_ranks(nproc, attempt_argv)
+        if outcome.ok:
+            return 0
+        if outcome.bad_input:
+            return 2
+        detected = time.time()
+        causes = collect_causes(run_dir)
+        reached = last_metrics_step(run_dir)
+        event = {
+            "event": "failure",
+            "by": "ferry supervisor",
+            "at_unix": min([cause["at_unix"] for cause in causes] + [outcome.failed_at_unix or detected]),
+            "detected_unix": detected,
+            "failed_at_step": reached,
+            "causes": causes,
+            "exit_codes": {str(rank): code for rank, code in outcome.exit_codes.items()},
+        }
+        append_event(run_dir, event)
+        cause = describe_causes(event)
+        no_progress = no_progress + 1 if reached <= best_step and restarts > 0 else 0
+        best_step = max(best_step, reached)
+        if no_progress > max_no_progress:
+            _say(
+                f"ferry: giving up: {no_progress} attempt(s) in a row trained no step beyond step {best_step} "
+                f"(fault.max_no_progress_restarts is {max_no_progress}); the failure repeats: {cause}"
+            )
+            return 1
+        if restarts >= max_restarts:
+            _say(f"ferry: giving up: the restart budget (--max-restarts {max_restarts}) is spent; last failure: {cause}")
+            return 1
+        restarts += 1
+        _say(
+            f"ferry: restart {restarts} of {max_restarts} after a failure at step {reached + 1} ({cause}); "
+            "resuming every rank from the newest checkpoint that verifies"
+        )
+        attempt_argv = [*argv, "resume=latest"]
+
+
+def _resumes(argv: list[str]) -> bool:
+    return any(item.startswith("resume=") and item != "resume=null" for item in argv)
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

@@ -1,0 +1,118 @@
+"""Fault injection: the failures a large run meets, made to happen on purpose, once, where asked.
+
+`fault.inject` lists faults as `{step, rank, kind}`:
+
+    kill              SIGKILL at the start of the step: the process is gone, it reports nothing
+    hang              the rank stops making progress at the start of the step (the watchdog finds it)
+    raise             an exception at the start of the step
+    nan               the step's gradients are poisoned with NaN after the backward
+    corrupt_checkpoint  the checkpoint of the step is damaged after it is written (a flipped byte)
+    kill_during_save  SIGKILL while the checkpoint of the step is half written
+
+A fault fires once per run directory (a marker is written, and synced, before it fires), so a
+restarted run does not trip it again; `once: false` makes it fire at every attempt, as a
+deterministic bug would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ferry.config import UserError
+from ferry.train.fault_config import FaultSpec
+from ferry.train.run_record import FAULTS_DIR
+
+MARKERS_DIR = Path(FAULTS_DIR) / "fired"
+
+
+class InjectedFault(RuntimeError):
+    """The exception a `raise` fault throws."""
+
+
+class FaultInjector:
+    """The faults of one rank, fired at the hooks the trainer calls."""
+
+    def __init__(self, specs: list[FaultSpec], rank: int, world_size: int, run_dir: Path):
+        for index, spec in enumerate(specs):
+            if spec.rank >= world_size:
+                raise UserError(
+                    f"fault.inject.{index}.rank: {spec.rank} is not a rank of this job of {world_size} rank(s)"
+                )
+        self.run_dir = run_dir
+        self.rank = rank
+        self.mine = [(index, spec) for index, spec in enumerate(specs) if spec.rank == rank]
+
+    def at_step_start(self, step: int, on_hang: Callable[[], None]) -> None:
+        """`kill`, `hang` and `raise` faults of `step` (the step about to be trained)."""
+        for index, spec in self._due(step, ("kill", "hang", "raise")):
+            if spec.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if spec.kind == "hang":
+                on_hang()
+                while True:
+                    time.sleep(3600)
+            raise InjectedFault(f"injected fault {index} ({spec.kind}) at step {step} on rank {self.rank}")
+
+    def poison_gradients(self, step: int, model: torch.nn.Module) -> None:
+        """A `nan` fault: one gradient of this rank becomes NaN, as a bad input or a flaky device makes it."""
+        for _ in self._due(step, ("nan",)):
+            grad = next(p.grad for p in model.parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("nan")
+
+    def during_save(self, step: int) -> Callable[[], None] | None:
+        """A `kill_during_save` fault: the hook a save calls once this rank's files are written."""
+        due = self._due(step, ("kill_during_save",), mark=False)
+        if not due:
+            return None
+
+        def kill() -> None:
+            for index, spec in due:
+                self._mark(index, spec)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return kill
+
+    def wants_after_save(self, step: int) -> bool:
+        return bool(self._due(step, ("corrupt_checkpoint",), mark=False))
+
+    def after_save(self, step: int, checkpoint: Path) -> None:
+        """A `corrupt_checkpoint` fault: flip one byte inside a tensor file of the checkpoint just written."""
+        for _ in self._due(step, ("corrupt_checkpoint",)):
+            victim = sorted(checkpoint.glob("model-*.safetensors"))[0]
+            with victim.open("r+b") as handle:
+                handle.seek(victim.stat().st_size - 1)
+                byte = handle.read(1)
+                handle.seek(victim.stat().st_size - 1)
+                handle.write(bytes([byte[0] ^ 0xFF]))
+
+    def _due(self, step: int, kinds: tuple[str, ...], mark: bool = True) -> list[tuple[int, FaultSpec]]:
+        due = [
+            (index, spec)
+            for index, spec in self.mine
+            if spec.step == step and spec.kind in kinds and not (spec.once and self._fired(index))
+        ]
+        if mark:
+            for index, spec in due:
+                self._mark(index, spec)
+        return due
+
+    def _fired(self, index: int) -> bool:
+        return (self.run_dir / MARKERS_DIR / f"fault-{index}").exists()
+
+    def _mark(self, index: int, spec: FaultSpec) -> None:
+        """Written and synced before the fault fires: a restarted run sees it even after a SIGKILL."""
+        if not spec.once:
+            return
+        folder = self.run_dir / MARKERS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        marker = folder / f"fault-{index}"
+        with marker.open("w") as handle:
+            handle.write(f"{spec.kind} at step {spec.step} on rank {spec.rank}, {time.time()}\n")
+            handle.flush()
+            os.fsync(handle.fileno())

@@ -1,0 +1,96 @@
+"""Hang detection: a thread on every rank ends its process when no step completes in time.
+
+A rank stuck in a collective, a kernel or a dead data source makes no progress and raises no
+error; torchrun's agent would wait for it forever. The watchdog knows the phase the rank is in
+(forward, backward, optimizer, a checkpoint save) and how long a step takes, reports where it
+is stuck (on stderr and in the run directory, for whoever restarts the job) and ends the process
+with `HANG_EXIT_CODE`; the launcher then stops the other ranks, which works whatever the
+collective backend (gloo on a CPU cannot abort a collective; NCCL need not).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from ferry.train.fault_config import FaultConfig
+
+HANG_EXIT_CODE = 3
+_WARMUP_STEPS = 3  # step times before these are left out of the median (allocation, first kernels)
+
+
+class Watchdog:
+    """Per-rank progress monitor; `beat` after every step, `phase` as the step moves on."""
+
+    def __init__(self, config: FaultConfig, rank: int, on_hang: Callable[[str, str], None]):
+        """`on_hang(phase, message)` records the cause before the process ends."""
+        self.config = config
+        self.rank = rank
+        self.on_hang = on_hang
+        self.current_phase = "start-up"
+        self.step = 0
+        self._steps_here = 0
+        self._times: list[float] = []
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.hang_timeout_s is not None
+
+    def start(self, step: int) -> None:
+        self.step = step
+        self._last = time.monotonic()
+        self._stop.clear()
+        if self.enabled:
+            threading.Thread(target=self._watch, name="ferry-watchdog", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def phase(self, name: str) -> None:
+        self.current_phase = name
+
+    def beat(self, step: int, step_s: float) -> None:
+        """A step completed: the clock restarts, and its time feeds the automatic timeout."""
+        self.step = step
+        self._steps_here += 1
+        if self._steps_here > _WARMUP_STEPS:
+            self._times.append(step_s)
+        self._last = time.monotonic()
+        self.current_phase = "between steps"
+
+    def timeout_s(self) -> float:
+        """How long the current phase may go without a completed step."""
+        config = self.config
+        if config.hang_timeout_s == "auto":
+            base = config.hang_floor_s
+            if self._times:
+                base = max(base, config.hang_multiple * statistics.median(self._times))
+        else:
+            base = float(config.hang_timeout_s)
+        if self._steps_here == 0:
+            base += config.hang_first_step_s
+        if self.current_phase.startswith("checkpoint"):
+            base += config.hang_checkpoint_s
+        return base
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.25):
+            waited = time.monotonic() - self._last
+            limit = self.timeout_s()
+            if waited > limit:
+                phase = self.current_phase
+                message = (
+                    f"no step completed for {waited:.1f} s (limit {limit:.1f} s): stuck in {phase} of step "
+                    f"{self.step + 1}"
+                )
+                try:
+                    self.on_hang(phase, message)
+                finally:
+                    print(f"ferry: rank {self.rank}: error: {message}", file=sys.stderr, flush=True)
+                    os._exit(HANG_EXIT_CODE)

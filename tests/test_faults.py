@@ -1,0 +1,209 @@
+"""Surviving failures: supervised restarts, hang detection, faults injected on purpose, Young/Daly, goodput."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import yaml
+
+from ferry.cli.main import main
+from ferry.train import Trainer
+from ferry.train.fault_config import FaultConfig
+from ferry.train.restarts import EVENTS_NAME, read_events
+from ferry.train.watchdog import Watchdog
+from ferry.train.young_daly import AutoInterval, daly_interval_s, young_interval_s
+
+from conftest import TINY_RUN
+
+
+def test_young_and_daly_intervals_match_hand_calculations():
+    # C = 60 s, M = 3 h: sqrt(2 * 60 * 10800) = 1138.4 s; Daly: 1138.4 * (1 + sqrt(1/360)/3 + 1/3240) - 60
+    assert young_interval_s(60, 3 * 3600) == pytest.approx(1138.42, abs=0.01)
+    assert daly_interval_s(60, 3 * 3600) == pytest.approx(1098.77, abs=0.01)
+    assert daly_interval_s(60, 3 * 3600) == pytest.approx(
+        math.sqrt(2 * 60 * 10800) * (1 + math.sqrt(60 / 21600) / 3 + (60 / 21600) / 9) - 60
+    )
+    assert daly_interval_s(7200, 3000) == 3000  # a save longer than 2M: checkpoint once per MTBF
+
+
+def test_the_auto_interval_saves_first_at_its_first_step_then_every_daly_interval_in_steps():
+    auto = AutoInterval(job_mtbf_s=3 * 3600, first_step=10)
+    assert not auto.due(9, None) and auto.due(10, None)
+    for _ in range(10):
+        auto.observe_step(2.0)
+    auto.observe_save(60.0)
+    assert auto.interval_s == pytest.approx(1098.77, abs=0.01) and auto.interval_steps == 549
+    assert not auto.due(10 + 548, 10) and auto.due(10 + 549, 10)
+
+
+def test_the_watchdog_timeout_follows_the_median_step_with_a_floor_and_allowances():
+    config = FaultConfig(hang_multiple=10, hang_floor_s=5, hang_first_step_s=100, hang_checkpoint_s=50)
+    watchdog = Watchdog(config, rank=0, on_hang=lambda phase, message: None)
+    assert watchdog.timeout_s() == 105  # floor + first step
+    for step in range(1, 10):
+        watchdog.beat(step, 2.0)
+    assert watchdog.timeout_s() == 20  # 10 x median 2.0 s after the warm-up steps
+    watchdog.phase("checkpoint save")
+    assert watchdog.timeout_s() == 70
+    assert Watchdog(FaultConfig(hang_timeout_s=3, hang_first_step_s=0), 0, print).timeout_s() == 3
+
+
+@pytest.fixture
+def config_file(stdlib_dataset, tmp_path):
+    raw = json.loads(json.dumps(TINY_RUN))
+    raw["data"]["sources"] = [{"name": "stdlib", "path": str(stdlib_dataset)}]
+    raw["train"].update(steps=12, log_every=4)
+    raw["checkpoint"] = {"interval": 2, "keep": 10}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_ranks_survive_a_kill_and_a_hang_with_losses_bitwise_equal(config_file, tmp_path):
+    common = [config_file, "--nproc", "2", "parallel.ep=2"]
+    assert main(["train", *common, f"run.dir={tmp_path / 'straight'}"]) == 0
+    faults = "fault.inject=[{step: 4, rank: 1, kind: kill}, {step: 8, rank: 0, kind: hang}]"
+    drilled = tmp_path / "drilled"
+    code = main(["train", *common, "--max-restarts", "3", f"run.dir={drilled}", faults, "fault.hang_timeout_s=3",
+                 "fault.hang_first_step_s=30"])
+    assert code == 0
+    assert _losses(drilled) == _losses(tmp_path / "straight")
+    record = json.loads((drilled / "run.json").read_text())
+    first, second = record["restarts"]
+    assert "rank 1 was killed (SIGKILL)" in first["cause"] and first["failed_at_step"] == 3
+    assert (first["resumed_from_step"], first["steps_lost"]) == (2, 1) and first["restart_latency_s"] > 0
+    assert "hang" in second["cause"] and "a hang (injected fault)" in second["cause"]
+    assert second["resumed_from_step"] == 6
+    good = record["goodput"]
+    assert good["restarts"] == 2 and good["lost_steps"] == 2 and 0 < good["goodput"] < 1
+    assert good["restarting_s"] > 0 and good["saving_s"] > 0
+
+
+def test_a_kill_during_a_save_and_a_corrupt_checkpoint_fall_back_to_the_previous_valid_one(config_file, tmp_path):
+    assert main(["train", config_file, f"run.dir={tmp_path / 'straight'}"]) == 0
+    faults = "fault.inject=[{step: 4, kind: kill_during_save}, {step: 6, kind: corrupt_checkpoint}, {step: 7, kind: raise}]"
+    drilled = tmp_path / "drilled"
+    assert main(["train", config_file, "--max-restarts", "2", f"run.dir={drilled}", faults]) == 0
+    assert _losses(drilled) == _losses(tmp_path / "straight")
+    first, second = json.loads((drilled / "run.json").read_text())["restarts"]
+    assert first["resumed_from_step"] == 2
+    assert first["removed_unfinished_saves"] == [str(drilled / "checkpoints" / ".step-00000004.partial")]
+    assert second["resumed_from_step"] == 4, "the damaged step-6 checkpoint must not be loaded"
+    assert second["skipped_checkpoints"] == [str(drilled / "checkpoints" / "step-00000006")]
+
+
+def test_a_deterministic_crash_stops_after_the_no_progress_budget(config_file, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    fault = "fault.inject=[{step: 5, kind: raise, once: false}]"
+    code = main(["train", config_file, "--max-restarts", "10", f"run.dir={run_dir}", fault])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "giving up: 3 attempt(s) in a row trained no step beyond step 4" in err
+    # the first failure followed progress; two restarts without progress spend the budget of 2; not ten restarts
+    assert sum(1 for event in read_events(run_dir) if event["event"] == "failure") == 4
+
+
+def test_poisoned_gradients_roll_back_when_asked_and_are_skipped_otherwise(config_file, tmp_path):
+    assert main(["train", config_file, f"run.dir={tmp_path / 'straight'}"]) == 0
+    nan = "fault.inject=[{step: 5, kind: nan}]"
+    rolled = tmp_path / "rolled"
+    assert main(["train", config_file, "--max-restarts", "1", f"run.dir={rolled}", nan, "fault.on_nonfinite=raise"]) == 0
+    assert _losses(rolled) == _losses(tmp_path / "straight")
+    assert "NonFiniteGradients" in json.loads((rolled / "run.json").read_text())["restarts"][0]["cause"]
+    skipped = tmp_path / "skipped"
+    assert main(["train", config_file, f"run.dir={skipped}", nan]) == 0
+    records = [json.loads(line) for line in (skipped / "metrics.jsonl").read_text().splitlines()]
+    assert records[4]["skipped_steps"] == 1 and math.isnan(records[4]["grad_norm"])
+
+
+def test_an_auto_interval_is_computed_from_the_measured_save_and_written_into_the_metrics(make_config, tmp_path):
+    run_dir = tmp_path / "run"
+    config = make_config("train.steps=40", "checkpoint.interval=auto", "checkpoint.auto_first_step=3",
+                         "checkpoint.keep=40", "fault.mtbf_hours_per_device=0.00005", run_dir=run_dir)
+    Trainer(config).fit()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[1]["checkpoint_interval_steps"] is None and records[2]["checkpoint_save_s"] > 0
+    intervals = [record["checkpoint_interval_steps"] for record in records[2:]]
+    assert all(isinstance(steps, int) and steps >= 1 for steps in intervals)
+    saves = [record for record in records if record["checkpoint_save_s"] > 0]
+    assert saves[0]["step"] == 3 and len(saves) >= 2
+    for save, following in zip(saves, saves[1:]):  # each save comes the interval computed at the one before
+        assert following["step"] - save["step"] == save["checkpoint_interval_steps"]
+    interval = json.loads((run_dir / "run.json").read_text())["checkpoint_interval"]
+    assert interval["mode"] == "auto (Daly)" and interval["job_mtbf_hours"] == pytest.approx(0.00005)
+    assert interval["interval_s"] == pytest.approx(daly_interval_s(interval["last_save_cost_s"], 0.18))
+
+
+def test_a_run_restarted_by_torchrun_resumes_its_newest_checkpoint_and_records_the_restart(
+    make_config, tmp_path, monkeypatch
+):
+    run_dir = tmp_path / "run"
+    Trainer(make_config("train.steps=8", "checkpoint.interval=2", run_dir=run_dir)).fit(stop_at=5)
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000005")  # as if the job died after step 5, before saving it
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    Trainer(make_config("train.steps=8", "checkpoint.interval=2", run_dir=run_dir)).fit()
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["resumed_from"]["step"] == 4 and record["status"] == "completed"
+    (restart,) = record["restarts"]
+    assert restart["by"] == "torchrun" and restart["failed_at_step"] == 5 and restart["steps_lost"] == 1
+    assert [event["event"] for event in read_events(run_dir)] == ["start", "failure", "resumed"]
+    assert (run_dir / EVENTS_NAME).exists()
+
+
+@pytest.mark.parametrize(
+    "override, culprit",
+    [
+        ("fault.inject=[{step: 2, kind: explode}]", "fault.inject.0.kind"),
+        ("fault.inject=[{step: 99, kind: kill}]", "fault: inject.0.step 99 is past the run's last step (12)"),
+        ("fault.inject=[{step: 2, rank: 5, kind: kill}]", "fault.inject.0.rank: 5 is not a rank of this job"),
+        ("fault.mtbf_hours_per_device=-1", "fault.mtbf_hours_per_device"),
+        ("checkpoint.interval=-3", "checkpoint.interval"),
+        ("fault.hang_timeout_s=soon", "fault.hang_timeout_s"),
+    ],
+)
+def test_bad_fault_input_exits_2_naming_the_key(override, culprit, config_file, tmp_path, capsys):
+    code = main(["train", config_file, f"run.dir={tmp_path / 'run'}", override])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert culprit in err
+
+
+def test_a_negative_restart_budget_is_refused(config_file, tmp_path, capsys):
+    assert main(["train", config_file, "--max-restarts", "-1", f"run.dir={tmp_path / 'run'}"]) == 2
+    assert "--max-restarts must be 0 or more" in capsys.readouterr().err
+
+
+def test_draws_are_a_function_of_the_seed_and_checkpoint_faults_fall_on_checkpoints():
+    from ferry.portability.drill import draw_faults
+
+    assert draw_faults(4, 3, 30, 2, 3) == draw_faults(4, 3, 30, 2, 3)
+    for seed in range(50):
+        schedule = draw_faults(seed, 4, 30, 2, 3)
+        assert len({(fault["step"], fault["kind"]) for fault in schedule}) == 4
+        for fault in schedule:
+            assert 2 <= fault["step"] <= 30 and fault["rank"] in (0, 1)
+            if fault["kind"] == "kill_during_save":
+                assert fault["step"] % 3 == 0
+            if fault["kind"] == "corrupt_checkpoint":
+                assert fault["step"] % 3 == 0 and fault["step"] >= 6
+
+
+def test_a_drill_with_three_faults_on_two_ranks_ends_bitwise_equal(config_file, tmp_path, capsys):
+    work = tmp_path / "drill"
+    code = main(["drill", config_file, "train.steps=30", "parallel.ep=2", "--nproc", "2", "--faults", "3",
+                 "--seed", "57", "--dir", str(work)])
+    record = json.loads((work / "drill.json").read_text())
+    assert code == 0 and record["passed"], capsys.readouterr().out
+    assert [fault["kind"] for fault in record["faults"]] == ["raise", "corrupt_checkpoint", "nan"]
+    assert record["differing_steps"] == [] and record["differing_tensors"] == [] and record["tensors_compared"] > 50
+    assert len(record["restarts"]) == 2 and record["goodput"]["restarts"] == 2
+    assert record["restarts"][1]["skipped_checkpoints"][0].endswith("step-00000004"), "the corrupt one is skipped"
+    assert record["restarts"][1]["resumed_from_step"] == 2
+    assert "drill PASS" in capsys.readouterr().out

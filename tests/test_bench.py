@@ -9,6 +9,7 @@ import torch
 
 from ferry.cli.main import main
 from ferry.data.synthetic import synthetic_tokens
+from ferry.portability import suites
 from ferry.portability.suites import load_suite
 
 SUITES = ["moe-tiny", "moe-tiny-ep2", "olmoe-1b-7b", "olmoe-1b-7b-ep8"]
@@ -102,12 +103,36 @@ def test_the_ep2_suite_waits_on_its_all_to_all(records):
     assert found["single"]["ep_wait_s"] == 0 and found["single"]["comm_s"] == 0
 
 
-def test_a_suite_that_cannot_fit_is_refused_naming_the_memory_it_needs(tmp_path, capsys):
+def test_a_suite_that_cannot_fit_is_refused_naming_the_memory_it_needs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(suites, "device_memory_bytes", lambda device: ("this host", 64 * 2**30))
     code, record = bench(tmp_path, "olmoe", "olmoe-1b-7b", "--device", "cpu")
     err = capsys.readouterr().err
     assert code == 2 and record is None
-    assert "olmoe-1b-7b needs about 125.4 GiB per rank" in err and "AdamW moments 103.1 GiB" in err
+    assert "olmoe-1b-7b needs about 128.9 GiB per rank" in err and "AdamW moments 103.1 GiB" in err
+    assert "the optimizer step's temporaries 25.8 GiB" in err and "this host has 64.0 GiB per rank" in err
     assert not (tmp_path / "olmoe").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")
+def test_a_gpu_suite_without_a_gpu_is_refused_naming_the_memory_it_needs(tmp_path, capsys):
+    code, record = bench(tmp_path, "olmoe", "olmoe-1b-7b")
+    err = capsys.readouterr().err
+    assert code == 2 and record is None
+    assert "runs on cuda, but no CUDA or ROCm device is visible here; it needs about 128.9 GiB per rank" in err
+
+
+def test_the_olmoe_estimate_fits_an_h200_and_counts_every_peak():
+    from pathlib import Path
+
+    config = load_suite("olmoe-1b-7b").run_config(Path("/nonexistent"), "cuda", [])
+    estimate = suites.memory_estimate(config, 1, "cuda")
+    params = 6_919_161_856
+    assert estimate.state_bytes == params * 16  # fp32 parameters and gradients, two fp32 moments
+    assert estimate.optimizer_bytes == params * 4  # AdamW's temporary square root
+    copies = params * 2  # the bf16 weights the backward keeps
+    assert estimate.backward_bytes > copies
+    h200 = 143_771 * 2**20  # what torch reports for an H200 (nvidia-smi: 143771 MiB)
+    assert estimate.total_bytes <= suites.HEADROOM * h200
 
 
 @pytest.mark.parametrize(
@@ -117,6 +142,9 @@ def test_a_suite_that_cannot_fit_is_refused_naming_the_memory_it_needs(tmp_path,
         (["moe-tiny", "model.dimension=3"], "model.dimension"),
         (["moe-tiny", "--nproc", "0"], "--nproc must be at least 1"),
         (["moe-tiny", "--nproc", "3"], "not a multiple of train.micro_batch x ranks"),
+        (["moe-tiny-ep2", "--nproc", "1"], "parallel.ep (2) does not divide the 1 rank(s)"),
+        (["moe-tiny", "train.steps=5"], "train.steps is fixed by the suite"),
+        (["moe-tiny", "run.seed=3"], "run.seed is fixed by the suite"),
     ],
 )
 def test_bad_bench_input_exits_2(argv, culprit, tmp_path, capsys):
@@ -146,3 +174,22 @@ def test_a_scaling_view_from_one_suite_at_two_layouts(records, tmp_path):
     scaling = json.loads((tmp_path / "c" / "cost.json").read_text())["scaling"]
     assert [(row["world_size"], row["ep_degree"]) for row in scaling] == [(1, 1), (2, 2)]
     assert scaling[1]["comm_compute_ratio"] == found["ep2-layout"]["comm_compute_ratio"] > 0
+
+
+def test_a_bench_dir_that_is_a_file_or_an_out_under_a_file_is_refused_before_running(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    assert main(["bench", "moe-tiny", "--out", str(tmp_path / "r.json"), "--dir", str(taken)]) == 2
+    assert "is not an empty directory" in capsys.readouterr().err
+    assert main(["bench", "moe-tiny", "--out", str(taken / "r.json"), "--dir", str(tmp_path / "w")]) == 2
+    assert "cannot be written" in capsys.readouterr().err and not (tmp_path / "w").exists()
+
+
+def test_a_model_override_changes_the_workload_digest(records, tmp_path):
+    _, found = records
+    code, record = bench(tmp_path, "top1", "moe-tiny", "model.moe.top_k=1")
+    assert code == 0 and record["input_digest"] == found["single"]["input_digest"]
+    assert record["workload_digest"] != found["single"]["workload_digest"]
+    assert found["ep2-layout"]["workload_digest"] == found["portable"]["workload_digest"] == found["single"][
+        "workload_digest"
+    ]

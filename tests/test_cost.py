@@ -21,6 +21,7 @@ def record(
     compute_s=1.0,
     suite="olmoe-1b-7b",
     input_digest="i" * 64,
+    workload_digest="w" * 64,
 ):
     return {
         "kind": "ferry-bench",
@@ -28,6 +29,7 @@ def record(
         "suite": suite,
         "suite_digest": "s" * 64,
         "input_digest": input_digest,
+        "workload_digest": workload_digest,
         "device": device,
         "nproc": nproc,
         "overrides": [],
@@ -62,7 +64,7 @@ def test_the_defaults_are_the_cited_ones_and_the_h200_profile_holds_its_prices()
         "pue": 1.58,
         "electricity_usd_per_kwh": 0.0806,
         "utilization": 0.8,
-        "system_share": 0.25,
+        "system_share": 0.23,
     }
     assert all(len(source) > 40 for source in sources.values())
     h200 = load_profile("h200")
@@ -74,14 +76,14 @@ def test_rent_own_breakeven_and_time_to_train_match_a_hand_calculation(tmp_path)
     row = json.loads((tmp_path / "out" / "cost.json").read_text())["records"][0]
     # 10,000 tokens/s per device = 3.6e7 tokens per device-hour; H200 rents at $4.59 an hour
     assert row["usd_per_million_tokens_rent"] == pytest.approx(4.59 / 36.0)  # 0.1275
-    capex_hour = 32000 * 1.25 / (5 * 8760)  # $0.91324 per device-hour
+    capex_hour = 32000 * 1.23 / (5 * 8760)  # $0.898630 per device-hour
     energy_hour = 1.275 * 1.58 * 0.0806  # $0.162369 per device-hour
-    assert row["capex_usd_per_device_hour"] == pytest.approx(0.913242, rel=1e-5)
+    assert row["capex_usd_per_device_hour"] == pytest.approx(0.898630, rel=1e-5)
     assert row["energy_usd_per_device_hour"] == pytest.approx(0.162369, rel=1e-5)
-    assert row["usd_per_million_tokens_own"] == pytest.approx((capex_hour / 0.8 + energy_hour) / 36.0)  # 0.036220
-    assert row["usd_per_million_tokens_own"] == pytest.approx(0.036220, rel=1e-4)
+    assert row["usd_per_million_tokens_own"] == pytest.approx((capex_hour / 0.8 + energy_hour) / 36.0)  # 0.035713
+    assert row["usd_per_million_tokens_own"] == pytest.approx(0.035713, rel=1e-4)
     assert row["breakeven_utilization"] == pytest.approx(capex_hour / (4.59 - energy_hour))
-    assert row["breakeven_utilization"] == pytest.approx(0.206259, rel=1e-4)
+    assert row["breakeven_utilization"] == pytest.approx(0.202960, rel=1e-4)
     assert row["days_to_train"] == pytest.approx(7.1e12 / 3.6e7 / 128 / 24)  # 64.2 days
     assert row["cost_to_train_rent_usd"] == pytest.approx(7.1e12 / 3.6e7 * 4.59)  # $905,250
     names = {path.name for path in (tmp_path / "out").iterdir()}
@@ -111,7 +113,7 @@ def test_overrides_of_price_budget_and_ownership_change_exactly_their_terms(tmp_
     )
     data = json.loads((tmp_path / "out" / "cost.json").read_text())
     row = data["records"][0]
-    capex_hour = 40000 * 1.25 / (5 * 8760)
+    capex_hour = 40000 * 1.23 / (5 * 8760)
     energy_hour = 1.275 * 1.1 * 0.0806
     assert row["usd_per_million_tokens_rent"] == pytest.approx(2.0 / 36.0)
     assert row["usd_per_million_tokens_own"] == pytest.approx((capex_hour / 0.5 + energy_hour) / 36.0)
@@ -131,9 +133,9 @@ def test_records_of_other_suites_or_inputs_are_refused(tmp_path, capsys):
     b = write(tmp_path, "b", record(suite="moe-tiny"))
     c = write(tmp_path, "c", record(input_digest="j" * 64))
     assert cost(tmp_path, a, b) == 2
-    assert "different suites" in capsys.readouterr().err
+    assert "differ in their suite (suite" in capsys.readouterr().err
     assert cost(tmp_path, a, c) == 2
-    assert "different input values" in capsys.readouterr().err
+    assert "differ in their input values" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -172,3 +174,50 @@ def test_the_scaling_view_flags_communication_that_dominates(tmp_path):
     assert by_size[2]["per_device_vs_smallest"] == pytest.approx(0.9) and not by_size[2]["communication_dominates"]
     assert by_size[8]["communication_dominates"] and by_size[8]["comm_share_of_step"] == pytest.approx(0.6)
     assert "communication dominates" in (tmp_path / "out" / "cost.md").read_text()
+
+
+def test_records_of_another_workload_are_refused(tmp_path, capsys):
+    a = write(tmp_path, "a", record())
+    b = write(tmp_path, "b", record(workload_digest="x" * 64))  # say, model.moe.top_k=1 as an override
+    assert cost(tmp_path, a, b) == 2
+    assert "differ in their workload (model, sequence length, global batch, optimizer)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "change, culprit",
+    [
+        (lambda r: r.pop("hardware"), "hardware"),
+        (lambda r: r.update(tokens_per_s_per_device="fast"), "tokens_per_s_per_device"),
+        (lambda r: r.update(tokens_per_s_per_device=None), "tokens_per_s_per_device"),
+        (lambda r: r.update(nproc=0), "nproc"),
+        (lambda r: r.pop("workload_digest"), "workload_digest"),
+    ],
+)
+def test_a_hand_edited_record_is_refused_naming_the_field(change, culprit, tmp_path, capsys):
+    edited = record()
+    change(edited)
+    assert cost(tmp_path, write(tmp_path, "edited", edited)) == 2
+    assert culprit in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--price", "h200=nan"], ["--price", "h200=inf"], ["--own", "power_kw.h200=nan"]])
+def test_non_finite_prices_are_refused(argv, tmp_path, capsys):
+    assert cost(tmp_path, write(tmp_path, "a", record()), *argv) == 2
+    assert "is not a finite number" in capsys.readouterr().err
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")
+    assert main(["cost", write(tmp_path, "a", record()), "--out", str(taken)]) == 2
+    assert "is a file" in capsys.readouterr().err and taken.read_text() == "not a directory"
+
+
+def test_the_scaling_view_never_mixes_two_vendors_of_one_device_type(tmp_path):
+    h100 = write(tmp_path, "h100", record(profile="h100", nproc=1, tokens_per_s_per_device=10_000))
+    mi_one = write(tmp_path, "mi1", record(profile="mi300x", nproc=1, tokens_per_s_per_device=5_000))
+    mi_eight = write(tmp_path, "mi8", record(profile="mi300x", nproc=8, ep=8, tokens_per_s_per_device=4_500))
+    assert cost(tmp_path, h100, mi_one, mi_eight) == 0
+    scaling = json.loads((tmp_path / "out" / "cost.json").read_text())["scaling"]
+    eight = next(row for row in scaling if row["world_size"] == 8)
+    assert eight["device"].startswith("mi300x") and eight["per_device_vs_smallest"] == pytest.approx(0.9)

@@ -27,7 +27,7 @@ from ferry.data.synthetic import write_synthetic_dataset
 from ferry.metrics.jsonl import read_metrics
 from ferry.portability.environment import Environment
 from ferry.portability.legs import run_leg
-from ferry.portability.suites import BenchSuite, check_fits, load_suite
+from ferry.portability.suites import BenchSuite, check_fits, load_suite, workload_digest
 from ferry.train.config import RunConfig
 
 RECORD_KIND = "ferry-bench"
@@ -70,17 +70,22 @@ def run_bench(
     if nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
     out = Path(out)
-    if out.exists() and out.is_dir():
-        raise UserError(f"--out {str(out)!r} is a directory; name the JSON file to write")
+    if out.is_dir() or (out.parent.exists() and not out.parent.is_dir()):
+        raise UserError(f"--out {str(out)!r} cannot be written: name a JSON file in a directory")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     work = Path(work_dir) if work_dir is not None else Path("runs") / "bench" / f"{suite.name}-{stamp}"
-    if work.exists() and any(work.iterdir()):
-        raise UserError(f"bench directory {str(work)!r} is not empty; choose another --dir")
+    if work.exists() and (not work.is_dir() or any(work.iterdir())):
+        raise UserError(f"bench directory {str(work)!r} is not an empty directory; choose another --dir")
     config = suite.run_config(work, device or suite.device, list(overrides))
     if config.train.global_batch % (config.train.micro_batch * nproc):
         raise UserError(
             f"suite {suite.name}: train.global_batch ({config.train.global_batch}) is not a multiple of "
             f"train.micro_batch x ranks ({config.train.micro_batch} x {nproc}); change --nproc or the batch"
+        )
+    if config.parallel.mode == "ep" and nproc % config.parallel.ep:
+        raise UserError(
+            f"suite {suite.name}: parallel.ep ({config.parallel.ep}) does not divide the {nproc} rank(s); change "
+            "--nproc or parallel.ep"
         )
     estimate = check_fits(suite, config, nproc)
     tokens_needed = config.train.global_batch * config.data.seq_len * suite.total_steps + 1
@@ -137,6 +142,7 @@ def bench_record(
         "suite_version": suite.version,
         "suite_digest": suite.digest,
         "input_digest": hashlib.sha256(f"{tokens_digest}:{weights}".encode()).hexdigest(),
+        "workload_digest": workload_digest(config),
         "tokens_digest": tokens_digest,
         "weights_digest": weights,
         "overrides": list(overrides),

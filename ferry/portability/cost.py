@@ -19,12 +19,13 @@ from true when records at several world sizes are given.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ferry.config import ConfigError, Section, UserError
 from ferry.config.loader import validate
@@ -106,8 +107,34 @@ def cost_inputs(
     return CostInputs(assumptions, rent, purchase, power, sources)
 
 
+class _Hardware(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    profile: str
+    price_per_device_hour_usd: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+
+class _Record(BaseModel):
+    """The fields of a bench record the cost arithmetic reads, with their types."""
+
+    model_config = ConfigDict(extra="allow")
+
+    suite: str
+    suite_digest: str
+    input_digest: str
+    workload_digest: str
+    device: str
+    nproc: int = Field(ge=1)
+    tokens_per_s_per_device: float = Field(gt=0, allow_inf_nan=False)
+    hardware: _Hardware
+    layout: dict | None = None
+    step_s: float | None = None
+    comm_s: float | None = None
+    comm_compute_ratio: float | None = None
+
+
 def read_records(paths: list[str | Path]) -> list[tuple[Path, dict]]:
-    """The bench records, each checked to be one; at least one."""
+    """The bench records, each checked to be one, with the fields the arithmetic needs; at least one."""
     if not paths:
         raise UserError("ferry cost needs at least one record written by `ferry bench`")
     records = []
@@ -122,19 +149,30 @@ def read_records(paths: list[str | Path]) -> list[tuple[Path, dict]]:
             raise UserError(
                 f"record {str(path)!r} is version {record.get('version')!r}; this ferry reads {RECORD_VERSION}"
             )
+        try:
+            _Record.model_validate(record)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise UserError(f"record {str(path)!r}: {where}: {first['msg']}") from None
         records.append((path, record))
     return records
 
 
 def check_comparable(records: list[tuple[Path, dict]]) -> None:
-    """Refuse records of different suites, suite definitions or input values, naming the first difference."""
+    """Refuse records of different suites, suite definitions, input values or workloads, naming the first one."""
     first_path, first = records[0]
     for path, record in records[1:]:
-        for key, what in (("suite", "suite"), ("suite_digest", "suite definition"), ("input_digest", "input values")):
+        for key, what in (
+            ("suite", "suite"),
+            ("suite_digest", "suite definition"),
+            ("input_digest", "input values"),
+            ("workload_digest", "workload (model, sequence length, global batch, optimizer)"),
+        ):
             if record.get(key) != first.get(key):
                 raise UserError(
-                    f"{path} and {first_path} measured different {what}s ({key} {str(record.get(key))[:16]} vs "
-                    f"{str(first.get(key))[:16]}): records compare only on the same suite with the same inputs"
+                    f"{path} and {first_path} differ in their {what} ({key} {str(record.get(key))[:16]} vs "
+                    f"{str(first.get(key))[:16]}): records compare only on the same suite, inputs and workload"
                 )
 
 
@@ -192,10 +230,11 @@ def scaling_view(records: list[tuple[Path, dict]]) -> list[dict]:
     rows = []
     for path, record in records:
         layout = record.get("layout") or {}
+        device_name = (record.get("environment") or {}).get("device_name") or record["device"]
         rows.append(
             {
                 "file": str(path),
-                "device": record["device"],
+                "device": f"{record['hardware']['profile']} ({device_name})",
                 "world_size": layout.get("world_size", record["nproc"]),
                 "ep_degree": layout.get("ep_degree", 1),
                 "tokens_per_s_per_device": record["tokens_per_s_per_device"],
@@ -231,9 +270,12 @@ def _pair(item: str, option: str) -> tuple[str, str]:
 
 def _number(text: str, where: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise UserError(f"{where}: {text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise UserError(f"{where}: {text!r} is not a finite number")
+    return value
 
 
 def _known_profile(name: str, where: str) -> None:

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ferry.config import UserError
 from ferry.metrics.plots import new_figure, save_figure
 from ferry.portability.cost import (
     DEFAULTS_FILE,
@@ -60,6 +61,8 @@ def write_cost(
         if row["measured_on_cpu"]
     ]
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {str(out)!r} is a file; name a directory for cost.json, cost.md and the charts")
     out.mkdir(parents=True, exist_ok=True)
     result = CostResult(out, costed, warnings)
     first = records[0][1]
@@ -146,7 +149,7 @@ def render_markdown(data: dict, inputs: CostInputs, charts: list[str]) -> str:
     ]
     for row in data["records"]:
         out.append(
-            f"| {row['label']} | {row['tokens_per_s_per_device']:,.0f} | {row['rent_usd_per_device_hour']:.2f} | "
+            f"| {_cell(row['label'])} | {row['tokens_per_s_per_device']:,.0f} | {row['rent_usd_per_device_hour']:.2f} | "
             f"{row['usd_per_million_tokens_rent']:.4g} | {row['usd_per_million_tokens_own']:.4g} | "
             f"{_utilization(row['breakeven_utilization'])} | {row['days_to_train']:,.1f} | "
             f"{row['cost_to_train_rent_usd']:,.0f} | {row['cost_to_train_own_usd']:,.0f} |"
@@ -164,9 +167,10 @@ def render_markdown(data: dict, inputs: CostInputs, charts: list[str]) -> str:
         out.append(f"| {key} | {value:g} | {' '.join(inputs.sources[key].split())} |")
     out += [
         "",
-        f"Defaults from `{DEFAULTS_FILE.name}` (`ferry/portability/`); rent, purchase price and power per device from "
-        "the hardware profiles (`ferry/platform/profiles/<profile>.yaml`, each figure with its source there), "
-        "unless given with `--price` or `--own`. Owned costs count the device and its share of the server, "
+        f"Defaults from `{DEFAULTS_FILE.name}` (`ferry/portability/`); rent from each record (the hardware "
+        "profile's price when it was measured), purchase price and power per device from the hardware profiles "
+        "(`ferry/platform/profiles/<profile>.yaml`, each figure with its source there), unless given with "
+        "`--price` or `--own`. Owned costs count the device and its share of the server, "
         "depreciated straight-line, and the energy it draws at full load while training (idle power, staff, "
         "network and buildings are not counted). Time to train assumes the measured rate per device holds "
         "at the number of devices given.",
@@ -234,3 +238,7 @@ def _utilization(value: float | None) -> str:
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|")

@@ -29,6 +29,7 @@ from ferry.model import count_model
 from ferry.train.config import RunConfig
 
 SUITES_DIR = Path("benchmarks") / "suites"
+_FIXED = ("run.", "train.steps", "train.log_every", "train.stop_at", "data.", "checkpoint.", "resume", "fault.")
 
 
 class BenchSuite(Section):
@@ -55,7 +56,19 @@ class BenchSuite(Section):
         return self.warmup_steps + self.measured_steps
 
     def run_config(self, work: Path, device: str, overrides: list[str]) -> RunConfig:
-        """The run config of one measurement: the suite's sections, synthetic data under `work`, no checkpoints."""
+        """The run config of one measurement: the suite's sections, synthetic data under `work`, no checkpoints.
+
+        Overrides may change what a comparison varies (kernels, precision, layout, the model to try a
+        variant); never what makes it a measurement of this suite: where it runs and writes, how many
+        steps, its data, checkpoints or resuming.
+        """
+        for text in overrides:
+            key = text.partition("=")[0].strip()
+            if key.startswith(_FIXED):
+                raise UserError(
+                    f"ferry bench: {key} is fixed by the suite (run, steps, data, checkpoints, resume); "
+                    "change the suite file instead"
+                )
         fixed = [
             f"run.name={self.name}",
             f"run.dir={work / 'run'}",
@@ -102,23 +115,42 @@ def load_suite(spec: str) -> BenchSuite:
         raise ConfigError(f"suite file {str(path)!r}: {exc}") from None
 
 
+HEADROOM = 0.95  # the share of a device's memory an estimate may fill: allocator fragmentation, the CUDA context
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """What one device must hold for a training step, by the counts of the config (an estimate, not a measurement)."""
+    """What one device must hold at the peak of a training step, by the counts of the config (an estimate)."""
 
     state_bytes: int
-    activation_bytes: int
+    backward_bytes: int
+    optimizer_bytes: int
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.activation_bytes
+        """The larger of the two peaks: the end of the forward (activations kept for the backward) and the
+        optimizer step (AdamW's temporaries)."""
+        return self.state_bytes + max(self.backward_bytes, self.optimizer_bytes)
+
+    def describe(self) -> str:
+        return (
+            f"parameters, gradients and AdamW moments {_gib(self.state_bytes)} GiB; activations and compute-dtype "
+            f"weight copies kept for the backward {_gib(self.backward_bytes)} GiB; the optimizer step's "
+            f"temporaries {_gib(self.optimizer_bytes)} GiB; estimated"
+        )
 
 
 def memory_estimate(config: RunConfig, world_size: int, device: str) -> MemoryEstimate:
-    """Parameters, gradients and AdamW moments of one device (experts split over `parallel.ep`, moments over
-    the ranks sharing each parameter under ZeRO-1, everything over all ranks under FSDP), plus the tensors one
-    micro-batch keeps for its backward: per token and layer the attention inputs and outputs and, for each
-    of its top-k experts, the expert's input, hidden and output rows; and the logits with their gradient."""
+    """The memory of one rank at its peak.
+
+    State: parameters and gradients in the parameter dtype and AdamW's two fp32 moments (experts split
+    over `parallel.ep`, moments over the ranks sharing each parameter under ZeRO-1, everything over all
+    ranks under FSDP). Backward: for each token and layer of one micro-batch the attention inputs and
+    outputs (12 x dim) and, for each of its top-k experts, the expert's input, hidden and output rows;
+    the logits with their fp32 loss and gradient; and, under autocast, the compute-dtype copies of the
+    weights the backward keeps. Optimizer: AdamW's full-size temporary (the square root of the second
+    moments, in the foreach implementation torch uses by default).
+    """
     model, moe = config.model, config.model.moe
     size = count_model(model, config.data.seq_len)
     moe_layers = model.n_layers - model.dense_layers
@@ -131,7 +163,7 @@ def memory_estimate(config: RunConfig, world_size: int, device: str) -> MemoryEs
     else:
         ep = config.parallel.ep
         local = dense_params + expert_params / ep
-        replicas = world_size // ep
+        replicas = max(world_size // ep, 1)
         moments = (dense_params / world_size + expert_params / ep / replicas) if config.optim.zero else local
     state = local * 2 * param_bytes + moments * 8
     compute = config.precision.compute_dtype
@@ -141,7 +173,8 @@ def memory_estimate(config: RunConfig, world_size: int, device: str) -> MemoryEs
     per_token_layer = 12 * model.dim + moe.top_k * (2 * model.dim + 3 * moe.expert_ffn_dim)
     activations = tokens * model.n_layers * per_token_layer * compute_bytes
     logits = tokens * model.vocab_size * (compute_bytes + 8)
-    return MemoryEstimate(int(state), int(activations + logits))
+    copies = local * compute_bytes if compute_bytes < param_bytes else 0
+    return MemoryEstimate(int(state), int(activations + logits + copies), int(moments * 4))
 
 
 def device_memory_bytes(device: str) -> tuple[str, int]:
@@ -155,19 +188,36 @@ def device_memory_bytes(device: str) -> tuple[str, int]:
 
 
 def check_fits(suite: BenchSuite, config: RunConfig, world_size: int) -> MemoryEstimate:
-    """Refuse, before anything runs, a suite whose estimated memory exceeds what one rank has here."""
+    """Refuse, before anything runs, a suite that needs a device this machine lacks, or more memory than one
+    rank has here (keeping 5% free)."""
+    import torch
+
     device = config.run.device if config.run.device != "auto" else _auto_device()
     estimate = memory_estimate(config, world_size, device)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError(
+            f"suite {suite.name} runs on cuda, but no CUDA or ROCm device is visible here; it needs about "
+            f"{_gib(estimate.total_bytes)} GiB per rank ({estimate.describe()}); run it on a GPU machine, or with "
+            "--device cpu where the host can hold it"
+        )
     where, available = device_memory_bytes(device)
     per_rank = available / world_size if device == "cpu" else available
-    if estimate.total_bytes > per_rank:
+    if estimate.total_bytes > HEADROOM * per_rank:
         raise UserError(
-            f"suite {suite.name} needs about {_gib(estimate.total_bytes)} GiB per rank (parameters, gradients and "
-            f"AdamW moments {_gib(estimate.state_bytes)} GiB, activations of one micro-batch "
-            f"{_gib(estimate.activation_bytes)} GiB, estimated) and {where} has {_gib(per_rank)} GiB per rank on "
-            f"{device}; run it where it fits (a GPU with enough memory: --device cuda) or shrink it with overrides"
+            f"suite {suite.name} needs about {_gib(estimate.total_bytes)} GiB per rank ({estimate.describe()}) and "
+            f"{where} has {_gib(per_rank)} GiB per rank on {device}, of which {HEADROOM:.0%} may be planned; run it "
+            "where it fits (a GPU with enough memory: --device cuda) or shrink it with overrides"
         )
     return estimate
+
+
+def workload_digest(config: RunConfig) -> str:
+    """sha256 of what a step computes: the model, the sequence length, the global batch and the optimizer
+    (not the layout, kernels, precision or micro-batching, which are what a comparison may vary)."""
+    optim = config.optim.model_dump(mode="json", exclude={"zero"})
+    fields = {"model": config.model.model_dump(mode="json"), "seq_len": config.data.seq_len,
+              "global_batch": config.train.global_batch, "optim": optim}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def _auto_device() -> str:

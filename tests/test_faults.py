@@ -32,9 +32,10 @@ def test_young_and_daly_intervals_match_hand_calculations():
 def test_the_auto_interval_saves_first_at_its_first_step_then_every_daly_interval_in_steps():
     auto = AutoInterval(job_mtbf_s=3 * 3600, first_step=10)
     assert not auto.due(9, None) and auto.due(10, None)
+    assert not auto.due(12, 3) and auto.due(13, 3), "resumed at step 3: the first save comes 10 steps later"
     for _ in range(10):
         auto.observe_step(2.0)
-    auto.observe_save(60.0)
+    auto.observe_save(60.0, auto.median_step_s())
     assert auto.interval_s == pytest.approx(1098.77, abs=0.01) and auto.interval_steps == 549
     assert not auto.due(10 + 548, 10) and auto.due(10 + 549, 10)
 
@@ -43,12 +44,43 @@ def test_the_watchdog_timeout_follows_the_median_step_with_a_floor_and_allowance
     config = FaultConfig(hang_multiple=10, hang_floor_s=5, hang_first_step_s=100, hang_checkpoint_s=50)
     watchdog = Watchdog(config, rank=0, on_hang=lambda phase, message: None)
     assert watchdog.timeout_s() == 105  # floor + first step
-    for step in range(1, 10):
+    watchdog.beat(1, 1.5)
+    assert watchdog.timeout_s() == 15, "during the warm-up: 10 x the slowest step so far, above the floor"
+    for step in range(2, 10):
         watchdog.beat(step, 2.0)
     assert watchdog.timeout_s() == 20  # 10 x median 2.0 s after the warm-up steps
     watchdog.phase("checkpoint save")
     assert watchdog.timeout_s() == 70
     assert Watchdog(FaultConfig(hang_timeout_s=3, hang_first_step_s=0), 0, print).timeout_s() == 3
+
+
+def test_a_long_save_restarts_the_watchdogs_clock(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("ferry.train.watchdog.time.monotonic", lambda: clock[0])
+    watchdog = Watchdog(FaultConfig(hang_timeout_s=2, hang_first_step_s=0, hang_checkpoint_s=100), 0, print)
+    watchdog.start(0)
+    watchdog.stop()
+    watchdog.beat(1, 0.5)
+    watchdog.phase("checkpoint save")
+    clock[0] += 30  # a 30 s save: within the checkpoint allowance
+    assert watchdog.overdue() is None
+    watchdog.touch()
+    watchdog.phase("between steps")
+    clock[0] += 1.5
+    assert watchdog.overdue() is None, "the save's time is not charged to the next step"
+    clock[0] += 1.0
+    assert "stuck in between steps of step 2" in watchdog.overdue()
+
+
+def test_two_faults_at_one_step_fire_one_per_attempt(tmp_path):
+    from ferry.train.fault_config import FaultSpec
+    from ferry.train.faults import FaultInjector, InjectedFault
+
+    specs = [FaultSpec(step=5, kind="raise"), FaultSpec(step=5, kind="raise")]
+    for attempt in range(2):
+        with pytest.raises(InjectedFault, match=f"injected fault {attempt} "):
+            FaultInjector(specs, 0, 1, tmp_path).at_step_start(5, on_hang=lambda: None)
+    FaultInjector(specs, 0, 1, tmp_path).at_step_start(5, on_hang=lambda: None)  # both spent
 
 
 @pytest.fixture
@@ -123,6 +155,16 @@ def test_poisoned_gradients_roll_back_when_asked_and_are_skipped_otherwise(confi
     assert records[4]["skipped_steps"] == 1 and math.isnan(records[4]["grad_norm"])
 
 
+def test_poisoned_gradients_under_fsdp_roll_back_too(config_file, tmp_path):
+    common = [config_file, "--nproc", "2", "parallel.mode=fsdp", "train.steps=10"]
+    assert main(["train", *common, f"run.dir={tmp_path / 'straight'}"]) == 0
+    rolled = tmp_path / "rolled"
+    assert main(["train", *common, "--max-restarts", "1", f"run.dir={rolled}", "fault.on_nonfinite=raise",
+                 "fault.hang_timeout_s=20", "fault.inject=[{step: 5, rank: 1, kind: nan}]"]) == 0
+    assert _losses(rolled) == _losses(tmp_path / "straight")
+    assert "NonFiniteGradients" in json.loads((rolled / "run.json").read_text())["restarts"][0]["cause"]
+
+
 def test_an_auto_interval_is_computed_from_the_measured_save_and_written_into_the_metrics(make_config, tmp_path):
     run_dir = tmp_path / "run"
     config = make_config("train.steps=40", "checkpoint.interval=auto", "checkpoint.auto_first_step=3",
@@ -139,6 +181,44 @@ def test_an_auto_interval_is_computed_from_the_measured_save_and_written_into_th
     interval = json.loads((run_dir / "run.json").read_text())["checkpoint_interval"]
     assert interval["mode"] == "auto (Daly)" and interval["job_mtbf_hours"] == pytest.approx(0.00005)
     assert interval["interval_s"] == pytest.approx(daly_interval_s(interval["last_save_cost_s"], 0.18))
+
+
+def test_after_a_restart_an_auto_interval_saves_again(config_file, tmp_path):
+    run_dir = tmp_path / "run"
+    code = main(["train", config_file, "--max-restarts", "1", f"run.dir={run_dir}", "train.steps=30",
+                 "checkpoint.interval=auto", "checkpoint.auto_first_step=3", "checkpoint.keep=40",
+                 "fault.mtbf_hours_per_device=0.00005", "fault.inject=[{step: 9, kind: raise}]"])
+    assert code == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (restart,) = json.loads((run_dir / "run.json").read_text())["restarts"]
+    resumed = restart["resumed_from_step"]
+    saves_after = [r["step"] for r in records if r["step"] > resumed and r["checkpoint_save_s"] > 0]
+    assert saves_after and saves_after[0] == resumed + 3
+    assert all(r["checkpoint_interval_steps"] for r in records if r["step"] >= resumed + 3)
+
+
+def test_two_ranks_agree_on_the_auto_interval(config_file, tmp_path):
+    run_dir = tmp_path / "run"
+    code = main(["train", config_file, "--nproc", "2", "parallel.ep=2", f"run.dir={run_dir}", "train.steps=24",
+                 "checkpoint.interval=auto", "checkpoint.auto_first_step=3", "checkpoint.keep=40",
+                 "fault.mtbf_hours_per_device=0.00002", "fault.hang_timeout_s=20"])
+    assert code == 0
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "completed" and record["checkpoint_interval"]["interval_steps"] >= 1
+
+
+def test_a_restart_before_the_first_save_of_a_run_resumed_from_elsewhere_resumes_that_checkpoint_again(
+    config_file, tmp_path
+):
+    donor = tmp_path / "donor"
+    assert main(["train", config_file, f"run.dir={donor}", "train.steps=6"]) == 0
+    run_dir = tmp_path / "run"
+    donor_checkpoint = donor / "checkpoints" / "step-00000006"
+    assert main(["train", config_file, "--max-restarts", "1", f"run.dir={run_dir}", f"resume={donor_checkpoint}",
+                 "checkpoint.interval=0", "fault.inject=[{step: 9, kind: raise}]"]) == 0
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["resumed_from"]["checkpoint"] == str(donor_checkpoint)
+    assert record["restarts"][0]["resumed_from_step"] == 6
 
 
 def test_a_run_restarted_by_torchrun_resumes_its_newest_checkpoint_and_records_the_restart(
@@ -166,6 +246,9 @@ def test_a_run_restarted_by_torchrun_resumes_its_newest_checkpoint_and_records_t
         ("fault.mtbf_hours_per_device=-1", "fault.mtbf_hours_per_device"),
         ("checkpoint.interval=-3", "checkpoint.interval"),
         ("fault.hang_timeout_s=soon", "fault.hang_timeout_s"),
+        ("fault.hang_timeout_s=0", "fault.hang_timeout_s"),
+        ("fault.mtbf_hours_per_device=.inf", "fault.mtbf_hours_per_device"),
+        ("fault.inject=[{step: 5, kind: corrupt_checkpoint}]", "a corrupt_checkpoint fault at step 5 never fires"),
     ],
 )
 def test_bad_fault_input_exits_2_naming_the_key(override, culprit, config_file, tmp_path, capsys):
@@ -184,15 +267,25 @@ def test_draws_are_a_function_of_the_seed_and_checkpoint_faults_fall_on_checkpoi
     from ferry.portability.drill import draw_faults
 
     assert draw_faults(4, 3, 30, 2, 3) == draw_faults(4, 3, 30, 2, 3)
-    for seed in range(50):
-        schedule = draw_faults(seed, 4, 30, 2, 3)
-        assert len({(fault["step"], fault["kind"]) for fault in schedule}) == 4
-        for fault in schedule:
-            assert 2 <= fault["step"] <= 30 and fault["rank"] in (0, 1)
-            if fault["kind"] == "kill_during_save":
-                assert fault["step"] % 3 == 0
-            if fault["kind"] == "corrupt_checkpoint":
-                assert fault["step"] % 3 == 0 and fault["step"] >= 6
+    for seed in range(100):
+        for count in (1, 4, 11):  # 11 faults in 12 steps: every step taken by some fault
+            schedule = draw_faults(seed, count, 12, 2, 3)
+            assert len({(fault["step"], fault["kind"]) for fault in schedule}) == count
+            for fault in schedule:
+                assert 2 <= fault["step"] <= 12 and fault["rank"] in (0, 1)
+                if fault["kind"] == "kill_during_save":
+                    assert fault["step"] % 3 == 0 and fault["step"] < 12
+                if fault["kind"] == "corrupt_checkpoint":
+                    assert fault["step"] % 3 == 0 and 6 <= fault["step"] < 12
+
+
+@pytest.mark.parametrize(
+    "argv, culprit",
+    [(["--faults", "12"], "has room for 11 faults"), (["--max-restarts", "-1"], "--max-restarts must be 0 or more")],
+)
+def test_bad_drill_input_is_refused_before_anything_runs(argv, culprit, config_file, tmp_path, capsys):
+    assert main(["drill", config_file, *argv, "--dir", str(tmp_path / "drill")]) == 2
+    assert culprit in capsys.readouterr().err and not (tmp_path / "drill").exists()
 
 
 def test_a_drill_with_three_faults_on_two_ranks_ends_bitwise_equal(config_file, tmp_path, capsys):

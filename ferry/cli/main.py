@@ -85,8 +85,10 @@ def _train(args: argparse.Namespace) -> int:
         from ferry.launch import supervise
 
         argv = ["train", args.config, *args.overrides]
+        checkpoints = config.checkpoint.path(config.run.path)
         return supervise(
-            args.nproc or 1, argv, config.run.path, args.max_restarts, config.fault.max_no_progress_restarts
+            args.nproc or 1, argv, config.run.path, checkpoints, args.max_restarts,
+            config.fault.max_no_progress_restarts,
         )
     if args.nproc is not None and "WORLD_SIZE" not in os.environ:
         from ferry.launch import launch_local

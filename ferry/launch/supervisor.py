@@ -15,15 +15,23 @@ import sys
 import time
 from pathlib import Path
 
+from ferry.checkpoint import list_checkpoints
 from ferry.launch.local import run_ranks
 from ferry.train.restarts import append_event, collect_causes, describe_causes, last_metrics_step
 
 
-def supervise(nproc: int, argv: list[str], run_dir: Path, max_restarts: int, max_no_progress: int) -> int:
-    """Run `ferry *argv` on `nproc` ranks under supervision; 0 when the job finished, 2 on bad input, 1 otherwise."""
+def supervise(
+    nproc: int, argv: list[str], run_dir: Path, checkpoints: Path, max_restarts: int, max_no_progress: int
+) -> int:
+    """Run `ferry *argv` on `nproc` ranks under supervision; 0 when the job finished, 2 on bad input, 1 otherwise.
+
+    A restart resumes the run's newest valid checkpoint (in `checkpoints`); before the run has saved
+    one, a job started from `resume=PATH` starts from PATH again, and any other job from step 0.
+    """
     best_step = last_metrics_step(run_dir) if _resumes(argv) else 0
     restarts = no_progress = 0
     attempt_argv = list(argv)
+    collect_causes(run_dir)  # what an earlier, unsupervised failure left is not this job's
     while True:
         outcome = run_ranks(nproc, attempt_argv)
         if outcome.ok:
@@ -36,7 +44,8 @@ def supervise(nproc: int, argv: list[str], run_dir: Path, max_restarts: int, max
         event = {
             "event": "failure",
             "by": "ferry supervisor",
-            "at_unix": min([cause["at_unix"] for cause in causes] + [outcome.failed_at_unix or detected]),
+            # the ranks' own reports are to the millisecond; the launcher's failure time only to the second
+            "at_unix": min(cause["at_unix"] for cause in causes) if causes else outcome.failed_at_unix or detected,
             "detected_unix": detected,
             "failed_at_step": reached,
             "causes": causes,
@@ -60,7 +69,7 @@ def supervise(nproc: int, argv: list[str], run_dir: Path, max_restarts: int, max
             f"ferry: restart {restarts} of {max_restarts} after a failure at step {reached + 1} ({cause}); "
             "resuming every rank from the newest checkpoint that verifies"
         )
-        attempt_argv = [*argv, "resume=latest"]
+        attempt_argv = [*argv, "resume=latest"] if list_checkpoints(checkpoints) or not _resumes(argv) else list(argv)
 
 
 def _resumes(argv: list[str]) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ferry.checkpoint import list_checkpoints, verify_checkpoint
+from ferry.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
 from ferry.config import UserError
 from ferry.config.loader import validate
 from ferry.metrics.jsonl import read_metrics
@@ -44,30 +44,45 @@ class DrillResult:
 def draw_faults(seed: int, count: int, steps: int, nproc: int, interval: int) -> list[dict]:
     """`count` faults at exponentially distributed steps (mean gap steps / (count + 1)), kinds and ranks uniform.
 
-    Checkpoint faults fall on a checkpoint step; a corrupt checkpoint never on the first one (the
-    drill would then have nothing valid to fall back to, which is a lesson about `checkpoint.keep`,
-    not about recovery). Steps are at least 2, so a fault never strikes before the job has run.
+    Steps are at least 2, so a fault never strikes before the job has run. Checkpoint faults fall on
+    a checkpoint step before the last (a corrupt last checkpoint is one no restart ever reads);
+    a corrupt checkpoint never on the first (the drill would then have nothing valid to fall back
+    to, a lesson about `checkpoint.keep`, not about recovery). Two faults never share a step and a
+    kind: a colliding draw takes the next free step.
     """
     rng = random.Random(seed)
     mean_gap = steps / (count + 1)
     at = 0.0
+    taken: set[tuple[int, str]] = set()
     faults: list[dict] = []
     for _ in range(count):
         at += rng.expovariate(1.0 / mean_gap)
         kind = rng.choice(FAULT_KINDS)
         rank = rng.randrange(nproc)
-        step = min(max(2, round(at)), steps)
-        if kind in _CHECKPOINT_KINDS:
-            first = 2 * interval if kind == "corrupt_checkpoint" else interval
-            step = min(max(first, round(step / interval) * interval), (steps // interval) * interval)
-            if step < first:
-                kind, step = "raise", min(max(2, round(at)), steps)
-        while any(f["step"] == step and f["kind"] == kind for f in faults):  # two at once would be one (or none)
-            kind = FAULT_KINDS[(FAULT_KINDS.index(kind) + 1) % len(FAULT_KINDS)]
-            if kind in _CHECKPOINT_KINDS and step % interval:
-                kind = "raise"
+        step = _free_step(kind, min(max(2, round(at)), steps), steps, interval, taken)
+        if step is None:
+            kind = "raise"
+            step = _free_step(kind, min(max(2, round(at)), steps), steps, interval, taken)
+        taken.add((step, kind))
         faults.append({"step": step, "rank": rank, "kind": kind})
     return sorted(faults, key=lambda fault: fault["step"])
+
+
+def _free_step(kind: str, wanted: int, steps: int, interval: int, taken: set) -> int | None:
+    """The first step from `wanted` on (wrapping round) where a fault of `kind` may fall and none does yet."""
+    if kind in _CHECKPOINT_KINDS:
+        first = 2 * interval if kind == "corrupt_checkpoint" else interval
+        candidates = list(range(first, steps, interval))
+    else:
+        candidates = list(range(2, steps + 1))
+    if not candidates:
+        return None
+    start = min(range(len(candidates)), key=lambda index: abs(candidates[index] - wanted))
+    for offset in range(len(candidates)):
+        step = candidates[(start + offset) % len(candidates)]
+        if (step, kind) not in taken:
+            return step
+    return None
 
 
 def run_drill(
@@ -83,8 +98,12 @@ def run_drill(
 ) -> DrillResult:
     if nproc < 1 or faults < 0:
         raise UserError(f"ferry drill needs --nproc >= 1 and --faults >= 0 (got {nproc} and {faults})")
+    if max_restarts is not None and max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {max_restarts}")
     base = load_run_config(config_path, list(overrides))
     steps = base.train.steps
+    if faults > steps - 1:
+        raise UserError(f"--faults {faults}: a run of {steps} steps has room for {steps - 1} faults (from step 2 on)")
     interval = base.checkpoint.interval if isinstance(base.checkpoint.interval, int) and base.checkpoint.interval else 0
     interval = interval or max(1, steps // 10)
     work = Path(work_dir) if work_dir is not None else Path("runs") / "drills" / f"{base.run.name}-seed{seed}"
@@ -153,11 +172,14 @@ def _judge(reference: Path, drilled: Path, finished: bool) -> dict:
     final_a = list_checkpoints(reference / "checkpoints")[-1]
     final_b = list_checkpoints(drilled / "checkpoints")[-1]
     differing_tensors = []
-    with verify_checkpoint(final_a) as a, verify_checkpoint(final_b) as b:
-        names = sorted(set(a.names()) | set(b.names()))
-        for name in names:
-            if name not in a.names() or name not in b.names() or not torch.equal(a.read(name), b.read(name)):
-                differing_tensors.append(name)
+    try:
+        with verify_checkpoint(final_a) as a, verify_checkpoint(final_b) as b:
+            names = sorted(set(a.names()) | set(b.names()))
+            for name in names:
+                if name not in a.names() or name not in b.names() or not torch.equal(a.read(name), b.read(name)):
+                    differing_tensors.append(name)
+    except CheckpointError as exc:
+        return {"passed": False, "failure": f"a final checkpoint does not verify: {exc}"}
     return {
         "passed": not differing_steps and not differing_tensors,
         "losses_compared": min(len(losses_a), len(losses_b)),

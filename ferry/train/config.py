@@ -106,10 +106,18 @@ class RunConfig(Section):
     @field_validator("fault")
     @classmethod
     def _faults_within_the_run(cls, fault: FaultConfig, info: ValidationInfo) -> FaultConfig:
-        train = info.data.get("train")
+        train, checkpoint = info.data.get("train"), info.data.get("checkpoint")
         for index, spec in enumerate(fault.inject):
             if train is not None and spec.step > train.steps:
                 raise ValueError(f"inject.{index}.step {spec.step} is past the run's last step ({train.steps})")
+            interval = checkpoint.interval if checkpoint is not None else None
+            fixed = isinstance(interval, int) and train is not None
+            saves = fixed and ((interval and spec.step % interval == 0) or spec.step == train.steps)
+            if spec.kind in ("corrupt_checkpoint", "kill_during_save") and fixed and not saves:
+                raise ValueError(
+                    f"inject.{index}: a {spec.kind} fault at step {spec.step} never fires: the run saves at multiples "
+                    f"of checkpoint.interval ({interval}) and at its last step"
+                )
         return fault
 
     @field_validator("data")

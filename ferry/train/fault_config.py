@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ferry.config.section import Section
 
@@ -42,6 +42,7 @@ class FaultConfig(Section):
     mtbf_hours_per_device: float = Field(
         PUBLISHED_MTBF_HOURS_PER_DEVICE,
         gt=0.0,
+        allow_inf_nan=False,
         description="mean time between failures of one device; the job's is this over the number of devices "
         "(default: Meta's Llama 3 run, about one interruption every 3 hours on 16,384 H100s)",
     )
@@ -54,3 +55,10 @@ class FaultConfig(Section):
         2, ge=0, description="restarts in a row that complete no new step before the supervisor gives up"
     )
     inject: list[FaultSpec] = Field(default_factory=list, description="faults to inject (rehearsals, tests, drills)")
+
+    @field_validator("hang_timeout_s")
+    @classmethod
+    def _timeout_positive(cls, timeout: float | str | None) -> float | str | None:
+        if isinstance(timeout, (int, float)) and not timeout > 0:
+            raise ValueError("must be positive, auto, or null (no watchdog)")
+        return timeout

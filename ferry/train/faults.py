@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ferry.config import UserError
 from ferry.train.fault_config import FaultSpec
@@ -49,8 +50,10 @@ class FaultInjector:
         self.mine = [(index, spec) for index, spec in enumerate(specs) if spec.rank == rank]
 
     def at_step_start(self, step: int, on_hang: Callable[[], None]) -> None:
-        """`kill`, `hang` and `raise` faults of `step` (the step about to be trained)."""
-        for index, spec in self._due(step, ("kill", "hang", "raise")):
+        """`kill`, `hang` and `raise` faults of `step` (the step about to be trained); the first one due fires,
+        and only it is marked, so a second fault at the same step fires on the restart."""
+        for index, spec in self._due(step, ("kill", "hang", "raise"), mark=False)[:1]:
+            self._mark(index, spec)
             if spec.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if spec.kind == "hang":
@@ -63,7 +66,9 @@ class FaultInjector:
         """A `nan` fault: one gradient of this rank becomes NaN, as a bad input or a flaky device makes it."""
         for _ in self._due(step, ("nan",)):
             grad = next(p.grad for p in model.parameters() if p.grad is not None)
-            grad.view(-1)[0] = float("nan")
+            local = grad.to_local() if isinstance(grad, DTensor) else grad  # FSDP: this rank's shard, no collective
+            with torch.no_grad():
+                local.view(-1)[0] = float("nan")
 
     def during_save(self, step: int) -> Callable[[], None] | None:
         """A `kill_during_save` fault: the hook a save calls once this rank's files are written."""

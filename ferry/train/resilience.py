@@ -27,6 +27,7 @@ from ferry.train.restarts import (
     append_event,
     collect_causes,
     goodput,
+    job_events,
     last_metrics_step,
     read_events,
     restart_is_pending,
@@ -68,6 +69,7 @@ class Resilience:
         self._productive = 0.0
         self._job_start_unix = started_unix
         self._say: Say = print
+        self.agree: Callable[[list[float]], list[float]] = lambda values: values
 
     def begin(self, resumed_step: int | None, resume_info: dict, record: RunRecord | None, say: Say) -> None:
         """Note where this attempt starts: a new job (fresh, or resumed by hand) or the restart of one."""
@@ -90,15 +92,25 @@ class Resilience:
         self.watchdog.start(self.step)
 
     def note_agent_restart(self) -> None:
-        """Under torchrun, no ferry supervisor recorded the failure: rank 0 does, before the run's records are
-        cut back to the checkpoint it resumes from (they still say how far the failed attempt got)."""
-        if self.is_main and restarted_by_torchrun() and not restart_is_pending(read_events(self.run_dir)):
-            append_event(self.run_dir, self.failure_event("torchrun", {}, time.time()))
+        """Under torchrun, no ferry supervisor recorded the failure: rank 0 does, once per restart torchrun
+        counts, before the run's records are cut back to the checkpoint it resumes from (they still say how
+        far the failed attempt got). torchrun does not say how the ranks ended; what they reported does."""
+        if not (self.is_main and restarted_by_torchrun()):
+            return
+        count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        recorded = [e for e in job_events(read_events(self.run_dir)) if e.get("by") == "torchrun"]
+        if recorded and recorded[-1].get("restart_count", 0) >= count:
+            return
+        metrics = self.run_dir / METRICS_NAME
+        last_written = metrics.stat().st_mtime if metrics.exists() else time.time()
+        event = self.failure_event("torchrun", {}, time.time(), fallback_at=last_written)
+        append_event(self.run_dir, {**event, "restart_count": count})
 
-    def failure_event(self, by: str, exit_codes: dict, detected_unix: float) -> dict:
-        """The event that says the job failed: what the ranks said, how far it got, when."""
+    def failure_event(self, by: str, exit_codes: dict, detected_unix: float, fallback_at: float) -> dict:
+        """The event that says the job failed: what the ranks said, how far it got, when (the first report,
+        else `fallback_at`)."""
         causes = collect_causes(self.run_dir)
-        at = min([cause["at_unix"] for cause in causes] + [detected_unix])
+        at = min(cause["at_unix"] for cause in causes) if causes else fallback_at
         return {
             "event": "failure",
             "by": by,
@@ -132,9 +144,11 @@ class Resilience:
             self._productive += record["step_s"]
             record["goodput"] = self._productive / max(time.time() - self._job_start_unix, 1e-9)
             if not self._first_step_done and self._restarting:
+                # back at work when the first step began: its own time is productive, not restarting
+                began = time.time() - record["step_s"]
                 append_event(
                     self.run_dir,
-                    {"event": "resumed", "at_unix": time.time(), "step": record["step"] - 1, **self._resume_info},
+                    {"event": "resumed", "at_unix": began, "step": record["step"] - 1, **self._resume_info},
                 )
             if not self._first_step_done and self._record is not None:
                 self._record.update(first_step_at_unix=time.time())
@@ -155,7 +169,8 @@ class Resilience:
         cost = time.perf_counter() - started
         record["checkpoint_save_s"] = cost
         if self.auto is not None:
-            self.auto.observe_save(cost)
+            cost, median = self.agree([cost, self.auto.median_step_s() or 0.0])  # one interval on every rank
+            self.auto.observe_save(cost, median or None)
             record["checkpoint_interval_steps"] = self._interval_steps()
             self._say(
                 f"ferry: checkpoint at step {step} blocked {cost:.3f} s; Daly's interval for a job MTBF of "
@@ -165,7 +180,14 @@ class Resilience:
         if self.injector.wants_after_save(step):
             checkpoints.wait()
             self.injector.after_save(step, checkpoints.saved[-1])
+        self.watchdog.touch()
         self.watchdog.phase("between steps")
+
+    def wait_for_saves(self, checkpoints: CheckpointManager) -> None:
+        """The end of the run waits for a background save: watched with the checkpoint allowance."""
+        self.watchdog.phase("checkpoint save (finishing)")
+        checkpoints.wait()
+        self.watchdog.touch()
 
     def failed(self, exc: BaseException) -> None:
         """Leave this rank's account of the failure in the run directory."""

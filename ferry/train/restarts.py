@@ -112,8 +112,8 @@ def restarts(events: list[dict]) -> list[dict]:
     for index, event in enumerate(job):
         if event["event"] != "failure":
             continue
-        resumed = next((e for e in job[index + 1 :] if e["event"] in ("resumed", "failure")), None)
-        resumed = resumed if resumed is not None and resumed["event"] == "resumed" else None
+        # the resumption that followed, even past failures of attempts that died before their first step
+        resumed = next((e for e in job[index + 1 :] if e["event"] == "resumed"), None)
         row = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(event["at_unix"])),
             "cause": describe_causes(event),
@@ -186,5 +186,18 @@ def goodput(events: list[dict], records: list[dict], now: float) -> dict:
         "saving_s": sum(record.get("checkpoint_save_s") or 0.0 for record in kept),
         "loading_s": sum((event.get("verify_s") or 0.0) + (event.get("restore_s") or 0.0) for event in resumed)
         + (start.get("loading_s") or 0.0 if start else 0.0),
-        "restarting_s": sum(row["restart_latency_s"] or 0.0 for row in rows),
+        "restarting_s": _restarting_s(job),
     }
+
+
+def _restarting_s(job: list[dict]) -> float:
+    """Time from each failure to the next failure or resumption: failures that follow one another before
+    training resumes are counted once, not once per failure."""
+    total = 0.0
+    for index, event in enumerate(job):
+        if event["event"] != "failure":
+            continue
+        following = next((e for e in job[index + 1 :] if e["event"] in ("failure", "resumed")), None)
+        if following is not None:
+            total += max(following["at_unix"] - event["at_unix"], 0.0)
+    return total

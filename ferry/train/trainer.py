@@ -26,6 +26,7 @@ from ferry.checkpoint import (
     SharedVerification,
     TensorPiece,
     find_resume_point,
+    list_checkpoints,
 )
 from ferry.comm import init_distributed, launcher_ranks
 from ferry.comm.process_group import shutdown
@@ -76,6 +77,7 @@ class Trainer:
         self.context = init_distributed(config.comm, self.device)
         self.rank, self.world_size = self.context.rank, self.context.world_size
         self.resilience = Resilience(config, self.rank, self.world_size, started_unix)
+        self.resilience.agree = self._largest_over_ranks
         if train.global_batch % (train.micro_batch * self.world_size):
             raise UserError(
                 f"train.global_batch ({train.global_batch}) must be a multiple of "
@@ -133,7 +135,9 @@ class Trainer:
         config = self.config
         stop_at = stop_at or config.train.stop_at or config.train.steps
         stop_at = min(stop_at, config.train.steps)
-        resume = config.resume or ("latest" if restarted_by_torchrun() else None)
+        resume = config.resume
+        if restarted_by_torchrun() and (list_checkpoints(config.checkpoint.path(config.run.path)) or resume is None):
+            resume = "latest"  # restarted by torchrun's agent: the run's own newest checkpoint, or step 0
         self.resilience.note_agent_restart()
         found, notes, resume_times = self._resume(resume)
         # `latest` with nothing to resume from is a run resumed at step 0: its records are its own
@@ -191,7 +195,7 @@ class Trainer:
                 trace.step_finished(last["step"])
             if config.checkpoint.enabled and checkpoints.last_step != self.cursor.step:
                 resilience.save(self.cursor.step, checkpoints, self.checkpoint_state, {})
-            checkpoints.wait()
+            resilience.wait_for_saves(checkpoints)
         except BaseException as exc:
             resilience.failed(exc)
             # A save still in flight is of an earlier, good step: let it finish, but report the first failure.
@@ -382,6 +386,14 @@ class Trainer:
             self.optimizer.step()
         self.scaler.update(finite)
         return grad_norm, finite
+
+    def _largest_over_ranks(self, values: list[float]) -> list[float]:
+        """Each value's maximum over the ranks (the value itself in a single process)."""
+        if not self.context.is_distributed:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
 
     def _ep_degree(self) -> int:
         return self.config.parallel.ep if self.config.parallel.mode == "ep" else 1

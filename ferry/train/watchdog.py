@@ -35,6 +35,7 @@ class Watchdog:
         self.step = 0
         self._steps_here = 0
         self._times: list[float] = []
+        self._slowest_warmup = 0.0
         self._last = time.monotonic()
         self._stop = threading.Event()
 
@@ -61,16 +62,23 @@ class Watchdog:
         self._steps_here += 1
         if self._steps_here > _WARMUP_STEPS:
             self._times.append(step_s)
-        self._last = time.monotonic()
+        else:
+            self._slowest_warmup = max(self._slowest_warmup, step_s)
+        self.touch()
         self.current_phase = "between steps"
+
+    def touch(self) -> None:
+        """Work other than a step just ended (a checkpoint save): the next step gets a whole window."""
+        self._last = time.monotonic()
 
     def timeout_s(self) -> float:
         """How long the current phase may go without a completed step."""
         config = self.config
         if config.hang_timeout_s == "auto":
-            base = config.hang_floor_s
-            if self._times:
-                base = max(base, config.hang_multiple * statistics.median(self._times))
+            # after the warm-up the median step; during it the slowest step so far (a slow model's steps
+            # are slow from the start, and the floor alone would kill it at its second step)
+            typical = statistics.median(self._times) if self._times else self._slowest_warmup
+            base = max(config.hang_floor_s, config.hang_multiple * typical)
         else:
             base = float(config.hang_timeout_s)
         if self._steps_here == 0:
@@ -79,18 +87,20 @@ class Watchdog:
             base += config.hang_checkpoint_s
         return base
 
+    def overdue(self) -> str | None:
+        """What is wrong when the rank has gone past its limit (None while it has not)."""
+        waited = time.monotonic() - self._last
+        limit = self.timeout_s()
+        if waited <= limit:
+            return None
+        return f"no step completed for {waited:.1f} s (limit {limit:.1f} s): stuck in {self.current_phase} of step {self.step + 1}"
+
     def _watch(self) -> None:
         while not self._stop.wait(0.25):
-            waited = time.monotonic() - self._last
-            limit = self.timeout_s()
-            if waited > limit:
-                phase = self.current_phase
-                message = (
-                    f"no step completed for {waited:.1f} s (limit {limit:.1f} s): stuck in {phase} of step "
-                    f"{self.step + 1}"
-                )
+            message = self.overdue()
+            if message is not None:
                 try:
-                    self.on_hang(phase, message)
+                    self.on_hang(self.current_phase, message)
                 finally:
                     print(f"ferry: rank {self.rank}: error: {message}", file=sys.stderr, flush=True)
                     os._exit(HANG_EXIT_CODE)

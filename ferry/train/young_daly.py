@@ -42,14 +42,23 @@ class AutoInterval:
     def observe_step(self, step_s: float) -> None:
         self.step_times_s.append(step_s)
 
-    def observe_save(self, cost_s: float) -> None:
-        """A save just blocked training for `cost_s`: the next interval follows from it."""
+    def median_step_s(self) -> float | None:
+        return statistics.median(self.step_times_s) if self.step_times_s else None
+
+    def observe_save(self, cost_s: float, median_step_s: float | None) -> None:
+        """A save just blocked training for `cost_s`: the next interval follows from it and the median step.
+
+        In a multi-rank job both figures are first agreed on (the largest over the ranks), so every
+        rank computes the same interval and they all save together.
+        """
         self.last_cost_s = cost_s
         self.interval_s = daly_interval_s(max(cost_s, 1e-6), self.job_mtbf_s)
-        median = statistics.median(self.step_times_s) if self.step_times_s else None
-        self.interval_steps = max(1, round(self.interval_s / median)) if median else None
+        self.interval_steps = max(1, round(self.interval_s / median_step_s)) if median_step_s else None
 
     def due(self, step: int, last_saved: int | None) -> bool:
+        """Before a save of this process measured the cost: `first_step` steps after the run's start or its
+        resumption; then every interval."""
+        since = step - (last_saved or 0)
         if self.interval_steps is None:
-            return step >= self.first_step and last_saved is None
-        return last_saved is not None and step - last_saved >= self.interval_steps
+            return since >= self.first_step
+        return since >= self.interval_steps

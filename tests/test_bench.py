@@ -138,7 +138,7 @@ def test_the_olmoe_estimate_fits_an_h200_and_counts_every_peak():
 @pytest.mark.parametrize(
     "argv, culprit",
     [
-        (["no-such-suite"], "'no-such-suite' is neither a file nor a known suite"),
+        (["no-such-suite"], "'no-such-suite' is neither a file nor a known benchmark suite"),
         (["moe-tiny", "model.dimension=3"], "model.dimension"),
         (["moe-tiny", "--nproc", "0"], "--nproc must be at least 1"),
         (["moe-tiny", "--nproc", "3"], "not a multiple of train.micro_batch x ranks"),

@@ -24,12 +24,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import Field
 
-import ferry
 from ferry.config import ConfigError, Section, UserError, apply_override_mapping
 from ferry.config.loader import validate
+from ferry.config.named import named_files, read_named_yaml
 from ferry.train.config import RunConfig
 
 ENVIRONMENTS_DIR = Path("configs") / "environments"
@@ -85,36 +84,14 @@ class Environment(Section):
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def environment_dirs() -> list[Path]:
-    """Where environment names are looked up: `configs/environments/` here, then in ferry's own checkout."""
-    checkout = Path(ferry.__file__).resolve().parent.parent / ENVIRONMENTS_DIR
-    return [ENVIRONMENTS_DIR, checkout]
-
-
 def known_environments() -> dict[str, Path]:
     """Every environment file by name; a name here shadows the same name in ferry's checkout."""
-    found: dict[str, Path] = {}
-    for folder in reversed(environment_dirs()):
-        for path in sorted(folder.glob("*.yaml")) if folder.is_dir() else ():
-            found[path.stem] = path
-    return found
+    return named_files(ENVIRONMENTS_DIR)
 
 
 def load_environment(spec: str) -> Environment:
     """An environment from a file path or the name of a file in `configs/environments/`."""
-    path = Path(spec)
-    if not path.is_file():
-        known = known_environments()
-        if spec not in known:
-            names = ", ".join(sorted(known)) or "none"
-            raise UserError(f"environment {spec!r} is neither a file nor a known environment (known: {names})")
-        path = known[spec]
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"environment file {str(path)!r} cannot be read: {str(exc).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"environment file {str(path)!r} must hold a mapping (name, nproc, overrides)")
+    path, raw = read_named_yaml(spec, ENVIRONMENTS_DIR, "environment")
     if "path" in raw:
         raise UserError(
             f"environment file {str(path)!r}: unknown key 'path' (known: name, description, nproc, overrides)"

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field
 
-import ferry
 from ferry.config import ConfigError, Section, UserError, apply_overrides
 from ferry.config.loader import validate
+from ferry.config.named import read_named_yaml
 from ferry.model import count_model
 from ferry.train.config import RunConfig
 
@@ -88,27 +87,9 @@ class BenchSuite(Section):
             raise ConfigError(f"suite {self.name}: {exc}") from None
 
 
-def suite_dirs() -> list[Path]:
-    """Where suite names are looked up: `benchmarks/suites/` here, then in ferry's own checkout."""
-    return [SUITES_DIR, Path(ferry.__file__).resolve().parent.parent / SUITES_DIR]
-
-
 def load_suite(spec: str) -> BenchSuite:
     """A suite from a file path or the name of a file in `benchmarks/suites/`."""
-    path = Path(spec)
-    if not path.is_file():
-        candidates = [folder / f"{spec}.yaml" for folder in suite_dirs()]
-        found = next((candidate for candidate in candidates if candidate.is_file()), None)
-        if found is None:
-            names = sorted({p.stem for folder in suite_dirs() if folder.is_dir() for p in folder.glob("*.yaml")})
-            raise UserError(f"benchmark suite {spec!r} is neither a file nor a known suite (known: {', '.join(names)})")
-        path = found
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"suite file {str(path)!r} cannot be read: {str(exc).splitlines()[0]}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"suite file {str(path)!r} must hold a mapping")
+    path, raw = read_named_yaml(spec, SUITES_DIR, "benchmark suite")
     try:
         return validate(BenchSuite, raw)
     except ConfigError as exc:

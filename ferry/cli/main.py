@@ -9,6 +9,7 @@ import sys
 from ferry.cli import ckpt
 from ferry.cli.hardware import add_hardware_commands
 from ferry.cli.kernels import add_kernels_commands
+from ferry.cli.launch import add_launch_command
 from ferry.cli.metrics import add_metrics_commands
 from ferry.cli.portability import add_portability_commands
 from ferry.config import UserError
@@ -70,6 +71,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_kernels_commands(commands)
     add_hardware_commands(commands)
     add_portability_commands(commands)
+    add_launch_command(commands)
     return parser
 
 

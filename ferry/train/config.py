@@ -13,7 +13,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from ferry.checkpoint.config import CheckpointConfig
 from ferry.comm.config import CommConfig
-from ferry.config import Section, load_config
+from ferry.config import Section, UserError, load_config
 from ferry.data.config import DataConfig
 from ferry.kernels.config import KernelsConfig
 from ferry.metrics.config import MetricsConfig, ProfileConfig
@@ -102,6 +102,17 @@ class RunConfig(Section):
         min_length=1,
         description="latest (the newest valid checkpoint in checkpoint.dir, if any) or the path of a checkpoint",
     )
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse a job size the batch or the expert layout cannot be split over, before any rank starts."""
+        train = self.train
+        if train.global_batch % (train.micro_batch * world_size):
+            raise UserError(
+                f"train.global_batch ({train.global_batch}) must be a multiple of "
+                f"train.micro_batch x world size ({train.micro_batch} x {world_size})"
+            )
+        if world_size % self.parallel.ep:
+            raise UserError(f"parallel.ep: {self.parallel.ep} does not divide the world size {world_size}")
 
     @field_validator("fault")
     @classmethod

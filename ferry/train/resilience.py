@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from ferry.checkpoint import CheckpointManager
 from ferry.train.config import RunConfig

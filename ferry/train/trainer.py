@@ -78,11 +78,7 @@ class Trainer:
         self.rank, self.world_size = self.context.rank, self.context.world_size
         self.resilience = Resilience(config, self.rank, self.world_size, started_unix)
         self.resilience.agree = self._largest_over_ranks
-        if train.global_batch % (train.micro_batch * self.world_size):
-            raise UserError(
-                f"train.global_batch ({train.global_batch}) must be a multiple of "
-                f"train.micro_batch x world size ({train.micro_batch} x {self.world_size})"
-            )
+        config.check_world_size(self.world_size)
         self.profile = _profile(config.hardware, self.device)
         self.precision = resolve_precision(config.precision, self.profile)
         self.loader = MixedLoader(config.data, seed=config.run.seed, global_batch=train.global_batch)

@@ -1,0 +1,71 @@
+"""The environment a launched rank sees, and where each variable comes from (`ferry launch --explain`).
+
+ferry sets only the platform preset, each variable with its cited source; the launcher and the
+scheduler set the rest, and the variables a vendor plugin owns are listed as deliberately unset.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from ferry.launch.platform import PLATFORM_DIR
+from ferry.launch.spec import LaunchSpec
+
+TORCHRUN_SETS = {
+    "RANK": "global rank of the worker",
+    "LOCAL_RANK": "rank within the node: ferry picks the device from it",
+    "WORLD_SIZE": "number of workers in the job",
+    "LOCAL_WORLD_SIZE": "workers on this node",
+    "MASTER_ADDR": "address of the store the workers meet at",
+    "MASTER_PORT": "port of that store",
+    "TORCHELASTIC_RESTART_COUNT": "how many times the agent restarted the workers",
+}
+
+SCHEDULER_SETS = {
+    "slurm": {
+        "SLURM_JOB_NODELIST": "the job's hosts: the first one hosts the c10d rendezvous",
+        "SLURM_NNODES": "number of nodes, passed to torchrun --nnodes",
+        "SLURM_JOB_ID": "the rendezvous id, unique per job",
+    },
+    "k8s": {
+        "PET_NNODES": "TrainJob: numNodes, read by torchrun as --nnodes",
+        "PET_NODE_RANK": "TrainJob: the pod's node index, read by torchrun as --node-rank",
+        "PET_MASTER_ADDR": "TrainJob: the first pod's address, read by torchrun as --master-addr",
+        "PET_MASTER_PORT": "TrainJob: the rendezvous port, read by torchrun as --master-port",
+        "RANK (PyTorchJob)": "the pod's node index, passed as --node-rank $(RANK)",
+        "MASTER_ADDR (PyTorchJob)": "the master pod's service, passed as --master-addr $(MASTER_ADDR)",
+    },
+}
+
+
+def preset(spec: LaunchSpec) -> dict[str, str]:
+    """The variables ferry exports on every node: the platform's preset."""
+    return {variable.name: variable.value for variable in spec.platform.env}
+
+
+def explain(spec: LaunchSpec, width: int = 100) -> str:
+    """Every variable of the job with its value and origin, for a person to check before submitting."""
+    platform = spec.platform
+    lines = [
+        f"{spec.job_name}: {spec.nodes} node(s) of {platform.name} x {spec.nproc_per_node} process(es), "
+        f"{spec.platform.comm_backend}, hardware profile {platform.hardware}",
+        "",
+        f"set by ferry from the platform preset ({PLATFORM_DIR.name}/{platform.name}.yaml):",
+    ]
+    if not platform.env:
+        lines.append("  (none: the defaults of torch and the collective library are right on this platform)")
+    for variable in platform.env:
+        lines.append(f"  {variable.name}={variable.value}")
+        lines.extend(textwrap.wrap(variable.source, width, initial_indent="      ", subsequent_indent="      "))
+    if platform.left_to_plugin:
+        lines += ["", "left unset on purpose (a vendor plugin or runtime sets them):"]
+        for variable in platform.left_to_plugin:
+            lines.append(f"  {variable.name}")
+            lines.extend(textwrap.wrap(variable.reason, width, initial_indent="      ", subsequent_indent="      "))
+    lines += ["", "set per worker by torchrun:"]
+    lines += [f"  {name:<28} {meaning}" for name, meaning in TORCHRUN_SETS.items()]
+    for scheduler in spec.schedulers:
+        if scheduler in SCHEDULER_SETS:
+            lines += ["", f"set by {scheduler} and read by the rendered files:"]
+            lines += [f"  {name:<28} {meaning}" for name, meaning in SCHEDULER_SETS[scheduler].items()]
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""What `ferry launch` renders from: the run config, the platform, and the job's shape.
+
+Everything a scheduler file needs is decided here once, so the torchrun scripts, the sbatch script
+and the Kubernetes manifests cannot disagree about the number of nodes, processes, the rendezvous
+or the restart policy. Bad input is refused here, before any file is written.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from ferry.config import UserError
+from ferry.launch.platform import Platform, load_platform
+from ferry.train.config import RunConfig, load_run_config
+
+SCHEDULERS = ("torchrun", "slurm", "k8s")
+Rendezvous = Literal["c10d", "static"]
+
+# What every launched run adds below the user's overrides (which win): a run on a cluster resumes
+# from its newest valid checkpoint after any restart, and serves its metrics to the cluster's Prometheus.
+CLUSTER_DEFAULTS = (
+    "resume=latest",
+    "metrics.sinks.prometheus.enabled=true",
+    "metrics.sinks.prometheus.host=0.0.0.0",
+)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One job: a config on `nodes` nodes of `platform`, `nproc_per_node` ranks each."""
+
+    config_file: Path
+    config: RunConfig
+    platform: Platform
+    nodes: int
+    nproc_per_node: int
+    schedulers: tuple[str, ...]
+    job_name: str
+    rendezvous: Rendezvous = "c10d"
+    master_addr: str | None = None
+    port: int = 29500
+    max_restarts: int = 3
+    image: str = "ferry:latest"
+    runs_claim: str = "ferry-runs"
+    slurm_partition: str | None = None
+    slurm_time: str | None = None
+    user_overrides: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The Prometheus port rank 0 serves, or None when the run serves none."""
+        prometheus = self.config.metrics.sinks.prometheus
+        return prometheus.port if prometheus.enabled else None
+
+    def cluster_config(self, run_dir: str) -> RunConfig:
+        """The run config as the job on a cluster runs it, its run directory at `run_dir` (a shared volume)."""
+        return load_run_config(self.config_file, [*CLUSTER_DEFAULTS, f"run.dir={run_dir}", *self.user_overrides])
+
+
+def build_launch_spec(
+    config_file: str,
+    overrides: list[str],
+    *,
+    platform: str,
+    nodes: int,
+    nproc_per_node: int | None = None,
+    scheduler: str | None = None,
+    job_name: str | None = None,
+    rendezvous: str = "c10d",
+    master_addr: str | None = None,
+    port: int = 29500,
+    max_restarts: int = 3,
+    image: str = "ferry:latest",
+    runs_claim: str = "ferry-runs",
+    slurm_partition: str | None = None,
+    slurm_time: str | None = None,
+) -> LaunchSpec:
+    """Check the job's shape against the platform and the config; every refusal names the option."""
+    chosen = load_platform(platform)
+    if nodes < 1:
+        raise UserError(f"--nodes must be at least 1, got {nodes}")
+    nproc = chosen.accelerators_per_node if nproc_per_node is None else nproc_per_node
+    if nproc < 1:
+        raise UserError(f"--nproc-per-node must be at least 1, got {nproc}")
+    if nproc > chosen.accelerators_per_node:
+        raise UserError(
+            f"--nproc-per-node {nproc}: a {chosen.name} node has {chosen.accelerators_per_node} accelerators, "
+            "one process drives one"
+        )
+    if scheduler is not None and scheduler not in SCHEDULERS:
+        raise UserError(f"--scheduler {scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
+    if rendezvous not in ("c10d", "static"):
+        raise UserError(f"--rendezvous {rendezvous!r}: choose c10d or static")
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port {port} is not a TCP port")
+    if max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {max_restarts}")
+    schedulers = SCHEDULERS if scheduler is None else (scheduler,)
+    if "torchrun" in schedulers and master_addr is None:
+        if nodes > 1:
+            raise UserError("--master-addr: the torchrun form needs the address of the first node when --nodes > 1")
+        master_addr = "127.0.0.1"
+    config = load_run_config(config_file, [*CLUSTER_DEFAULTS, *overrides])
+    config.check_world_size(nodes * nproc)
+    name = _job_name(job_name or config.run.name)
+    if "k8s" in schedulers and config.metrics.sinks.prometheus.enabled and config.metrics.sinks.prometheus.port == 0:
+        raise UserError("metrics.sinks.prometheus.port: Kubernetes scrape annotations need a fixed port, not 0")
+    return LaunchSpec(
+        config_file=Path(config_file),
+        config=config,
+        platform=chosen,
+        nodes=nodes,
+        nproc_per_node=nproc,
+        schedulers=schedulers,
+        job_name=name,
+        rendezvous=rendezvous,
+        master_addr=master_addr,
+        port=port,
+        max_restarts=max_restarts,
+        image=image,
+        runs_claim=runs_claim,
+        slurm_partition=slurm_partition,
+        slurm_time=slurm_time,
+        user_overrides=tuple(overrides),
+    )
+
+
+def _job_name(name: str) -> str:
+    """A name Kubernetes and Slurm both accept (DNS-1123 label: lower case, digits, '-', at most 63)."""
+    label = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:63].strip("-")
+    if not label:
+        raise UserError(f"--job-name {name!r} has no letter or digit to name a job with")
+    return label

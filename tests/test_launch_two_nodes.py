@@ -1,0 +1,83 @@
+"""Two nodes on one host, for real: two torchrun agents started with the scripts `ferry launch
+--scheduler torchrun` renders (c10d rendezvous on 127.0.0.1, and the static form), one gloo rank each,
+train the tiny MoE with expert parallelism over the two "nodes"; the losses equal the same job run as
+two ranks of one node."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ferry.cli.main import main
+from ferry.comm.spawn import free_port
+from ferry.metrics import read_metrics
+
+from conftest import TINY_RUN
+
+TIMEOUT_S = 240
+
+
+def _config_file(stdlib_dataset, tmp_path: Path) -> Path:
+    raw = yaml.safe_load(yaml.safe_dump(TINY_RUN))
+    raw["data"]["sources"] = [{"name": "stdlib", "path": str(stdlib_dataset)}]
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [record["loss"] for record in read_metrics(run_dir)]
+
+
+def _run_nodes(scripts: list[Path], logs: Path) -> None:
+    """Start every node's script at once, as a cluster would; any failure shows every node's output."""
+    environment = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    environment.pop("WORLD_SIZE", None)
+    logs.mkdir()
+    nodes = []
+    for index, script in enumerate(scripts):
+        with open(logs / f"node{index}.log", "w") as log:
+            nodes.append(subprocess.Popen(["bash", str(script)], env=environment, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        codes = [node.wait(timeout=TIMEOUT_S) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    outputs = [(logs / f"node{index}.log").read_text()[-3000:] for index in range(len(nodes))]
+    assert codes == [0] * len(nodes), "\n\n".join(f"node {i} exited {c}:\n{o}" for i, (c, o) in enumerate(zip(codes, outputs)))
+
+
+@pytest.fixture(scope="module")
+def one_node_losses(stdlib_dataset, tmp_path_factory) -> list[float]:
+    """The reference: the same job as two ranks of one node (`ferry train --nproc 2`)."""
+    tmp_path = tmp_path_factory.mktemp("one-node")
+    config = _config_file(stdlib_dataset, tmp_path)
+    run_dir = tmp_path / "run"
+    overrides = ["parallel.ep=2", f"run.dir={run_dir}", "resume=latest"]
+    assert main(["train", str(config), "--nproc", "2", *overrides]) == 0
+    return _losses(run_dir)
+
+
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_two_torchrun_nodes_on_one_host_train_as_two_ranks_of_one_node(rendezvous, one_node_losses, stdlib_dataset, tmp_path):
+    config = _config_file(stdlib_dataset, tmp_path)
+    out, run_dir = tmp_path / "launch", tmp_path / "run"
+    argv = [
+        "launch", str(config), "--platform", "cpu", "--nodes", "2", "--nproc-per-node", "1",
+        "--scheduler", "torchrun", "--rendezvous", rendezvous, "--master-addr", "127.0.0.1",
+        "--port", str(free_port()), "--max-restarts", "0", "--out", str(out),
+        "parallel.ep=2", f"run.dir={run_dir}", "metrics.sinks.prometheus.enabled=false",
+    ]
+    assert main(argv) == 0
+    scripts = sorted(out.glob("torchrun-node*.sh"))
+    assert [script.name for script in scripts] == ["torchrun-node0.sh", "torchrun-node1.sh"]
+    _run_nodes(scripts, tmp_path / "logs")
+    losses = _losses(run_dir)
+    assert len(losses) == TINY_RUN["train"]["steps"]
+    assert losses == one_node_losses

@@ -184,6 +184,21 @@ def test_resuming_into_another_model_names_the_differing_fields(make_config, tmp
     assert (run_dir / "metrics.jsonl").read_text() == before
 
 
+def test_a_checkpoint_from_before_a_model_field_existed_resumes_with_its_default(make_config, tmp_path):
+    """`model.qk_norm_scope` came after checkpoints were written without it; its default is what they computed."""
+    from types import SimpleNamespace
+
+    from ferry.train.checkpointing import check_config
+
+    config = make_config("model.qk_norm=true")
+    saved = config.model_dump(mode="json")
+    del saved["model"]["qk_norm_scope"]
+    old = SimpleNamespace(path=tmp_path, manifest=SimpleNamespace(model=saved["model"], run_config=saved))
+    assert check_config(old, config) == []
+    with pytest.raises(ConfigError, match="model.qk_norm_scope: checkpoint 'projection', this run 'head'"):
+        check_config(old, make_config("model.qk_norm=true", "model.qk_norm_scope=head"))
+
+
 def test_other_config_changes_are_reported_on_resume(make_config, tmp_path, capsys):
     run_dir = tmp_path / "run"
     Trainer(make_config("train.steps=2", run_dir=run_dir)).fit(stop_at=1)

@@ -26,8 +26,10 @@ class Attention(nn.Module):
         self.wk = Linear(config.dim, kv_width, kernels)
         self.wv = Linear(config.dim, kv_width, kernels)
         self.wo = Linear(q_width, config.dim, kernels)
-        self.q_norm = RMSNorm(q_width, config.norm_eps, kernels) if config.qk_norm else None
-        self.k_norm = RMSNorm(kv_width, config.norm_eps, kernels) if config.qk_norm else None
+        per_head = config.qk_norm_scope == "head"
+        self.q_norm = RMSNorm(self.head_dim if per_head else q_width, config.norm_eps, kernels) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim if per_head else kv_width, config.norm_eps, kernels) if config.qk_norm else None
+        self.per_head_norm = per_head
         self.rope = rope
         self._attention = kernels["attention"]
 
@@ -35,11 +37,16 @@ class Attention(nn.Module):
         batch, seq_len, _ = x_BSD.shape
         q_BSX = self.wq(x_BSD)
         k_BSY = self.wk(x_BSD)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.per_head_norm:
             q_BSX = self.q_norm(q_BSX)
             k_BSY = self.k_norm(k_BSY)
-        q_BHSC = q_BSX.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k_BGSC = k_BSY.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q_BSHC = q_BSX.view(batch, seq_len, self.n_heads, self.head_dim)
+        k_BSGC = k_BSY.view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.per_head_norm:
+            q_BSHC = self.q_norm(q_BSHC)
+            k_BSGC = self.k_norm(k_BSGC)
+        q_BHSC = q_BSHC.transpose(1, 2)
+        k_BGSC = k_BSGC.transpose(1, 2)
         v_BGSC = self.wv(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q_BHSC = self.rope(q_BHSC)
         k_BGSC = self.rope(k_BGSC)

@@ -50,7 +50,11 @@ class ModelConfig(Section):
     max_seq_len: int = Field(1024, ge=1)
     rope_theta: float = Field(10000.0, gt=0.0)
     norm_eps: float = Field(1e-5, gt=0.0)
-    qk_norm: bool = Field(False, description="RMSNorm on queries and keys (as OLMoE does)")
+    qk_norm: bool = Field(False, description="RMSNorm on queries and keys")
+    qk_norm_scope: Literal["projection", "head"] = Field(
+        "projection",
+        description="projection: one norm over all heads' queries (keys) together, as OLMoE; head: per head, as Qwen3-MoE",
+    )
     dense_layers: int = Field(0, ge=0, description="the first N layers use a dense SwiGLU instead of MoE")
     dense_ffn_dim: int = Field(1024, ge=1)
     tie_embeddings: bool = False

@@ -31,7 +31,7 @@ def count_model(config: ModelConfig, seq_len: int) -> ModelSize:
     kv_width = config.n_kv_heads * config.head_dim
     attention = dim * q_width * 2 + dim * kv_width * 2
     if config.qk_norm:
-        attention += q_width + kv_width
+        attention += 2 * config.head_dim if config.qk_norm_scope == "head" else q_width + kv_width
     norms = 2 * dim
     dense_ffn = 3 * dim * config.dense_ffn_dim
     moe = config.moe

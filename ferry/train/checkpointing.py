@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -36,6 +37,7 @@ from ferry.checkpoint import (
 )
 from ferry.checkpoint.writer import RankRecord, begin_save, build_manifest, publish, write_manifest, write_rank_files
 from ferry.config import ConfigError
+from ferry.model import ModelConfig
 from ferry.parallel import ParallelPlan
 from ferry.train.config import RunConfig
 from ferry.train.optimizer import decayed_parameter_names
@@ -127,7 +129,7 @@ def check_config(checkpoint: Checkpoint, config: RunConfig) -> list[str]:
     change on purpose, as in a migration or a new stage; they are reported, not refused.
     """
     current = config.model_dump(mode="json")
-    model = config_differences(checkpoint.manifest.model, current["model"], "model.")
+    model = config_differences(_with_defaults(checkpoint.manifest.model), current["model"], "model.")
     if model:
         raise ConfigError(
             f"checkpoint {checkpoint.path} was saved from another model; differing fields:\n  "
@@ -136,6 +138,16 @@ def check_config(checkpoint: Checkpoint, config: RunConfig) -> list[str]:
     saved = {key: value for key, value in checkpoint.manifest.run_config.items() if key != "model"}
     rest = config_differences(saved, {key: value for key, value in current.items() if key != "model"})
     return [str(difference) for difference in rest if not difference.key.startswith(_BOOKKEEPING)]
+
+
+def _with_defaults(saved: dict) -> dict:
+    """The saved model config with the default of every field added since: a checkpoint written before a
+    field existed computed what that field's default computes (a config that no longer validates is
+    compared as it is, so each of its differences is named)."""
+    try:
+        return ModelConfig.model_validate(saved).model_dump(mode="json")
+    except ValidationError:
+        return saved
 
 
 def restore_model(checkpoint: Checkpoint, model: nn.Module, plan: ParallelPlan) -> None:

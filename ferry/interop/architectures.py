@@ -1,0 +1,204 @@
+"""The transformers architectures a ferry model can become (OLMoE, Qwen3-MoE): which ferry configs each
+can express, its config built with transformers' own class, and the weight names on either side.
+
+Both route with a softmax in fp32, then top-k, then an optional renormalisation, exactly as ferry's
+router; they differ in the query/key norm (OLMoE: one norm over the whole projection; Qwen3-MoE: per
+head) and in dense layers (only Qwen3-MoE has them, as `mlp_only_layers`). Anything else a ferry
+config can say and the target cannot is refused, naming the field, before a file is written.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ferry.config import UserError
+from ferry.model import ModelConfig
+
+Architecture = Literal["olmoe", "qwen3_moe"]
+ARCHITECTURES: tuple[str, ...] = ("olmoe", "qwen3_moe")
+
+
+def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) -> list[str]:
+    """Every reason `config` cannot be written as `arch`, each naming the ferry field."""
+    if arch not in ARCHITECTURES:
+        return [f"--arch {arch!r}: choose one of {', '.join(ARCHITECTURES)}"]
+    moe = config.moe
+    problems = []
+    if moe.score_func != "softmax":
+        problems.append(f"model.moe.score_func: {arch} routes with a softmax, the model uses {moe.score_func}")
+    if moe.shared_expert_ffn_dim:
+        problems.append(f"model.moe.shared_expert_ffn_dim: {arch} has no shared expert")
+    if expert_bias_nonzero:
+        problems.append(f"model.moe.bias_balancing: {arch} has no expert-choice bias, and this model's bias is not zero")
+    if not config.qk_norm:
+        problems.append(f"model.qk_norm: {arch} always normalises queries and keys; the model does not")
+    wanted_scope = "projection" if arch == "olmoe" else "head"
+    if config.qk_norm and config.qk_norm_scope != wanted_scope:
+        problems.append(f"model.qk_norm_scope: {arch} normalises per {wanted_scope}, the model per {config.qk_norm_scope}")
+    if arch == "olmoe" and config.dense_layers:
+        problems.append("model.dense_layers: OLMoE has no dense layers (qwen3_moe has, as mlp_only_layers)")
+    return problems
+
+
+def natural_architecture(config: ModelConfig) -> str:
+    """The architecture `--arch` defaults to: the one whose query/key norm the model has."""
+    return "qwen3_moe" if config.qk_norm_scope == "head" or config.dense_layers else "olmoe"
+
+
+def hf_config(config: ModelConfig, arch: str, eos_token_id: int | None, dtype: str):
+    """The transformers config for `config`, every routing and RoPE setting written explicitly."""
+    from transformers import OlmoeConfig, Qwen3MoeConfig
+
+    moe = config.moe
+    common = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.dim,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads,
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=config.norm_eps,
+        tie_word_embeddings=config.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        num_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        norm_topk_prob=moe.renormalize,
+        router_aux_loss_coef=moe.aux_loss_coef,
+        output_router_logits=False,
+        attention_bias=False,
+        initializer_range=config.init_std,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        dtype=dtype,
+    )
+    if arch == "olmoe":
+        return OlmoeConfig(intermediate_size=moe.expert_ffn_dim, clip_qkv=None, **common)
+    return Qwen3MoeConfig(
+        intermediate_size=config.dense_ffn_dim,
+        moe_intermediate_size=moe.expert_ffn_dim,
+        mlp_only_layers=list(range(config.dense_layers)),
+        decoder_sparse_step=1,
+        use_sliding_window=False,
+        **common,
+    )
+
+
+def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
+    """The ferry model config an OLMoE or Qwen3-MoE transformers config describes; anything ferry's model
+    cannot compute the same way is refused, naming the transformers field."""
+    arch = hf.model_type
+    if arch not in ARCHITECTURES:
+        raise UserError(f"model_type {arch!r}: ferry imports {', '.join(ARCHITECTURES)}")
+    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0)}
+    problems = []
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_parameters.rope_type {rope['rope_type']!r}: ferry has the default RoPE only")
+    if getattr(hf, "attention_bias", False):
+        problems.append("attention_bias: ferry's attention projections have no bias")
+    if getattr(hf, "clip_qkv", None) is not None:
+        problems.append("clip_qkv: ferry does not clip queries, keys and values")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf.hidden_act!r}: ferry's experts are SwiGLU (silu)")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    if head_dim * hf.num_attention_heads != hf.hidden_size:
+        problems.append(f"head_dim {head_dim}: ferry's heads split hidden_size ({hf.hidden_size}) evenly")
+    dense_layers = 0
+    if arch == "qwen3_moe":
+        dense = sorted(hf.mlp_only_layers or [])
+        sparse = [i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % hf.decoder_sparse_step == 0]
+        dense_layers = hf.num_hidden_layers - len(sparse)
+        if sparse != list(range(dense_layers, hf.num_hidden_layers)):
+            problems.append("mlp_only_layers / decoder_sparse_step: ferry's dense layers are the first ones only")
+        if getattr(hf, "use_sliding_window", False):
+            problems.append("use_sliding_window: ferry's attention is full causal attention")
+    if problems:
+        raise UserError("cannot import this model: " + "; ".join(problems))
+    config = ModelConfig(
+        vocab_size=hf.vocab_size,
+        dim=hf.hidden_size,
+        n_layers=hf.num_hidden_layers,
+        n_heads=hf.num_attention_heads,
+        n_kv_heads=hf.num_key_value_heads,
+        max_seq_len=hf.max_position_embeddings,
+        rope_theta=float(rope["rope_theta"]),
+        norm_eps=float(hf.rms_norm_eps),
+        qk_norm=True,
+        qk_norm_scope="projection" if arch == "olmoe" else "head",
+        dense_layers=dense_layers,
+        dense_ffn_dim=hf.intermediate_size if arch == "qwen3_moe" else ModelConfig().dense_ffn_dim,
+        tie_embeddings=bool(hf.tie_word_embeddings),
+        init_std=float(hf.initializer_range),
+        moe={
+            "num_experts": hf.num_experts,
+            "top_k": hf.num_experts_per_tok,
+            "expert_ffn_dim": hf.moe_intermediate_size if arch == "qwen3_moe" else hf.intermediate_size,
+            "renormalize": bool(hf.norm_topk_prob),
+            "aux_loss_coef": float(hf.router_aux_loss_coef),
+        },
+    )
+    return config, arch
+
+
+def to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """ferry's state dict (routers' zero expert biases dropped) under transformers' names."""
+    hf = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
+    if not config.tie_embeddings:
+        hf["lm_head.weight"] = state["output.weight"]
+    for index in range(config.n_layers):
+        ours, theirs = f"layers.{index}.", f"model.layers.{index}."
+        for name, hf_name in _LAYER_NAMES.items():
+            if ours + name in state:
+                hf[theirs + hf_name] = state[ours + name]
+        if index < config.dense_layers:
+            for name, hf_name in _DENSE_NAMES.items():
+                hf[theirs + hf_name] = state[ours + name]
+            continue
+        experts = ours + "ffn.experts."
+        hf[theirs + "mlp.gate.weight"] = state[ours + "ffn.router.weight_ED"]
+        hf[theirs + "mlp.experts.gate_up_proj"] = torch.cat([state[experts + "w_gate_EFD"], state[experts + "w_up_EFD"]], dim=1)
+        hf[theirs + "mlp.experts.down_proj"] = state[experts + "w_down_EDF"]
+    return hf
+
+
+def from_hf_state(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers' state dict back under ferry's names (the inverse of `to_hf_state`)."""
+    state = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    state["output.weight"] = hf["model.embed_tokens.weight"] if config.tie_embeddings else hf["lm_head.weight"]
+    for index in range(config.n_layers):
+        ours, theirs = f"layers.{index}.", f"model.layers.{index}."
+        for name, hf_name in _LAYER_NAMES.items():
+            if theirs + hf_name in hf:
+                state[ours + name] = hf[theirs + hf_name]
+        if index < config.dense_layers:
+            for name, hf_name in _DENSE_NAMES.items():
+                state[ours + name] = hf[theirs + hf_name]
+            continue
+        experts = ours + "ffn.experts."
+        gate_up = hf[theirs + "mlp.experts.gate_up_proj"]
+        width = gate_up.shape[1] // 2
+        state[ours + "ffn.router.weight_ED"] = hf[theirs + "mlp.gate.weight"]
+        state[ours + "ffn.router.expert_bias_E"] = torch.zeros(config.moe.num_experts, dtype=torch.float32)
+        state[experts + "w_gate_EFD"] = gate_up[:, :width].contiguous()
+        state[experts + "w_up_EFD"] = gate_up[:, width:].contiguous()
+        state[experts + "w_down_EDF"] = hf[theirs + "mlp.experts.down_proj"]
+    return state
+
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+}
+_DENSE_NAMES = {
+    "ffn.w_gate.weight": "mlp.gate_proj.weight",
+    "ffn.w_up.weight": "mlp.up_proj.weight",
+    "ffn.w_down.weight": "mlp.down_proj.weight",
+}

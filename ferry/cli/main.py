@@ -8,6 +8,7 @@ import sys
 
 from ferry.cli import ckpt
 from ferry.cli.hardware import add_hardware_commands
+from ferry.cli.interop import add_interop_commands
 from ferry.cli.kernels import add_kernels_commands
 from ferry.cli.launch import add_launch_command
 from ferry.cli.metrics import add_metrics_commands
@@ -72,6 +73,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_hardware_commands(commands)
     add_portability_commands(commands)
     add_launch_command(commands)
+    add_interop_commands(commands)
     return parser
 
 

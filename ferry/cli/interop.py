@@ -1,0 +1,30 @@
+"""`ferry export CKPT OUT`: a checkpoint as a transformers model directory."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_interop_commands(commands) -> None:
+    export = commands.add_parser("export", help="write a checkpoint as a transformers model directory (OLMoE, Qwen3-MoE)")
+    export.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/tiny/checkpoints/step-00000300")
+    export.add_argument("out", help="the model directory to write")
+    export.add_argument(
+        "--arch", choices=["olmoe", "qwen3_moe"], default=None,
+        help="target architecture (default: the one whose query/key norm and dense layers the model has)",
+    )
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights dtype (default fp32)")
+    export.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's first dataset's)")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    export.set_defaults(handler=run_export)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from ferry.interop import export_checkpoint
+
+    result = export_checkpoint(args.checkpoint, args.out, args.arch, args.dtype, args.tokenizer, args.overwrite)
+    print(
+        f"ferry: exported step {result.step} as {result.arch} ({result.parameters:,} parameters, {args.dtype}) "
+        f"to {result.out}/: {', '.join(result.files)}"
+    )
+    return 0

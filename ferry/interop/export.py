@@ -1,0 +1,104 @@
+"""`ferry export CKPT OUT`: a checkpoint as a transformers model directory that `AutoModelForCausalLM` and
+`AutoTokenizer` load offline.
+
+The config is built with transformers' own class, the weights go through `save_pretrained` (which
+shards and indexes them), and the tokenizer becomes a `PreTrainedTokenizerFast` with its end-of-text
+token as EOS and padding. Everything the target cannot express is refused before OUT is created.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ferry.checkpoint import verify_checkpoint
+from ferry.config import UserError
+from ferry.data.manifest import TOKENIZER_NAME
+from ferry.data.tokenizer import END_OF_TEXT, BPETokenizer, load_tokenizer
+from ferry.interop.architectures import hf_config, natural_architecture, refusals, to_hf_state
+from ferry.interop.weights import checkpoint_model_config, read_model_state
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out: Path
+    arch: str
+    step: int
+    parameters: int
+    files: list[str]
+
+
+def export_checkpoint(
+    checkpoint_path: str | Path,
+    out: str | Path,
+    arch: str | None = None,
+    dtype: str = "fp32",
+    tokenizer: str | Path | None = None,
+    overwrite: bool = False,
+) -> ExportResult:
+    out = Path(out)
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    checkpoint = verify_checkpoint(Path(checkpoint_path))
+    config = checkpoint_model_config(checkpoint)
+    arch = arch or natural_architecture(config)
+    state = read_model_state(checkpoint)
+    biased = any(name.endswith("expert_bias_E") and bool(tensor.any()) for name, tensor in state.items())
+    problems = refusals(config, arch, expert_bias_nonzero=biased)
+    if problems:
+        raise UserError(f"cannot export {checkpoint.path} as {arch}: " + "; ".join(problems))
+    fast_tokenizer = _fast_tokenizer(_tokenizer_path(checkpoint, tokenizer))
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"export: {out} exists and is not empty; pass --overwrite to replace it")
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_config(config, arch, fast_tokenizer.eos_token_id, _DTYPE_NAMES[dtype])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf, dtype=DTYPES[dtype])
+    hf_state = {name: tensor.to(DTYPES[dtype]) for name, tensor in to_hf_state(state, config).items()}
+    model.load_state_dict(hf_state, strict=not config.tie_embeddings, assign=True)
+    if config.tie_embeddings:
+        model.tie_weights()
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    fast_tokenizer.save_pretrained(staging)
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    return ExportResult(
+        out=out,
+        arch=arch,
+        step=checkpoint.step,
+        parameters=sum(tensor.numel() for name, tensor in hf_state.items()),
+        files=sorted(path.name for path in out.iterdir()),
+    )
+
+
+def _tokenizer_path(checkpoint, tokenizer: str | Path | None) -> Path:
+    """`--tokenizer`, else the tokenizer of the first dataset the run trained on."""
+    if tokenizer is not None:
+        return Path(tokenizer)
+    sources = checkpoint.manifest.run_config.get("data", {}).get("sources") or []
+    if not sources:
+        raise UserError(f"export: {checkpoint.path} names no dataset to take the tokenizer from; pass --tokenizer")
+    return Path(sources[0]["path"]) / TOKENIZER_NAME
+
+
+def _fast_tokenizer(path: Path):
+    """ferry's BPE tokenizer as a `PreTrainedTokenizerFast`, end-of-text as EOS, BOS-free, padding with EOS."""
+    from transformers import PreTrainedTokenizerFast
+
+    loaded = load_tokenizer(path)
+    if not isinstance(loaded, BPETokenizer):
+        raise UserError(f"--tokenizer {str(path)!r}: the byte tokenizer has no transformers form; export needs a BPE one")
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(path), eos_token=END_OF_TEXT, pad_token=END_OF_TEXT, unk_token=None, bos_token=None,
+        clean_up_tokenization_spaces=False,
+    )

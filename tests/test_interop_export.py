@@ -1,0 +1,129 @@
+"""Export to transformers: logits of the exported OLMoE / Qwen3-MoE equal ferry's for odd configs (GQA,
+top-k 1 and 3, renormalised or not, tied and untied, dense first layers), a trained checkpoint loads
+with AutoModelForCausalLM and AutoTokenizer in a fresh process without network, and configs the
+target cannot express are refused (exit 2) before anything is written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ferry.cli.main import main
+from ferry.interop.architectures import hf_config, refusals, to_hf_state
+from ferry.model import ModelConfig
+from ferry.train import Trainer
+
+BASE = dict(vocab_size=96, dim=32, n_layers=3, n_heads=4, max_seq_len=64, dense_ffn_dim=40, qk_norm=True)
+CASES = {
+    "olmoe-gqa-top1": ("olmoe", dict(n_kv_heads=2, moe=dict(num_experts=4, top_k=1, expert_ffn_dim=24))),
+    "olmoe-top3-renorm-tied": (
+        "olmoe", dict(n_kv_heads=4, tie_embeddings=True, moe=dict(num_experts=6, top_k=3, expert_ffn_dim=16, renormalize=True))
+    ),
+    "qwen3-dense-first-renorm": (
+        "qwen3_moe",
+        dict(n_kv_heads=2, qk_norm_scope="head", dense_layers=1, moe=dict(num_experts=4, top_k=2, expert_ffn_dim=24, renormalize=True)),
+    ),
+    "qwen3-mqa-top1-tied": (
+        "qwen3_moe", dict(n_kv_heads=1, qk_norm_scope="head", tie_embeddings=True, moe=dict(num_experts=8, top_k=1, expert_ffn_dim=8))
+    ),
+}
+
+
+def _random_model(config: ModelConfig):
+    torch.manual_seed(0)
+    model = config.build()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_exported_logits_equal_ferrys(case):
+    arch, overrides = CASES[case]
+    config = ModelConfig.model_validate({**BASE, **overrides})
+    assert refusals(config, arch) == []
+    ours = _random_model(config)
+    theirs = AutoModelForCausalLM.from_config(hf_config(config, arch, 0, "float32"), attn_implementation="eager")
+    missing, unexpected = theirs.load_state_dict(to_hf_state(ours.state_dict(), config), strict=False)
+    assert unexpected == [] and missing == (["lm_head.weight"] if config.tie_embeddings else [])
+    tokens_BS = torch.randint(0, config.vocab_size, (3, 29), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours_BSV = ours(tokens_BS).logits_BSV
+        theirs_BSV = theirs(tokens_BS).logits.float()
+    relative = ((ours_BSV - theirs_BSV).norm() / theirs_BSV.norm()).item()
+    assert relative < 1e-5, f"{case}: relative difference {relative:.2e}"
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, named",
+    [
+        ("olmoe", dict(moe=dict(score_func="sigmoid")), "model.moe.score_func"),
+        ("olmoe", dict(moe=dict(shared_expert_ffn_dim=16)), "model.moe.shared_expert_ffn_dim"),
+        ("olmoe", dict(dense_layers=1), "model.dense_layers"),
+        ("olmoe", dict(qk_norm=False), "model.qk_norm"),
+        ("qwen3_moe", dict(), "model.qk_norm_scope"),
+    ],
+)
+def test_what_the_target_cannot_express_is_named(arch, overrides, named):
+    config = ModelConfig.model_validate({**BASE, "n_kv_heads": 2, **overrides})
+    assert any(problem.startswith(named) for problem in refusals(config, arch))
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(stdlib_dataset, tmp_path_factory):
+    """A Qwen3-MoE-shaped tiny run (dense first layer, per-head q/k norm), trained a few steps."""
+    from conftest import tiny_config
+
+    run_dir = tmp_path_factory.mktemp("export") / "run"
+    config = tiny_config(stdlib_dataset, run_dir, "model.qk_norm=true", "model.qk_norm_scope=head", "train.steps=2")
+    Trainer(config).fit()
+    return sorted((run_dir / "checkpoints").iterdir())[-1]
+
+
+def test_an_export_loads_offline_in_a_fresh_process_and_gives_ferrys_logits(trained_checkpoint, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["export", str(trained_checkpoint), str(out)]) == 0
+    assert "qwen3_moe" in capsys.readouterr().out
+    probe = f"""
+import json, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained({str(out)!r}, local_files_only=True)
+tokenizer = AutoTokenizer.from_pretrained({str(out)!r}, local_files_only=True)
+ids = tokenizer("def main():\\n    return 0", return_tensors="pt").input_ids
+with torch.no_grad():
+    logits = model(ids).logits
+print(json.dumps({{"type": model.config.model_type, "ids": ids[0].tolist(), "logits": logits[0, -1, :8].tolist(),
+                  "eos": tokenizer.eos_token, "round": tokenizer.decode(ids[0])}}))
+"""
+    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=offline, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert loaded["type"] == "qwen3_moe" and loaded["eos"] == "<|endoftext|>"
+    assert loaded["round"] == "def main():\n    return 0"
+    from ferry.checkpoint import verify_checkpoint
+    from ferry.interop.weights import checkpoint_model_config, read_model_state
+
+    checkpoint = verify_checkpoint(trained_checkpoint)
+    model = checkpoint_model_config(checkpoint).build()
+    model.load_state_dict(read_model_state(checkpoint))
+    with torch.no_grad():
+        ours = model.eval()(torch.tensor([loaded["ids"]])).logits_BSV[0, -1, :8]
+    assert torch.allclose(ours, torch.tensor(loaded["logits"]), rtol=1e-5, atol=1e-5)
+
+
+def test_an_unexportable_checkpoint_exits_2_and_writes_nothing(trained_checkpoint, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["export", str(trained_checkpoint), str(out), "--arch", "olmoe"]) == 2
+    error = capsys.readouterr().err
+    assert "model.qk_norm_scope" in error and "model.dense_layers" in error
+    assert not out.exists()

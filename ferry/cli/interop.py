@@ -17,6 +17,11 @@ def add_interop_commands(commands) -> None:
     export.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's first dataset's)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     export.set_defaults(handler=run_export)
+    imported = commands.add_parser("import", help="convert an OLMoE or Qwen3-MoE transformers directory to a ferry checkpoint")
+    imported.add_argument("hf_dir", help="a transformers model directory (config.json and weights)")
+    imported.add_argument("out", help="directory to write: checkpoints/step-00000000, model.yaml, tokenizer.json")
+    imported.add_argument("--tokenizer", default=None, help="tokenizer.json to copy (default: HF_DIR's)")
+    imported.set_defaults(handler=run_import)
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -27,4 +32,19 @@ def run_export(args: argparse.Namespace) -> int:
         f"ferry: exported step {result.step} as {result.arch} ({result.parameters:,} parameters, {args.dtype}) "
         f"to {result.out}/: {', '.join(result.files)}"
     )
+    return 0
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from ferry.interop import import_hf
+
+    result = import_hf(args.hf_dir, args.out, args.tokenizer)
+    print(
+        f"ferry: imported {result.arch} ({result.parameters:,} parameters) as {result.checkpoint} "
+        "(weights only: training starts AdamW afresh)"
+    )
+    print(f"  model config: {result.model_file} (the `model:` section of a run config)")
+    if result.tokenizer is not None:
+        print(f"  tokenizer: {result.tokenizer} (ferry data prepare --tokenizer {result.tokenizer})")
+    print(f"  continue training: ferry train CONFIG init_from={result.checkpoint}")
     return 0

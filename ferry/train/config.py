@@ -102,6 +102,12 @@ class RunConfig(Section):
         min_length=1,
         description="latest (the newest valid checkpoint in checkpoint.dir, if any) or the path of a checkpoint",
     )
+    init_from: str | None = Field(
+        None,
+        min_length=1,
+        description="a checkpoint whose weights (only) start this run at step 0, e.g. one `ferry import` wrote; "
+        "a run that resumes takes its own checkpoint instead",
+    )
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse a job size the batch or the expert layout cannot be split over, before any rank starts."""

@@ -27,6 +27,7 @@ from ferry.checkpoint import (
     TensorPiece,
     find_resume_point,
     list_checkpoints,
+    verify_checkpoint,
 )
 from ferry.comm import init_distributed, launcher_ranks
 from ferry.comm.process_group import shutdown
@@ -136,6 +137,8 @@ class Trainer:
             resume = "latest"  # restarted by torchrun's agent: the run's own newest checkpoint, or step 0
         self.resilience.note_agent_restart()
         found, notes, resume_times = self._resume(resume)
+        if config.init_from is not None and not (found and found.checkpoint):
+            notes += self._initialize_from(Path(config.init_from))
         # `latest` with nothing to resume from is a run resumed at step 0: its records are its own
         resumed_step = found.checkpoint.step if found and found.checkpoint else (0 if resume == "latest" else None)
         run_dir = config.run.path
@@ -397,6 +400,16 @@ class Trainer:
     def _barrier(self) -> None:
         if self.context.is_distributed:
             dist.barrier()
+
+    def _initialize_from(self, path: Path) -> list[str]:
+        """Start from the weights of the checkpoint at `path` (of the same model); optimizer, data and schedule fresh."""
+        checkpoint = verify_checkpoint(path, share=self._share(), digests=(self.config.checkpoint.verify,))
+        check_config(checkpoint, self.config)
+        with checkpoint:
+            restore_model(checkpoint, self.model, self.plan)
+        self.carried = {"weights": f"from {path} (step {checkpoint.step})", "optimizer": "fresh", "schedule": "fresh"}
+        self.initial_weights = None  # the digest of the random initialisation no longer describes the start
+        return [f"weights initialised from {path} (step {checkpoint.step}); optimizer, data position and schedule start fresh"]
 
     def _resume(self, resume: str | None) -> tuple[Found | None, list[str], dict[str, float]]:
         """Restore the checkpoint `resume` points to, if any; None when the run does not resume.

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 from ferry.cli.main import main
@@ -127,3 +128,83 @@ def test_an_unexportable_checkpoint_exits_2_and_writes_nothing(trained_checkpoin
     error = capsys.readouterr().err
     assert "model.qk_norm_scope" in error and "model.dense_layers" in error
     assert not out.exists()
+
+
+def _model_tensors(path) -> dict[str, torch.Tensor]:
+    from ferry.checkpoint import verify_checkpoint
+    from ferry.interop.weights import read_model_state
+
+    return read_model_state(verify_checkpoint(path))
+
+
+def test_import_of_an_export_gives_the_same_weights_bit_for_bit_and_trains_from_them(
+    trained_checkpoint, stdlib_dataset, tmp_path, capsys
+):
+    from conftest import tiny_config
+
+    hf_dir, imported = tmp_path / "hf", tmp_path / "imported"
+    assert main(["export", str(trained_checkpoint), str(hf_dir)]) == 0
+    assert main(["import", str(hf_dir), str(imported)]) == 0
+    assert "weights only" in capsys.readouterr().out
+    checkpoint = imported / "checkpoints" / "step-00000000"
+    original, back = _model_tensors(trained_checkpoint), _model_tensors(checkpoint)
+    assert sorted(original) == sorted(back)
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    from tokenizers import Tokenizer
+
+    ours, theirs = (Tokenizer.from_file(str(path)) for path in (stdlib_dataset / "tokenizer.json", imported / "tokenizer.json"))
+    assert theirs.get_vocab() == ours.get_vocab()
+    sample = "import os\n\ndef main(argv):\n    return len(argv)  # <|endoftext|>"
+    assert theirs.encode(sample).ids == ours.encode(sample).ids
+    model_section = yaml.safe_load((imported / "model.yaml").read_text())["model"]
+    assert model_section["qk_norm_scope"] == "head" and model_section["dense_layers"] == 1
+
+    def first_losses(name: str, *overrides: str) -> list[float]:
+        run_dir = tmp_path / name
+        config = tiny_config(stdlib_dataset, run_dir, "model.qk_norm=true", "model.qk_norm_scope=head", "train.steps=2", *overrides)
+        return Trainer(config).fit().losses
+
+    from_import = first_losses("a", f"init_from={checkpoint}")
+    assert from_import == first_losses("b", f"init_from={trained_checkpoint}")
+    assert from_import != first_losses("c")
+
+
+def test_an_olmoe_round_trip_is_bitwise_too(tmp_path):
+    from ferry.checkpoint import Layout, TensorPiece
+    from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
+    from ferry.interop import export_checkpoint, import_hf
+
+    arch, overrides = CASES["olmoe-top3-renorm-tied"]
+    config = ModelConfig.model_validate({**BASE, **overrides})
+    state = _random_model(config).state_dict()
+    meta = CheckpointMeta(0, 0, Layout(world_size=1, ep_degree=1, mode="ep"), config.model_dump(mode="json"), {}, {}, {})
+    path = save_checkpoint(tmp_path / "ckpt", {f"model.{n}": TensorPiece.whole(t.contiguous()) for n, t in state.items()}, meta)
+    tokenizer = tmp_path / "tokenizer.json"
+    _write_tokenizer(tokenizer, config.vocab_size)
+    export_checkpoint(path, tmp_path / "hf", arch, tokenizer=tokenizer)
+    result = import_hf(tmp_path / "hf", tmp_path / "back")
+    back = _model_tensors(result.checkpoint)
+    assert result.arch == "olmoe" and sorted(back) == sorted(state)
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def _write_tokenizer(path, vocab_size: int) -> None:
+    from ferry.data.tokenizer import BPETokenizer
+
+    text = ["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20]
+    path.write_text(BPETokenizer.train(text, vocab_size).to_json())
+
+
+def test_import_refuses_what_ferry_cannot_compute(tmp_path, capsys):
+    from transformers import OlmoeConfig
+
+    hf_dir = tmp_path / "hf"
+    config = OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+                         num_experts=4, num_experts_per_tok=2, clip_qkv=8.0, eos_token_id=0, pad_token_id=0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
+    assert main(["import", str(hf_dir), str(tmp_path / "out")]) == 2
+    assert "clip_qkv" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert main(["import", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2

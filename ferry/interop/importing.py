@@ -1,0 +1,75 @@
+"""`ferry import HF_DIR OUT`: an OLMoE or Qwen3-MoE transformers directory as a ferry checkpoint.
+
+OUT holds the checkpoint (`OUT/checkpoints/step-00000000`: the weights, in fp32, and no optimizer
+state: training it starts AdamW afresh), `OUT/model.yaml` (the `model:` section a run config needs
+to train it, e.g. `ferry train CONFIG model=... init_from=OUT/checkpoints/step-00000000`), and
+`OUT/tokenizer.json` when the directory has one, for `ferry data prepare --tokenizer`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from ferry.checkpoint import Layout, TensorPiece
+from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
+from ferry.config import UserError
+from ferry.interop.architectures import from_hf_state, model_config_from_hf
+from ferry.interop.weights import MODEL
+from ferry.platform.fingerprint import environment_fingerprint
+
+CHECKPOINTS = "checkpoints"
+MODEL_FILE = "model.yaml"
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    checkpoint: Path
+    model_file: Path
+    tokenizer: Path | None
+    arch: str
+    parameters: int
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> ImportResult:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    if not (hf_dir / "config.json").is_file():
+        raise UserError(f"import: {hf_dir} is not a transformers model directory (no config.json)")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"import: {out} exists and is not empty")
+    hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    config, arch = model_config_from_hf(hf_config)
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+    state = from_hf_state(hf_model.state_dict(), config)
+    expected = set(config.build().state_dict())
+    if set(state) != expected:
+        raise UserError(f"import: {hf_dir} does not hold the tensors its config describes: {sorted(expected ^ set(state))[:4]}")
+    model_config = config.model_dump(mode="json")
+    meta = CheckpointMeta(
+        step=0,
+        tokens_seen=0,
+        layout=Layout(world_size=1, ep_degree=1, mode="ep"),
+        model_config=model_config,
+        run_config={"model": model_config},
+        environment={**environment_fingerprint(torch.device("cpu")), "imported_from": str(hf_dir.resolve()), "arch": arch},
+        train_state={"imported": True, "optimizer": "none: training starts AdamW afresh"},
+    )
+    pieces = {MODEL + name: TensorPiece.whole(tensor.detach().contiguous()) for name, tensor in state.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = save_checkpoint(out / CHECKPOINTS, pieces, meta)
+    model_file = out / MODEL_FILE
+    model_file.write_text(yaml.safe_dump({"model": model_config}, sort_keys=False))
+    source_tokenizer = Path(tokenizer) if tokenizer else hf_dir / "tokenizer.json"
+    copied = None
+    if source_tokenizer.is_file():
+        copied = out / "tokenizer.json"
+        shutil.copyfile(source_tokenizer, copied)
+    elif tokenizer:
+        raise UserError(f"--tokenizer {str(tokenizer)!r} does not exist")
+    return ImportResult(checkpoint, model_file, copied, arch, sum(t.numel() for t in state.values()))

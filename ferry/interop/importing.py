@@ -72,4 +72,5 @@ def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None 
         shutil.copyfile(source_tokenizer, copied)
     elif tokenizer:
         raise UserError(f"--tokenizer {str(tokenizer)!r} does not exist")
-    return ImportResult(checkpoint, model_file, copied, arch, sum(t.numel() for t in state.values()))
+    weights = sum(t.numel() for name, t in state.items() if not name.endswith("expert_bias_E"))
+    return ImportResult(checkpoint, model_file, copied, arch, weights)

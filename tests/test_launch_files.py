@@ -223,6 +223,14 @@ def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(options, named,
     assert not out.exists()
 
 
+def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
+    target = tmp_path / "taken"
+    target.write_text("keep me")
+    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--platform", "cpu", "--nodes", "1", "--out", str(target)]
+    assert main(argv) == 2
+    assert "is a file" in capsys.readouterr().err and target.read_text() == "keep me"
+
+
 def test_a_second_render_does_not_replace_other_content(tmp_path, capsys):
     argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--platform", "p5.48xlarge", "--nodes", "2",
             "--scheduler", "slurm", "--out", str(tmp_path), *LAYOUT]

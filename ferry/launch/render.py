@@ -43,6 +43,8 @@ def render_launch(spec: LaunchSpec, out: Path) -> dict[str, str]:
 
 def write_launch(spec: LaunchSpec, out: Path, overwrite: bool = False) -> dict[str, str]:
     """Render and write; refuses (naming the file) to replace a file that holds something else."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out: {out} is a file, not a directory")
     files = render_launch(spec, out)
     if not overwrite:
         for name, text in files.items():

@@ -29,7 +29,11 @@ OUT = Path("/cluster/ferry/launch/tiny")  # where the rendered scripts say they 
 KUBERNETES_VERSION = "1.33.0"
 LAYOUT = ("train.micro_batch=1", "parallel.ep=8")  # 16 ranks: one sequence each, the 8 experts spread over 8
 AWS = ["p5.48xlarge", "p5en.48xlarge", "p6-b200.48xlarge", "p6-b300.48xlarge"]
-CASES = {"p5.48xlarge": ["--master-addr", "10.0.0.1"], "mi300x-8": ["--master-addr", "10.0.0.1", "--rendezvous", "static"]}
+CASES = {
+    "p5.48xlarge": ["--master-addr", "10.0.0.1"],
+    "mi300x-8": ["--master-addr", "10.0.0.1", "--rendezvous", "static", "--max-restarts", "0"],
+}
+WORKDIR = Path("/cluster/ferry")  # the shared checkout the scripts change into
 
 
 def _spec(platform: str, *options: str, **kwargs):
@@ -41,7 +45,9 @@ def _spec(platform: str, *options: str, **kwargs):
         nodes=2,
         master_addr=named.get("--master-addr"),
         rendezvous=named.get("--rendezvous", "c10d"),
+        max_restarts=int(named.get("--max-restarts", 3)),
         image="registry.example.com/ferry:0.1.0",
+        workdir=WORKDIR,
         **kwargs,
     )
 
@@ -188,8 +194,11 @@ def test_the_resources_fit_the_node(platform):
         assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9464"
     config = yaml.safe_load(_objects(files, "trainjob.yaml")[0]["data"]["run.yaml"])
     assert config["resume"] == "latest" and config["run"]["dir"].startswith("/workspace/runs/")
+    assert config["run"]["device"] == "cuda" and config["hardware"] == node.hardware
     assert config["metrics"]["sinks"]["prometheus"] == {"enabled": True, "host": "0.0.0.0", "port": 9464}
     assert "--gres=gpu:8" in files["ferry.sbatch"] and "--kill-on-bad-exit=1" in files["ferry.sbatch"]
+    assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in files["ferry.sbatch"] and f"--chdir={WORKDIR}" in files["ferry.sbatch"]
+    assert "template: &" not in files["pytorchjob.yaml"]  # no YAML anchors: each replica spells its pod out
 
 
 def test_explain_names_every_variable_with_its_origin():
@@ -199,7 +208,8 @@ def test_explain_names_every_variable_with_its_origin():
         assert f"{variable.name}={variable.value}" in text
     for variable in spec.platform.left_to_plugin:
         assert f"  {variable.name}\n" in text
-    assert "RANK" in text and "SLURM_JOB_NODELIST" in text and "PET_NODE_RANK" in text
+    assert "RANK" in text and "SLURM_JOB_NODELIST" in text and "PET_MASTER_ADDR" in text
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
 
 
 @pytest.mark.parametrize(
@@ -211,6 +221,13 @@ def test_explain_names_every_variable_with_its_origin():
         (["--platform", "p5.48xlarge", "--scheduler", "torchrun"], "--master-addr"),
         (["--platform", "p5.48xlarge", "--nproc-per-node", "3", "--scheduler", "slurm"], "train.global_batch"),
         (["--platform", "p5.48xlarge", "train.micro_batch=1", "parallel.ep=3", "--scheduler", "k8s"], "parallel.ep"),
+        (["--platform", "p5.48xlarge", "train.micro_batch=1", "run.device=cpu"], "run.device 'cpu'"),
+        (["--platform", "cpu", "--nproc-per-node", "1", "--rendezvous", "static", "--master-addr", "h"], "--rendezvous static"),
+        (["--platform", "cpu", "--nproc-per-node", "1", "--job-name", "9lives"], "--job-name '9lives'"),
+        (["--platform", "cpu", "--nproc-per-node", "1", "--job-name", "x" * 46], "at most 45"),
+        (["--platform", "cpu", "--nproc-per-node", "1", "--partition", "gpu\nrm -rf ~"], "--partition"),
+        (["--platform", "cpu", "--nproc-per-node", "1", "--image", ""], "--image"),
+        (["--platform", "cpu", "--nproc-per-node", "1", "--time", "2 days"], "--time"),
     ],
 )
 def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(options, named, tmp_path, capsys):
@@ -218,6 +235,8 @@ def test_bad_input_exits_2_naming_the_problem_and_writes_nothing(options, named,
     argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--out", str(out)]
     if "--nodes" not in options:
         argv += ["--nodes", "2"]
+    if "--master-addr" not in options and "--scheduler" not in options:
+        argv += ["--master-addr", "10.0.0.1"]
     assert main([*argv, *options]) == 2
     assert named in capsys.readouterr().err
     assert not out.exists()
@@ -229,6 +248,17 @@ def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
     argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--platform", "cpu", "--nodes", "1", "--out", str(target)]
     assert main(argv) == 2
     assert "is a file" in capsys.readouterr().err and target.read_text() == "keep me"
+
+
+def test_a_render_with_fewer_nodes_removes_the_other_nodes_scripts_only_when_asked(tmp_path, capsys):
+    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--platform", "cpu", "--nproc-per-node", "1",
+            "--scheduler", "torchrun", "--master-addr", "10.0.0.1", "--out", str(tmp_path), "train.global_batch=4",
+            "train.micro_batch=1"]
+    assert main([*argv, "--nodes", "4"]) == 0
+    assert main([*argv, "--nodes", "2"]) == 2
+    assert "torchrun-node2.sh belongs to an earlier render" in capsys.readouterr().err
+    assert main([*argv, "--nodes", "2", "--overwrite"]) == 0
+    assert sorted(path.name for path in tmp_path.glob("*.sh")) == ["torchrun-node0.sh", "torchrun-node1.sh"]
 
 
 def test_a_second_render_does_not_replace_other_content(tmp_path, capsys):

@@ -64,20 +64,28 @@ def one_node_losses(stdlib_dataset, tmp_path_factory) -> list[float]:
     return _losses(run_dir)
 
 
-@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
-def test_two_torchrun_nodes_on_one_host_train_as_two_ranks_of_one_node(rendezvous, one_node_losses, stdlib_dataset, tmp_path):
+@pytest.mark.parametrize("rendezvous, restart", [("c10d", False), ("static", False), ("c10d", True)])
+def test_two_torchrun_nodes_on_one_host_train_as_two_ranks_of_one_node(
+    rendezvous, restart, one_node_losses, stdlib_dataset, tmp_path
+):
+    """With `restart`, rank 1 is killed at step 5: torchrun restarts both nodes' workers, which meet again
+    and resume from the step-4 checkpoint; every step's loss still equals the uninterrupted job's."""
     config = _config_file(stdlib_dataset, tmp_path)
     out, run_dir = tmp_path / "launch", tmp_path / "run"
     argv = [
         "launch", str(config), "--platform", "cpu", "--nodes", "2", "--nproc-per-node", "1",
         "--scheduler", "torchrun", "--rendezvous", rendezvous, "--master-addr", "127.0.0.1",
-        "--port", str(free_port()), "--max-restarts", "0", "--out", str(out),
+        "--port", str(free_port()), "--max-restarts", "1" if restart else "0", "--out", str(out),
         "parallel.ep=2", f"run.dir={run_dir}", "metrics.sinks.prometheus.enabled=false",
     ]
+    if restart:
+        argv += ["checkpoint.interval=2", "fault.inject=[{step: 5, rank: 1, kind: kill}]"]
     assert main(argv) == 0
     scripts = sorted(out.glob("torchrun-node*.sh"))
     assert [script.name for script in scripts] == ["torchrun-node0.sh", "torchrun-node1.sh"]
     _run_nodes(scripts, tmp_path / "logs")
-    losses = _losses(run_dir)
-    assert len(losses) == TINY_RUN["train"]["steps"]
-    assert losses == one_node_losses
+    if restart:
+        assert "resuming from" in "".join(path.read_text() for path in (tmp_path / "logs").glob("*.log"))
+    by_step = {record["step"]: record["loss"] for record in read_metrics(run_dir)}  # a resumed step's last record
+    assert sorted(by_step) == list(range(1, TINY_RUN["train"]["steps"] + 1))
+    assert [by_step[step] for step in sorted(by_step)] == one_node_losses

@@ -66,10 +66,10 @@ def run_launch(args: argparse.Namespace) -> int:
         slurm_time=args.time,
     )
     out = Path(args.out) if args.out else Path("launch") / spec.job_name
-    files = write_launch(spec, out, overwrite=args.overwrite)
     if args.explain:
         print(explain(spec))
         print()
+    files = write_launch(spec, out, overwrite=args.overwrite)
     print(
         f"ferry: {spec.job_name}: {spec.nodes} node(s) of {spec.platform.name} x {spec.nproc_per_node} = "
         f"{spec.world_size} ranks; wrote {len(files)} file(s) to {out}/"

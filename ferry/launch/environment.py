@@ -10,6 +10,7 @@ import textwrap
 
 from ferry.launch.platform import PLATFORM_DIR
 from ferry.launch.spec import LaunchSpec
+from ferry.launch.torchrun_form import LAUNCHER_ENV, LAUNCHER_ENV_SOURCE
 
 TORCHRUN_SETS = {
     "RANK": "global rank of the worker",
@@ -19,6 +20,7 @@ TORCHRUN_SETS = {
     "MASTER_ADDR": "address of the store the workers meet at",
     "MASTER_PORT": "port of that store",
     "TORCHELASTIC_RESTART_COUNT": "how many times the agent restarted the workers",
+    "OMP_NUM_THREADS": "1 per worker when a node runs several and it is unset (torchrun's default)",
 }
 
 SCHEDULER_SETS = {
@@ -29,11 +31,11 @@ SCHEDULER_SETS = {
     },
     "k8s": {
         "PET_NNODES": "TrainJob: numNodes, read by torchrun as --nnodes",
-        "PET_NODE_RANK": "TrainJob: the pod's node index, read by torchrun as --node-rank",
-        "PET_MASTER_ADDR": "TrainJob: the first pod's address, read by torchrun as --master-addr",
-        "PET_MASTER_PORT": "TrainJob: the rendezvous port, read by torchrun as --master-port",
-        "RANK (PyTorchJob)": "the pod's node index, passed as --node-rank $(RANK)",
-        "MASTER_ADDR (PyTorchJob)": "the master pod's service, passed as --master-addr $(MASTER_ADDR)",
+        "PET_MASTER_ADDR": "TrainJob: the first pod's address: the c10d endpoint $(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
+        "PET_MASTER_PORT": "TrainJob: the rendezvous port",
+        "PET_NPROC_PER_NODE": "TrainJob and PyTorchJob: numProcPerNode (the rendered --nproc-per-node says the same)",
+        "MASTER_ADDR (PyTorchJob)": "the master pod's service: the c10d endpoint $(MASTER_ADDR):$(MASTER_PORT)",
+        "MASTER_PORT (PyTorchJob)": "the master pod's port",
     },
 }
 
@@ -49,6 +51,11 @@ def explain(spec: LaunchSpec, width: int = 100) -> str:
     lines = [
         f"{spec.job_name}: {spec.nodes} node(s) of {platform.name} x {spec.nproc_per_node} process(es), "
         f"{spec.platform.comm_backend}, hardware profile {platform.hardware}",
+        "",
+        "set by ferry for torchrun:",
+        *(f"  {name}={value}" for name, value in LAUNCHER_ENV.items()),
+        *textwrap.wrap(LAUNCHER_ENV_SOURCE, width, initial_indent="      ", subsequent_indent="      ",
+                       break_on_hyphens=False, break_long_words=False),
         "",
         f"set by ferry from the platform preset ({PLATFORM_DIR.name}/{platform.name}.yaml):",
     ]

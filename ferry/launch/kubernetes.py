@@ -11,13 +11,14 @@ Grafana's dashboard sidecar looks for.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
 
 import ferry
 from ferry.launch.spec import LaunchSpec
-from ferry.launch.torchrun_form import CONFIG_NAME, ferry_train_argv
+from ferry.launch.torchrun_form import CONFIG_NAME, LAUNCHER_ENV, ferry_train_argv
 
 CONFIG_MOUNT = "/etc/ferry"
 RUNS_MOUNT = "/workspace/runs"
@@ -100,12 +101,13 @@ def volume_mounts() -> list[dict[str, Any]]:
 
 
 def env_list(spec: LaunchSpec) -> list[dict[str, str]]:
-    return [{"name": variable.name, "value": variable.value} for variable in spec.platform.env]
+    launcher = [{"name": name, "value": value} for name, value in LAUNCHER_ENV.items()]
+    return launcher + [{"name": variable.name, "value": variable.value} for variable in spec.platform.env]
 
 
 def train_job(spec: LaunchSpec) -> dict[str, Any]:
-    """A Kubeflow Trainer v2 TrainJob on the `torch-distributed` runtime, which sets the PET_* variables
-    torchrun reads for --nnodes, --node-rank and the master's address."""
+    """A Kubeflow Trainer v2 TrainJob (API 2.3: `runtimePatches`) on the `torch-distributed` runtime; the
+    nodes meet by c10d at the first pod's address, which the runtime sets as PET_MASTER_ADDR/PORT."""
     pod_metadata = {"annotations": scrape_annotations(spec)} if spec.metrics_port is not None else {}
     pod_patch = {
         **({"metadata": pod_metadata} if pod_metadata else {}),
@@ -115,7 +117,11 @@ def train_job(spec: LaunchSpec) -> dict[str, Any]:
         },
     }
     args = [
+        "--nnodes", str(spec.nodes),
         "--nproc-per-node", str(spec.nproc_per_node),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
+        "--rdzv-id", spec.job_name,
         "--max-restarts", str(spec.max_restarts),
         *ferry_train_argv(f"{CONFIG_MOUNT}/{CONFIG_NAME}"),
     ]
@@ -127,8 +133,7 @@ def train_job(spec: LaunchSpec) -> dict[str, Any]:
         "numProcPerNode": spec.nproc_per_node,
         "resourcesPerNode": node_resources(spec),
     }
-    if spec.platform.env:
-        trainer["env"] = env_list(spec)
+    trainer["env"] = env_list(spec)
     return {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "TrainJob",
@@ -155,14 +160,14 @@ def train_job(spec: LaunchSpec) -> dict[str, Any]:
 
 
 def pytorch_job(spec: LaunchSpec) -> dict[str, Any]:
-    """A training-operator PyTorchJob: a Master and nodes-1 Workers; the operator sets RANK (the node
-    index), MASTER_ADDR and MASTER_PORT, which Kubernetes substitutes into the arguments."""
+    """A training-operator PyTorchJob: a Master and nodes-1 Workers meeting by c10d at the master's service,
+    whose MASTER_ADDR and MASTER_PORT the operator sets and Kubernetes substitutes into the arguments."""
     args = [
         "--nnodes", str(spec.nodes),
         "--nproc-per-node", str(spec.nproc_per_node),
-        "--node-rank", "$(RANK)",
-        "--master-addr", "$(MASTER_ADDR)",
-        "--master-port", "$(MASTER_PORT)",
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "$(MASTER_ADDR):$(MASTER_PORT)",
+        "--rdzv-id", spec.job_name,
         "--max-restarts", str(spec.max_restarts),
         *ferry_train_argv(f"{CONFIG_MOUNT}/{CONFIG_NAME}"),
     ]
@@ -174,22 +179,21 @@ def pytorch_job(spec: LaunchSpec) -> dict[str, Any]:
         "resources": node_resources(spec),
         "volumeMounts": volume_mounts(),
     }
-    if spec.platform.env:
-        container["env"] = env_list(spec)
+    container["env"] = env_list(spec)
     template: dict[str, Any] = {
         "metadata": {"labels": labels(spec), **({"annotations": scrape_annotations(spec)} if spec.metrics_port else {})},
         "spec": {"containers": [container], "volumes": volumes(spec)},
     }
     replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
     if spec.nodes > 1:
-        replicas["Worker"] = {"replicas": spec.nodes - 1, "restartPolicy": "OnFailure", "template": template}
+        replicas["Worker"] = {"replicas": spec.nodes - 1, "restartPolicy": "OnFailure", "template": copy.deepcopy(template)}
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": {"name": spec.job_name, "labels": labels(spec)},
         "spec": {
             "nprocPerNode": str(spec.nproc_per_node),
-            "runPolicy": {"backoffLimit": spec.max_restarts, "cleanPodPolicy": "None"},
+            "runPolicy": {"backoffLimit": spec.max_restarts, "cleanPodPolicy": "Running"},
             "pytorchReplicaSpecs": replicas,
         },
     }

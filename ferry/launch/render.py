@@ -46,11 +46,16 @@ def write_launch(spec: LaunchSpec, out: Path, overwrite: bool = False) -> dict[s
     if out.exists() and not out.is_dir():
         raise UserError(f"--out: {out} is a file, not a directory")
     files = render_launch(spec, out)
+    stale = sorted(path for path in out.glob("torchrun-node*.sh") if path.name not in files) if out.is_dir() else []
     if not overwrite:
+        if stale:
+            raise UserError(f"--out: {stale[0]} belongs to an earlier render with more nodes; pass --overwrite to remove it")
         for name, text in files.items():
             existing = out / name
             if existing.is_file() and existing.read_text(encoding="utf-8") != text:
                 raise UserError(f"--out: {existing} exists with other content; pass --overwrite to replace it")
+    for path in stale:
+        path.unlink()
     out.mkdir(parents=True, exist_ok=True)
     if "slurm" in spec.schedulers:
         (out / LOG_DIR).mkdir(exist_ok=True)  # sbatch opens its output files before the script runs

@@ -21,8 +21,8 @@ def sbatch_script(spec: LaunchSpec, config_path: str, log_dir: str) -> str:
         f"--job-name={spec.job_name}",
         f"--nodes={spec.nodes}",
         "--ntasks-per-node=1",
-        f"--cpus-per-task={platform.cpus_per_node}",
         "--exclusive",
+        f"--chdir={spec.workdir}",
         f"--output={log_dir}/%x-%j.out",
     ]
     if platform.slurm_gres is not None:
@@ -40,7 +40,8 @@ def sbatch_script(spec: LaunchSpec, config_path: str, log_dir: str) -> str:
         "set -euo pipefail",
         *export_lines(spec),
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"srun --kill-on-bad-exit=1 --nodes={spec.nodes} --ntasks-per-node=1 \\",
+        # srun does not inherit sbatch's CPU count (Slurm >= 22.05): give the one task per node the whole node
+        f'srun --kill-on-bad-exit=1 --nodes={spec.nodes} --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" \\',
         f"  --output={shlex.quote(log_dir)}/%x-%j-node%n.log \\",
         f'  torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {spec.nproc_per_node} \\',
         f'  --rdzv-backend c10d --rdzv-endpoint "$head_node:{spec.port}" --rdzv-id "$SLURM_JOB_ID" \\',

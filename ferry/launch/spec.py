@@ -48,6 +48,7 @@ class LaunchSpec:
     slurm_partition: str | None = None
     slurm_time: str | None = None
     user_overrides: tuple[str, ...] = ()
+    workdir: Path = Path("/")
 
     @property
     def world_size(self) -> int:
@@ -61,7 +62,16 @@ class LaunchSpec:
 
     def cluster_config(self, run_dir: str) -> RunConfig:
         """The run config as the job on a cluster runs it, its run directory at `run_dir` (a shared volume)."""
-        return load_run_config(self.config_file, [*CLUSTER_DEFAULTS, f"run.dir={run_dir}", *self.user_overrides])
+        return load_run_config(
+            self.config_file, [*platform_defaults(self.platform), f"run.dir={run_dir}", *self.user_overrides]
+        )
+
+
+def platform_defaults(platform: Platform) -> list[str]:
+    """The cluster defaults plus what the platform decides: its device and hardware profile (the user's
+    overrides still win, and a contradiction is refused by `build_launch_spec`)."""
+    device = "cpu" if platform.accelerator_resource is None else "cuda"  # ROCm builds answer to cuda too
+    return [*CLUSTER_DEFAULTS, f"run.device={device}", f"hardware={platform.hardware}"]
 
 
 def build_launch_spec(
@@ -81,6 +91,7 @@ def build_launch_spec(
     runs_claim: str = "ferry-runs",
     slurm_partition: str | None = None,
     slurm_time: str | None = None,
+    workdir: str | Path | None = None,
 ) -> LaunchSpec:
     """Check the job's shape against the platform and the config; every refusal names the option."""
     chosen = load_platform(platform)
@@ -107,7 +118,16 @@ def build_launch_spec(
         if nodes > 1:
             raise UserError("--master-addr: the torchrun form needs the address of the first node when --nodes > 1")
         master_addr = "127.0.0.1"
-    config = load_run_config(config_file, [*CLUSTER_DEFAULTS, *overrides])
+    if rendezvous == "static" and max_restarts > 0:
+        raise UserError(
+            "--rendezvous static cannot re-form the job after torchrun restarts a node's workers; "
+            "use --rendezvous c10d, or --max-restarts 0"
+        )
+    _check_words(master_addr=master_addr, image=image, runs_claim=runs_claim, partition=slurm_partition, time=slurm_time)
+    config = load_run_config(config_file, [*platform_defaults(chosen), *overrides])
+    wanted_device = "cpu" if chosen.accelerator_resource is None else "cuda"
+    if config.run.device != wanted_device:
+        raise UserError(f"run.device {config.run.device!r}: a {chosen.name} node runs on {wanted_device}")
     config.check_world_size(nodes * nproc)
     name = _job_name(job_name or config.run.name)
     if "k8s" in schedulers and config.metrics.sinks.prometheus.enabled and config.metrics.sinks.prometheus.port == 0:
@@ -129,12 +149,38 @@ def build_launch_spec(
         slurm_partition=slurm_partition,
         slurm_time=slurm_time,
         user_overrides=tuple(overrides),
+        workdir=Path(workdir or Path.cwd()).resolve(),
     )
 
 
+MAX_JOB_NAME = 45  # JobSet names its pods <name>-node-0-<i>-<5 chars>, which must stay a 63-character label
+
+
 def _job_name(name: str) -> str:
-    """A name Kubernetes and Slurm both accept (DNS-1123 label: lower case, digits, '-', at most 63)."""
-    label = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:63].strip("-")
-    if not label:
-        raise UserError(f"--job-name {name!r} has no letter or digit to name a job with")
+    """A name Kubernetes (a DNS-1035 label once the Trainer's suffixes are added) and Slurm both accept."""
+    label = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    if not re.fullmatch(r"[a-z]([a-z0-9-]*[a-z0-9])?", label) or len(label) > MAX_JOB_NAME:
+        raise UserError(
+            f"--job-name {name!r}: a job name starts with a letter, holds letters, digits and '-', "
+            f"and has at most {MAX_JOB_NAME} characters"
+        )
     return label
+
+
+_WORDS = {
+    "master_addr": (r"[A-Za-z0-9][A-Za-z0-9.:-]*", "--master-addr"),
+    "image": (r"[A-Za-z0-9][A-Za-z0-9._/:@-]*", "--image"),
+    "runs_claim": (r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?", "--runs-claim"),
+    "partition": (r"[A-Za-z0-9_.,-]+", "--partition"),
+    "time": (r"(\d+-)?\d+(:\d{1,2}){0,2}", "--time"),
+}
+
+
+def _check_words(**values: str | None) -> None:
+    """Free text that lands in a script or a manifest: one plain word of the form each place expects."""
+    for key, value in values.items():
+        if value is None:
+            continue
+        pattern, option = _WORDS[key]
+        if not re.fullmatch(pattern, value):
+            raise UserError(f"{option} {value!r} is not a valid value here")

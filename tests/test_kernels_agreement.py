@@ -50,6 +50,10 @@ def _inputs(op_name: str, D: int = D, F: int = F) -> tuple[tuple, tuple[int, ...
         "norm.rms": ((randn(3, 7, D), randn(D), 1e-5), (0, 1)),
         "linear": ((randn(3, 7, D), randn(F, D)), (0, 1)),
         "attention": ((randn(2, 4, 9, 8), randn(2, 2, 9, 8), randn(2, 2, 9, 8)), (0, 1, 2)),
+        "attention.masked": (
+            (randn(2, 4, 5, 8), randn(2, 2, 9, 8), randn(2, 2, 9, 8), _decoding_visibility(pad_B=[0, 3], new=5, slots=9)),
+            (0, 1, 2),
+        ),
         "moe.permute": ((x_TD, expert_ids_TK), (0,)),
         "moe.grouped_mm": ((x_ND.detach(), w_gate_EFD, offsets_E), (0, 1)),
         "moe.fp8_grouped_mm": ((x_ND.detach(), w_gate_EFD, offsets_E, _recipe("fp8")), (0, 1)),
@@ -61,6 +65,14 @@ def _inputs(op_name: str, D: int = D, F: int = F) -> tuple[tuple, tuple[int, ...
             (0, 2, 4, 5, 6),
         ),
     }[op_name]
+
+
+def _decoding_visibility(pad_B: list[int], new: int, slots: int) -> torch.Tensor:
+    """The keys each of the last `new` slots may see in left-padded rows: from the row's first token to itself."""
+    keys_T = torch.arange(slots)
+    queries_S = torch.arange(slots - new, slots)
+    first_B11 = torch.tensor(pad_B)[:, None, None]
+    return (keys_T[None, None, :] <= queries_S[None, :, None]) & (keys_T[None, None, :] >= first_B11)
 
 
 def _recipe(kind: str) -> LowPrecisionRecipe:

@@ -25,6 +25,7 @@ from ferry.metrics import (
     prometheus_names,
     read_metrics,
 )
+from ferry.inference import SourceLoss, eval_record
 from ferry.metrics.plots import plot_run
 from ferry.metrics.prometheus import PrometheusSink
 
@@ -60,6 +61,7 @@ def full_record(step: int) -> dict:
         "checkpoint_interval_steps": 10,
         "goodput": 0.9,
         **moe_diagnostics(counts_LE, probs_LE, torch.tensor([1.2, 1.3]), ep_degree=2),
+        **eval_record({"held_out": SourceLoss(loss=3.25, tokens=4096)}),
     }
 
 
@@ -86,6 +88,7 @@ def test_prometheus_serves_the_documented_names_over_loopback():
     assert 'ferry_loss{run="demo"} 2.0' in text
     assert 'ferry_moe_expert_tokens{expert="3",layer="1",run="demo"} 40.0' in text
     assert 'ferry_moe_layer_imbalance{layer="0",run="demo"}' in text
+    assert 'ferry_eval_loss{run="demo",source="held_out"} 3.25' in text
     memory = re.search(r'^ferry_memory_peak_bytes\{run="demo"\} (\S+)$', text, flags=re.MULTILINE)
     assert float(memory.group(1)) == pytest.approx(record["mem_peak_mib"] * 2**20)
 

@@ -11,8 +11,9 @@ from ferry.metrics import METRICS
 from ferry.train import Trainer, train
 
 
-def test_a_single_process_record_has_every_documented_key(make_config):
-    records = train(make_config("train.steps=2")).final_record
+def test_a_single_process_record_has_every_documented_key(make_config, stdlib_dataset):
+    held_out = f"eval.sources=[{{name: held_out, path: {stdlib_dataset}}}]"
+    records = train(make_config("train.steps=2", held_out, "eval.batches=1")).final_record
     assert {metric.key for metric in METRICS} <= set(records)
     assert records["comm_s"] == 0 and records["comm_bytes"] == 0 and records["ep_wait_s"] == 0
     assert 0 < records["mfu"] < 1

@@ -8,6 +8,7 @@ import sys
 
 from ferry.cli import ckpt
 from ferry.cli.hardware import add_hardware_commands
+from ferry.cli.inference import add_inference_commands
 from ferry.cli.interop import add_interop_commands
 from ferry.cli.kernels import add_kernels_commands
 from ferry.cli.launch import add_launch_command
@@ -64,6 +65,10 @@ def _build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--text-field", default="text", help="JSONL field holding the text")
     prepare.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard file")
     prepare.add_argument("--max-bytes", type=int, default=6_000_000, help="text budget of the embedded corpus")
+    prepare.add_argument(
+        "--skip-bytes", type=int, default=0,
+        help="pass over the documents this budget of the embedded corpus holds first (a held-out set)",
+    )
     prepare.add_argument("--overwrite", action="store_true", help="replace a dataset prepared from other inputs")
     prepare.set_defaults(handler=_data_prepare)
 
@@ -74,6 +79,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_portability_commands(commands)
     add_launch_command(commands)
     add_interop_commands(commands)
+    add_inference_commands(commands)
     return parser
 
 
@@ -114,6 +120,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
         inputs=list(args.inputs),
         embedded=args.embedded,
         embedded_max_bytes=args.max_bytes,
+        embedded_skip_bytes=args.skip_bytes,
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
         text_field=args.text_field,

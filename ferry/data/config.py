@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from ferry.config.section import Section
+from ferry.config.section import Section, check_unique_names
 
 
 class SourceConfig(Section):
@@ -26,8 +26,5 @@ class DataConfig(Section):
     @field_validator("sources")
     @classmethod
     def _names_unique(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
-        names = [source.name for source in sources]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ValueError(f"source names must be unique; repeated: {', '.join(duplicates)}")
+        check_unique_names(sources, "source")
         return sources

@@ -27,15 +27,23 @@ class Document:
     line: int | None = None
 
 
-def embedded_documents(name: str, max_bytes: int) -> Iterator[Document]:
-    """Documents of the named embedded corpus, stopping once `max_bytes` of text were produced."""
+def embedded_documents(name: str, max_bytes: int, skip_bytes: int = 0) -> Iterator[Document]:
+    """Documents of the named embedded corpus, stopping once `max_bytes` of text were produced.
+
+    With `skip_bytes`, the documents a budget of `skip_bytes` would produce are passed over
+    first: a held-out set that shares no document with a dataset prepared with that budget.
+    """
     if name not in EMBEDDED_CORPORA:
         raise UserError(f"unknown embedded corpus {name!r}; available: {', '.join(EMBEDDED_CORPORA)}")
-    produced = 0
+    skipped = produced = 0
     for document in _stdlib_documents():
+        size = len(document.text.encode("utf-8"))
+        if skipped < skip_bytes:
+            skipped += size
+            continue
         if produced >= max_bytes:
             return
-        produced += len(document.text.encode("utf-8"))
+        produced += size
         yield document
 
 

@@ -35,6 +35,7 @@ class PrepareSpec:
     inputs: list[str] = field(default_factory=list)
     embedded: str | None = None
     embedded_max_bytes: int = 6_000_000
+    embedded_skip_bytes: int = 0
     tokenizer: str = "bpe"
     vocab_size: int = 4096
     text_field: str = "text"
@@ -87,6 +88,10 @@ def _check_spec(spec: PrepareSpec) -> None:
         raise UserError("give either input files/directories or --embedded NAME, not both or neither")
     if spec.tokenizer == "bpe" and not 258 <= spec.vocab_size <= 1 << 20:
         raise UserError(f"--vocab-size must be between 258 and {1 << 20} for BPE, got {spec.vocab_size}")
+    if spec.embedded_skip_bytes and not spec.embedded:
+        raise UserError("--skip-bytes passes over part of an embedded corpus; it needs --embedded NAME")
+    if spec.embedded_skip_bytes < 0:
+        raise UserError(f"--skip-bytes must be 0 or more, got {spec.embedded_skip_bytes}")
     if spec.shard_tokens < 1:
         raise UserError(f"--shard-tokens must be positive, got {spec.shard_tokens}")
 
@@ -94,7 +99,7 @@ def _check_spec(spec: PrepareSpec) -> None:
 def _document_source(spec: PrepareSpec) -> Callable[[], Iterator[Document]]:
     """A function that yields the documents afresh (BPE training and encoding each need a pass)."""
     if spec.embedded:
-        return lambda: embedded_documents(spec.embedded, spec.embedded_max_bytes)
+        return lambda: embedded_documents(spec.embedded, spec.embedded_max_bytes, spec.embedded_skip_bytes)
     files = _collect_files(spec.inputs)
     return lambda: (doc for path in files for doc in _read_documents(path, spec.text_field))
 
@@ -163,6 +168,8 @@ def _settings(spec: PrepareSpec) -> dict:
         "embedded": spec.embedded,
         "embedded_max_bytes": spec.embedded_max_bytes if spec.embedded else None,
     }
+    if spec.embedded_skip_bytes:
+        settings["embedded_skip_bytes"] = spec.embedded_skip_bytes
     if spec.tokenizer == "bpe":
         settings["vocab_size"] = spec.vocab_size
     elif spec.tokenizer != "byte":

@@ -16,10 +16,9 @@ import torch
 
 from ferry.checkpoint import verify_checkpoint
 from ferry.config import UserError
-from ferry.data.manifest import TOKENIZER_NAME
 from ferry.data.tokenizer import END_OF_TEXT, BPETokenizer, load_tokenizer
 from ferry.interop.architectures import hf_config, natural_architecture, refusals, to_hf_state
-from ferry.interop.weights import checkpoint_model_config, read_model_state
+from ferry.interop.weights import checkpoint_model_config, checkpoint_tokenizer_path, read_model_state
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -82,13 +81,13 @@ def export_checkpoint(
 
 
 def _tokenizer_path(checkpoint, tokenizer: str | Path | None) -> Path:
-    """`--tokenizer`, else the tokenizer of the first dataset the run trained on."""
+    """`--tokenizer`, else the run's (its first dataset's, or the one `ferry import` wrote)."""
     if tokenizer is not None:
         return Path(tokenizer)
-    sources = checkpoint.manifest.run_config.get("data", {}).get("sources") or []
-    if not sources:
-        raise UserError(f"export: {checkpoint.path} names no dataset to take the tokenizer from; pass --tokenizer")
-    return Path(sources[0]["path"]) / TOKENIZER_NAME
+    found = checkpoint_tokenizer_path(checkpoint)
+    if found is None:
+        raise UserError(f"export: no tokenizer found for {checkpoint.path}; pass --tokenizer")
+    return found
 
 
 def _fast_tokenizer(path: Path):

@@ -20,6 +20,7 @@ from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
 from ferry.config import UserError
 from ferry.interop.architectures import from_hf_state, model_config_from_hf
 from ferry.interop.weights import MODEL
+from ferry.model import ModelConfig
 from ferry.platform.fingerprint import environment_fingerprint
 
 CHECKPOINTS = "checkpoints"
@@ -35,21 +36,34 @@ class ImportResult:
     parameters: int
 
 
-def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> ImportResult:
+def is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def read_hf_dir(hf_dir: Path) -> tuple[ModelConfig, str, dict[str, torch.Tensor]]:
+    """The ferry model config, the architecture and the fp32 weights under ferry's names of a transformers
+    directory (offline)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_dir, out = Path(hf_dir), Path(out)
-    if not (hf_dir / "config.json").is_file():
-        raise UserError(f"import: {hf_dir} is not a transformers model directory (no config.json)")
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"import: {out} exists and is not empty")
+    if not is_hf_dir(hf_dir):
+        raise UserError(f"{hf_dir} is not a transformers model directory (no config.json)")
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     config, arch = model_config_from_hf(hf_config)
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
     state = from_hf_state(hf_model.state_dict(), config)
     expected = set(config.build().state_dict())
     if set(state) != expected:
-        raise UserError(f"import: {hf_dir} does not hold the tensors its config describes: {sorted(expected ^ set(state))[:4]}")
+        raise UserError(f"{hf_dir} does not hold the tensors its config describes: {sorted(expected ^ set(state))[:4]}")
+    return config, arch, state
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> ImportResult:
+    hf_dir, out = Path(hf_dir), Path(out)
+    if not is_hf_dir(hf_dir):
+        raise UserError(f"import: {hf_dir} is not a transformers model directory (no config.json)")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"import: {out} exists and is not empty")
+    config, arch, state = read_hf_dir(hf_dir)
     model_config = config.model_dump(mode="json")
     meta = CheckpointMeta(
         step=0,

@@ -219,6 +219,15 @@ def _cases(
             ),
             (0, 1, 2),
         ),
+        "attention.masked": _Case(
+            (
+                randn(batch, shape.heads, seq_len, head_dim),
+                randn(batch, shape.kv_heads, seq_len, head_dim),
+                randn(batch, shape.kv_heads, seq_len, head_dim),
+                torch.ones(batch, seq_len, seq_len, dtype=torch.bool, device=device).tril(),
+            ),
+            (0, 1, 2),
+        ),
         "moe.permute": _Case((x_TD, expert_ids_TK), (0,), output=lambda result: result[0]),
         "moe.grouped_mm": _Case((x_ND, w_gate_EFD, offsets_E), (0, 1)),
         "moe.expert_mlp": _Case((x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF), (0, 2, 3, 4)),

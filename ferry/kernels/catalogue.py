@@ -53,6 +53,16 @@ REGISTRY = Registry(
             portable=_portable("attention", attention.causal_attention, "torch scaled_dot_product_attention"),
         ),
         Op(
+            name="attention.masked",
+            summary=(
+                "(q_BHSC, k_BGTC, v_BGTC, visible_BST: bool) -> softmax attention of S queries over the T keys each "
+                "may see: decoding against a key/value cache"
+            ),
+            portable=_portable(
+                "attention.masked", attention.masked_attention, "torch scaled_dot_product_attention with a boolean mask"
+            ),
+        ),
+        Op(
             name="moe.permute",
             summary="(x_TD, expert_ids_TK) -> (x_ND: the T*K routed rows sorted by expert, stable; Dispatch)",
             portable=_portable("moe.permute", moe.permute, "stable argsort, gather forward and backward"),

@@ -12,12 +12,13 @@ from typing import Literal
 
 METRICS_FILE = "metrics.jsonl"
 
-Shape = Literal["step", "layer", "expert"]
+Shape = Literal["step", "layer", "expert", "source"]
 
 
 @dataclass(frozen=True)
 class Metric:
-    """`shape`: one number per step, a list over MoE layers, or a list over layers of lists over experts.
+    """`shape`: one number per step, a list over MoE layers, a list over layers of lists over experts, or
+    a mapping from held-out source name to a number (only in the records of steps that evaluated).
 
     `scale` turns the record's unit into the exported one (Prometheus wants base units: bytes, not MiB).
     """
@@ -77,6 +78,8 @@ METRICS: tuple[Metric, ...] = (
     *_moe("router_entropy", "mean over tokens of the routing distribution's entropy, in nats", "mean"),
     *_moe("aux_score", "switch balancing score of the step's loads and probabilities (1 = balanced)", "mean"),
     *_moe("balance_gap", "how much more concentrated the real load is than the aux score says", "max"),
+    Metric("eval.loss", "ferry_eval_loss", "source", "held-out next-token cross-entropy per eval source"),
+    Metric("eval.perplexity", "ferry_eval_perplexity", "source", "exp(eval.loss) per eval source"),
 )
 
 

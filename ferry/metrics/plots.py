@@ -71,6 +71,11 @@ def _loss(records: list[dict]) -> Figure:
         steps, values = _series(records, key)
         if len(steps):
             axis.plot(steps, values, label=key, linewidth=1.2)
+    held_out = [record for record in records if record.get("eval.loss")]
+    for source in sorted({name for record in held_out for name in record["eval.loss"]}):
+        having = [record for record in held_out if source in record["eval.loss"]]
+        steps = [record["step"] for record in having]
+        axis.plot(steps, [record["eval.loss"][source] for record in having], marker="o", label=f"held-out {source}")
     axis.set(xlabel="step", ylabel="nats", title="loss")
     axis.legend()
     axis.grid(alpha=0.3)

@@ -14,7 +14,9 @@ from ferry.config import UserError
 from ferry.metrics.config import PrometheusConfig
 from ferry.metrics.names import METRICS
 
-_LABELS = {"step": ("run",), "layer": ("run", "layer"), "expert": ("run", "layer", "expert")}
+_LABELS = {
+    "step": ("run",), "layer": ("run", "layer"), "expert": ("run", "layer", "expert"), "source": ("run", "source")
+}
 
 
 class PrometheusSink:
@@ -48,6 +50,9 @@ class PrometheusSink:
                 continue
             if metric.shape == "step":
                 gauge.labels(self.run_name).set(value * metric.scale)
+            elif metric.shape == "source":
+                for source, source_value in value.items():
+                    gauge.labels(self.run_name, source).set(source_value * metric.scale)
             elif metric.shape == "layer":
                 for layer, layer_value in enumerate(value):
                     gauge.labels(self.run_name, str(layer)).set(layer_value * metric.scale)

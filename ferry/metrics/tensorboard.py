@@ -1,7 +1,7 @@
 """TensorBoard event files under `<run.dir>/tensorboard`, for people who already watch runs there.
 
-Step and per-layer metrics become scalars (tag = record key, `/layer<i>` for a
-layer); per-expert loads stay in metrics.jsonl and Prometheus, where a heatmap can
+Step, per-layer and per-source metrics become scalars (tag = record key, `/layer<i>` for a
+layer, `/<source>` for a held-out source); per-expert loads stay in metrics.jsonl and Prometheus, where a heatmap can
 show them, instead of thousands of scalar charts.
 """
 
@@ -34,6 +34,9 @@ class TensorBoardSink:
                 continue
             if metric.shape == "step":
                 self._writer.add_scalar(metric.key, value, step)
+            elif metric.shape == "source":
+                for source, source_value in value.items():
+                    self._writer.add_scalar(f"{metric.key}/{source}", source_value, step)
             else:
                 for layer, layer_value in enumerate(value):
                     self._writer.add_scalar(f"{metric.key}/layer{layer}", layer_value, step)

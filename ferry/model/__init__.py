@@ -2,6 +2,7 @@
 
 from ferry.model.config import BiasBalancingConfig, ModelConfig, MoEConfig
 from ferry.model.counting import ModelSize, count_model
+from ferry.model.kv_cache import KVCache
 from ferry.model.moe import MoELayer, MoEStats
 from ferry.model.transformer import ModelOutput, Transformer
 
@@ -11,6 +12,7 @@ __all__ = [
     "MoEConfig",
     "ModelSize",
     "count_model",
+    "KVCache",
     "MoELayer",
     "MoEStats",
     "ModelOutput",

@@ -7,6 +7,7 @@ from torch import nn
 
 from ferry.kernels import KernelSelection, portable_kernels
 from ferry.model.config import ModelConfig
+from ferry.model.kv_cache import LayerCache
 from ferry.model.linear import Linear
 from ferry.model.norm import RMSNorm
 from ferry.model.rope import RotaryEmbedding
@@ -32,8 +33,10 @@ class Attention(nn.Module):
         self.per_head_norm = per_head
         self.rope = rope
         self._attention = kernels["attention"]
+        self._masked_attention = kernels["attention.masked"]
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """Causal attention over `x_BSD`; with a cache, over the cached keys too, at the cache's positions."""
         batch, seq_len, _ = x_BSD.shape
         q_BSX = self.wq(x_BSD)
         k_BSY = self.wk(x_BSD)
@@ -48,7 +51,10 @@ class Attention(nn.Module):
         q_BHSC = q_BSHC.transpose(1, 2)
         k_BGSC = k_BSGC.transpose(1, 2)
         v_BGSC = self.wv(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q_BHSC = self.rope(q_BHSC)
-        k_BGSC = self.rope(k_BGSC)
-        out_BHSC = self._attention(q_BHSC, k_BGSC, v_BGSC)
+        if cache is None:
+            out_BHSC = self._attention(self.rope(q_BHSC), self.rope(k_BGSC), v_BGSC)
+        else:
+            positions_BS = cache.step.positions_BS
+            k_BGTC, v_BGTC = cache.extend(self.rope(k_BGSC, positions_BS), v_BGSC)
+            out_BHSC = self._masked_attention(self.rope(q_BHSC, positions_BS), k_BGTC, v_BGTC, cache.step.visible_BST)
         return self.wo(out_BHSC.transpose(1, 2).reshape(batch, seq_len, -1))

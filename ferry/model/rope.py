@@ -16,11 +16,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_SC", angles_SC.cos().float(), persistent=False)
         self.register_buffer("sin_SC", angles_SC.sin().float(), persistent=False)
 
-    def forward(self, x_BHSC: torch.Tensor) -> torch.Tensor:
-        seq_len = x_BHSC.shape[-2]
-        cos_SC = self.cos_SC[:seq_len].to(x_BHSC.dtype)
-        sin_SC = self.sin_SC[:seq_len].to(x_BHSC.dtype)
-        return x_BHSC * cos_SC + _rotate_half(x_BHSC) * sin_SC
+    def forward(self, x_BHSC: torch.Tensor, positions_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate by positions 0..S-1, or by each row's own `positions_BS` (decoding with a cache)."""
+        if positions_BS is None:
+            seq_len = x_BHSC.shape[-2]
+            cos = self.cos_SC[:seq_len].to(x_BHSC.dtype)
+            sin = self.sin_SC[:seq_len].to(x_BHSC.dtype)
+        else:
+            cos = self.cos_SC[positions_BS].to(x_BHSC.dtype)[:, None]
+            sin = self.sin_SC[positions_BS].to(x_BHSC.dtype)[:, None]
+        return x_BHSC * cos + _rotate_half(x_BHSC) * sin
 
 
 def _rotate_half(x_XC: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from ferry.kernels import KernelSelection, portable_kernels
 from ferry.model.attention import Attention
 from ferry.model.config import ModelConfig
 from ferry.model.feedforward import SwiGLU
+from ferry.model.kv_cache import KVCache, LayerCache
 from ferry.model.linear import Linear
 from ferry.model.moe import MoELayer, MoEStats
 from ferry.model.norm import RMSNorm
@@ -37,8 +38,8 @@ class Block(nn.Module):
         dense = not use_moe
         self.ffn = SwiGLU(config.dim, config.dense_ffn_dim, kernels) if dense else MoELayer(config.dim, config.moe, kernels)
 
-    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats | None]:
-        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+    def forward(self, x_BSD: torch.Tensor, cache: LayerCache | None = None) -> tuple[torch.Tensor, MoEStats | None]:
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cache)
         if isinstance(self.ffn, MoELayer):
             ffn_BSD, stats = self.ffn(self.ffn_norm(h_BSD))
             return h_BSD + ffn_BSD, stats
@@ -86,13 +87,17 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [block.ffn for block in self.layers if isinstance(block.ffn, MoELayer)]
 
-    def forward(self, tokens_BS: torch.Tensor) -> ModelOutput:
+    def forward(self, tokens_BS: torch.Tensor, cache: KVCache | None = None) -> ModelOutput:
+        """Logits of every position; with a cache, `tokens_BS` continue what it holds and are added to it."""
         if tokens_BS.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {tokens_BS.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
+        step = cache.begin(tokens_BS.shape[1]) if cache is not None else None
         x_BSD = self.tok_embeddings(tokens_BS)
         moe_stats = []
-        for block in self.layers:
-            x_BSD, stats = block(x_BSD)
+        for index, block in enumerate(self.layers):
+            x_BSD, stats = block(x_BSD, cache.layer(index, step) if cache is not None else None)
             if stats is not None:
                 moe_stats.append(stats)
+        if cache is not None:
+            cache.commit(step)
         return ModelOutput(self.output(self.norm(x_BSD)), moe_stats)

@@ -15,6 +15,7 @@ from ferry.checkpoint.config import CheckpointConfig
 from ferry.comm.config import CommConfig
 from ferry.config import Section, UserError, load_config
 from ferry.data.config import DataConfig
+from ferry.inference.config import EvalConfig
 from ferry.kernels.config import KernelsConfig
 from ferry.metrics.config import MetricsConfig, ProfileConfig
 from ferry.model.config import ModelConfig
@@ -97,6 +98,7 @@ class RunConfig(Section):
     metrics: MetricsConfig = MetricsConfig()
     profile: ProfileConfig = ProfileConfig()
     fault: FaultConfig = FaultConfig()
+    eval: EvalConfig = EvalConfig()
     resume: str | None = Field(
         None,
         min_length=1,
@@ -115,6 +117,12 @@ class RunConfig(Section):
         if train.global_batch % (train.micro_batch * world_size):
             raise UserError(
                 f"train.global_batch ({train.global_batch}) must be a multiple of "
+                f"train.micro_batch x world size ({train.micro_batch} x {world_size})"
+            )
+        eval_batch = self.eval.batch_size or train.global_batch
+        if self.eval.sources and eval_batch % (train.micro_batch * world_size):
+            raise UserError(
+                f"eval.batch_size ({eval_batch}) must be a multiple of "
                 f"train.micro_batch x world size ({train.micro_batch} x {world_size})"
             )
         if world_size % self.parallel.ep:
@@ -144,6 +152,16 @@ class RunConfig(Section):
         if model is not None and data.seq_len > model.max_seq_len:
             raise ValueError(f"seq_len {data.seq_len} exceeds model.max_seq_len ({model.max_seq_len})")
         return data
+
+    @field_validator("eval")
+    @classmethod
+    def _eval_batch_splits_into_micro_batches(cls, evaluation: EvalConfig, info: ValidationInfo) -> EvalConfig:
+        train = info.data.get("train")
+        if train is not None and evaluation.batch_size is not None and evaluation.batch_size % train.micro_batch:
+            raise ValueError(
+                f"eval.batch_size {evaluation.batch_size} is not a multiple of train.micro_batch ({train.micro_batch})"
+            )
+        return evaluation
 
 
 def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

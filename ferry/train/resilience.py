@@ -182,6 +182,15 @@ class Resilience:
         self.watchdog.touch()
         self.watchdog.phase("between steps")
 
+    def evaluate(self, run: Callable[[], dict]) -> dict:
+        """A held-out evaluation gets a whole step's window of its own, as a save does."""
+        self.watchdog.phase("evaluation")
+        self.watchdog.touch()
+        figures = run()
+        self.watchdog.touch()
+        self.watchdog.phase("between steps")
+        return figures
+
     def wait_for_saves(self, checkpoints: CheckpointManager) -> None:
         """The end of the run waits for a background save: watched with the checkpoint allowance."""
         self.watchdog.phase("checkpoint save (finishing)")

@@ -33,6 +33,7 @@ from ferry.comm import init_distributed, launcher_ranks
 from ferry.comm.process_group import shutdown
 from ferry.config import UserError
 from ferry.data import DataCursor, MixedLoader
+from ferry.inference import HeldOutEvaluation, eval_record
 from ferry.kernels import select_kernels
 from ferry.metrics import MetricsHub, StepMetrics, TorchTrace, build_sinks, moe_diagnostics
 from ferry.model import Transformer, count_model
@@ -89,6 +90,12 @@ class Trainer:
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's "
                 f"vocabulary ({tokenizer_vocab}) of {self.loader.datasets[0].label}"
             )
+        self.evaluation = HeldOutEvaluation(
+            config.eval, config.data.seq_len, config.eval.batch_size or train.global_batch, train.micro_batch
+        )
+        self.evaluation.check_tokenizer(
+            self.loader.tokenizer["sha256"], config.model.vocab_size, self.loader.datasets[0].label
+        )
         self.kernels = select_kernels(config.kernels, self.device, self.precision.torch_compute_dtype)
         if self.precision.recipe is not None:
             self.kernels = with_low_precision_experts(self.kernels, self.precision.recipe)
@@ -187,10 +194,14 @@ class Trainer:
                 resilience.before_step(step)
                 last = self.train_step()
                 resilience.after_step(last)
+                if self.evaluation.due(self.cursor.step, config.train.steps):
+                    last.update(resilience.evaluate(self.evaluate))
                 losses.append(last["loss"])
                 if resilience.save_due(self.cursor.step, checkpoints):
                     resilience.save(self.cursor.step, checkpoints, self.checkpoint_state, last)
                 self.hub.write(last)
+                if "eval.loss" in last:
+                    self.hub.message(_eval_line(last))
                 trace.step_finished(last["step"])
             if config.checkpoint.enabled and checkpoints.last_step != self.cursor.step:
                 resilience.save(self.cursor.step, checkpoints, self.checkpoint_state, {})
@@ -313,9 +324,7 @@ class Trainer:
             num_layers, num_experts
         )
         entropy_L = totals[3 + 2 * num_layers * num_experts :]
-        autocast = torch.autocast(
-            self.device.type, dtype=self.precision.torch_compute_dtype, enabled=self.precision.autocast
-        )
+        autocast = self._autocast()
         micro_batches = self.loader.micro_batches(self.cursor, self.rank, self.world_size, config.train.micro_batch)
         for batch in micro_batches:
             share = batch.inputs_BS.shape[0] / config.train.global_batch
@@ -365,6 +374,17 @@ class Trainer:
             "skipped_steps": self.scaler.skipped_steps,
             **moe_diagnostics(counts_LE, mean_prob_LE, entropy_L, ep_degree=self._ep_degree()),
         }
+
+    def evaluate(self) -> dict:
+        """Held-out loss and perplexity of every `eval` source, the same figures on every rank."""
+        autocast = self._autocast()
+        losses = self.evaluation.run(
+            self.model, self.device, self.rank, self.world_size, autocast, self.plan.sum_over_ranks
+        )
+        return eval_record(losses)
+
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=self.precision.torch_compute_dtype, enabled=self.precision.autocast)
 
     def _apply_gradients(self, grad_clip: float, step: int) -> tuple[float, bool]:
         """Reduce, unscale, check, clip and step; a step whose gradients overflowed is skipped
@@ -501,6 +521,14 @@ def _profile(name: str, device: torch.device) -> HardwareProfile:
     """The hardware profile of the run; a CPU's peak is measured (once per machine, cached)."""
     profile = resolve_profile(name, device)
     return measured_cpu_profile() if profile.measure_peak and device.type == "cpu" else profile
+
+
+def _eval_line(record: dict) -> str:
+    figures = ", ".join(
+        f"{name} loss {loss:.4f} (perplexity {record['eval.perplexity'][name]:.2f})"
+        for name, loss in record["eval.loss"].items()
+    )
+    return f"ferry: held-out at step {record['step']}: {figures}"
 
 
 def _resume_record(found: Found | None, carried: dict[str, str], times: dict[str, float]) -> dict | None:

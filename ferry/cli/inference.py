@@ -1,0 +1,160 @@
+"""`ferry generate` and `ferry eval`: a trained model run without training."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ferry.config import UserError
+
+SOURCE_HELP = "a checkpoint, a run (or `ferry import`) directory, or a transformers model directory"
+
+
+def add_inference_commands(commands) -> None:
+    generate = commands.add_parser("generate", help="continue prompts with a trained model (KV-cache decoding)")
+    generate.add_argument("source", help=SOURCE_HELP)
+    generate.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
+    generate.add_argument("--prompts-file", default=None, help="one prompt per line (added after the --prompt ones)")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass")
+    generate.add_argument("--seed", type=int, default=0, help="the same seed gives the same tokens")
+    generate.add_argument("--stop", action="append", default=[], help="a string that ends a completion; repeatable")
+    _add_model_options(generate)
+    generate.add_argument("--json", action="store_true", help="print one JSON record per prompt instead of text")
+    generate.set_defaults(handler=run_generate)
+
+    evaluate = commands.add_parser("eval", help="held-out loss and perplexity of a checkpoint on prepared datasets")
+    evaluate.add_argument("source", help=SOURCE_HELP)
+    evaluate.add_argument(
+        "--data", nargs="+", required=True, metavar="DIR", help="prepared datasets (ferry data prepare)"
+    )
+    evaluate.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per window (default: the run's data.seq_len)"
+    )
+    evaluate.add_argument("--batches", type=int, default=4, help="batches per dataset (as eval.batches)")
+    evaluate.add_argument("--batch-size", type=int, default=16, help="sequences per batch (as eval.batch_size)")
+    evaluate.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (default: the batch)")
+    _add_model_options(evaluate)
+    evaluate.add_argument("--json", action="store_true", help="print the figures as JSON")
+    evaluate.set_defaults(handler=run_eval)
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ... (default auto)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's, or SOURCE's)")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from ferry.config.loader import validate
+    from ferry.inference import GenerationConfig, generate, load_model
+
+    config = validate(
+        GenerationConfig,
+        {
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "top_k": args.top_k,
+            "top_p": args.top_p,
+            "seed": args.seed,
+            "stop": args.stop,
+        },
+    )
+    prompts = list(args.prompt) + _prompts_file(args.prompts_file)
+    if not prompts:
+        raise UserError("generate: give at least one --prompt (or --prompts-file)")
+    loaded = load_model(args.source, args.device, args.dtype, args.tokenizer)
+    if loaded.tokenizer is None:
+        raise UserError(f"generate: no tokenizer found for {args.source}; pass --tokenizer")
+    tokenizer = loaded.tokenizer
+    tokens = [tokenizer.encode(prompt).tolist() for prompt in prompts]
+    result = generate(loaded.model, tokens, config, tokenizer.eos_id, tokenizer.decode)
+    for prompt, completion in zip(prompts, result.completions):
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "completion": completion.text,
+                        "finish_reason": completion.finish_reason,
+                        "prompt_tokens": len(completion.prompt_tokens),
+                        "tokens": completion.tokens,
+                        "logprobs": [round(value, 6) for value in completion.logprobs],
+                    }
+                )
+            )
+        else:
+            print(f"{prompt}\033[1m{completion.text}\033[0m" if sys.stdout.isatty() else f"{prompt}{completion.text}")
+            print(f"[{len(completion.tokens)} tokens, {completion.finish_reason}]")
+    print(
+        f"ferry: {loaded.origin}: prefill {result.prefill_tokens} tokens at {result.prefill_tokens_per_s:,.0f} tok/s, "
+        f"decode {result.decode_tokens} tokens at {result.decode_tokens_per_s:,.0f} tok/s "
+        f"({len(prompts)} prompt(s), {next(loaded.model.parameters()).device}, {args.dtype})",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _prompts_file(path: str | None) -> list[str]:
+    if path is None:
+        return []
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return [line.rstrip("\n") for line in handle if line.strip()]
+    except OSError as exc:
+        raise UserError(f"--prompts-file {path!r}: {exc.strerror or exc}") from None
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from ferry.config.loader import validate
+    from ferry.data.manifest import sha256_file
+    from ferry.inference import EvalConfig, HeldOutEvaluation, load_model
+
+    loaded = load_model(args.source, args.device, args.dtype, args.tokenizer)
+    model = loaded.model
+    seq_len = args.seq_len or loaded.seq_len
+    if seq_len is None:
+        raise UserError(f"eval: {args.source} records no data.seq_len; pass --seq-len")
+    if not 1 <= seq_len <= model.config.max_seq_len:
+        raise UserError(f"--seq-len {seq_len}: choose 1 to model.max_seq_len ({model.config.max_seq_len})")
+    config = validate(
+        EvalConfig,
+        {
+            "sources": [{"name": path, "path": path} for path in args.data],
+            "batches": args.batches,
+            "batch_size": args.batch_size,
+        },
+    )
+    micro_batch = args.micro_batch or args.batch_size
+    if micro_batch < 1 or args.batch_size % micro_batch:
+        raise UserError(f"--micro-batch {micro_batch} must divide --batch-size {args.batch_size}")
+    evaluation = HeldOutEvaluation(config, seq_len, args.batch_size, micro_batch)
+    expected = sha256_file(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
+    evaluation.check_tokenizer(expected, model.config.vocab_size, f"the model's tokenizer ({loaded.tokenizer_path})")
+    device = next(model.parameters()).device
+    losses = evaluation.run(model, device)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "source": loaded.origin,
+                    "step": loaded.step,
+                    "seq_len": seq_len,
+                    "datasets": {
+                        name: {"loss": r.loss, "perplexity": r.perplexity, "tokens": r.tokens}
+                        for name, r in losses.items()
+                    },
+                },
+                indent=2,
+            )
+        )
+        return 0
+    print(f"ferry: {loaded.origin} (step {loaded.step}), {seq_len}-token windows")
+    width = max(len(name) for name in losses)
+    for name, result in losses.items():
+        figures = f"loss {result.loss:.4f}  perplexity {result.perplexity:,.2f}  ({result.tokens:,} tokens)"
+        print(f"  {name:<{width}}  {figures}")
+    return 0

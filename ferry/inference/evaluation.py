@@ -1,0 +1,141 @@
+"""Held-out loss: the mean next-token cross-entropy of a model over fixed windows of prepared datasets.
+
+The windows of a source are chosen once (evenly spread over the dataset) and are the
+same at every evaluation and in every layout, so the curve over a run, and the
+figure for a checkpoint, compare. Each evaluation batch is split over the ranks in
+contiguous rows, every rank running the same number of forwards (expert
+parallelism needs every rank in every all-to-all); the sums meet in one all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ferry.config import UserError
+from ferry.data import TokenDataset
+from ferry.inference.config import EvalConfig
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """One source's dataset and the windows evaluated, in order."""
+
+    name: str
+    dataset: TokenDataset
+    windows: np.ndarray
+
+    @classmethod
+    def open(cls, name: str, path: str, label: str, seq_len: int, count: int) -> HeldOut:
+        dataset = TokenDataset(path, label=label)
+        available = dataset.num_windows(seq_len)
+        if available < count:
+            raise UserError(
+                f"{label}: {available} windows of {seq_len} tokens; the evaluation reads {count} "
+                "(eval.batches x eval.batch_size): lower them or prepare more held-out text"
+            )
+        return cls(name, dataset, (np.arange(count, dtype=np.int64) * available) // count)
+
+    def tokens_BS(self, indices: np.ndarray, seq_len: int) -> torch.Tensor:
+        return torch.from_numpy(np.stack([self.dataset.window(int(index), seq_len) for index in indices]))
+
+
+@dataclass(frozen=True)
+class SourceLoss:
+    loss: float
+    tokens: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 700.0))
+
+
+class HeldOutEvaluation:
+    """The evaluation a run config (or `ferry eval`) describes: sources, windows, batch split."""
+
+    def __init__(self, config: EvalConfig, seq_len: int, batch_size: int, micro_batch: int):
+        self.config = config
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.micro_batch = micro_batch
+        count = config.batches * batch_size
+        self.sources = [
+            HeldOut.open(source.name, source.path, f"eval.sources.{index} ({source.name})", seq_len, count)
+            for index, source in enumerate(config.sources)
+        ]
+
+    def check_tokenizer(self, sha256: str | None, vocab_size: int, expected_from: str) -> None:
+        """Refuse a source tokenized otherwise than the model's data (its loss would mean nothing)."""
+        for source in self.sources:
+            tokenizer = source.dataset.tokenizer
+            if sha256 is not None and tokenizer.get("sha256") != sha256:
+                raise UserError(
+                    f"{source.dataset.label} was tokenized with another tokenizer than {expected_from}; "
+                    "prepare it with the same one (ferry data prepare --tokenizer PATH)"
+                )
+            if tokenizer["vocab_size"] > vocab_size:
+                raise UserError(
+                    f"{source.dataset.label}: its tokenizer has {tokenizer['vocab_size']} tokens, the model "
+                    f"{vocab_size}"
+                )
+
+    def due(self, step: int, last_step: int) -> bool:
+        interval = self.config.interval
+        return bool(self.sources) and (step == last_step or (interval > 0 and step % interval == 0))
+
+    @torch.no_grad()
+    def run(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        autocast: AbstractContextManager | None = None,
+        sum_over_ranks: Callable[[torch.Tensor], None] | None = None,
+    ) -> dict[str, SourceLoss]:
+        """Every source's mean token loss over its windows (all ranks get the same figures)."""
+        if self.batch_size % (self.micro_batch * world_size):
+            raise ValueError(
+                f"a batch of {self.batch_size} does not split into micro-batches of {self.micro_batch} "
+                f"on {world_size} ranks"
+            )
+        was_training = model.training
+        model.eval()
+        sums_2N = torch.zeros(2 * len(self.sources), dtype=torch.float64, device=device)
+        rows = self.batch_size // world_size
+        for index, source in enumerate(self.sources):
+            for batch_start in range(0, len(source.windows), self.batch_size):
+                mine = source.windows[batch_start + rank * rows : batch_start + (rank + 1) * rows]
+                for micro_start in range(0, rows, self.micro_batch):
+                    tokens_BS = source.tokens_BS(mine[micro_start : micro_start + self.micro_batch], self.seq_len)
+                    tokens_BS = tokens_BS.to(device)
+                    with autocast or nullcontext():
+                        logits_BSV = model(tokens_BS[:, :-1]).logits_BSV
+                    sums_2N[2 * index] += F.cross_entropy(
+                        logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(),
+                        tokens_BS[:, 1:].reshape(-1),
+                        reduction="sum",
+                    ).double()
+                    sums_2N[2 * index + 1] += tokens_BS[:, 1:].numel()
+        if sum_over_ranks is not None:
+            sum_over_ranks(sums_2N)
+        model.train(was_training)
+        totals = sums_2N.tolist()
+        return {
+            source.name: SourceLoss(totals[2 * index] / totals[2 * index + 1], int(totals[2 * index + 1]))
+            for index, source in enumerate(self.sources)
+        }
+
+
+def eval_record(losses: dict[str, SourceLoss]) -> dict:
+    """The metrics record's keys for one evaluation."""
+    return {
+        "eval.loss": {name: result.loss for name, result in losses.items()},
+        "eval.perplexity": {name: result.perplexity for name, result in losses.items()},
+    }

@@ -1,0 +1,162 @@
+"""Prefill, then one token per step against a key/value cache: the decoder `ferry generate` and later
+stages (sampling completions for RL) call on a batch of prompts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ferry.config import UserError
+from ferry.inference.config import GenerationConfig
+from ferry.inference.sampling import next_tokens
+from ferry.model import KVCache, Transformer
+
+FinishReason = Literal["eos", "stop", "length"]
+
+
+@dataclass
+class Completion:
+    """One prompt's continuation: its tokens (EOS included when it ended there), the log-probability of each
+    under the model, why it ended, and, with a tokenizer, its text (up to a stop string, without EOS)."""
+
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    text: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    completions: list[Completion]
+    prefill_tokens: int
+    prefill_s: float
+    decode_tokens: int
+    decode_s: float
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig,
+    eos_id: int | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+) -> GenerationResult:
+    """Continue every prompt until EOS, a stop string (needs `decode`) or `max_new_tokens`.
+
+    The prompts are left-padded into one batch and run once (prefill); then each step
+    feeds every row's newest token. A row that has finished keeps being fed (its
+    outputs are ignored) so the batch stays rectangular. The cache holds the longest
+    prompt plus the new tokens, within `model.config.max_seq_len`.
+    """
+    if not prompts or any(len(prompt) == 0 for prompt in prompts):
+        raise UserError("generate: every prompt needs at least one token")
+    if config.stop and decode is None:
+        raise UserError("generate: stop strings need a tokenizer to decode the completions")
+    max_len = model.config.max_seq_len
+    longest = max(len(prompt) for prompt in prompts)
+    if longest >= max_len:
+        raise UserError(f"generate: a prompt of {longest} tokens leaves no room in model.max_seq_len ({max_len})")
+    parameter = next(model.parameters())
+    device = parameter.device
+    lengths_B = torch.tensor([len(prompt) for prompt in prompts])
+    pad_B = longest - lengths_B
+    tokens_BS = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens_BS[row, int(pad_B[row]) :] = torch.tensor(list(prompt), dtype=torch.long)
+    capacity = min(longest + config.max_new_tokens - 1, max_len)
+    cache = KVCache(model.config, pad_B, capacity, parameter.dtype, device)
+    generator = torch.Generator().manual_seed(config.seed)
+    completions = [Completion(prompt_tokens=list(prompt)) for prompt in prompts]
+    was_training = model.training
+    model.eval()
+    try:
+        timings = _decode(model, tokens_BS.to(device), cache, config, generator, completions, eos_id, decode)
+    finally:
+        model.train(was_training)
+    if decode is not None:
+        for completion in completions:
+            completion.text = _text(completion, eos_id, config.stop, decode)
+    return GenerationResult(
+        completions,
+        prefill_tokens=int(lengths_B.sum()),
+        prefill_s=timings[0],
+        decode_tokens=sum(len(completion.tokens) for completion in completions),
+        decode_s=timings[1],
+    )
+
+
+def _decode(
+    model: Transformer,
+    tokens_BS: torch.Tensor,
+    cache: KVCache,
+    config: GenerationConfig,
+    generator: torch.Generator,
+    completions: list[Completion],
+    eos_id: int | None,
+    decode: Callable[[list[int]], str] | None,
+) -> tuple[float, float]:
+    """Prefill, then a token per step until every completion has ended; the seconds of each phase."""
+    device = tokens_BS.device
+
+    started = time.perf_counter()
+    logits_BV = model(tokens_BS, cache).logits_BSV[:, -1]
+    _synchronize(device)
+    prefill_s = time.perf_counter() - started
+    started = time.perf_counter()
+    while True:
+        chosen_B, logprobs_B = next_tokens(logits_BV, config, generator)
+        for completion, token, logprob in zip(completions, chosen_B.tolist(), logprobs_B.tolist()):
+            if completion.finish_reason is None:
+                completion.tokens.append(token)
+                completion.logprobs.append(logprob)
+                completion.finish_reason = _finished(completion, token, eos_id, config, decode, cache)
+        if all(completion.finish_reason is not None for completion in completions):
+            break
+        logits_BV = model(chosen_B[:, None].to(device), cache).logits_BSV[:, -1]
+    _synchronize(device)
+    return prefill_s, time.perf_counter() - started
+
+
+def _finished(
+    completion: Completion,
+    token: int,
+    eos_id: int | None,
+    config: GenerationConfig,
+    decode: Callable[[list[int]], str] | None,
+    cache: KVCache,
+) -> FinishReason | None:
+    if token == eos_id:
+        return "eos"
+    if config.stop and any(stop in decode(completion.tokens) for stop in config.stop):
+        return "stop"
+    if len(completion.tokens) >= config.max_new_tokens or cache.length >= cache.capacity:
+        return "length"
+    return None
+
+
+def _text(completion: Completion, eos_id: int | None, stop: list[str], decode: Callable[[list[int]], str]) -> str:
+    tokens = completion.tokens[:-1] if completion.finish_reason == "eos" else completion.tokens
+    text = decode(tokens)
+    if completion.finish_reason == "stop":
+        text = text[: min(text.index(word) for word in stop if word in text)]
+    return text
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for queued accelerator work, so that a time covers the kernels and not only their launch."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)

@@ -11,6 +11,8 @@ from pydantic import Field, field_validator, model_validator
 from ferry.config.section import Section
 
 
+RUN_CHECKPOINTS = "checkpoints"  # where a run directory keeps its checkpoints by default
+
 class CheckpointConfig(Section):
     """A checkpoint is saved every `interval` steps and at the end of the run (docs/checkpoint-format.md)."""
 
@@ -54,4 +56,4 @@ class CheckpointConfig(Section):
         return self
 
     def path(self, run_dir: Path) -> Path:
-        return Path(self.dir) if self.dir else run_dir / "checkpoints"
+        return Path(self.dir) if self.dir else run_dir / RUN_CHECKPOINTS

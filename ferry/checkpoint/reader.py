@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ferry.checkpoint.byte_reads import TensorFile, hash_and_fill, is_plain_cpu
+from ferry.checkpoint.config import RUN_CHECKPOINTS
 from ferry.checkpoint.digests import DIGESTS, FAST
 from ferry.checkpoint.format import (
     MANIFEST_NAME,
@@ -335,7 +336,8 @@ def find_resume_point(
     digests: tuple[str, ...] = (FAST,),
 ) -> Found:
     """Resolve `resume`: `latest` is the newest valid checkpoint under `default_root` (none yet is fine);
-    a path is a checkpoint, or a directory of checkpoints whose newest valid one is taken."""
+    a path is a checkpoint, a directory of checkpoints or a run directory (its `checkpoints/`), whose
+    newest valid one is taken."""
     if resume == "latest":
         found = newest_valid(default_root, prefetch, share, digests)
         if found.checkpoint is None and found.skipped:
@@ -344,6 +346,8 @@ def find_resume_point(
     path = Path(resume)
     if not path.exists():
         raise UserError(f"resume: {resume!r} does not exist")
+    if not (path / MANIFEST_NAME).exists() and list_checkpoints(path / RUN_CHECKPOINTS):
+        path = path / RUN_CHECKPOINTS
     if (path / MANIFEST_NAME).exists() or not list_checkpoints(path):
         return Found(verify_checkpoint(path, prefetch, share, digests))
     found = newest_valid(path, prefetch, share, digests)

@@ -1,4 +1,5 @@
-"""`ferry ckpt inspect DIR` and `ferry ckpt verify DIR`: look into a checkpoint without training."""
+"""`ferry ckpt inspect DIR`, `ferry ckpt verify DIR` and `ferry ckpt average CKPT... --out DIR`: checkpoints
+without training."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     verify.add_argument("dir", help="a checkpoint directory")
     verify.set_defaults(handler=_verify)
+    average = actions.add_parser("average", help="average the weights of checkpoints of one model (a soup)")
+    average.add_argument("checkpoints", nargs="+", help="two or more checkpoint directories")
+    average.add_argument("--out", required=True, help="directory to write the averaged checkpoint into (step-N/)")
+    average.add_argument("--weights", default=None, help="comma-separated weights, one per checkpoint (default equal)")
+    average.add_argument(
+        "--optimizer", choices=["drop", "average"], default="drop",
+        help="drop AdamW's state (default) or average its moments too",
+    )
+    average.set_defaults(handler=_average)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -36,4 +46,25 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"ferry: checkpoint {args.dir} is invalid: {exc}")
         return 1
     print("\n".join(lines))
+    return 0
+
+
+def _average(args: argparse.Namespace) -> int:
+    from ferry.checkpoint.average import average_checkpoints
+    from ferry.config import UserError
+
+    weights = None
+    if args.weights is not None:
+        try:
+            weights = [float(value) for value in args.weights.split(",")]
+        except ValueError:
+            raise UserError(f"--weights {args.weights!r}: comma-separated numbers, one per checkpoint") from None
+    result = average_checkpoints(args.checkpoints, args.out, weights, args.optimizer)
+    shares = ", ".join(f"{weight:.3g}" for weight in result.weights)
+    optimizer = "averaged" if result.optimizer == "average" else "dropped"
+    print(
+        f"ferry: averaged {len(args.checkpoints)} checkpoints (weights {shares}; optimizer state {optimizer}) "
+        f"into {result.path}: {result.tensors} tensors"
+    )
+    print(f"  start a stage from it: ferry train CONFIG init_from={result.path}")
     return 0

@@ -13,6 +13,7 @@ from ferry.cli.interop import add_interop_commands
 from ferry.cli.kernels import add_kernels_commands
 from ferry.cli.launch import add_launch_command
 from ferry.cli.metrics import add_metrics_commands
+from ferry.cli.pipeline import add_pipeline_commands
 from ferry.cli.portability import add_portability_commands
 from ferry.config import UserError
 
@@ -80,6 +81,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_launch_command(commands)
     add_interop_commands(commands)
     add_inference_commands(commands)
+    add_pipeline_commands(commands)
     return parser
 
 

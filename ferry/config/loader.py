@@ -43,7 +43,7 @@ def load_config(
     schema: type[SectionT], path: str | Path | None, overrides: list[str] = (), base: dict | None = None
 ) -> SectionT:
     """Read `path` over `base` (values the file may override), apply `overrides`, validate against `schema`."""
-    raw = _read_yaml(Path(path)) if path is not None else {}
+    raw = read_yaml(Path(path)) if path is not None else {}
     raw = _merge(copy.deepcopy(base or {}), raw)
     raw = apply_overrides(raw, overrides)
     return validate(schema, raw)
@@ -105,7 +105,8 @@ def _merge(into: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return into
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML file's mapping (`{}` for an empty file); a missing or unreadable file is a `ConfigError` naming it."""
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:

@@ -24,7 +24,6 @@ from ferry.model import ModelConfig, Transformer
 from ferry.platform import resolve_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CHECKPOINTS = "checkpoints"
 
 
 @dataclass
@@ -59,8 +58,7 @@ def load_model(
         config, arch, state = read_hf_dir(path)
         origin, step, found_tokenizer, seq_len = f"{path} (transformers, {arch})", None, path / TOKENIZER_NAME, None
     else:
-        root = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
-        checkpoint = find_resume_point(str(root), root).checkpoint
+        checkpoint = find_resume_point(str(path), path).checkpoint
         config, state = checkpoint_model_config(checkpoint), read_model_state(checkpoint)
         origin, step, found_tokenizer = str(checkpoint.path), checkpoint.step, checkpoint_tokenizer_path(checkpoint)
         seq_len = checkpoint.manifest.run_config.get("data", {}).get("seq_len")

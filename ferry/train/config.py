@@ -39,7 +39,9 @@ class RunSection(Section):
 
 
 class OptimConfig(Section):
-    """AdamW with linear warm-up then cosine decay to `min_lr_ratio * lr`."""
+    """AdamW with a linear warm-up, then the schedule: cosine or linear decay to `min_lr_ratio * lr` at the
+    last step, warm-up-stable-decay (`wsd`: constant, then a linear decay over the last `decay_fraction`
+    of the steps), or `constant`. `min_lr_ratio: 0` decays to zero."""
 
     lr: float = Field(3e-3, gt=0.0)
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2)
@@ -48,6 +50,8 @@ class OptimConfig(Section):
     grad_clip: float = Field(1.0, ge=0.0, description="max global grad norm; 0 disables clipping")
     warmup_steps: int = Field(10, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    decay_fraction: float = Field(0.2, gt=0.0, le=1.0, description="wsd: the share of the steps spent decaying")
     zero: bool = Field(False, description="ZeRO-1: shard AdamW state over the ranks replicating each parameter")
 
     @field_validator("betas")
@@ -107,8 +111,11 @@ class RunConfig(Section):
     init_from: str | None = Field(
         None,
         min_length=1,
-        description="a checkpoint whose weights (only) start this run at step 0, e.g. one `ferry import` wrote; "
-        "a run that resumes takes its own checkpoint instead",
+        description="a checkpoint (or a directory of them: the newest valid) whose weights start this run at step "
+        "0, e.g. one `ferry import` wrote; a run that resumes takes its own checkpoint instead",
+    )
+    init_optimizer: bool = Field(
+        False, description="with init_from, start from that checkpoint's AdamW state too (moments and step counts)"
     )
 
     def check_world_size(self, world_size: int) -> None:

@@ -19,10 +19,28 @@ def decayed_parameter_names(model: nn.Module) -> set[str]:
 
 
 def learning_rate(config: OptimConfig, step: int, total_steps: int) -> float:
-    """Linear warm-up over `warmup_steps`, then cosine decay to `min_lr_ratio * lr` at the last step."""
+    """The learning rate of the 0-based `step` of `total_steps`.
+
+    Every schedule warms up linearly over `warmup_steps` and, when it decays, reaches
+    `min_lr_ratio * lr` at the last step. `wsd` (warm-up, stable, decay; Hu et al. 2024,
+    MiniCPM) holds `lr` until the last `decay_fraction` of the steps and decays linearly
+    over them (each a step lower, the last at the floor), so a run can be extended from
+    any checkpoint of its stable phase.
+    """
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
+    floor = config.lr * config.min_lr_ratio
+    if config.schedule == "constant":
+        return config.lr
+    if config.schedule == "wsd":
+        decay_steps = max(1, round(config.decay_fraction * total_steps))
+        decay_start = max(config.warmup_steps, total_steps - decay_steps)
+        if step < decay_start:
+            return config.lr
+        progress = min(1.0, (step - decay_start + 1) / (total_steps - decay_start))
+        return config.lr - (config.lr - floor) * progress
     decay_steps = max(1, total_steps - config.warmup_steps - 1)
     progress = min(1.0, (step - config.warmup_steps) / decay_steps)
-    floor = config.lr * config.min_lr_ratio
+    if config.schedule == "linear":
+        return config.lr - (config.lr - floor) * progress
     return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

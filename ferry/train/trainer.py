@@ -27,7 +27,6 @@ from ferry.checkpoint import (
     TensorPiece,
     find_resume_point,
     list_checkpoints,
-    verify_checkpoint,
 )
 from ferry.comm import init_distributed, launcher_ranks
 from ferry.comm.process_group import shutdown
@@ -248,11 +247,12 @@ class Trainer:
         train_state = {
             "data_cursor": self.cursor.to_dict(),
             "schedule": {
-                "kind": "warmup_cosine",
+                "kind": f"warmup_{config.optim.schedule}",
                 "step": step,
                 "total_steps": config.train.steps,
                 "warmup_steps": config.optim.warmup_steps,
                 "next_lr": learning_rate(config.optim, step, config.train.steps),
+                "last_lr": learning_rate(config.optim, step - 1, config.train.steps) if step else None,
             },
             "optimizer": optimizer_record(self.model, self.optimizer),
             "loss_scaler": {"kind": self.scaler.kind, **self.scaler.state_dict()},
@@ -422,14 +422,24 @@ class Trainer:
             dist.barrier()
 
     def _initialize_from(self, path: Path) -> list[str]:
-        """Start from the weights of the checkpoint at `path` (of the same model); optimizer, data and schedule fresh."""
-        checkpoint = verify_checkpoint(path, share=self._share(), digests=(self.config.checkpoint.verify,))
+        """Start from the weights of the checkpoint at `path` (of the same model), and its AdamW state with
+        `init_optimizer`; data position, step counter and schedule start fresh."""
+        digests = (self.config.checkpoint.verify,)
+        checkpoint = find_resume_point(str(path), path, share=self._share(), digests=digests).checkpoint
         check_config(checkpoint, self.config)
+        with_optimizer = self.config.init_optimizer
+        if with_optimizer and not ("optimizer" in checkpoint.manifest.train_state and checkpoint.names("optim.")):
+            raise UserError(f"init_optimizer: {checkpoint.path} holds no optimizer state (weights only)")
         with checkpoint:
             restore_model(checkpoint, self.model, self.plan)
-        self.carried = {"weights": f"from {path} (step {checkpoint.step})", "optimizer": "fresh", "schedule": "fresh"}
+            if with_optimizer:
+                restore_optimizer(checkpoint, self.model, self.optimizer, self.plan)
+        optimizer = f"from {checkpoint.path}" if with_optimizer else "fresh"
+        self.carried = {"weights": f"from {checkpoint.path} (step {checkpoint.step})", "optimizer": optimizer, "schedule": "fresh"}
         self.initial_weights = None  # the digest of the random initialisation no longer describes the start
-        return [f"weights initialised from {path} (step {checkpoint.step}); optimizer, data position and schedule start fresh"]
+        state = "weights and optimizer state" if with_optimizer else "weights"
+        fresh = "data position and schedule" if with_optimizer else "optimizer, data position and schedule"
+        return [f"{state} initialised from {checkpoint.path} (step {checkpoint.step}); {fresh} start fresh"]
 
     def _resume(self, resume: str | None) -> tuple[Found | None, list[str], dict[str, float]]:
         """Restore the checkpoint `resume` points to, if any; None when the run does not resume.

@@ -1,0 +1,120 @@
+"""Pipelines: stages in order, each from its parent's checkpoint, recorded in a lineage that refuses a
+changed parent; a stage killed mid-way resumes and ends exactly as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from ferry.checkpoint import verify_checkpoint
+from ferry.cli.main import main
+from ferry.config import UserError
+from ferry.pipeline import run_pipeline
+from ferry.pipeline.lineage import checkpoint_digest
+from ferry.train import Trainer
+
+from conftest import TINY_RUN, tiny_config
+
+
+def _write_pipeline(tmp_path, dataset, midtrain_overrides: dict | None = None, pretrain_from: str | None = None):
+    config = {**TINY_RUN, "data": {**TINY_RUN["data"], "sources": [{"name": "stdlib", "path": str(dataset)}]}}
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(config))
+    pretrain = {"name": "pretrain", "config": "tiny.yaml",
+                "overrides": {"train.steps": 4, "checkpoint.interval": 2, "optim.schedule": "wsd"}}
+    if pretrain_from:
+        pretrain["init_from"] = pretrain_from
+    midtrain = {
+        "name": "midtrain", "init_from": "previous", "carry": "weights+optimizer", "lr": "parent",
+        "overrides": {"train.steps": 4, "optim.schedule": "linear", "optim.min_lr_ratio": 0.0,
+                      "optim.warmup_steps": 0, "run.seed": 1, **(midtrain_overrides or {})},
+    }
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump({"name": "test", "stages": [pretrain, midtrain]}, sort_keys=False))
+    return path
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_stages_run_from_their_parents_and_the_lineage_records_it(stdlib_dataset, tmp_path, capsys):
+    path = _write_pipeline(tmp_path, stdlib_dataset)
+    lineage = run_pipeline(path, tmp_path / "out")
+    pretrain, midtrain = lineage.stages["pretrain"], lineage.stages["midtrain"]
+    assert pretrain["status"] == midtrain["status"] == "finished"
+    parent_checkpoint = tmp_path / "out" / "pretrain" / "checkpoints" / "step-00000004"
+    assert midtrain["parent"]["checkpoint"] == str(parent_checkpoint)
+    assert midtrain["parent"]["digest"] == checkpoint_digest(parent_checkpoint) == pretrain["result"]["digest"]
+    assert midtrain["data"][0]["manifest_sha256"] and midtrain["seed"] == 1 and midtrain["code"]["ferry"]
+    midtrain_records = _records(tmp_path / "out" / "midtrain")
+    assert [r["step"] for r in midtrain_records] == [1, 2, 3, 4], "the step counter starts again"
+    assert midtrain_records[0]["lr"] == pytest.approx(_records(tmp_path / "out" / "pretrain")[-1]["lr"])
+    assert midtrain_records[-1]["lr"] == 0.0, "linear decay to zero"
+    stored = verify_checkpoint(parent_checkpoint)
+    run = json.loads((tmp_path / "out" / "midtrain" / "run.json").read_text())
+    assert run["config"]["init_optimizer"] is True and run["config"]["init_from"] == str(parent_checkpoint)
+    assert stored.step == 4
+    capsys.readouterr()
+    run_pipeline(path, tmp_path / "out")
+    out = capsys.readouterr().out
+    assert "stage pretrain: finished earlier" in out and "stage midtrain: finished earlier" in out
+    assert main(["pipeline", "show", str(tmp_path / "out")]) == 0
+    shown = capsys.readouterr().out
+    assert "pretrain @ step 4" in shown and "weights+optimizer, lr from parent" in shown
+
+
+def test_a_changed_parent_is_refused_until_rerun(stdlib_dataset, tmp_path, capsys):
+    external = tmp_path / "external"
+    Trainer(tiny_config(stdlib_dataset, external, "train.steps=2")).fit()
+    path = _write_pipeline(tmp_path, stdlib_dataset, pretrain_from=str(external))
+    run_pipeline(path, tmp_path / "out")
+    Trainer(tiny_config(stdlib_dataset, external, "train.steps=4", "resume=latest")).fit()
+    with pytest.raises(UserError, match=r"stage pretrain: its parent changed since it ran .*--rerun pretrain"):
+        run_pipeline(path, tmp_path / "out")
+    lineage = run_pipeline(path, tmp_path / "out", rerun="pretrain")
+    assert lineage.stages["pretrain"]["parent"]["step"] == 4
+    assert lineage.stages["midtrain"]["parent"]["digest"] == lineage.stages["pretrain"]["result"]["digest"]
+
+
+def test_a_finished_stage_whose_config_changed_is_refused(stdlib_dataset, tmp_path):
+    path = _write_pipeline(tmp_path, stdlib_dataset)
+    run_pipeline(path, tmp_path / "out")
+    path = _write_pipeline(tmp_path, stdlib_dataset, midtrain_overrides={"optim.weight_decay": 0.0})
+    with pytest.raises(UserError, match=r"stage midtrain finished with another config .*optim.weight_decay"):
+        run_pipeline(path, tmp_path / "out")
+
+
+def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(stdlib_dataset, tmp_path):
+    straight = run_pipeline(_write_pipeline(tmp_path / "a", stdlib_dataset) if (tmp_path / "a").mkdir() is None else None,
+                            tmp_path / "straight")
+    killed = _write_pipeline(tmp_path, stdlib_dataset, {"checkpoint.interval": 2, "fault.inject": [{"step": 4, "kind": "kill"}]})
+    lineage = run_pipeline(killed, tmp_path / "resumed")
+    assert lineage.stages["midtrain"]["status"] == "failed"
+    lineage = run_pipeline(_write_pipeline(tmp_path, stdlib_dataset, {"checkpoint.interval": 2}), tmp_path / "resumed")
+    assert lineage.stages["midtrain"]["status"] == "finished" and lineage.stages["midtrain"]["attempts"] == 2
+    ours = verify_checkpoint(lineage.stages["midtrain"]["result"]["checkpoint"])
+    theirs = verify_checkpoint(straight.stages["midtrain"]["result"]["checkpoint"])
+    for name in theirs.names("model."):
+        assert torch.equal(ours.read(name), theirs.read(name)), name
+
+
+@pytest.mark.parametrize(
+    "stages, named",
+    [
+        ([{"name": "a", "config": "tiny.yaml"}, {"name": "a", "init_from": "previous"}], "stage names must be unique"),
+        ([{"name": "a", "config": "tiny.yaml", "init_from": "previous"}], "no previous stage"),
+        ([{"name": "a", "config": "tiny.yaml"}, {"name": "b", "init_from": "previous", "steps": "continue"}],
+         "carry: weights+optimizer"),
+        ([{"name": "a", "config": "tiny.yaml", "overrides": {"optim.schedule": "step"}}], "stage a of"),
+        ([{"name": "a", "config": "missing.yaml"}], "missing.yaml"),
+    ],
+)
+def test_bad_pipeline_files_exit_2_naming_the_problem(stdlib_dataset, tmp_path, stages, named, capsys):
+    _write_pipeline(tmp_path, stdlib_dataset)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"name": "bad", "stages": stages}))
+    assert main(["pipeline", "run", str(path), "--dir", str(tmp_path / "out")]) == 2
+    assert named in capsys.readouterr().err

@@ -13,7 +13,7 @@ from ferry.cli.main import main
 from ferry.config import UserError
 from ferry.data import PrepareSpec, prepare_dataset
 from ferry.inference import EvalConfig, HeldOutEvaluation
-from ferry.metrics.plots import plot_run
+from ferry.metrics.plots import _loss, plot_run
 from ferry.train import Trainer
 
 HELD_OUT = ("eval.interval=2", "eval.batches=2")
@@ -36,7 +36,8 @@ def byte_dataset(tmp_path_factory):
 def test_a_run_records_held_out_loss_at_its_interval_and_ferry_eval_agrees(
     make_config, stdlib_dataset, tmp_path, capsys
 ):
-    config = make_config("train.steps=5", _sources(("held_out", stdlib_dataset)), *HELD_OUT)
+    qwen3_shaped = ("model.qk_norm=true", "model.qk_norm_scope=head")  # so that it exports
+    config = make_config("train.steps=5", *qwen3_shaped, _sources(("held_out", stdlib_dataset)), *HELD_OUT)
     Trainer(config).fit()
     out = capsys.readouterr().out
     records = [json.loads(line) for line in (config.run.path / "metrics.jsonl").read_text().splitlines()]
@@ -47,25 +48,18 @@ def test_a_run_records_held_out_loss_at_its_interval_and_ferry_eval_agrees(
     assert final["eval.loss"]["held_out"] < evaluated[2]["eval.loss"]["held_out"], "the model learns"
     assert f"held-out at step 5: held_out loss {final['eval.loss']['held_out']:.4f}" in out
     checkpoint = config.run.path / "checkpoints" / "step-00000005"
-    assert (
-        main(
-            [
-                "eval",
-                str(checkpoint),
-                "--data",
-                str(stdlib_dataset),
-                "--batches",
-                "2",
-                "--batch-size",
-                "8",
-                "--micro-batch",
-                "2",
-            ]
-        )
-        == 0
-    )
+    assert main(["eval", str(checkpoint), "--data", str(stdlib_dataset), "--micro-batch", "2"]) == 0
     printed = capsys.readouterr().out
+    assert "2 x 8 windows of 32 tokens" in printed, "the run's own eval.batches and batch size"
     assert f"loss {final['eval.loss']['held_out']:.4f}" in printed and "(512 tokens)" in printed
+    assert main(["export", str(checkpoint), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    exported = ["eval", str(tmp_path / "hf"), "--data", str(stdlib_dataset), "--seq-len", "32", "--batches", "2"]
+    assert main([*exported, "--batch-size", "8", "--json"]) == 0
+    loss = json.loads(capsys.readouterr().out)["datasets"][str(stdlib_dataset)]["loss"]
+    assert loss == pytest.approx(final["eval.loss"]["held_out"], rel=1e-5), "the export, with its tokenizer file"
+    labels = [line.get_label() for line in _loss(records).axes[0].get_lines()]
+    assert "held-out held_out" in labels
     assert "loss.png" in {path.name for path in plot_run(config.run.path).written}
 
 

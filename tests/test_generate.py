@@ -189,8 +189,8 @@ def test_ferry_generate_on_a_run_matches_transformers_on_its_export(trained_run,
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["--prompt", "x", "--temperature", "-1"], "temperature"),
-        (["--prompt", "x", "--top-p", "0"], "top_p"),
+        (["--prompt", "x", "--temperature", "-1"], "--temperature"),
+        (["--prompt", "x", "--top-p", "0"], "--top-p"),
         ([], "--prompt"),
         (["--prompt", "x", "--tokenizer", "/nonexistent/tokenizer.json"], "/nonexistent/tokenizer.json"),
         (["--prompt", "x " * 400], "max_seq_len"),

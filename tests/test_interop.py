@@ -1,5 +1,6 @@
 """Export to transformers: logits of the exported OLMoE / Qwen3-MoE equal ferry's for odd configs (GQA,
-top-k 1 and 3, renormalised or not, tied and untied, dense first layers), a trained checkpoint loads
+top-k 1 and 3, renormalised or not, tied and untied, dense first layers, YaRN and linear RoPE scaling),
+a trained checkpoint loads
 with AutoModelForCausalLM and AutoTokenizer in a fresh process without network, and configs the
 target cannot express are refused (exit 2) before anything is written."""
 
@@ -28,6 +29,16 @@ CASES = {
     "qwen3-dense-first-renorm": (
         "qwen3_moe",
         dict(n_kv_heads=2, qk_norm_scope="head", dense_layers=1, moe=dict(num_experts=4, top_k=2, expert_ffn_dim=24, renormalize=True)),
+    ),
+    "olmoe-yarn-x4": (
+        "olmoe",
+        dict(n_kv_heads=2, rope_theta=500.0, rope_scaling=dict(kind="yarn", factor=4.0, original_max_seq_len=16),
+             moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16)),
+    ),
+    "qwen3-linear-x2": (
+        "qwen3_moe",
+        dict(n_kv_heads=2, qk_norm_scope="head", rope_scaling=dict(kind="linear", factor=2.0),
+             moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16)),
     ),
     "qwen3-mqa-top1-tied": (
         "qwen3_moe", dict(n_kv_heads=1, qk_norm_scope="head", tie_embeddings=True, moe=dict(num_experts=8, top_k=1, expert_ffn_dim=8))
@@ -62,6 +73,18 @@ def test_exported_logits_equal_ferrys(case):
         theirs_BSV = theirs(tokens_BS).logits.float()
     relative = ((ours_BSV - theirs_BSV).norm() / theirs_BSV.norm()).item()
     assert relative < 1e-5, f"{case}: relative difference {relative:.2e}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_transformers_config_reads_back_as_the_same_model(case):
+    from ferry.interop.architectures import model_config_from_hf
+
+    arch, overrides = CASES[case]
+    config = ModelConfig.model_validate({**BASE, **overrides})
+    back, back_arch = model_config_from_hf(hf_config(config, arch, 0, "float32"))
+    assert back_arch == arch
+    assert back.rope_scaling == config.rope_scaling and back.rope_theta == config.rope_theta
+    assert back.moe.model_dump() == {**config.moe.model_dump(), "aux_loss_coef": back.moe.aux_loss_coef}
 
 
 @pytest.mark.parametrize(

@@ -34,8 +34,12 @@ def add_inference_commands(commands) -> None:
     evaluate.add_argument(
         "--seq-len", type=int, default=None, help="tokens per window (default: the run's data.seq_len)"
     )
-    evaluate.add_argument("--batches", type=int, default=4, help="batches per dataset (as eval.batches)")
-    evaluate.add_argument("--batch-size", type=int, default=16, help="sequences per batch (as eval.batch_size)")
+    evaluate.add_argument(
+        "--batches", type=int, default=None, help="batches per dataset (default: the run's eval.batches)"
+    )
+    evaluate.add_argument(
+        "--batch-size", type=int, default=None, help="sequences per batch (default: the run's eval.batch_size)"
+    )
     evaluate.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (default: the batch)")
     _add_model_options(evaluate)
     evaluate.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -48,19 +52,30 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's, or SOURCE's)")
 
 
+def _checked(schema, flags: dict[str, tuple[str, object]]):
+    """`schema` from command-line values; a bad one is named by its flag (`--top-p: ...`), exit 2."""
+    from pydantic import ValidationError
+
+    try:
+        return schema.model_validate({field: value for field, (_, value) in flags.items()})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        flag = flags[error["loc"][0]][0] if error["loc"] and error["loc"][0] in flags else schema.__name__
+        raise UserError(f"{flag}: {error['msg']}") from None
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    from ferry.config.loader import validate
     from ferry.inference import GenerationConfig, generate, load_model
 
-    config = validate(
+    config = _checked(
         GenerationConfig,
         {
-            "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature,
-            "top_k": args.top_k,
-            "top_p": args.top_p,
-            "seed": args.seed,
-            "stop": args.stop,
+            "max_new_tokens": ("--max-new-tokens", args.max_new_tokens),
+            "temperature": ("--temperature", args.temperature),
+            "top_k": ("--top-k", args.top_k),
+            "top_p": ("--top-p", args.top_p),
+            "seed": ("--seed", args.seed),
+            "stop": ("--stop", args.stop),
         },
     )
     prompts = list(args.prompt) + _prompts_file(args.prompts_file)
@@ -109,50 +124,60 @@ def _prompts_file(path: str | None) -> list[str]:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from ferry.config.loader import validate
-    from ferry.data.manifest import sha256_file
+    """The run's own evaluation settings unless a flag says otherwise, so that on the run's checkpoint
+    the figures are the ones it recorded."""
+    from ferry.data.tokenizer import encoding_digest
     from ferry.inference import EvalConfig, HeldOutEvaluation, load_model
 
     loaded = load_model(args.source, args.device, args.dtype, args.tokenizer)
     model = loaded.model
-    seq_len = args.seq_len or loaded.seq_len
+    if loaded.tokenizer is None:
+        raise UserError(
+            f"eval: no tokenizer found for {args.source}; pass --tokenizer (the one its data was prepared with)"
+        )
+    run = loaded.run_config
+    recorded = run.get("eval") or {}
+    seq_len = args.seq_len if args.seq_len is not None else (run.get("data") or {}).get("seq_len")
     if seq_len is None:
         raise UserError(f"eval: {args.source} records no data.seq_len; pass --seq-len")
     if not 1 <= seq_len <= model.config.max_seq_len:
         raise UserError(f"--seq-len {seq_len}: choose 1 to model.max_seq_len ({model.config.max_seq_len})")
-    config = validate(
+    batches = args.batches if args.batches is not None else recorded.get("batches", 4)
+    batch_size = args.batch_size if args.batch_size is not None else (
+        recorded.get("batch_size") or (run.get("train") or {}).get("global_batch") or 16
+    )
+    config = _checked(
         EvalConfig,
         {
-            "sources": [{"name": path, "path": path} for path in args.data],
-            "batches": args.batches,
-            "batch_size": args.batch_size,
+            "sources": ("--data", [{"name": path, "path": path} for path in args.data]),
+            "batches": ("--batches", batches),
+            "batch_size": ("--batch-size", batch_size),
         },
     )
-    micro_batch = args.micro_batch or args.batch_size
-    if micro_batch < 1 or args.batch_size % micro_batch:
-        raise UserError(f"--micro-batch {micro_batch} must divide --batch-size {args.batch_size}")
-    evaluation = HeldOutEvaluation(config, seq_len, args.batch_size, micro_batch)
-    expected = sha256_file(loaded.tokenizer_path) if loaded.tokenizer_path is not None else None
-    evaluation.check_tokenizer(expected, model.config.vocab_size, f"the model's tokenizer ({loaded.tokenizer_path})")
-    device = next(model.parameters()).device
-    losses = evaluation.run(model, device)
+    micro_batch = args.micro_batch if args.micro_batch is not None else batch_size
+    if micro_batch < 1 or batch_size % micro_batch:
+        raise UserError(f"--micro-batch {micro_batch} must divide --batch-size {batch_size}")
+    masking = (run.get("data") or {}).get("document_masking", False)
+    evaluation = HeldOutEvaluation(
+        config, seq_len, batch_size, micro_batch,
+        document_eos=loaded.tokenizer.eos_id if masking else None,
+        labels=[f"--data {path}" for path in args.data],
+        count_names=f"--batches {batches} x --batch-size {batch_size}",
+    )
+    evaluation.check_tokenizer(
+        encoding_digest(loaded.tokenizer), model.config.vocab_size, f"the model's tokenizer ({loaded.tokenizer_path})"
+    )
+    losses = evaluation.run(model, next(model.parameters()).device)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "source": loaded.origin,
-                    "step": loaded.step,
-                    "seq_len": seq_len,
-                    "datasets": {
-                        name: {"loss": r.loss, "perplexity": r.perplexity, "tokens": r.tokens}
-                        for name, r in losses.items()
-                    },
-                },
-                indent=2,
-            )
-        )
+        datasets = {
+            name: {"loss": r.loss, "perplexity": r.perplexity, "tokens": r.tokens} for name, r in losses.items()
+        }
+        report = {"source": loaded.origin, "step": loaded.step, "seq_len": seq_len, "batches": batches,
+                  "batch_size": batch_size, "datasets": datasets}
+        print(json.dumps(report, indent=2))
         return 0
-    print(f"ferry: {loaded.origin} (step {loaded.step}), {seq_len}-token windows")
+    step = f"step {loaded.step}" if loaded.step is not None else "no step"
+    print(f"ferry: {loaded.origin} ({step}), {batches} x {batch_size} windows of {seq_len} tokens per dataset")
     width = max(len(name) for name in losses)
     for name, result in losses.items():
         figures = f"loss {result.loss:.4f}  perplexity {result.perplexity:,.2f}  ({result.tokens:,} tokens)"

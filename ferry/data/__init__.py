@@ -2,6 +2,7 @@
 
 from ferry.data.config import DataConfig, SourceConfig
 from ferry.data.dataset import TokenDataset
+from ferry.data.documents import document_ids
 from ferry.data.loader import Batch, DataCursor, MixedLoader
 from ferry.data.prepare import PrepareSpec, prepare_dataset
 
@@ -9,6 +10,7 @@ __all__ = [
     "DataConfig",
     "SourceConfig",
     "TokenDataset",
+    "document_ids",
     "Batch",
     "DataCursor",
     "MixedLoader",

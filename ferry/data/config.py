@@ -22,6 +22,9 @@ class DataConfig(Section):
         default_factory=lambda: [SourceConfig(name="stdlib", path="data/stdlib")], min_length=1
     )
     seq_len: int = Field(256, ge=1)
+    document_masking: bool = Field(
+        False, description="attend only within each document of a packed window (documents end with end-of-text)"
+    )
 
     @field_validator("sources")
     @classmethod

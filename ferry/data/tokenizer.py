@@ -6,6 +6,7 @@ exact tokenizer that made it and its sha256 identifies it in every manifest.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -78,6 +79,16 @@ class BPETokenizer:
 
 
 Tokenizer = ByteTokenizer | BPETokenizer
+
+
+def encoding_digest(tokenizer: Tokenizer) -> str:
+    """sha256 of what decides the ids a text gets (vocabulary, merges, added tokens, normalizer and
+    pre-tokenizer), not of the file: the same tokenizer saved by transformers (pretty-printed, with a
+    post-processor) has the same digest as the one `ferry data prepare` wrote."""
+    data = json.loads(tokenizer.to_json())
+    keys = ("kind", "vocab_size", "eos_id", "model", "added_tokens", "normalizer", "pre_tokenizer")
+    identity = {key: data.get(key) for key in keys}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def tokenizer_from_json(text: str, origin: str) -> Tokenizer:

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ferry.config import UserError
-from ferry.data import TokenDataset
+from ferry.data import TokenDataset, document_ids
+from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.inference.config import EvalConfig
 
 
@@ -32,13 +33,13 @@ class HeldOut:
     windows: np.ndarray
 
     @classmethod
-    def open(cls, name: str, path: str, label: str, seq_len: int, count: int) -> HeldOut:
+    def open(cls, name: str, path: str, label: str, seq_len: int, count: int, count_names: str) -> HeldOut:
         dataset = TokenDataset(path, label=label)
         available = dataset.num_windows(seq_len)
         if available < count:
             raise UserError(
                 f"{label}: {available} windows of {seq_len} tokens; the evaluation reads {count} "
-                "(eval.batches x eval.batch_size): lower them or prepare more held-out text"
+                f"({count_names}): lower them or prepare more held-out text"
             )
         return cls(name, dataset, (np.arange(count, dtype=np.int64) * available) // count)
 
@@ -59,22 +60,37 @@ class SourceLoss:
 class HeldOutEvaluation:
     """The evaluation a run config (or `ferry eval`) describes: sources, windows, batch split."""
 
-    def __init__(self, config: EvalConfig, seq_len: int, batch_size: int, micro_batch: int):
+    def __init__(
+        self,
+        config: EvalConfig,
+        seq_len: int,
+        batch_size: int,
+        micro_batch: int,
+        document_eos: int | None = None,
+        labels: list[str] | None = None,
+        count_names: str = "eval.batches x eval.batch_size",
+    ):
+        """`document_eos`: mask attention within documents ending with this token, as training did.
+        `labels` name each source in messages (default `eval.sources.<i> (<name>)`), `count_names` the
+        settings that fix how many windows are read."""
         self.config = config
+        self.document_eos = document_eos
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.micro_batch = micro_batch
         count = config.batches * batch_size
+        labels = labels or [f"eval.sources.{index} ({source.name})" for index, source in enumerate(config.sources)]
         self.sources = [
-            HeldOut.open(source.name, source.path, f"eval.sources.{index} ({source.name})", seq_len, count)
-            for index, source in enumerate(config.sources)
+            HeldOut.open(source.name, source.path, label, seq_len, count, count_names)
+            for source, label in zip(config.sources, labels)
         ]
 
-    def check_tokenizer(self, sha256: str | None, vocab_size: int, expected_from: str) -> None:
-        """Refuse a source tokenized otherwise than the model's data (its loss would mean nothing)."""
+    def check_tokenizer(self, digest: str, vocab_size: int, expected_from: str) -> None:
+        """Refuse a source tokenized otherwise than the model's data (its loss would mean nothing);
+        `digest` is the model's tokenizer's `encoding_digest`."""
         for source in self.sources:
             tokenizer = source.dataset.tokenizer
-            if sha256 is not None and tokenizer.get("sha256") != sha256:
+            if encoding_digest(load_tokenizer(source.dataset.path / tokenizer["file"])) != digest:
                 raise UserError(
                     f"{source.dataset.label} was tokenized with another tokenizer than {expected_from}; "
                     "prepare it with the same one (ferry data prepare --tokenizer PATH)"
@@ -98,8 +114,10 @@ class HeldOutEvaluation:
         world_size: int = 1,
         autocast: AbstractContextManager | None = None,
         sum_over_ranks: Callable[[torch.Tensor], None] | None = None,
+        progress: Callable[[], None] | None = None,
     ) -> dict[str, SourceLoss]:
-        """Every source's mean token loss over its windows (all ranks get the same figures)."""
+        """Every source's mean token loss over its windows (all ranks get the same figures); `progress`
+        is called after every forward (the hang watchdog's heartbeat)."""
         if self.batch_size % (self.micro_batch * world_size):
             raise ValueError(
                 f"a batch of {self.batch_size} does not split into micro-batches of {self.micro_batch} "
@@ -116,13 +134,17 @@ class HeldOutEvaluation:
                     tokens_BS = source.tokens_BS(mine[micro_start : micro_start + self.micro_batch], self.seq_len)
                     tokens_BS = tokens_BS.to(device)
                     with autocast or nullcontext():
-                        logits_BSV = model(tokens_BS[:, :-1]).logits_BSV
+                        inputs_BS = tokens_BS[:, :-1]
+                        documents_BS = None if self.document_eos is None else document_ids(inputs_BS, self.document_eos)
+                        logits_BSV = model(inputs_BS, document_ids_BS=documents_BS).logits_BSV
                     sums_2N[2 * index] += F.cross_entropy(
                         logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(),
                         tokens_BS[:, 1:].reshape(-1),
                         reduction="sum",
                     ).double()
                     sums_2N[2 * index + 1] += tokens_BS[:, 1:].numel()
+                    if progress is not None:
+                        progress()
         if sum_over_ranks is not None:
             sum_over_ranks(sums_2N)
         model.train(was_training)

@@ -29,14 +29,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass
 class LoadedModel:
     """The model in eval mode on its device, its tokenizer (None when none was found), where both came from,
-    and the window length the model trained on (None for a transformers directory)."""
+    and the config of the run that saved it (empty for a transformers directory)."""
 
     model: Transformer
     tokenizer: Tokenizer | None
     tokenizer_path: Path | None
     origin: str
     step: int | None
-    seq_len: int | None
+    run_config: dict
 
 
 def load_model(
@@ -56,17 +56,17 @@ def load_model(
         raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if is_hf_dir(path):
         config, arch, state = read_hf_dir(path)
-        origin, step, found_tokenizer, seq_len = f"{path} (transformers, {arch})", None, path / TOKENIZER_NAME, None
+        origin, step, found_tokenizer, run_config = f"{path} (transformers, {arch})", None, path / TOKENIZER_NAME, {}
     else:
         checkpoint = find_resume_point(str(path), path).checkpoint
         config, state = checkpoint_model_config(checkpoint), read_model_state(checkpoint)
         origin, step, found_tokenizer = str(checkpoint.path), checkpoint.step, checkpoint_tokenizer_path(checkpoint)
-        seq_len = checkpoint.manifest.run_config.get("data", {}).get("seq_len")
+        run_config = checkpoint.manifest.run_config
     tokenizer_path = Path(tokenizer) if tokenizer is not None else found_tokenizer
     if tokenizer_path is not None and not tokenizer_path.is_file():
         tokenizer_path = None
     model = build_model(config, state, device, dtype)
-    return LoadedModel(model, _tokenizer(tokenizer_path, config), tokenizer_path, origin, step, seq_len)
+    return LoadedModel(model, _tokenizer(tokenizer_path, config), tokenizer_path, origin, step, run_config)
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str, dtype: str) -> Transformer:

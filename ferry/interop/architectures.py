@@ -61,7 +61,7 @@ def hf_config(config: ModelConfig, arch: str, eos_token_id: int | None, dtype: s
         max_position_embeddings=config.max_seq_len,
         rms_norm_eps=config.norm_eps,
         tie_word_embeddings=config.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        rope_parameters=_rope_parameters(config),
         num_experts=moe.num_experts,
         num_experts_per_tok=moe.top_k,
         norm_topk_prob=moe.renormalize,
@@ -86,6 +86,40 @@ def hf_config(config: ModelConfig, arch: str, eos_token_id: int | None, dtype: s
     )
 
 
+def _rope_parameters(config: ModelConfig) -> dict:
+    """RoPE as transformers names it: the base, and the scaling with every parameter written out."""
+    scaling = config.rope_scaling
+    if scaling.kind == "none":
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    if scaling.kind == "linear":
+        return {"rope_type": "linear", "rope_theta": config.rope_theta, "factor": scaling.factor}
+    return {
+        "rope_type": "yarn", "rope_theta": config.rope_theta, "factor": scaling.factor,
+        "original_max_position_embeddings": scaling.original_max_seq_len, "beta_fast": scaling.beta_fast,
+        "beta_slow": scaling.beta_slow, "truncate": True,
+    }
+
+
+def _rope_scaling(rope: dict, problems: list[str]) -> dict:
+    """The inverse of `_rope_parameters`; another RoPE type, or a YaRN with its own attention factor, is refused."""
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return {"kind": "none"}
+    if kind == "linear":
+        return {"kind": "linear", "factor": float(rope["factor"])}
+    if kind == "yarn":
+        custom = [key for key in ("attention_factor", "mscale", "mscale_all_dim") if rope.get(key) is not None]
+        if custom or rope.get("truncate", True) is not True:
+            problems.append(f"rope_parameters {custom or ['truncate']}: ferry's YaRN has the paper's attention factor")
+        return {
+            "kind": "yarn", "factor": float(rope["factor"]),
+            "original_max_seq_len": int(rope["original_max_position_embeddings"]),
+            "beta_fast": float(rope.get("beta_fast") or 32.0), "beta_slow": float(rope.get("beta_slow") or 1.0),
+        }
+    problems.append(f"rope_parameters.rope_type {kind!r}: ferry has default, linear and yarn RoPE")
+    return {"kind": "none"}
+
+
 def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
     """The ferry model config an OLMoE or Qwen3-MoE transformers config describes; anything ferry's model
     cannot compute the same way is refused, naming the transformers field."""
@@ -94,8 +128,7 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
         raise UserError(f"model_type {arch!r}: ferry imports {', '.join(ARCHITECTURES)}")
     rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0)}
     problems = []
-    if rope.get("rope_type", "default") != "default":
-        problems.append(f"rope_parameters.rope_type {rope['rope_type']!r}: ferry has the default RoPE only")
+    rope_scaling = _rope_scaling(rope, problems)
     if getattr(hf, "attention_bias", False):
         problems.append("attention_bias: ferry's attention projections have no bias")
     if getattr(hf, "clip_qkv", None) is not None:
@@ -124,6 +157,7 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
         n_kv_heads=hf.num_key_value_heads,
         max_seq_len=hf.max_position_embeddings,
         rope_theta=float(rope["rope_theta"]),
+        rope_scaling=rope_scaling,
         norm_eps=float(hf.rms_norm_eps),
         qk_norm=True,
         qk_norm_scope="projection" if arch == "olmoe" else "head",

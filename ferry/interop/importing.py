@@ -43,13 +43,21 @@ def is_hf_dir(path: Path) -> bool:
 def read_hf_dir(hf_dir: Path) -> tuple[ModelConfig, str, dict[str, torch.Tensor]]:
     """The ferry model config, the architecture and the fp32 weights under ferry's names of a transformers
     directory (offline)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise UserError(f"{hf_dir} is a transformers directory; reading it needs: pip install 'ferry-moe[hf]'") from None
     if not is_hf_dir(hf_dir):
         raise UserError(f"{hf_dir} is not a transformers model directory (no config.json)")
-    hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    try:
+        hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{hf_dir}/config.json is not a transformers model config: {_first_line(exc)}") from None
     config, arch = model_config_from_hf(hf_config)
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{hf_dir}: transformers cannot load its weights: {_first_line(exc)}") from None
     state = from_hf_state(hf_model.state_dict(), config)
     expected = set(config.build().state_dict())
     if set(state) != expected:
@@ -88,3 +96,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None 
         raise UserError(f"--tokenizer {str(tokenizer)!r} does not exist")
     weights = sum(t.numel() for name, t in state.items() if not name.endswith("expert_bias_E"))
     return ImportResult(checkpoint, model_file, copied, arch, weights)
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

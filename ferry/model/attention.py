@@ -35,8 +35,11 @@ class Attention(nn.Module):
         self._attention = kernels["attention"]
         self._masked_attention = kernels["attention.masked"]
 
-    def forward(self, x_BSD: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        """Causal attention over `x_BSD`; with a cache, over the cached keys too, at the cache's positions."""
+    def forward(
+        self, x_BSD: torch.Tensor, cache: LayerCache | None = None, visible_BSS: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal attention over `x_BSD`, or over the keys `visible_BSS` allows (documents of a packed
+        sequence); with a cache, over the cached keys too, at the cache's positions."""
         batch, seq_len, _ = x_BSD.shape
         q_BSX = self.wq(x_BSD)
         k_BSY = self.wk(x_BSD)
@@ -51,7 +54,9 @@ class Attention(nn.Module):
         q_BHSC = q_BSHC.transpose(1, 2)
         k_BGSC = k_BSGC.transpose(1, 2)
         v_BGSC = self.wv(x_BSD).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if cache is None:
+        if visible_BSS is not None:
+            out_BHSC = self._masked_attention(self.rope(q_BHSC), self.rope(k_BGSC), v_BGSC, visible_BSS)
+        elif cache is None:
             out_BHSC = self._attention(self.rope(q_BHSC), self.rope(k_BGSC), v_BGSC)
         else:
             positions_BS = cache.step.positions_BS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ferry.config.section import Section
 from ferry.kernels.selection import KernelSelection
@@ -39,6 +39,30 @@ class MoEConfig(Section):
         return top_k
 
 
+class RopeScalingConfig(Section):
+    """How RoPE reaches past the length a model was trained at (a long-context stage sets it).
+
+    `linear` is position interpolation (Chen et al. 2023, arXiv:2306.15595): every frequency
+    divided by `factor`. `yarn` (Peng et al. 2023, arXiv:2309.00071) interpolates only the
+    frequencies that turn less than `beta_slow` times over `original_max_seq_len`, keeps
+    those that turn more than `beta_fast` times, ramps between, and scales the attention
+    logits by 0.1 ln(factor) + 1 (through cos and sin). The base-frequency change of ABF
+    (Xiong et al. 2023, arXiv:2309.16039) is `rope_theta` itself.
+    """
+
+    kind: Literal["none", "linear", "yarn"] = "none"
+    factor: float = Field(1.0, ge=1.0, description="how many times longer than original_max_seq_len")
+    original_max_seq_len: int | None = Field(None, ge=1, description="yarn: the length the model was trained at")
+    beta_fast: float = Field(32.0, gt=0.0)
+    beta_slow: float = Field(1.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _yarn_knows_its_origin(self) -> "RopeScalingConfig":
+        if self.kind == "yarn" and self.original_max_seq_len is None:
+            raise ValueError("yarn needs original_max_seq_len (the length the model was trained at)")
+        return self
+
+
 class ModelConfig(Section):
     """A decoder-only transformer whose feed-forward layers are MoE after the first `dense_layers`."""
 
@@ -49,6 +73,7 @@ class ModelConfig(Section):
     n_kv_heads: int = Field(4, ge=1, description="grouped-query attention: heads sharing one key/value head")
     max_seq_len: int = Field(1024, ge=1)
     rope_theta: float = Field(10000.0, gt=0.0)
+    rope_scaling: RopeScalingConfig = RopeScalingConfig()
     norm_eps: float = Field(1e-5, gt=0.0)
     qk_norm: bool = Field(False, description="RMSNorm on queries and keys")
     qk_norm_scope: Literal["projection", "head"] = Field(

@@ -38,8 +38,10 @@ class Block(nn.Module):
         dense = not use_moe
         self.ffn = SwiGLU(config.dim, config.dense_ffn_dim, kernels) if dense else MoELayer(config.dim, config.moe, kernels)
 
-    def forward(self, x_BSD: torch.Tensor, cache: LayerCache | None = None) -> tuple[torch.Tensor, MoEStats | None]:
-        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cache)
+    def forward(
+        self, x_BSD: torch.Tensor, cache: LayerCache | None = None, visible_BSS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, MoEStats | None]:
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cache, visible_BSS)
         if isinstance(self.ffn, MoELayer):
             ffn_BSD, stats = self.ffn(self.ffn_norm(h_BSD))
             return h_BSD + ffn_BSD, stats
@@ -57,7 +59,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.kernels = kernels or portable_kernels()
-        rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
+        rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
             Block(config, rope, index >= config.dense_layers, self.kernels) for index in range(config.n_layers)
@@ -87,15 +89,27 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [block.ffn for block in self.layers if isinstance(block.ffn, MoELayer)]
 
-    def forward(self, tokens_BS: torch.Tensor, cache: KVCache | None = None) -> ModelOutput:
-        """Logits of every position; with a cache, `tokens_BS` continue what it holds and are added to it."""
+    def forward(
+        self, tokens_BS: torch.Tensor, cache: KVCache | None = None, document_ids_BS: torch.Tensor | None = None
+    ) -> ModelOutput:
+        """Logits of every position; with a cache, `tokens_BS` continue what it holds and are added to it.
+
+        With `document_ids_BS` (the document of each position of a packed sequence), a
+        position attends only to earlier positions of its own document.
+        """
         if tokens_BS.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {tokens_BS.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
+        if cache is not None and document_ids_BS is not None:
+            raise ValueError("decoding with a cache attends to every cached token; document masking is for training")
         step = cache.begin(tokens_BS.shape[1]) if cache is not None else None
+        visible_BSS = None
+        if document_ids_BS is not None:
+            same_BSS = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]
+            visible_BSS = same_BSS.tril()
         x_BSD = self.tok_embeddings(tokens_BS)
         moe_stats = []
         for index, block in enumerate(self.layers):
-            x_BSD, stats = block(x_BSD, cache.layer(index, step) if cache is not None else None)
+            x_BSD, stats = block(x_BSD, cache.layer(index, step) if cache is not None else None, visible_BSS)
             if stats is not None:
                 moe_stats.append(stats)
         if cache is not None:

@@ -121,23 +121,29 @@ def optimizer_record(model: nn.Module, optimizer) -> dict:
     return {"kind": "AdamW", "decayed": sorted(decayed_parameter_names(model)), "param_groups_on_rank_0": groups}
 
 
+# Model fields that change no weight: a long-context stage sets them over its parent's checkpoint.
+POSITIONAL_FIELDS = ("model.max_seq_len", "model.rope_theta", "model.rope_scaling.")
+
+
 def check_config(checkpoint: Checkpoint, config: RunConfig) -> list[str]:
     """Refuse a checkpoint of another model, naming each differing field; list the other differences.
 
     A different model would not fit the stored tensors or would silently compute
-    something else. Other sections (optimizer, schedule, data, device, layout) may
-    change on purpose, as in a migration or a new stage; they are reported, not refused.
+    something else. Other sections (optimizer, schedule, data, device, layout) and the
+    positional fields of the model (length, RoPE base and scaling) may change on
+    purpose, as in a migration or a new stage; they are reported, not refused.
     """
     current = config.model_dump(mode="json")
     model = config_differences(_with_defaults(checkpoint.manifest.model), current["model"], "model.")
-    if model:
+    refused = [difference for difference in model if not difference.key.startswith(POSITIONAL_FIELDS)]
+    if refused:
         raise ConfigError(
             f"checkpoint {checkpoint.path} was saved from another model; differing fields:\n  "
-            + "\n  ".join(str(difference) for difference in model)
+            + "\n  ".join(str(difference) for difference in refused)
         )
     saved = {key: value for key, value in checkpoint.manifest.run_config.items() if key != "model"}
     rest = config_differences(saved, {key: value for key, value in current.items() if key != "model"})
-    return [str(difference) for difference in rest if not difference.key.startswith(_BOOKKEEPING)]
+    return [str(difference) for difference in model + rest if not difference.key.startswith(_BOOKKEEPING)]
 
 
 def _with_defaults(saved: dict) -> dict:

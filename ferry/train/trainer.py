@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -31,16 +32,27 @@ from ferry.checkpoint import (
 from ferry.comm import init_distributed, launcher_ranks
 from ferry.comm.process_group import shutdown
 from ferry.config import UserError
-from ferry.data import DataCursor, MixedLoader
+from ferry.data import DataCursor, MixedLoader, document_ids
+from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.inference import HeldOutEvaluation, eval_record
 from ferry.kernels import select_kernels
-from ferry.metrics import MetricsHub, StepMetrics, TorchTrace, build_sinks, moe_diagnostics
+from ferry.metrics import (
+    MetricsHub,
+    StepMetrics,
+    TorchTrace,
+    build_sinks,
+    moe_diagnostics,
+)
 from ferry.model import Transformer, count_model
 from ferry.model.digest import weights_digest
 from ferry.parallel import build_plan
 from ferry.parallel.zero import optimizer_state_bytes
 from ferry.platform import environment_fingerprint, resolve_device
-from ferry.platform.hardware import HardwareProfile, measured_cpu_profile, resolve_profile
+from ferry.platform.hardware import (
+    HardwareProfile,
+    measured_cpu_profile,
+    resolve_profile,
+)
 from ferry.precision import resolve_precision
 from ferry.precision.kernels import low_precision_op, with_low_precision_experts
 from ferry.train.checkpointing import (
@@ -90,11 +102,13 @@ class Trainer:
                 f"vocabulary ({tokenizer_vocab}) of {self.loader.datasets[0].label}"
             )
         self.evaluation = HeldOutEvaluation(
-            config.eval, config.data.seq_len, config.eval.batch_size or train.global_batch, train.micro_batch
+            config.eval, config.data.seq_len, config.eval.batch_size or train.global_batch, train.micro_batch,
+            document_eos=self.loader.tokenizer["eos_id"] if config.data.document_masking else None,
         )
-        self.evaluation.check_tokenizer(
-            self.loader.tokenizer["sha256"], config.model.vocab_size, self.loader.datasets[0].label
-        )
+        first = self.loader.datasets[0]
+        if self.evaluation.sources:
+            digest = encoding_digest(load_tokenizer(first.path / first.tokenizer["file"]))
+            self.evaluation.check_tokenizer(digest, config.model.vocab_size, first.label)
         self.kernels = select_kernels(config.kernels, self.device, self.precision.torch_compute_dtype)
         if self.precision.recipe is not None:
             self.kernels = with_low_precision_experts(self.kernels, self.precision.recipe)
@@ -330,7 +344,7 @@ class Trainer:
             share = batch.inputs_BS.shape[0] / config.train.global_batch
             self.resilience.phase("forward")
             with timer.region("forward"), autocast:
-                output = self.model(batch.inputs_BS.to(self.device))
+                output = self.model(batch.inputs_BS.to(self.device), document_ids_BS=self._documents(batch.inputs_BS))
                 parts = compute_loss(
                     output, batch.targets_BS.to(self.device), config.model.moe, self.tokens_per_step, share
                 )
@@ -375,13 +389,24 @@ class Trainer:
             **moe_diagnostics(counts_LE, mean_prob_LE, entropy_L, ep_degree=self._ep_degree()),
         }
 
-    def evaluate(self) -> dict:
-        """Held-out loss and perplexity of every `eval` source, the same figures on every rank."""
-        autocast = self._autocast()
+    def evaluate(self, progress: Callable[[], None]) -> dict:
+        """Held-out loss and perplexity of every `eval` source, the same figures on every rank.
+
+        Its collectives are left out of the next step's `comm_bytes`.
+        """
         losses = self.evaluation.run(
-            self.model, self.device, self.rank, self.world_size, autocast, self.plan.sum_over_ranks
+            self.model, self.device, self.rank, self.world_size, self._autocast(), self.plan.sum_over_ranks, progress
         )
+        for collectives in self.plan.collectives:
+            collectives.flush()
+        self.plan.stats.take()
         return eval_record(losses)
+
+    def _documents(self, inputs_BS: torch.Tensor) -> torch.Tensor | None:
+        """Each position's document when `data.document_masking` is on (None: plain causal attention)."""
+        if not self.config.data.document_masking:
+            return None
+        return document_ids(inputs_BS, self.loader.tokenizer["eos_id"]).to(self.device)
 
     def _autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.precision.torch_compute_dtype, enabled=self.precision.autocast)

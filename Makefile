@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo pipeline test setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,23 @@ demo: $(STAMP)
 	$(BIN)/ferry data prepare --embedded stdlib --skip-bytes 6000000 --max-bytes 400000 \
 		--tokenizer data/stdlib/tokenizer.json --output data/stdlib-held-out
 	$(BIN)/ferry train configs/tiny.yaml 'eval.sources=[{name: held_out, path: data/stdlib-held-out}]' eval.interval=100
+
+# The stage chain of configs/pipelines/tiny.yaml. Its datasets share one tokenizer: the demo's BPE plus the
+# chat tokens, which the conversation set (prepared first) adds.
+PIPELINE_DATA := data/pipeline
+pipeline: $(STAMP)
+	$(BIN)/ferry data prepare --embedded stdlib --output data/stdlib
+	$(BIN)/ferry data prepare --chat --embedded stdlib-chat --max-bytes 1200000 --seq-len 256 \
+		--tokenizer data/stdlib/tokenizer.json --output $(PIPELINE_DATA)/chat
+	$(BIN)/ferry data prepare --chat --embedded stdlib-chat --skip-bytes 1200000 --max-bytes 200000 --seq-len 256 \
+		--tokenizer data/stdlib/tokenizer.json --output $(PIPELINE_DATA)/chat-held-out
+	$(BIN)/ferry data prepare --chat --embedded stdlib-chat --max-bytes 1200000 --seq-len 64 \
+		--tokenizer data/stdlib/tokenizer.json --output $(PIPELINE_DATA)/chat-64
+	$(BIN)/ferry data prepare --embedded stdlib --tokenizer $(PIPELINE_DATA)/chat/tokenizer.json \
+		--output $(PIPELINE_DATA)/text
+	$(BIN)/ferry data prepare --embedded stdlib --skip-bytes 6000000 --max-bytes 400000 \
+		--tokenizer $(PIPELINE_DATA)/chat/tokenizer.json --output $(PIPELINE_DATA)/text-held-out
+	$(BIN)/ferry pipeline run configs/pipelines/tiny.yaml --dir runs/pipeline
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -113,7 +113,7 @@ def test_the_order_does_not_depend_on_world_size_or_micro_batch(stdlib_dataset, 
         rows = [
             batch.inputs_BS
             for rank in range(world_size)
-            for batch in loader.micro_batches(cursor, rank, world_size, micro_batch)
+            for batch in loader.micro_batches(cursor, rank, world_size, micro_batch).micro
         ]
         assert np.array_equal(np.concatenate([r.numpy() for r in rows]), whole[:, :-1])
 

@@ -23,6 +23,11 @@ def add_inference_commands(commands) -> None:
     generate.add_argument("--seed", type=int, default=0, help="the same seed gives the same tokens")
     generate.add_argument("--stop", action="append", default=[], help="a string that ends a completion; repeatable")
     _add_model_options(generate)
+    generate.add_argument(
+        "--chat", action="store_true",
+        help="each prompt is a user message in the chat template; the answer ends at <|im_end|>",
+    )
+    generate.add_argument("--system", default=None, help="with --chat: a system message before each prompt")
     generate.add_argument("--json", action="store_true", help="print one JSON record per prompt instead of text")
     generate.set_defaults(handler=run_generate)
 
@@ -85,8 +90,19 @@ def run_generate(args: argparse.Namespace) -> int:
     if loaded.tokenizer is None:
         raise UserError(f"generate: no tokenizer found for {args.source}; pass --tokenizer")
     tokenizer = loaded.tokenizer
-    tokens = [tokenizer.encode(prompt).tolist() for prompt in prompts]
-    result = generate(loaded.model, tokens, config, tokenizer.eos_id, tokenizer.decode)
+    if args.system is not None and not args.chat:
+        raise UserError("generate: --system is a chat message; add --chat")
+    if args.chat:
+        from ferry.data.chat import ChatEncoder, Message
+
+        encoder = ChatEncoder(tokenizer)
+        system = [Message("system", args.system)] if args.system is not None else []
+        tokens = [encoder.prompt([*system, Message("user", prompt)]).tolist() for prompt in prompts]
+        end_id = encoder.im_end_id
+    else:
+        tokens = [tokenizer.encode(prompt).tolist() for prompt in prompts]
+        end_id = tokenizer.eos_id
+    result = generate(loaded.model, tokens, config, end_id, tokenizer.decode)
     for prompt, completion in zip(prompts, result.completions):
         if args.json:
             print(
@@ -102,7 +118,9 @@ def run_generate(args: argparse.Namespace) -> int:
                 )
             )
         else:
-            print(f"{prompt}\033[1m{completion.text}\033[0m" if sys.stdout.isatty() else f"{prompt}{completion.text}")
+            joint = "\n" if args.chat else ""  # a chat answer is a message of its own, not a continuation
+            answer = f"\033[1m{completion.text}\033[0m" if sys.stdout.isatty() else completion.text
+            print(f"{prompt}{joint}{answer}")
             print(f"[{len(completion.tokens)} tokens, {completion.finish_reason}]")
     print(
         f"ferry: {loaded.origin}: prefill {result.prefill_tokens} tokens at {result.prefill_tokens_per_s:,.0f} tok/s, "

@@ -59,7 +59,10 @@ def _build_parser() -> argparse.ArgumentParser:
     data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     prepare = data_commands.add_parser("prepare", help="tokenize text into memory-mapped shards with a manifest")
     prepare.add_argument("inputs", nargs="*", help=".txt / .jsonl files or directories of them")
-    prepare.add_argument("--embedded", choices=["stdlib"], help="use the embedded offline corpus instead")
+    prepare.add_argument(
+        "--embedded", choices=["stdlib", "stdlib-chat"],
+        help="use an embedded offline set instead: stdlib (text) or stdlib-chat (conversations, with --chat)",
+    )
     prepare.add_argument("--output", required=True, help="dataset directory to write")
     prepare.add_argument("--tokenizer", default="bpe", help="bpe (train one here), byte, or a tokenizer.json path")
     prepare.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
@@ -70,6 +73,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--skip-bytes", type=int, default=0,
         help="pass over the documents this budget of the embedded corpus holds first (a held-out set)",
     )
+    prepare.add_argument(
+        "--chat", action="store_true",
+        help="the inputs are conversations (.jsonl with messages): chat template, loss on assistant tokens, packing",
+    )
+    prepare.add_argument("--seq-len", type=int, default=None, help="with --chat: the row length (data.seq_len)")
     prepare.add_argument("--overwrite", action="store_true", help="replace a dataset prepared from other inputs")
     prepare.set_defaults(handler=_data_prepare)
 
@@ -127,6 +135,8 @@ def _data_prepare(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         text_field=args.text_field,
         shard_tokens=args.shard_tokens,
+        chat=args.chat,
+        seq_len=args.seq_len,
     )
     result = prepare_dataset(spec, args.output, overwrite=args.overwrite)
     manifest = result.manifest
@@ -136,4 +146,12 @@ def _data_prepare(args: argparse.Namespace) -> int:
         f"{manifest['documents']:,} documents in {len(manifest['shards'])} shard(s), "
         f"{manifest['tokenizer']['kind']} tokenizer with {manifest['tokenizer']['vocab_size']:,} tokens"
     )
+    chat = manifest.get("chat")
+    if chat:
+        print(
+            f"ferry: {chat['rows']:,} rows of {chat['seq_len']} tokens; "
+            f"{chat['trained_tokens'] / manifest['total_tokens']:.1%} of tokens trained (assistant), "
+            f"{chat['padding_tokens'] / manifest['total_tokens']:.1%} padding; "
+            f"{chat['truncated']:,} conversation(s) longer than a row were cut"
+        )
     return 0

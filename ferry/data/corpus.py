@@ -7,6 +7,7 @@ the Python version; the dataset manifest records the sha256 of every piece.
 
 from __future__ import annotations
 
+import json
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,8 +36,13 @@ def embedded_documents(name: str, max_bytes: int, skip_bytes: int = 0) -> Iterat
     """
     if name not in EMBEDDED_CORPORA:
         raise UserError(f"unknown embedded corpus {name!r}; available: {', '.join(EMBEDDED_CORPORA)}")
+    return within_budget(_stdlib_documents(), max_bytes, skip_bytes)
+
+
+def within_budget(documents: Iterator[Document], max_bytes: int, skip_bytes: int) -> Iterator[Document]:
+    """The documents after the first `skip_bytes` of text, until `max_bytes` of text were produced."""
     skipped = produced = 0
-    for document in _stdlib_documents():
+    for document in documents:
         size = len(document.text.encode("utf-8"))
         if skipped < skip_bytes:
             skipped += size
@@ -47,15 +53,25 @@ def embedded_documents(name: str, max_bytes: int, skip_bytes: int = 0) -> Iterat
         yield document
 
 
-def _stdlib_documents() -> Iterator[Document]:
+def jsonl_records(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-empty line of a JSONL file; bad JSON or text is named."""
     try:
-        from pydoc_data.topics import topics
-    except ImportError:
-        topics = {}
-    for topic in sorted(topics):
-        yield Document(f"embedded:stdlib/pydoc/{topic}", topics[topic])
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield number, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"input {str(path)!r} is not UTF-8 text ({exc.reason})") from None
+
+
+def stdlib_sources() -> Iterator[tuple[str, str]]:
+    """(path relative to the standard library, text) of its module sources in sorted order, tests,
+    IDLE and installed packages left out."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    found = bool(topics)
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root)
         if _SKIPPED_DIRS.intersection(relative.parts[:-1]):
@@ -64,7 +80,19 @@ def _stdlib_documents() -> Iterator[Document]:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
+        yield relative.as_posix(), text
+
+
+def _stdlib_documents() -> Iterator[Document]:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        topics = {}
+    for topic in sorted(topics):
+        yield Document(f"embedded:stdlib/pydoc/{topic}", topics[topic])
+    found = bool(topics)
+    for relative, text in stdlib_sources():
         found = True
-        yield Document(f"embedded:stdlib/{relative.as_posix()}", text)
+        yield Document(f"embedded:stdlib/{relative}", text)
     if not found:
-        raise UserError(f"the embedded corpus 'stdlib' found no text under {root}")
+        raise UserError(f"the embedded corpus 'stdlib' found no text under {sysconfig.get_paths()['stdlib']}")

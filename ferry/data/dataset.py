@@ -16,6 +16,8 @@ class TokenDataset:
 
     Window i covers tokens [i * seq_len, (i + 1) * seq_len] inclusive, so consecutive
     windows share one token: the last target of one is the first input of the next.
+    A dataset of packed conversations also holds a loss mask (1 where a token is
+    trained) and can be read only with the row length it was packed for.
     """
 
     def __init__(self, path: str | Path, label: str):
@@ -40,6 +42,23 @@ class TokenDataset:
         lengths = np.array([len(shard) for shard in self._shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(lengths)])
         self.num_tokens = int(self._starts[-1])
+        mask = self.manifest.get("loss_mask")
+        self._masks = [self._open_shard(entry) for entry in mask["shards"]] if mask else None
+        if self._masks is not None and [len(m) for m in self._masks] != lengths.tolist():
+            raise UserError(f"{label}: the loss mask shards of {str(self.path)!r} do not match its token shards")
+        self.packed_seq_len: int | None = self.manifest["chat"]["seq_len"] if mask else None
+
+    @property
+    def has_loss_mask(self) -> bool:
+        return self._masks is not None
+
+    def check_seq_len(self, seq_len: int, setting: str) -> None:
+        """Refuse reading packed rows with another length: windows would cut conversations apart."""
+        if self.packed_seq_len is not None and seq_len != self.packed_seq_len:
+            raise UserError(
+                f"{self.label}: its conversations are packed into rows of {self.packed_seq_len} tokens, "
+                f"{setting} is {seq_len}; set it to {self.packed_seq_len} or prepare the data with --seq-len {seq_len}"
+            )
 
     def _open_shard(self, entry: dict) -> np.ndarray:
         path = self.path / entry["file"]
@@ -58,14 +77,23 @@ class TokenDataset:
 
     def window(self, index: int, seq_len: int) -> np.ndarray:
         """Tokens [index * seq_len, index * seq_len + seq_len] as int64, read across shard borders."""
+        return self._read(self._shards, index, seq_len).astype(np.int64)
+
+    def window_mask(self, index: int, seq_len: int) -> np.ndarray:
+        """Which tokens of `window(index, seq_len)` are trained (all of them without a loss mask)."""
+        if self._masks is None:
+            return np.ones(seq_len + 1, dtype=bool)
+        return self._read(self._masks, index, seq_len).astype(bool)
+
+    def _read(self, shards: list[np.ndarray], index: int, seq_len: int) -> np.ndarray:
         start = index * seq_len
         stop = start + seq_len + 1
         pieces = []
         shard = int(np.searchsorted(self._starts, start, side="right")) - 1
         while start < stop:
             offset = start - int(self._starts[shard])
-            take = min(stop - start, len(self._shards[shard]) - offset)
-            pieces.append(self._shards[shard][offset : offset + take])
+            take = min(stop - start, len(shards[shard]) - offset)
+            pieces.append(shards[shard][offset : offset + take])
             start += take
             shard += 1
-        return np.concatenate(pieces).astype(np.int64)
+        return np.concatenate(pieces)

@@ -20,6 +20,7 @@ import torch
 from ferry.config.errors import UserError
 from ferry.data.config import DataConfig
 from ferry.data.dataset import TokenDataset
+from ferry.data.targets import split_windows
 
 _ROW_SHUFFLE_STREAM = 0x5EED
 
@@ -41,10 +42,19 @@ class DataCursor:
 
 @dataclass
 class Batch:
-    """Input and target token ids of a slice of a global batch."""
+    """Input and target token ids of a slice of a global batch (untrained targets: IGNORE_INDEX)."""
 
     inputs_BS: torch.Tensor
     targets_BS: torch.Tensor
+
+
+@dataclass
+class StepBatches:
+    """A rank's micro-batches of one step, and how many targets the whole global batch trains: the
+    loss is a mean over those, so every rank divides by the same count whatever its share."""
+
+    micro: list[Batch]
+    trained_targets: int
 
 
 class MixedLoader:
@@ -60,6 +70,9 @@ class MixedLoader:
         ]
         self.names = [source.name for source in config.sources]
         self._check_tokenizers()
+        for dataset in self.datasets:
+            dataset.check_seq_len(self.seq_len, "data.seq_len")
+        self.masked = any(dataset.has_loss_mask for dataset in self.datasets)
         for dataset in self.datasets:
             if dataset.num_windows(self.seq_len) < 1:
                 raise UserError(
@@ -99,27 +112,39 @@ class MixedLoader:
 
     def global_batch_at(self, cursor: DataCursor) -> np.ndarray:
         """The [global_batch, seq_len + 1] windows of the step at `cursor`, rows shuffled."""
-        rows = []
+        return self._global_rows(cursor, with_masks=False)[0]
+
+    def _global_rows(self, cursor: DataCursor, with_masks: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """The step's windows and, when asked, which of their tokens are trained, in the same row order."""
+        rows, masks = [], []
         for index, (name, dataset, count) in enumerate(zip(self.names, self.datasets, self.rows_per_source)):
             first = cursor.consumed.get(name, 0)
             for position in range(first, first + count):
-                rows.append(dataset.window(self._window_index(index, dataset, position), self.seq_len))
+                window = self._window_index(index, dataset, position)
+                rows.append(dataset.window(window, self.seq_len))
+                if with_masks:
+                    masks.append(dataset.window_mask(window, self.seq_len))
         order = np.random.default_rng([self.seed, cursor.step, _ROW_SHUFFLE_STREAM]).permutation(len(rows))
-        return np.stack(rows)[order]
+        return np.stack(rows)[order], np.stack(masks)[order] if with_masks else None
 
     def advance(self, cursor: DataCursor) -> DataCursor:
         consumed = {name: cursor.consumed.get(name, 0) + rows for name, rows in zip(self.names, self.rows_per_source)}
         return DataCursor(step=cursor.step + 1, consumed=consumed)
 
-    def micro_batches(self, cursor: DataCursor, rank: int, world_size: int, micro_batch: int) -> list[Batch]:
+    def micro_batches(self, cursor: DataCursor, rank: int, world_size: int, micro_batch: int) -> StepBatches:
         """This rank's contiguous share of the global batch, cut into micro-batches."""
-        windows = self.global_batch_at(cursor)
+        windows, masks = self._global_rows(cursor, with_masks=self.masked)
         per_rank = self.global_batch // world_size
-        mine = torch.from_numpy(windows[rank * per_rank : (rank + 1) * per_rank])
-        return [
-            Batch(inputs_BS=chunk[:, :-1].contiguous(), targets_BS=chunk[:, 1:].contiguous())
-            for chunk in mine.split(micro_batch)
-        ]
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        windows_BS1 = torch.from_numpy(windows[mine])
+        trained_BS1 = None if masks is None else torch.from_numpy(masks[mine])
+        micro = []
+        for start in range(0, per_rank, micro_batch):
+            part = slice(start, start + micro_batch)
+            inputs_BS, targets_BS = split_windows(windows_BS1[part], None if trained_BS1 is None else trained_BS1[part])
+            micro.append(Batch(inputs_BS=inputs_BS, targets_BS=targets_BS))
+        trained = int(masks[:, 1:].sum()) if masks is not None else windows[:, 1:].size
+        return StepBatches(micro, trained)
 
     def _window_index(self, source_index: int, dataset: TokenDataset, position: int) -> int:
         windows = dataset.num_windows(self.seq_len)

@@ -2,7 +2,9 @@
 
 The output directory holds `tokenizer.json`, `shard-NNNNN.npy` files (one token
 stream, every document followed by end-of-text) and `manifest.json` with token
-counts and the sha256 of every source and shard. It is written to a temporary
+counts and the sha256 of every source and shard. Conversations (`--chat`) are
+rendered with the chat template, packed into rows of `seq_len` tokens, and get a
+parallel `mask-NNNNN.npy` stream: 1 where a token is trained (assistant text). It is written to a temporary
 directory and renamed into place, so an interrupted prepare never leaves a
 half-written dataset behind, and an up-to-date dataset is not rebuilt.
 """
@@ -20,8 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from ferry.config.errors import UserError
-from ferry.data.corpus import Document, embedded_documents
+from ferry.data.chat import CHAT_TEMPLATE, ChatEncoder, parse_messages, with_chat_tokens
+from ferry.data.conversations import embedded_conversations, read_conversations
+from ferry.data.corpus import Document, embedded_documents, jsonl_records
 from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, TOKENIZER_NAME, sha256_file
+from ferry.data.packing import RowPacker
 from ferry.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, encode_documents, load_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -40,6 +45,8 @@ class PrepareSpec:
     vocab_size: int = 4096
     text_field: str = "text"
     shard_tokens: int = 1 << 24
+    chat: bool = False
+    seq_len: int | None = None
 
 
 @dataclass
@@ -94,13 +101,26 @@ def _check_spec(spec: PrepareSpec) -> None:
         raise UserError(f"--skip-bytes must be 0 or more, got {spec.embedded_skip_bytes}")
     if spec.shard_tokens < 1:
         raise UserError(f"--shard-tokens must be positive, got {spec.shard_tokens}")
+    if spec.chat:
+        if spec.seq_len is None or spec.seq_len < 2:
+            raise UserError("--chat packs conversations into rows of data.seq_len tokens: give --seq-len N (2 or more)")
+        if spec.tokenizer in ("bpe", "byte"):
+            raise UserError(
+                "--chat tokenizes with the model's tokenizer (the chat tokens are added to it): "
+                "give --tokenizer PATH, e.g. the pre-training dataset's tokenizer.json"
+            )
+    elif spec.seq_len is not None:
+        raise UserError("--seq-len sets the rows conversations are packed into; it needs --chat")
 
 
 def _document_source(spec: PrepareSpec) -> Callable[[], Iterator[Document]]:
     """A function that yields the documents afresh (BPE training and encoding each need a pass)."""
     if spec.embedded:
-        return lambda: embedded_documents(spec.embedded, spec.embedded_max_bytes, spec.embedded_skip_bytes)
+        embedded = embedded_conversations if spec.chat else embedded_documents
+        return lambda: embedded(spec.embedded, spec.embedded_max_bytes, spec.embedded_skip_bytes)
     files = _collect_files(spec.inputs)
+    if spec.chat:
+        return lambda: (doc for path in files for doc in read_conversations(path))
     return lambda: (doc for path in files for doc in _read_documents(path, spec.text_field))
 
 
@@ -123,23 +143,16 @@ def _collect_files(inputs: list[str]) -> list[Path]:
 
 
 def _read_documents(path: Path, text_field: str) -> Iterator[Document]:
-    try:
-        if path.suffix == ".txt":
+    if path.suffix == ".txt":
+        try:
             yield Document(str(path), path.read_text(encoding="utf-8"))
-            return
-        with path.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                    raise UserError(f"{path}:{number}: expected an object with a string field {text_field!r}")
-                yield Document(str(path), record[text_field], line=number)
-    except UnicodeDecodeError as exc:
-        raise UserError(f"input {str(path)!r} is not UTF-8 text ({exc.reason})") from None
+        except UnicodeDecodeError as exc:
+            raise UserError(f"input {str(path)!r} is not UTF-8 text ({exc.reason})") from None
+        return
+    for number, record in jsonl_records(path):
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise UserError(f"{path}:{number}: expected an object with a string field {text_field!r}")
+        yield Document(str(path), record[text_field], line=number)
 
 
 def _hash_sources(documents: Iterator[Document]) -> list[dict]:
@@ -170,6 +183,8 @@ def _settings(spec: PrepareSpec) -> dict:
     }
     if spec.embedded_skip_bytes:
         settings["embedded_skip_bytes"] = spec.embedded_skip_bytes
+    if spec.chat:
+        settings["chat"] = {"template": CHAT_TEMPLATE, "seq_len": spec.seq_len}
     if spec.tokenizer == "bpe":
         settings["vocab_size"] = spec.vocab_size
     elif spec.tokenizer != "byte":
@@ -186,10 +201,10 @@ def _make_tokenizer(spec: PrepareSpec, documents: Callable[[], Iterator[Document
 
 
 def _write_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Document]], staging: Path) -> dict:
+    if spec.chat:
+        return _write_conversations(spec, documents, staging)
     tokenizer = _make_tokenizer(spec, documents)
-    (staging / TOKENIZER_NAME).write_text(tokenizer.to_json(), encoding="utf-8")
-    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
-    writer = _ShardWriter(staging, dtype, spec.shard_tokens)
+    writer = _ShardWriter(staging, _token_dtype(tokenizer), spec.shard_tokens)
     document_count = 0
     batch: list[str] = []
     for document in documents():
@@ -199,6 +214,50 @@ def _write_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Document]
             batch = []
     document_count += _write_batch(tokenizer, batch, writer)
     writer.close()
+    return _manifest(tokenizer, staging, writer, document_count)
+
+
+def _write_conversations(spec: PrepareSpec, documents: Callable[[], Iterator[Document]], staging: Path) -> dict:
+    """Conversations rendered with the chat template, packed whole into rows of `seq_len`, with the mask
+    stream beside the tokens. One end-of-text closes the stream so the last row also makes a window."""
+    tokenizer = with_chat_tokens(load_tokenizer(spec.tokenizer))
+    encoder = ChatEncoder(tokenizer)
+    packer = RowPacker(spec.seq_len, tokenizer.eos_id)
+    writer = _ShardWriter(staging, _token_dtype(tokenizer), spec.shard_tokens)
+    mask_writer = _ShardWriter(staging, np.uint8, spec.shard_tokens, prefix="mask")
+
+    def write(rows: Iterator[tuple[np.ndarray, np.ndarray]]) -> None:
+        for ids, trained in rows:
+            writer.add(ids)
+            mask_writer.add(trained)
+
+    batch: list[list] = []
+    for document in documents():
+        where = f"{document.source}:{document.line}" if document.line else document.source
+        batch.append(parse_messages(json.loads(document.text), where))
+        if len(batch) == _ENCODE_BATCH:
+            for conversation in encoder.render_many(batch):
+                write(packer.add(conversation))
+            batch = []
+    for conversation in encoder.render_many(batch):
+        write(packer.add(conversation))
+    write(packer.finish())
+    write(iter([(np.asarray([tokenizer.eos_id]), np.zeros(1, dtype=bool))]))
+    writer.close()
+    mask_writer.close()
+    manifest = _manifest(tokenizer, staging, writer, packer.stats.conversations)
+    manifest["chat"] = {"template": CHAT_TEMPLATE, "seq_len": spec.seq_len, **packer.stats.as_record()}
+    manifest["loss_mask"] = {"shards": mask_writer.shards}
+    return manifest
+
+
+def _token_dtype(tokenizer: Tokenizer) -> type:
+    return np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+
+def _manifest(tokenizer: Tokenizer, staging: Path, writer: "_ShardWriter", document_count: int) -> dict:
+    """The manifest of a finished dataset (written with its tokenizer into `staging`)."""
+    (staging / TOKENIZER_NAME).write_text(tokenizer.to_json(), encoding="utf-8")
     return {
         "format": DATASET_FORMAT,
         "version": DATASET_VERSION,
@@ -209,7 +268,7 @@ def _write_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Document]
             "file": TOKENIZER_NAME,
             "sha256": sha256_file(staging / TOKENIZER_NAME),
         },
-        "dtype": np.dtype(dtype).name,
+        "dtype": np.dtype(writer.dtype).name,
         "documents": document_count,
         "total_tokens": writer.total_tokens,
         "shards": writer.shards,
@@ -226,8 +285,9 @@ def _write_batch(tokenizer: Tokenizer, texts: list[str], writer: "_ShardWriter")
 class _ShardWriter:
     """Appends token ids and cuts them into `.npy` shards of `shard_tokens` tokens."""
 
-    def __init__(self, directory: Path, dtype: type, shard_tokens: int):
+    def __init__(self, directory: Path, dtype: type, shard_tokens: int, prefix: str = "shard"):
         self.directory = directory
+        self.prefix = prefix
         self.dtype = dtype
         self.shard_tokens = shard_tokens
         self.pending: list[np.ndarray] = []
@@ -252,7 +312,7 @@ class _ShardWriter:
         self.pending_tokens = 0
 
     def _flush(self, tokens: np.ndarray) -> None:
-        name = f"shard-{len(self.shards):05d}.npy"
+        name = f"{self.prefix}-{len(self.shards):05d}.npy"
         path = self.directory / name
         np.save(path, tokens)
         self.shards.append({"file": name, "tokens": int(len(tokens)), "sha256": sha256_file(path)})

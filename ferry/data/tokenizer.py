@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -64,6 +65,15 @@ class BPETokenizer:
         )
         tokenizer.train_from_iterator(texts, trainer=trainer)
         return cls(tokenizer)
+
+    def with_special_tokens(self, tokens: Iterable[str]) -> "BPETokenizer":
+        """A copy holding `tokens` as special tokens; those it lacks take the next free ids."""
+        copy = HFTokenizer.from_str(self._tokenizer.to_str())
+        copy.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in tokens])
+        return BPETokenizer(copy)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text).ids, dtype=np.int64)

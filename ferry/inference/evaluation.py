@@ -1,4 +1,5 @@
-"""Held-out loss: the mean next-token cross-entropy of a model over fixed windows of prepared datasets.
+"""Held-out loss: the mean next-token cross-entropy of a model over fixed windows of prepared datasets
+(over the trained tokens only, for conversations: the loss on assistant tokens).
 
 The windows of a source are chosen once (evenly spread over the dataset) and are the
 same at every evaluation and in every layout, so the curve over a run, and the
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from ferry.config import UserError
 from ferry.data import TokenDataset, document_ids
+from ferry.data.targets import IGNORE_INDEX, split_windows
 from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.inference.config import EvalConfig
 
@@ -35,16 +37,25 @@ class HeldOut:
     @classmethod
     def open(cls, name: str, path: str, label: str, seq_len: int, count: int, count_names: str) -> HeldOut:
         dataset = TokenDataset(path, label=label)
+        dataset.check_seq_len(seq_len, "the evaluation's sequence length")
         available = dataset.num_windows(seq_len)
         if available < count:
             raise UserError(
                 f"{label}: {available} windows of {seq_len} tokens; the evaluation reads {count} "
                 f"({count_names}): lower them or prepare more held-out text"
             )
-        return cls(name, dataset, (np.arange(count, dtype=np.int64) * available) // count)
+        windows = (np.arange(count, dtype=np.int64) * available) // count
+        if dataset.has_loss_mask and not any(dataset.window_mask(int(index), seq_len)[1:].any() for index in windows):
+            raise UserError(f"{label}: the {count} windows evaluated hold no trained (assistant) token")
+        return cls(name, dataset, windows)
 
-    def tokens_BS(self, indices: np.ndarray, seq_len: int) -> torch.Tensor:
-        return torch.from_numpy(np.stack([self.dataset.window(int(index), seq_len) for index in indices]))
+    def inputs_and_targets(self, indices: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows' inputs and targets; with a loss mask (conversations) only trained targets count."""
+        windows_BS1 = torch.from_numpy(np.stack([self.dataset.window(int(index), seq_len) for index in indices]))
+        trained_BS1 = None
+        if self.dataset.has_loss_mask:
+            trained_BS1 = torch.from_numpy(np.stack([self.dataset.window_mask(int(i), seq_len) for i in indices]))
+        return split_windows(windows_BS1, trained_BS1)
 
 
 @dataclass(frozen=True)
@@ -131,18 +142,20 @@ class HeldOutEvaluation:
             for batch_start in range(0, len(source.windows), self.batch_size):
                 mine = source.windows[batch_start + rank * rows : batch_start + (rank + 1) * rows]
                 for micro_start in range(0, rows, self.micro_batch):
-                    tokens_BS = source.tokens_BS(mine[micro_start : micro_start + self.micro_batch], self.seq_len)
-                    tokens_BS = tokens_BS.to(device)
+                    inputs_BS, targets_BS = source.inputs_and_targets(
+                        mine[micro_start : micro_start + self.micro_batch], self.seq_len
+                    )
+                    inputs_BS, targets_BS = inputs_BS.to(device), targets_BS.to(device)
                     with autocast or nullcontext():
-                        inputs_BS = tokens_BS[:, :-1]
                         documents_BS = None if self.document_eos is None else document_ids(inputs_BS, self.document_eos)
                         logits_BSV = model(inputs_BS, document_ids_BS=documents_BS).logits_BSV
                     sums_2N[2 * index] += F.cross_entropy(
                         logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(),
-                        tokens_BS[:, 1:].reshape(-1),
+                        targets_BS.reshape(-1),
+                        ignore_index=IGNORE_INDEX,
                         reduction="sum",
                     ).double()
-                    sums_2N[2 * index + 1] += tokens_BS[:, 1:].numel()
+                    sums_2N[2 * index + 1] += (targets_BS != IGNORE_INDEX).sum().double()
                     if progress is not None:
                         progress()
         if sum_over_ranks is not None:
@@ -150,7 +163,7 @@ class HeldOutEvaluation:
         model.train(was_training)
         totals = sums_2N.tolist()
         return {
-            source.name: SourceLoss(totals[2 * index] / totals[2 * index + 1], int(totals[2 * index + 1]))
+            source.name: SourceLoss(totals[2 * index] / max(totals[2 * index + 1], 1.0), int(totals[2 * index + 1]))
             for index, source in enumerate(self.sources)
         }
 

@@ -16,6 +16,7 @@ import torch
 
 from ferry.checkpoint import verify_checkpoint
 from ferry.config import UserError
+from ferry.data.chat import CHAT_TEMPLATE_JINJA, CHAT_TOKENS
 from ferry.data.tokenizer import END_OF_TEXT, BPETokenizer, load_tokenizer
 from ferry.interop.architectures import hf_config, natural_architecture, refusals, to_hf_state
 from ferry.interop.weights import checkpoint_model_config, checkpoint_tokenizer_path, read_model_state
@@ -91,13 +92,15 @@ def _tokenizer_path(checkpoint, tokenizer: str | Path | None) -> Path:
 
 
 def _fast_tokenizer(path: Path):
-    """ferry's BPE tokenizer as a `PreTrainedTokenizerFast`, end-of-text as EOS, BOS-free, padding with EOS."""
+    """ferry's BPE tokenizer as a `PreTrainedTokenizerFast`, end-of-text as EOS, BOS-free, padding with EOS;
+    one holding the chat tokens (an SFT run's) carries the chat template for `apply_chat_template`."""
     from transformers import PreTrainedTokenizerFast
 
     loaded = load_tokenizer(path)
     if not isinstance(loaded, BPETokenizer):
         raise UserError(f"--tokenizer {str(path)!r}: the byte tokenizer has no transformers form; export needs a BPE one")
+    chat = all(loaded.token_id(token) is not None for token in CHAT_TOKENS)
     return PreTrainedTokenizerFast(
         tokenizer_file=str(path), eos_token=END_OF_TEXT, pad_token=END_OF_TEXT, unk_token=None, bos_token=None,
-        clean_up_tokenization_spaces=False,
+        clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE_JINJA if chat else None,
     )

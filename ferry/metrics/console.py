@@ -30,6 +30,8 @@ class ConsoleProgress:
 
     def update(self, record: dict) -> None:
         summary = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s"
+        if record.get("trained_share", 1.0) < 1.0:  # a loss mask (SFT): how much of the step is trained, how well
+            summary += f"  trained {100 * record['trained_share']:.0f}%  acc {100 * record['token_accuracy']:.1f}%"
         if record.get("mfu") is not None:
             summary += f"  mfu {100 * record['mfu']:.1f}%"
         step = record["step"]

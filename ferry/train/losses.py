@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ferry.data.targets import IGNORE_INDEX
 from ferry.model import MoEConfig, ModelOutput
 
 
@@ -16,25 +17,31 @@ class LossParts:
 
     objective: torch.Tensor
     lm_loss_sum: torch.Tensor
+    correct: torch.Tensor
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
 
 
 def compute_loss(
-    output: ModelOutput, targets_BS: torch.Tensor, moe: MoEConfig, tokens_in_step: int, share_of_step: float
+    output: ModelOutput, targets_BS: torch.Tensor, moe: MoEConfig, trained_in_step: int, share_of_step: float
 ) -> LossParts:
     """The micro-batch's contribution to the step's loss, so that summing over micro-batches
     (and ranks) gives the mean over the whole global batch whatever the split.
 
-    The LM term sums token losses and divides by the tokens of the whole step; the
-    router terms (means over MoE layers) are weighted by the micro-batch's share.
+    The LM term sums the losses of the trained targets (IGNORE_INDEX marks the others:
+    prompts and padding of packed conversations) and divides by the trained targets of
+    the whole step; the router terms (means over MoE layers) are weighted by the
+    micro-batch's share. `correct` counts trained targets the model ranks first.
     """
     logits_TV = output.logits_BSV.reshape(-1, output.logits_BSV.shape[-1]).float()
-    lm_loss_sum = F.cross_entropy(logits_TV, targets_BS.reshape(-1), reduction="sum")
+    targets_T = targets_BS.reshape(-1)
+    lm_loss_sum = F.cross_entropy(logits_TV, targets_T, ignore_index=IGNORE_INDEX, reduction="sum")
+    correct = (logits_TV.detach().argmax(dim=-1) == targets_T).sum()
     if output.moe_stats:
         aux_loss = torch.stack([stats.aux_loss for stats in output.moe_stats]).mean()
         z_loss = torch.stack([stats.z_loss for stats in output.moe_stats]).mean()
     else:
         aux_loss = z_loss = logits_TV.new_zeros(())
-    objective = lm_loss_sum / tokens_in_step + share_of_step * (moe.aux_loss_coef * aux_loss + moe.z_loss_coef * z_loss)
-    return LossParts(objective, lm_loss_sum.detach(), aux_loss.detach(), z_loss.detach())
+    router = moe.aux_loss_coef * aux_loss + moe.z_loss_coef * z_loss
+    objective = lm_loss_sum / max(trained_in_step, 1) + share_of_step * router
+    return LossParts(objective, lm_loss_sum.detach(), correct, aux_loss.detach(), z_loss.detach())

@@ -99,7 +99,8 @@ class Trainer:
         if config.model.vocab_size < tokenizer_vocab:
             raise UserError(
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's "
-                f"vocabulary ({tokenizer_vocab}) of {self.loader.datasets[0].label}"
+                f"vocabulary ({tokenizer_vocab}) of {self.loader.datasets[0].label}; raise it (models pad it to a "
+                "multiple of 64, which leaves rows for tokens added later, such as the chat tokens)"
             )
         self.evaluation = HeldOutEvaluation(
             config.eval, config.data.seq_len, config.eval.batch_size or train.global_batch, train.micro_batch,
@@ -331,27 +332,28 @@ class Trainer:
         moe_layers = self.model.moe_layers()
         num_layers, num_experts = len(moe_layers), config.model.moe.num_experts
         # one flat float64 vector so a single all-reduce makes the step's statistics global
-        totals = torch.zeros(3 + num_layers * (2 * num_experts + 1), dtype=torch.float64, device=self.device)
-        sums_3 = totals[:3]
-        counts_LE = totals[3 : 3 + num_layers * num_experts].view(num_layers, num_experts)
-        mean_prob_LE = totals[3 + num_layers * num_experts : 3 + 2 * num_layers * num_experts].view(
+        totals = torch.zeros(4 + num_layers * (2 * num_experts + 1), dtype=torch.float64, device=self.device)
+        sums_4 = totals[:4]
+        counts_LE = totals[4 : 4 + num_layers * num_experts].view(num_layers, num_experts)
+        mean_prob_LE = totals[4 + num_layers * num_experts : 4 + 2 * num_layers * num_experts].view(
             num_layers, num_experts
         )
-        entropy_L = totals[3 + 2 * num_layers * num_experts :]
+        entropy_L = totals[4 + 2 * num_layers * num_experts :]
         autocast = self._autocast()
-        micro_batches = self.loader.micro_batches(self.cursor, self.rank, self.world_size, config.train.micro_batch)
-        for batch in micro_batches:
+        batches = self.loader.micro_batches(self.cursor, self.rank, self.world_size, config.train.micro_batch)
+        for batch in batches.micro:
             share = batch.inputs_BS.shape[0] / config.train.global_batch
             self.resilience.phase("forward")
             with timer.region("forward"), autocast:
                 output = self.model(batch.inputs_BS.to(self.device), document_ids_BS=self._documents(batch.inputs_BS))
                 parts = compute_loss(
-                    output, batch.targets_BS.to(self.device), config.model.moe, self.tokens_per_step, share
+                    output, batch.targets_BS.to(self.device), config.model.moe, batches.trained_targets, share
                 )
             self.resilience.phase("backward")
             with timer.region("backward"):
                 self.scaler.scale_loss(parts.objective).backward()
-            sums_3 += torch.stack([parts.lm_loss_sum, share * parts.aux_loss, share * parts.z_loss]).double()
+            correct = parts.correct.to(parts.lm_loss_sum.dtype)
+            sums_4 += torch.stack([parts.lm_loss_sum, correct, share * parts.aux_loss, share * parts.z_loss]).double()
             for index, stats in enumerate(output.moe_stats):
                 counts_LE[index] += stats.tokens_per_expert_E
                 mean_prob_LE[index] += share * stats.mean_prob_E.double()
@@ -369,8 +371,9 @@ class Trainer:
             collectives.flush()
         times = timer.stop()
         comm_bytes = sum(op.bytes for op in self.plan.stats.take().values())
-        lm_sum, aux, z = sums_3.tolist()
-        lm_loss = lm_sum / self.tokens_per_step
+        lm_sum, correct, aux, z = sums_4.tolist()
+        trained = max(batches.trained_targets, 1)
+        lm_loss = lm_sum / trained
         moe = config.model.moe
         return {
             "step": self.cursor.step,
@@ -378,6 +381,8 @@ class Trainer:
             "lm_loss": lm_loss,
             "aux_loss": aux,
             "z_loss": z,
+            "token_accuracy": correct / trained,
+            "trained_share": batches.trained_targets / self.tokens_per_step,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": self.cursor.step * self.tokens_per_step,

@@ -1,0 +1,231 @@
+"""SFT: the chat template and its loss mask, packing conversations into rows, and training on them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ferry.cli.main import main
+from ferry.config import UserError
+from ferry.data import MixedLoader, PrepareSpec, TokenDataset, prepare_dataset
+from ferry.data.chat import (
+    IM_END,
+    IM_START,
+    ChatEncoder,
+    Message,
+    RenderedConversation,
+    parse_messages,
+    with_chat_tokens,
+)
+from ferry.data.config import DataConfig
+from ferry.data.packing import RowPacker
+from ferry.data.targets import IGNORE_INDEX
+from ferry.data.tokenizer import load_tokenizer
+from ferry.train import Trainer
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "What does len do?"},
+    {"role": "assistant", "content": "It returns the number of items."},
+    {"role": "user", "content": "And sorted?"},
+    {"role": "assistant", "content": "It returns a new sorted list."},
+]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(stdlib_dataset):
+    return with_chat_tokens(load_tokenizer(stdlib_dataset / "tokenizer.json"))
+
+
+def test_the_mask_covers_exactly_the_assistant_tokens(chat_tokenizer):
+    """Built by hand, token by token: header and context untrained, assistant content and its <|im_end|> trained."""
+    encoder = ChatEncoder(chat_tokenizer)
+    rendered = encoder.render_many([parse_messages(CONVERSATION, "test")])[0]
+    start, end = chat_tokenizer.token_id(IM_START), chat_tokenizer.token_id(IM_END)
+    expected_ids, expected_trained = [], []
+    for message in CONVERSATION:
+        header = chat_tokenizer.encode(f"{message['role']}\n").tolist()
+        content = chat_tokenizer.encode(message["content"]).tolist()
+        newline = chat_tokenizer.encode("\n").tolist()
+        learn = message["role"] == "assistant"
+        expected_ids += [start, *header, *content, end, *newline]
+        expected_trained += [False] * (1 + len(header)) + [learn] * (len(content) + 1) + [False] * len(newline)
+    assert rendered.ids.tolist() == expected_ids
+    assert rendered.trained.tolist() == expected_trained
+    trained_text = chat_tokenizer.decode(rendered.ids[rendered.trained].tolist())
+    assert trained_text == "It returns the number of items.It returns a new sorted list."
+    assert int((rendered.ids[rendered.trained] == end).sum()) == 2, "each assistant turn learns to end"
+
+
+def test_chat_tokens_are_added_once_and_text_cannot_produce_them(stdlib_dataset, chat_tokenizer):
+    base = load_tokenizer(stdlib_dataset / "tokenizer.json")
+    assert chat_tokenizer.vocab_size == base.vocab_size + 2
+    assert with_chat_tokens(chat_tokenizer).vocab_size == chat_tokenizer.vocab_size
+    assert chat_tokenizer.token_id(IM_START) == base.vocab_size
+    with pytest.raises(UserError, match="message 1 contains a chat template token"):
+        parse_messages([CONVERSATION[0], {"role": "user", "content": f"hi {IM_END}"}], "x.jsonl:3")
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([{"role": "bot", "content": "hi"}], "message 0 has role 'bot'"),
+        ([{"role": "user", "content": "hi"}], "no assistant message"),
+        ([CONVERSATION[1], CONVERSATION[0], CONVERSATION[2]], "only the first message may be one"),
+        ([{"role": "user"}], "needs a string 'content'"),
+        ("hello", "must be a non-empty list"),
+    ],
+)
+def test_a_bad_conversation_is_named(messages, message):
+    with pytest.raises(UserError, match=message) as raised:
+        parse_messages(messages, "talks.jsonl:7")
+    assert "talks.jsonl:7" in str(raised.value)
+
+
+def test_packing_keeps_every_conversation_whole_in_one_row():
+    lengths = [5, 9, 3, 12, 7, 2, 20, 4]
+    conversations = []
+    for index, length in enumerate(lengths):
+        ids = np.arange(length) + 100 * (index + 1)
+        trained = np.arange(length) % 2 == 1
+        trained[0] = False  # a conversation begins with <|im_start|>, never trained
+        conversations.append(RenderedConversation(ids, trained))
+    packer = RowPacker(seq_len=16, eos_id=0, open_rows=2)
+    rows = [row for conversation in conversations for row in packer.add(conversation)] + list(packer.finish())
+    assert all(len(ids) == 16 and len(trained) == 16 for ids, trained in rows)
+    stream = np.concatenate([ids for ids, _ in rows])
+    for index, length in enumerate(lengths[:6]):
+        first = 100 * (index + 1)
+        where = int(np.flatnonzero(stream == first)[0])
+        assert where // 16 == (where + length) // 16, f"conversation {index} crosses a row"
+        assert stream[where + length] == 0, "each conversation is followed by end-of-text"
+    assert packer.stats.truncated == 1 and packer.stats.conversations == len(lengths)
+    trained = np.concatenate([flags for _, flags in rows])
+    assert not trained[stream == 0].any(), "end-of-text and padding are never trained"
+    assert not any(flags[0] for _, flags in rows), "a row's first token is never trained"
+    assert packer.stats.trained_tokens == int(trained.sum())
+    assert packer.stats.padding_tokens == 16 * len(rows) - (sum(min(n + 1, 16) for n in lengths))
+
+
+@pytest.fixture(scope="module")
+def chat_dataset(stdlib_dataset, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("chat")
+    source = directory / "talks.jsonl"
+    rows = [CONVERSATION[3:], CONVERSATION[1:3], [{"role": "user", "content": "Name a list method."},
+                                              {"role": "assistant", "content": "append"}]] * 40
+    source.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in rows), encoding="utf-8")
+    spec = PrepareSpec(inputs=[str(source)], chat=True, seq_len=64, tokenizer=str(stdlib_dataset / "tokenizer.json"))
+    return prepare_dataset(spec, directory / "prepared").output
+
+
+def test_a_prepared_chat_dataset_gives_targets_only_where_the_assistant_speaks(chat_dataset):
+    dataset = TokenDataset(chat_dataset, label="chat")
+    assert dataset.has_loss_mask and dataset.packed_seq_len == 64
+    manifest = dataset.manifest
+    assert manifest["chat"]["conversations"] == 120 and manifest["chat"]["truncated"] == 0
+    assert manifest["tokenizer"]["vocab_size"] == 514
+    loader = MixedLoader(DataConfig(sources=[{"name": "chat", "path": str(chat_dataset)}], seq_len=64), 0, 8)
+    cursor = loader.new_cursor()
+    step = loader.micro_batches(cursor, rank=0, world_size=1, micro_batch=4)
+    targets_BS = torch.cat([batch.targets_BS for batch in step.micro])
+    assert step.trained_targets == int((targets_BS != IGNORE_INDEX).sum())
+    assert 0 < step.trained_targets < targets_BS.numel()
+    tokenizer = load_tokenizer(chat_dataset / "tokenizer.json")
+    trained_text = tokenizer.decode(targets_BS[targets_BS != IGNORE_INDEX].tolist())
+    assert "What does" not in trained_text and "returns" in trained_text
+
+
+def test_a_packed_dataset_is_refused_at_another_length(chat_dataset):
+    with pytest.raises(UserError, match="packed into rows of 64 tokens, data.seq_len is 16"):
+        MixedLoader(DataConfig(sources=[{"name": "chat", "path": str(chat_dataset)}], seq_len=16), 0, 8)
+
+
+def test_sft_trains_on_assistant_tokens_and_the_loss_is_their_mean(chat_dataset, make_config):
+    config = make_config(
+        f"data.sources=[{{name: chat, path: {chat_dataset}}}]", "data.document_masking=true", "model.vocab_size=576",
+        "data.seq_len=64", "train.steps=3", "eval.interval=3", f"eval.sources=[{{name: chat, path: {chat_dataset}}}]", "eval.batches=1",
+    )
+    trainer = Trainer(config)
+    step = trainer.loader.micro_batches(trainer.cursor, 0, 1, config.train.global_batch)
+    inputs_BS, targets_BS = step.micro[0].inputs_BS, step.micro[0].targets_BS
+    with torch.no_grad():
+        logits_BSV = trainer.model(inputs_BS, document_ids_BS=trainer._documents(inputs_BS)).logits_BSV
+    by_hand = F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten(), ignore_index=IGNORE_INDEX)
+    accuracy = (logits_BSV.argmax(-1) == targets_BS).sum() / (targets_BS != IGNORE_INDEX).sum()
+    result = trainer.fit()
+    first = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["lm_loss"] == pytest.approx(by_hand.item(), rel=1e-5)
+    assert first["token_accuracy"] == pytest.approx(accuracy.item(), abs=1e-9)
+    assert first["trained_share"] == step.trained_targets / targets_BS.numel()
+    assert 0 < first["trained_share"] < 0.6
+    assert result.final_record["eval.loss"]["chat"] > 0
+
+
+@pytest.fixture(scope="module")
+def chat_run(chat_dataset, tmp_path_factory):
+    """A Qwen3-MoE-shaped tiny run on the conversations (so it exports), trained one step."""
+    from conftest import tiny_config
+
+    config = tiny_config(
+        chat_dataset, tmp_path_factory.mktemp("sft") / "run", "model.vocab_size=576", "data.seq_len=64",
+        "model.qk_norm=true", "model.qk_norm_scope=head", "train.steps=1",
+    )
+    return Trainer(config).fit().run_dir
+
+
+def test_generate_chat_prompts_in_the_template_and_stops_at_im_end(chat_run, chat_dataset, capsys):
+    assert main(["generate", str(chat_run), "--chat", "--system", "Be brief.", "--prompt", "What does len do?",
+                 "--max-new-tokens", "5", "--temperature", "0", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[0])
+    tokenizer = load_tokenizer(chat_dataset / "tokenizer.json")
+    expected = ChatEncoder(tokenizer).prompt([Message("system", "Be brief."), Message("user", "What does len do?")])
+    assert record["prompt_tokens"] == len(expected)
+    assert record["finish_reason"] in ("eos", "length")
+    assert main(["generate", str(chat_run), "--system", "Be brief.", "--prompt", "x"]) == 2
+    assert "add --chat" in capsys.readouterr().err
+
+
+def test_an_export_carries_the_chat_template_with_the_ids_ferry_trained_on(chat_run, chat_dataset, tmp_path):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "hf"
+    checkpoint = sorted((chat_run / "checkpoints").iterdir())[-1]
+    assert main(["export", str(checkpoint), str(out)]) == 0
+    exported = AutoTokenizer.from_pretrained(out)
+    encoder = ChatEncoder(load_tokenizer(chat_dataset / "tokenizer.json"))
+    rendered = encoder.render_many([parse_messages(CONVERSATION, "test")])[0]
+    assert _ids(exported.apply_chat_template(CONVERSATION, tokenize=True)) == rendered.ids.tolist()
+    prompt = _ids(exported.apply_chat_template(CONVERSATION[:2], tokenize=True, add_generation_prompt=True))
+    assert prompt == encoder.prompt(parse_messages(CONVERSATION[:3], "test")[:2]).tolist()
+
+
+def _ids(encoded) -> list[int]:
+    """`apply_chat_template` returns a list of ids or, in newer transformers, a mapping holding them."""
+    return list(encoded["input_ids"]) if hasattr(encoded, "keys") else list(encoded)
+
+
+def test_prepare_chat_errors_exit_2_and_name_the_culprit(tmp_path, stdlib_dataset):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": CONVERSATION}) + "\n" + json.dumps({"messages": [{"role": "x"}]}) + "\n")
+    tokenizer = str(stdlib_dataset / "tokenizer.json")
+    cases = [
+        ([str(bad), "--chat", "--seq-len", "32", "--tokenizer", tokenizer], f"{bad}:2"),
+        ([str(bad), "--chat", "--seq-len", "32"], "--tokenizer PATH"),
+        ([str(bad), "--chat", "--tokenizer", tokenizer], "--seq-len N"),
+        (["--embedded", "stdlib", "--seq-len", "32"], "it needs --chat"),
+    ]
+    for arguments, message in cases:
+        output = tmp_path / "out"
+        done = subprocess.run(
+            [sys.executable, "-m", "ferry", "data", "prepare", *arguments, "--output", str(output)],
+            capture_output=True, text=True,
+        )
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr
+        assert not output.exists()

@@ -31,12 +31,12 @@ demo: $(STAMP)
 PIPELINE_DATA := data/pipeline
 pipeline: $(STAMP)
 	$(BIN)/ferry data prepare --embedded stdlib --output data/stdlib
-	$(BIN)/ferry data prepare --chat --embedded stdlib-chat --max-bytes 1200000 --seq-len 256 \
+	$(BIN)/ferry data prepare --chat --embedded stdlib-chat --max-bytes 1200000 --seq-len 512 \
 		--tokenizer data/stdlib/tokenizer.json --output $(PIPELINE_DATA)/chat
-	$(BIN)/ferry data prepare --chat --embedded stdlib-chat --skip-bytes 1200000 --max-bytes 200000 --seq-len 256 \
+	$(BIN)/ferry data prepare --chat --embedded stdlib-chat --skip-bytes 1200000 --max-bytes 200000 --seq-len 512 \
 		--tokenizer data/stdlib/tokenizer.json --output $(PIPELINE_DATA)/chat-held-out
-	$(BIN)/ferry data prepare --chat --embedded stdlib-chat --max-bytes 1200000 --seq-len 64 \
-		--tokenizer data/stdlib/tokenizer.json --output $(PIPELINE_DATA)/chat-64
+	$(BIN)/ferry data prepare --chat --embedded stdlib-chat --max-bytes 1200000 --seq-len 128 \
+		--tokenizer data/stdlib/tokenizer.json --output $(PIPELINE_DATA)/chat-128
 	$(BIN)/ferry data prepare --embedded stdlib --tokenizer $(PIPELINE_DATA)/chat/tokenizer.json \
 		--output $(PIPELINE_DATA)/text
 	$(BIN)/ferry data prepare --embedded stdlib --skip-bytes 6000000 --max-bytes 400000 \

@@ -86,12 +86,12 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompt) + _prompts_file(args.prompts_file)
     if not prompts:
         raise UserError("generate: give at least one --prompt (or --prompts-file)")
+    if args.system is not None and not args.chat:
+        raise UserError("generate: --system is a chat message; add --chat")
     loaded = load_model(args.source, args.device, args.dtype, args.tokenizer)
     if loaded.tokenizer is None:
         raise UserError(f"generate: no tokenizer found for {args.source}; pass --tokenizer")
     tokenizer = loaded.tokenizer
-    if args.system is not None and not args.chat:
-        raise UserError("generate: --system is a chat message; add --chat")
     if args.chat:
         from ferry.data.chat import ChatEncoder, Message
 
@@ -181,6 +181,7 @@ def run_eval(args: argparse.Namespace) -> int:
         document_eos=loaded.tokenizer.eos_id if masking else None,
         labels=[f"--data {path}" for path in args.data],
         count_names=f"--batches {batches} x --batch-size {batch_size}",
+        seq_len_name="--seq-len" if args.seq_len is not None else "--seq-len (the run's data.seq_len)",
     )
     evaluation.check_tokenizer(
         encoding_digest(loaded.tokenizer), model.config.vocab_size, f"the model's tokenizer ({loaded.tokenizer_path})"

@@ -152,6 +152,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
             f"ferry: {chat['rows']:,} rows of {chat['seq_len']} tokens; "
             f"{chat['trained_tokens'] / manifest['total_tokens']:.1%} of tokens trained (assistant), "
             f"{chat['padding_tokens'] / manifest['total_tokens']:.1%} padding; "
-            f"{chat['truncated']:,} conversation(s) longer than a row were cut"
+            f"{chat['truncated']:,} conversation(s) longer than a row were cut, "
+            f"{chat['dropped']:,} of them dropped for having no assistant token left"
         )
     return 0

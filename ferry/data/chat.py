@@ -8,7 +8,9 @@ so a model fine-tuned here is prompted the way inference servers already prompt 
     <|im_start|>assistant\\n{content}<|im_end|>\\n
 
 `<|im_start|>` and `<|im_end|>` are special tokens: a tokenizer without them gets them
-appended to its vocabulary (the next free ids), and text can never produce them. Only
+appended to its vocabulary (the next free ids), and text that spells them is encoded as
+text (`BPETokenizer` never maps text to a special token), so a message cannot forge a
+turn. Only
 what the model must learn to write is trained: the content of each assistant message
 and the `<|im_end|>` that closes it. Headers, system and user messages and the newline
 between messages are context. Each piece is encoded on its own, so the mask follows the
@@ -41,6 +43,8 @@ CHAT_TEMPLATE_JINJA = (
 
 @dataclass(frozen=True)
 class Message:
+    """One turn: `role` is system, user or assistant."""
+
     role: str
     content: str
 
@@ -51,9 +55,6 @@ class RenderedConversation:
 
     ids: np.ndarray
     trained: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.ids)
 
 
 def parse_messages(value: object, where: str) -> list[Message]:
@@ -70,8 +71,6 @@ def parse_messages(value: object, where: str) -> list[Message]:
             raise UserError(f"{where}: message {index} has role {role!r}; roles are {', '.join(ROLES)}")
         if role == "system" and index > 0:
             raise UserError(f"{where}: message {index} is a system message; only the first message may be one")
-        if any(token in item["content"] for token in CHAT_TOKENS):
-            raise UserError(f"{where}: message {index} contains a chat template token ({' or '.join(CHAT_TOKENS)})")
         messages.append(Message(role, item["content"]))
     if not any(message.role == "assistant" for message in messages):
         raise UserError(f"{where}: the conversation has no assistant message, so nothing in it would be trained")

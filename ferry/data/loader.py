@@ -101,7 +101,10 @@ class MixedLoader:
                 "weight": rows / self.global_batch,
                 "tokens": dataset.num_tokens,
                 "tokenizer_sha256": dataset.tokenizer["sha256"],
-                "shards": [{"file": s["file"], "sha256": s["sha256"]} for s in dataset.manifest["shards"]],
+                "shards": [
+                    {"file": s["file"], "sha256": s["sha256"]}
+                    for s in dataset.manifest["shards"] + dataset.manifest.get("loss_mask", {}).get("shards", [])
+                ],
                 "sources": dataset.manifest.get("source_hashes", []),
             }
             for name, dataset, rows in zip(self.names, self.datasets, self.rows_per_source)

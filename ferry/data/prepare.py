@@ -23,8 +23,8 @@ import numpy as np
 
 from ferry.config.errors import UserError
 from ferry.data.chat import CHAT_TEMPLATE, ChatEncoder, parse_messages, with_chat_tokens
-from ferry.data.conversations import embedded_conversations, read_conversations
-from ferry.data.corpus import Document, embedded_documents, jsonl_records
+from ferry.data.conversations import EMBEDDED_CONVERSATIONS, embedded_conversations, read_conversations
+from ferry.data.corpus import EMBEDDED_CORPORA, Document, embedded_documents, jsonl_records
 from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, TOKENIZER_NAME, sha256_file
 from ferry.data.packing import RowPacker
 from ferry.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, encode_documents, load_tokenizer
@@ -101,6 +101,12 @@ def _check_spec(spec: PrepareSpec) -> None:
         raise UserError(f"--skip-bytes must be 0 or more, got {spec.embedded_skip_bytes}")
     if spec.shard_tokens < 1:
         raise UserError(f"--shard-tokens must be positive, got {spec.shard_tokens}")
+    if spec.tokenizer not in ("bpe", "byte") and not Path(spec.tokenizer).is_file():
+        raise UserError(f"--tokenizer {spec.tokenizer!r}: no such file (bpe, byte, or a tokenizer.json path)")
+    if spec.embedded in EMBEDDED_CONVERSATIONS and not spec.chat:
+        raise UserError(f"--embedded {spec.embedded} is a set of conversations: add --chat --seq-len N")
+    if spec.embedded in EMBEDDED_CORPORA and spec.chat:
+        raise UserError(f"--embedded {spec.embedded} is plain text, not conversations: leave out --chat")
     if spec.chat:
         if spec.seq_len is None or spec.seq_len < 2:
             raise UserError("--chat packs conversations into rows of data.seq_len tokens: give --seq-len N (2 or more)")
@@ -226,23 +232,26 @@ def _write_conversations(spec: PrepareSpec, documents: Callable[[], Iterator[Doc
     writer = _ShardWriter(staging, _token_dtype(tokenizer), spec.shard_tokens)
     mask_writer = _ShardWriter(staging, np.uint8, spec.shard_tokens, prefix="mask")
 
-    def write(rows: Iterator[tuple[np.ndarray, np.ndarray]]) -> None:
-        for ids, trained in rows:
-            writer.add(ids)
-            mask_writer.add(trained)
+    def write(rows: list[tuple[np.ndarray, np.ndarray] | None]) -> None:
+        for row in rows:
+            if row is not None:
+                writer.add(row[0])
+                mask_writer.add(row[1])
 
     batch: list[list] = []
     for document in documents():
         where = f"{document.source}:{document.line}" if document.line else document.source
         batch.append(parse_messages(json.loads(document.text), where))
         if len(batch) == _ENCODE_BATCH:
-            for conversation in encoder.render_many(batch):
-                write(packer.add(conversation))
+            write([packer.add(conversation) for conversation in encoder.render_many(batch)])
             batch = []
-    for conversation in encoder.render_many(batch):
-        write(packer.add(conversation))
+    write([packer.add(conversation) for conversation in encoder.render_many(batch)])
     write(packer.finish())
-    write(iter([(np.asarray([tokenizer.eos_id]), np.zeros(1, dtype=bool))]))
+    write([(np.asarray([tokenizer.eos_id]), np.zeros(1, dtype=bool))])
+    if packer.stats.trained_tokens == 0:
+        raise UserError(
+            f"no conversation keeps an assistant token within rows of {spec.seq_len} tokens; raise --seq-len"
+        )
     writer.close()
     mask_writer.close()
     manifest = _manifest(tokenizer, staging, writer, packer.stats.conversations)
@@ -255,7 +264,7 @@ def _token_dtype(tokenizer: Tokenizer) -> type:
     return np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
-def _manifest(tokenizer: Tokenizer, staging: Path, writer: "_ShardWriter", document_count: int) -> dict:
+def _manifest(tokenizer: Tokenizer, staging: Path, writer: _ShardWriter, document_count: int) -> dict:
     """The manifest of a finished dataset (written with its tokenizer into `staging`)."""
     (staging / TOKENIZER_NAME).write_text(tokenizer.to_json(), encoding="utf-8")
     return {
@@ -275,7 +284,7 @@ def _manifest(tokenizer: Tokenizer, staging: Path, writer: "_ShardWriter", docum
     }
 
 
-def _write_batch(tokenizer: Tokenizer, texts: list[str], writer: "_ShardWriter") -> int:
+def _write_batch(tokenizer: Tokenizer, texts: list[str], writer: _ShardWriter) -> int:
     for ids in encode_documents(tokenizer, texts):
         writer.add(ids)
         writer.add(np.asarray([tokenizer.eos_id]))

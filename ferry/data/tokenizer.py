@@ -12,9 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
-from tokenizers import AddedToken
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ferry.config.errors import UserError
 
@@ -45,6 +44,9 @@ class BPETokenizer:
     kind = "bpe"
 
     def __init__(self, tokenizer: HFTokenizer):
+        # text that spells a special token (`<|endoftext|>`, `<|im_start|>`) stays text: documents end and
+        # chat messages begin only where ferry puts those ids, never where a corpus or a prompt writes them
+        tokenizer.encode_special_tokens = True
         self._tokenizer = tokenizer
         eos_id = tokenizer.token_to_id(END_OF_TEXT)
         if eos_id is None:

@@ -35,9 +35,11 @@ class HeldOut:
     windows: np.ndarray
 
     @classmethod
-    def open(cls, name: str, path: str, label: str, seq_len: int, count: int, count_names: str) -> HeldOut:
+    def open(
+        cls, name: str, path: str, label: str, seq_len: int, count: int, count_names: str, seq_len_name: str
+    ) -> HeldOut:
         dataset = TokenDataset(path, label=label)
-        dataset.check_seq_len(seq_len, "the evaluation's sequence length")
+        dataset.check_seq_len(seq_len, seq_len_name)
         available = dataset.num_windows(seq_len)
         if available < count:
             raise UserError(
@@ -80,10 +82,11 @@ class HeldOutEvaluation:
         document_eos: int | None = None,
         labels: list[str] | None = None,
         count_names: str = "eval.batches x eval.batch_size",
+        seq_len_name: str = "data.seq_len",
     ):
         """`document_eos`: mask attention within documents ending with this token, as training did.
         `labels` name each source in messages (default `eval.sources.<i> (<name>)`), `count_names` the
-        settings that fix how many windows are read."""
+        settings that fix how many windows are read, `seq_len_name` the one that fixes their length."""
         self.config = config
         self.document_eos = document_eos
         self.seq_len = seq_len
@@ -92,7 +95,7 @@ class HeldOutEvaluation:
         count = config.batches * batch_size
         labels = labels or [f"eval.sources.{index} ({source.name})" for index, source in enumerate(config.sources)]
         self.sources = [
-            HeldOut.open(source.name, source.path, label, seq_len, count, count_names)
+            HeldOut.open(source.name, source.path, label, seq_len, count, count_names, seq_len_name)
             for source, label in zip(config.sources, labels)
         ]
 

@@ -16,7 +16,7 @@ import torch
 
 from ferry.checkpoint import verify_checkpoint
 from ferry.config import UserError
-from ferry.data.chat import CHAT_TEMPLATE_JINJA, CHAT_TOKENS
+from ferry.data.chat import CHAT_TEMPLATE_JINJA, CHAT_TOKENS, IM_END
 from ferry.data.tokenizer import END_OF_TEXT, BPETokenizer, load_tokenizer
 from ferry.interop.architectures import hf_config, natural_architecture, refusals, to_hf_state
 from ferry.interop.weights import checkpoint_model_config, checkpoint_tokenizer_path, read_model_state
@@ -65,6 +65,10 @@ def export_checkpoint(
     model.load_state_dict(hf_state, strict=not config.tie_embeddings, assign=True)
     if config.tie_embeddings:
         model.tie_weights()
+    if fast_tokenizer.chat_template is not None:  # a chat model's answer ends at <|im_end|>, a text's at EOS
+        model.generation_config.eos_token_id = [
+            fast_tokenizer.eos_token_id, fast_tokenizer.convert_tokens_to_ids(IM_END)
+        ]
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)

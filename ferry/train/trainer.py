@@ -99,8 +99,8 @@ class Trainer:
         if config.model.vocab_size < tokenizer_vocab:
             raise UserError(
                 f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's "
-                f"vocabulary ({tokenizer_vocab}) of {self.loader.datasets[0].label}; raise it (models pad it to a "
-                "multiple of 64, which leaves rows for tokens added later, such as the chat tokens)"
+                f"vocabulary ({tokenizer_vocab}) of {self.loader.datasets[0].label}; a model that will learn added "
+                "tokens (the chat tokens of SFT) needs the rows from pre-training on: init_from keeps vocab_size"
             )
         self.evaluation = HeldOutEvaluation(
             config.eval, config.data.seq_len, config.eval.batch_size or train.global_batch, train.micro_batch,

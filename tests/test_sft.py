@@ -274,6 +274,10 @@ def test_prepare_chat_errors_exit_2_and_name_the_culprit(tmp_path, stdlib_datase
         ([str(bad), "--chat", "--seq-len", "32"], "--tokenizer PATH"),
         ([str(bad), "--chat", "--tokenizer", tokenizer], "--seq-len N"),
         (["--embedded", "stdlib", "--seq-len", "32"], "it needs --chat"),
+        ([str(bad), "--chat", "--seq-len", "32", "--tokenizer", tokenizer, "--vocab-size", "8192"], "--vocab-size"),
+        (["--embedded", "stdlib-chat", "--seq-len", "32", "--tokenizer", tokenizer], "add --chat"),
+        (["--embedded", "stdlib", "--chat", "--seq-len", "32", "--tokenizer", tokenizer], "leave out --chat"),
+        ([str(bad), "--chat", "--seq-len", "32", "--tokenizer", "missing.json"], "no such file"),
     ]
     for arguments, message in cases:
         output = tmp_path / "out"

@@ -65,8 +65,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument("--output", required=True, help="dataset directory to write")
     prepare.add_argument("--tokenizer", default="bpe", help="bpe (train one here), byte, or a tokenizer.json path")
-    prepare.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
-    prepare.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    prepare.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default 4096)")
+    prepare.add_argument("--text-field", default=None, help="JSONL field holding the text (default text)")
     prepare.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard file")
     prepare.add_argument("--max-bytes", type=int, default=6_000_000, help="text budget of the embedded corpus")
     prepare.add_argument(
@@ -126,14 +126,21 @@ def _rank_prefix() -> str:
 def _data_prepare(args: argparse.Namespace) -> int:
     from ferry.data import PrepareSpec, prepare_dataset
 
+    if args.chat:
+        given = (("--vocab-size", args.vocab_size), ("--text-field", args.text_field))
+        ignored = [flag for flag, value in given if value is not None]
+        if ignored:
+            raise UserError(
+                f"{' and '.join(ignored)}: --chat reads 'messages' with the --tokenizer given; leave it out"
+            )
     spec = PrepareSpec(
         inputs=list(args.inputs),
         embedded=args.embedded,
         embedded_max_bytes=args.max_bytes,
         embedded_skip_bytes=args.skip_bytes,
         tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        text_field=args.text_field,
+        vocab_size=4096 if args.vocab_size is None else args.vocab_size,
+        text_field="text" if args.text_field is None else args.text_field,
         shard_tokens=args.shard_tokens,
         chat=args.chat,
         seq_len=args.seq_len,

@@ -70,6 +70,7 @@ from ferry.train.losses import compute_loss
 from ferry.train.optimizer import decayed_parameter_names, learning_rate
 from ferry.train.resilience import Resilience, restarted_by_torchrun
 from ferry.train.run_record import RunRecord, prepare_run_dir
+from ferry.train.step_statistics import StepStatistics
 
 
 @dataclass
@@ -330,15 +331,7 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         moe_layers = self.model.moe_layers()
-        num_layers, num_experts = len(moe_layers), config.model.moe.num_experts
-        # one flat float64 vector so a single all-reduce makes the step's statistics global
-        totals = torch.zeros(4 + num_layers * (2 * num_experts + 1), dtype=torch.float64, device=self.device)
-        sums_4 = totals[:4]
-        counts_LE = totals[4 : 4 + num_layers * num_experts].view(num_layers, num_experts)
-        mean_prob_LE = totals[4 + num_layers * num_experts : 4 + 2 * num_layers * num_experts].view(
-            num_layers, num_experts
-        )
-        entropy_L = totals[4 + 2 * num_layers * num_experts :]
+        statistics = StepStatistics(len(moe_layers), config.model.moe.num_experts, self.device)
         autocast = self._autocast()
         batches = self.loader.micro_batches(self.cursor, self.rank, self.world_size, config.train.micro_batch)
         for batch in batches.micro:
@@ -352,26 +345,21 @@ class Trainer:
             self.resilience.phase("backward")
             with timer.region("backward"):
                 self.scaler.scale_loss(parts.objective).backward()
-            correct = parts.correct.to(parts.lm_loss_sum.dtype)
-            sums_4 += torch.stack([parts.lm_loss_sum, correct, share * parts.aux_loss, share * parts.z_loss]).double()
-            for index, stats in enumerate(output.moe_stats):
-                counts_LE[index] += stats.tokens_per_expert_E
-                mean_prob_LE[index] += share * stats.mean_prob_E.double()
-                entropy_L[index] += share * stats.entropy.double()
+            statistics.add(parts, output, share)
         self.resilience.after_backward(step + 1, self.model)
         self.resilience.phase("optimizer")
         with timer.region("optimizer"):
             grad_norm, stepped = self._apply_gradients(config.optim.grad_clip, step + 1)
-            self.plan.sum_over_ranks(totals)
+            self.plan.sum_over_ranks(statistics.totals)
             if stepped:
-                for layer, layer_counts_E in zip(moe_layers, counts_LE):
+                for layer, layer_counts_E in zip(moe_layers, statistics.counts_LE):
                     layer.router.update_bias(layer_counts_E)
         self.cursor = self.loader.advance(self.cursor)
         for collectives in self.plan.collectives:
             collectives.flush()
         times = timer.stop()
         comm_bytes = sum(op.bytes for op in self.plan.stats.take().values())
-        lm_sum, correct, aux, z = sums_4.tolist()
+        lm_sum, correct, aux, z = statistics.losses()
         trained = max(batches.trained_targets, 1)
         lm_loss = lm_sum / trained
         moe = config.model.moe
@@ -391,7 +379,9 @@ class Trainer:
             "optimizer_state_mib": optimizer_state_bytes(self.optimizer) / 2**20,
             "loss_scale": self.scaler.scale,
             "skipped_steps": self.scaler.skipped_steps,
-            **moe_diagnostics(counts_LE, mean_prob_LE, entropy_L, ep_degree=self._ep_degree()),
+            **moe_diagnostics(
+                statistics.counts_LE, statistics.mean_prob_LE, statistics.entropy_L, ep_degree=self._ep_degree()
+            ),
         }
 
     def evaluate(self, progress: Callable[[], None]) -> dict:

@@ -1,0 +1,39 @@
+"""What a training step sums over its micro-batches and ranks: losses, correct predictions, and the
+routers' loads, probabilities and entropies per MoE layer.
+
+They live in one flat float64 vector so that a single all-reduce makes them global; a preference
+or RL step sums the same router statistics through the same vector.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferry.model import ModelOutput
+from ferry.train.losses import LossParts
+
+
+class StepStatistics:
+    """Sums over the micro-batches of this rank, then (after `reduce`) over every rank."""
+
+    def __init__(self, num_layers: int, num_experts: int, device: torch.device):
+        per_layer = num_layers * num_experts
+        self.totals = torch.zeros(4 + 2 * per_layer + num_layers, dtype=torch.float64, device=device)
+        self.sums_4 = self.totals[:4]
+        self.counts_LE = self.totals[4 : 4 + per_layer].view(num_layers, num_experts)
+        self.mean_prob_LE = self.totals[4 + per_layer : 4 + 2 * per_layer].view(num_layers, num_experts)
+        self.entropy_L = self.totals[4 + 2 * per_layer :]
+
+    def add(self, parts: LossParts, output: ModelOutput, share: float) -> None:
+        """One micro-batch, `share` of the global batch: loss sums as they are, means weighted by share."""
+        correct = parts.correct.to(parts.lm_loss_sum.dtype)
+        self.sums_4 += torch.stack([parts.lm_loss_sum, correct, share * parts.aux_loss, share * parts.z_loss]).double()
+        for index, stats in enumerate(output.moe_stats):
+            self.counts_LE[index] += stats.tokens_per_expert_E
+            self.mean_prob_LE[index] += share * stats.mean_prob_E.double()
+            self.entropy_L[index] += share * stats.entropy.double()
+
+    def losses(self) -> tuple[float, float, float, float]:
+        """(summed token loss, correct predictions, aux loss, z loss) of the step."""
+        lm_sum, correct, aux, z = self.sums_4.tolist()
+        return lm_sum, correct, aux, z

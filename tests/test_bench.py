@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ferry.cli.main import main
+from ferry.config import UserError
 from ferry.data.synthetic import synthetic_tokens
 from ferry.portability import suites
 from ferry.portability.suites import load_suite
@@ -104,7 +105,7 @@ def test_the_ep2_suite_waits_on_its_all_to_all(records):
 
 
 def test_a_suite_that_cannot_fit_is_refused_naming_the_memory_it_needs(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(suites, "device_memory_bytes", lambda device: ("this host", 64 * 2**30))
+    monkeypatch.setattr(suites, "device_memory_bytes", lambda device, ranks=1: ("this host", 64 * 2**30))
     code, record = bench(tmp_path, "olmoe", "olmoe-1b-7b", "--device", "cpu")
     err = capsys.readouterr().err
     assert code == 2 and record is None
@@ -119,6 +120,47 @@ def test_a_gpu_suite_without_a_gpu_is_refused_naming_the_memory_it_needs(tmp_pat
     err = capsys.readouterr().err
     assert code == 2 and record is None
     assert "runs on cuda, but no CUDA or ROCm device is visible here; it needs about 128.9 GiB per rank" in err
+
+
+def fake_gpus(monkeypatch, *memories):
+    """A CUDA host with GPUs of these sizes, as torch would report it (this machine has none)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(memories))
+    gpus = [SimpleNamespace(name="Fake GPU", total_memory=memory) for memory in memories]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: gpus[index])
+
+
+def test_a_suite_with_more_ranks_than_gpus_is_refused_naming_both(tmp_path, capsys, monkeypatch):
+    fake_gpus(monkeypatch, 141 * 2**30)
+    code, record = bench(tmp_path, "ep2", "moe-tiny-ep2", "--device", "cuda")
+    err = capsys.readouterr().err
+    assert code == 2 and record is None
+    assert "suite moe-tiny-ep2 runs 2 ranks on cuda, one GPU each, but 1 GPU(s) are visible here" in err
+    assert not (tmp_path / "ep2").exists()
+
+
+def test_the_memory_check_takes_the_smallest_gpu_the_ranks_use(tmp_path, monkeypatch):
+    suite = load_suite("moe-tiny-ep2")
+    config = suite.run_config(tmp_path, "cuda", [])
+    fake_gpus(monkeypatch, 141 * 2**30, 141 * 2**30, 2**20)  # the third GPU is not used by two ranks
+    assert suites.check_fits(suite, config, 2).total_bytes < 2**30
+    fake_gpus(monkeypatch, 141 * 2**30, 2**20)
+    with pytest.raises(UserError, match=r"Fake GPU \(GPU 1, the smallest of the 2 the ranks take\) has 0\.0"):
+        suites.check_fits(suite, config, 2)
+
+
+def test_a_record_without_the_initial_weights_digest_is_refused(tmp_path):
+    from ferry.portability.bench import BenchError, bench_record
+
+    suite = load_suite("moe-tiny")
+    config = suite.run_config(tmp_path, "cpu", [])
+    metrics = [{"step": step, "tokens_per_s": 1.0} for step in range(1, suite.total_steps + 1)]
+    with pytest.raises(BenchError, match="recorded no digest of its initial weights"):
+        bench_record(suite, config, [], 1, {"initial_weights_xxh3": None}, metrics, "t" * 64)
+    record = bench_record(suite, config, [], 1, {"initial_weights_xxh3": "w" * 32}, metrics, "t" * 64)
+    assert record["weights_digest"] == "w" * 32
 
 
 def test_the_olmoe_estimate_fits_an_h200_and_counts_every_peak():
@@ -145,6 +187,12 @@ def test_the_olmoe_estimate_fits_an_h200_and_counts_every_peak():
         (["moe-tiny-ep2", "--nproc", "1"], "parallel.ep (2) does not divide the 1 rank(s)"),
         (["moe-tiny", "train.steps=5"], "train.steps is fixed by the suite"),
         (["moe-tiny", "run.seed=3"], "run.seed is fixed by the suite"),
+        # the starting weights and the objective: the weights digest would be "None" after init_from
+        (["moe-tiny", "init_from=runs/elsewhere/checkpoints"], "init_from is fixed by the suite"),
+        (["moe-tiny", "init_optimizer=true"], "init_optimizer is fixed by the suite"),
+        (["moe-tiny", "train.objective=dpo"], "train.objective is fixed by the suite"),
+        (["moe-tiny", 'train."objective"=dpo'], "train.objective is fixed by the suite"),
+        (["moe-tiny", "train={objective: dpo}"], "train is fixed by the suite"),
     ],
 )
 def test_bad_bench_input_exits_2(argv, culprit, tmp_path, capsys):

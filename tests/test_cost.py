@@ -30,6 +30,7 @@ def record(
         "suite_digest": "s" * 64,
         "input_digest": input_digest,
         "workload_digest": workload_digest,
+        "weights_digest": "x" * 32,
         "device": device,
         "nproc": nproc,
         "overrides": [],
@@ -176,6 +177,29 @@ def test_the_scaling_view_flags_communication_that_dominates(tmp_path):
     assert "communication dominates" in (tmp_path / "out" / "cost.md").read_text()
 
 
+def test_the_scaling_view_is_printed_on_the_console_row_by_row(tmp_path, capsys):
+    one = write(tmp_path, "one", record(nproc=1, tokens_per_s_per_device=10_000))
+    two = write(tmp_path, "two", record(nproc=2, ep=2, tokens_per_s_per_device=9_000, comm_s=0.2))
+    eight = write(tmp_path, "eight", record(nproc=8, ep=8, tokens_per_s_per_device=4_000, comm_s=1.5))
+    assert cost(tmp_path, one, two, eight) == 0
+    out = capsys.readouterr().out
+    assert "Scaling: throughput per device and communication by layout" in out
+    rows = [line for line in out.splitlines() if line.count("h200 (cuda)") == 1 and "│" in line]
+    cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in rows]
+    assert [cell[1:7] for cell in cells] == [
+        ["1", "1", "10,000", "1.00", "0.00", "0.00"],
+        ["2", "2", "9,000", "0.90", "0.20", "0.17"],
+        ["8", "8", "4,000", "0.40", "1.50", "0.60"],
+    ]
+    assert [cell[7] for cell in cells] == ["", "", "communication dominates"]
+
+
+def test_one_layout_prints_no_scaling_table(tmp_path, capsys):
+    faster, slower = write(tmp_path, "a", record()), write(tmp_path, "b", record(tokens_per_s_per_device=9e3))
+    assert cost(tmp_path, faster, slower) == 0
+    assert "Scaling" not in capsys.readouterr().out
+
+
 def test_records_of_another_workload_are_refused(tmp_path, capsys):
     a = write(tmp_path, "a", record())
     b = write(tmp_path, "b", record(workload_digest="x" * 64))  # say, model.moe.top_k=1 as an override
@@ -191,6 +215,9 @@ def test_records_of_another_workload_are_refused(tmp_path, capsys):
         (lambda r: r.update(tokens_per_s_per_device=None), "tokens_per_s_per_device"),
         (lambda r: r.update(nproc=0), "nproc"),
         (lambda r: r.pop("workload_digest"), "workload_digest"),
+        (lambda r: r.pop("weights_digest"), "weights_digest"),
+        (lambda r: r.update(weights_digest=None), "weights_digest"),  # an init_from run: not the suite's weights
+        (lambda r: r.update(weights_digest=""), "weights_digest"),
     ],
 )
 def test_a_hand_edited_record_is_refused_naming_the_field(change, culprit, tmp_path, capsys):

@@ -208,7 +208,7 @@ def test_sft_trains_on_assistant_tokens_and_the_loss_is_their_mean(chat_dataset,
     step = trainer.loader.micro_batches(trainer.cursor, 0, 1, config.train.global_batch)
     inputs_BS, targets_BS = step.micro[0].inputs_BS, step.micro[0].targets_BS
     with torch.no_grad():
-        logits_BSV = trainer.model(inputs_BS, document_ids_BS=trainer._documents(inputs_BS)).logits_BSV
+        logits_BSV = trainer.model(inputs_BS, document_ids_BS=trainer.documents(inputs_BS)).logits_BSV
     by_hand = F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten(), ignore_index=IGNORE_INDEX)
     accuracy = (logits_BSV.argmax(-1) == targets_BS).sum() / (targets_BS != IGNORE_INDEX).sum()
     result = trainer.fit()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from pathlib import Path
 
 import xxhash
 
@@ -33,3 +34,11 @@ class Digests:
 
     def hexdigests(self) -> dict[str, str]:
         return {name: hasher.hexdigest() for name, hasher in self._hashers.items()}
+
+
+def checkpoint_digest(path: Path) -> str:
+    """The sha256 of a checkpoint's manifest, which names the digest of every file: one value for the whole
+    checkpoint (a stage's parent in a lineage, the key of a cached reference)."""
+    from ferry.checkpoint.format import MANIFEST_NAME
+
+    return hashlib.sha256((Path(path) / MANIFEST_NAME).read_bytes()).hexdigest()

@@ -60,8 +60,9 @@ def _build_parser() -> argparse.ArgumentParser:
     prepare = data_commands.add_parser("prepare", help="tokenize text into memory-mapped shards with a manifest")
     prepare.add_argument("inputs", nargs="*", help=".txt / .jsonl files or directories of them")
     prepare.add_argument(
-        "--embedded", choices=["stdlib", "stdlib-chat"],
-        help="use an embedded offline set instead: stdlib (text) or stdlib-chat (conversations, with --chat)",
+        "--embedded", choices=["stdlib", "stdlib-chat", "largest", "largest-held-out"],
+        help="use an embedded offline set instead: stdlib (text), stdlib-chat (conversations, with --chat), or the "
+        "largest-digit task (with --chat, --preferences or --prompts; -held-out: problems none of the others holds)",
     )
     prepare.add_argument("--output", required=True, help="dataset directory to write")
     prepare.add_argument("--tokenizer", default="bpe", help="bpe (train one here), byte, or a tokenizer.json path")
@@ -78,6 +79,15 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the inputs are conversations (.jsonl with messages): chat template, loss on assistant tokens, packing",
     )
     prepare.add_argument("--seq-len", type=int, default=None, help="with --chat: the row length (data.seq_len)")
+    records = prepare.add_mutually_exclusive_group()
+    records.add_argument(
+        "--preferences", action="store_const", const="preferences", dest="records",
+        help="preference pairs for DPO (.jsonl with prompt, chosen, rejected), kept whole",
+    )
+    records.add_argument(
+        "--prompts", action="store_const", const="prompts", dest="records",
+        help="prompts with verifiable answers for GRPO (.jsonl with prompt, answer)",
+    )
     prepare.add_argument("--overwrite", action="store_true", help="replace a dataset prepared from other inputs")
     prepare.set_defaults(handler=_data_prepare)
 
@@ -126,13 +136,12 @@ def _rank_prefix() -> str:
 def _data_prepare(args: argparse.Namespace) -> int:
     from ferry.data import PrepareSpec, prepare_dataset
 
-    if args.chat:
+    if args.chat or args.records:
         given = (("--vocab-size", args.vocab_size), ("--text-field", args.text_field))
         ignored = [flag for flag, value in given if value is not None]
         if ignored:
-            raise UserError(
-                f"{' and '.join(ignored)}: --chat reads 'messages' with the --tokenizer given; leave it out"
-            )
+            flag = "--chat" if args.chat else f"--{args.records}"
+            raise UserError(f"{' and '.join(ignored)}: {flag} reads its fields with the --tokenizer given; leave it out")
     spec = PrepareSpec(
         inputs=list(args.inputs),
         embedded=args.embedded,
@@ -144,14 +153,22 @@ def _data_prepare(args: argparse.Namespace) -> int:
         shard_tokens=args.shard_tokens,
         chat=args.chat,
         seq_len=args.seq_len,
+        records=args.records,
     )
     result = prepare_dataset(spec, args.output, overwrite=args.overwrite)
     manifest = result.manifest
     state = "prepared" if result.rebuilt else "up to date"
+    tokenizer = f"{manifest['tokenizer']['kind']} tokenizer with {manifest['tokenizer']['vocab_size']:,} tokens"
+    records = manifest.get("records")
+    if records:
+        print(
+            f"ferry: dataset {state}: {result.output} — {records['count']:,} {records['kind']} records "
+            f"({manifest['total_tokens']:,} tokens, each record kept whole), {tokenizer}"
+        )
+        return 0
     print(
         f"ferry: dataset {state}: {result.output} — {manifest['total_tokens']:,} tokens from "
-        f"{manifest['documents']:,} documents in {len(manifest['shards'])} shard(s), "
-        f"{manifest['tokenizer']['kind']} tokenizer with {manifest['tokenizer']['vocab_size']:,} tokens"
+        f"{manifest['documents']:,} documents in {len(manifest['shards'])} shard(s), {tokenizer}"
     )
     chat = manifest.get("chat")
     if chat:

@@ -4,7 +4,9 @@ The output directory holds `tokenizer.json`, `shard-NNNNN.npy` files (one token
 stream, every document followed by end-of-text) and `manifest.json` with token
 counts and the sha256 of every source and shard. Conversations (`--chat`) are
 rendered with the chat template, packed into rows of `seq_len` tokens, and get a
-parallel `mask-NNNNN.npy` stream: 1 where a token is trained (assistant text). It is written to a temporary
+parallel `mask-NNNNN.npy` stream: 1 where a token is trained (assistant text). Preference pairs
+(`--preferences`) and prompts with answers (`--prompts`) are kept as whole records
+(`ferry.data.records`). Everything is written to a temporary
 directory and renamed into place, so an interrupted prepare never leaves a
 half-written dataset behind, and an up-to-date dataset is not rebuilt.
 """
@@ -24,9 +26,12 @@ import numpy as np
 from ferry.config.errors import UserError
 from ferry.data.chat import CHAT_TEMPLATE, ChatEncoder, parse_messages, with_chat_tokens
 from ferry.data.conversations import EMBEDDED_CONVERSATIONS, embedded_conversations, read_conversations
-from ferry.data.corpus import EMBEDDED_CORPORA, Document, embedded_documents, jsonl_records
+from ferry.data.corpus import EMBEDDED_CORPORA, Document, embedded_documents, jsonl_records, within_budget
 from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, TOKENIZER_NAME, sha256_file
 from ferry.data.packing import RowPacker
+from ferry.data.record_sources import read_record_rows, write_records
+from ferry.data.records import RECORD_FIELDS
+from ferry.data.tasks import EMBEDDED_TASKS, task_documents
 from ferry.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, encode_documents, load_tokenizer
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -47,6 +52,7 @@ class PrepareSpec:
     shard_tokens: int = 1 << 24
     chat: bool = False
     seq_len: int | None = None
+    records: str | None = None
 
 
 @dataclass
@@ -103,6 +109,22 @@ def _check_spec(spec: PrepareSpec) -> None:
         raise UserError(f"--shard-tokens must be positive, got {spec.shard_tokens}")
     if spec.tokenizer not in ("bpe", "byte") and not Path(spec.tokenizer).is_file():
         raise UserError(f"--tokenizer {spec.tokenizer!r}: no such file (bpe, byte, or a tokenizer.json path)")
+    if spec.records is not None and spec.records not in RECORD_FIELDS:
+        raise UserError(f"unknown record kind {spec.records!r}; kinds: {', '.join(RECORD_FIELDS)}")
+    if spec.records is not None and spec.chat:
+        raise UserError(f"--{spec.records} and --chat prepare different datasets; give one of them")
+    if spec.embedded in EMBEDDED_TASKS and not (spec.chat or spec.records):
+        raise UserError(f"--embedded {spec.embedded} is a task: add --chat --seq-len N, --preferences or --prompts")
+    if spec.embedded and spec.embedded not in EMBEDDED_TASKS and spec.records:
+        raise UserError(f"--embedded {spec.embedded} holds no {spec.records}; the embedded task is {EMBEDDED_TASKS[0]}")
+    if spec.records is not None:
+        if spec.tokenizer in ("bpe", "byte"):
+            raise UserError(
+                f"--{spec.records} tokenizes with the model's tokenizer and its chat template: give --tokenizer PATH "
+                "(e.g. the SFT dataset's tokenizer.json)"
+            )
+        if spec.seq_len is not None:
+            raise UserError(f"--seq-len sets the rows conversations are packed into; --{spec.records} keeps records whole")
     if spec.embedded in EMBEDDED_CONVERSATIONS and not spec.chat:
         raise UserError(f"--embedded {spec.embedded} is a set of conversations: add --chat --seq-len N")
     if spec.embedded in EMBEDDED_CORPORA and spec.chat:
@@ -121,10 +143,15 @@ def _check_spec(spec: PrepareSpec) -> None:
 
 def _document_source(spec: PrepareSpec) -> Callable[[], Iterator[Document]]:
     """A function that yields the documents afresh (BPE training and encoding each need a pass)."""
+    if spec.embedded in EMBEDDED_TASKS:
+        view = spec.records or "chat"
+        return lambda: within_budget(task_documents(spec.embedded, view), spec.embedded_max_bytes, spec.embedded_skip_bytes)
     if spec.embedded:
         embedded = embedded_conversations if spec.chat else embedded_documents
         return lambda: embedded(spec.embedded, spec.embedded_max_bytes, spec.embedded_skip_bytes)
     files = _collect_files(spec.inputs)
+    if spec.records:
+        return lambda: (doc for path in files for doc in read_record_rows(path, spec.records))
     if spec.chat:
         return lambda: (doc for path in files for doc in read_conversations(path))
     return lambda: (doc for path in files for doc in _read_documents(path, spec.text_field))
@@ -191,6 +218,8 @@ def _settings(spec: PrepareSpec) -> dict:
         settings["embedded_skip_bytes"] = spec.embedded_skip_bytes
     if spec.chat:
         settings["chat"] = {"template": CHAT_TEMPLATE, "seq_len": spec.seq_len}
+    if spec.records:
+        settings["records"] = {"kind": spec.records, "template": CHAT_TEMPLATE}
     if spec.tokenizer == "bpe":
         settings["vocab_size"] = spec.vocab_size
     elif spec.tokenizer != "byte":
@@ -207,6 +236,8 @@ def _make_tokenizer(spec: PrepareSpec, documents: Callable[[], Iterator[Document
 
 
 def _write_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Document]], staging: Path) -> dict:
+    if spec.records:
+        return _write_record_dataset(spec, documents, staging)
     if spec.chat:
         return _write_conversations(spec, documents, staging)
     tokenizer = _make_tokenizer(spec, documents)
@@ -260,6 +291,23 @@ def _write_conversations(spec: PrepareSpec, documents: Callable[[], Iterator[Doc
     return manifest
 
 
+def _write_record_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Document]], staging: Path) -> dict:
+    """Preference pairs or prompts, each kept whole, tokenized with the chat template."""
+    tokenizer = with_chat_tokens(load_tokenizer(spec.tokenizer))
+    records = write_records(documents(), spec.records, ChatEncoder(tokenizer), staging)
+    (staging / TOKENIZER_NAME).write_text(tokenizer.to_json(), encoding="utf-8")
+    records["files"] = [{"file": name, "sha256": sha256_file(staging / name)} for name in records["files"]]
+    return {
+        "format": DATASET_FORMAT,
+        "version": DATASET_VERSION,
+        "tokenizer": _tokenizer_record(tokenizer, staging),
+        "documents": records["count"],
+        "total_tokens": records.pop("tokens"),
+        "shards": [],
+        "records": records,
+    }
+
+
 def _token_dtype(tokenizer: Tokenizer) -> type:
     return np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
@@ -270,17 +318,21 @@ def _manifest(tokenizer: Tokenizer, staging: Path, writer: _ShardWriter, documen
     return {
         "format": DATASET_FORMAT,
         "version": DATASET_VERSION,
-        "tokenizer": {
-            "kind": tokenizer.kind,
-            "vocab_size": tokenizer.vocab_size,
-            "eos_id": tokenizer.eos_id,
-            "file": TOKENIZER_NAME,
-            "sha256": sha256_file(staging / TOKENIZER_NAME),
-        },
+        "tokenizer": _tokenizer_record(tokenizer, staging),
         "dtype": np.dtype(writer.dtype).name,
         "documents": document_count,
         "total_tokens": writer.total_tokens,
         "shards": writer.shards,
+    }
+
+
+def _tokenizer_record(tokenizer: Tokenizer, staging: Path) -> dict:
+    return {
+        "kind": tokenizer.kind,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "file": TOKENIZER_NAME,
+        "sha256": sha256_file(staging / TOKENIZER_NAME),
     }
 
 

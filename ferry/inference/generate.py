@@ -47,6 +47,16 @@ class GenerationResult:
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
+@dataclass(frozen=True)
+class GenerationSync:
+    """How the ranks of a job that share every forward (expert parallelism) keep decoding in step:
+    agree on the longest prompt (so every cache has one capacity) and on whether every row of
+    every rank has finished."""
+
+    longest: Callable[[int], int]
+    all_finished: Callable[[bool], bool]
+
+
 @torch.inference_mode()
 def generate(
     model: Transformer,
@@ -54,13 +64,16 @@ def generate(
     config: GenerationConfig,
     eos_id: int | None = None,
     decode: Callable[[list[int]], str] | None = None,
+    row_seeds: Sequence[int] | None = None,
+    sync: GenerationSync | None = None,
 ) -> GenerationResult:
     """Continue every prompt until EOS, a stop string (needs `decode`) or `max_new_tokens`.
 
     The prompts are left-padded into one batch and run once (prefill); then each step
     feeds every row's newest token. A row that has finished keeps being fed (its
     outputs are ignored) so the batch stays rectangular. The cache holds the longest
-    prompt plus the new tokens, within `model.config.max_seq_len`.
+    prompt plus the new tokens, within `model.config.max_seq_len`. `row_seeds` gives each
+    row its own sampling generator (default: one generator seeded with `config.seed`).
     """
     if not prompts or any(len(prompt) == 0 for prompt in prompts):
         raise UserError("generate: every prompt needs at least one token")
@@ -68,6 +81,8 @@ def generate(
         raise UserError("generate: stop strings need a tokenizer to decode the completions")
     max_len = model.config.max_seq_len
     longest = max(len(prompt) for prompt in prompts)
+    if sync is not None:
+        longest = sync.longest(longest)
     if longest >= max_len:
         raise UserError(f"generate: a prompt of {longest} tokens leaves no room in model.max_seq_len ({max_len})")
     parameter = next(model.parameters())
@@ -79,12 +94,18 @@ def generate(
         tokens_BS[row, int(pad_B[row]) :] = torch.tensor(list(prompt), dtype=torch.long)
     capacity = min(longest + config.max_new_tokens - 1, max_len)
     cache = KVCache(model.config, pad_B, capacity, parameter.dtype, device)
-    generator = torch.Generator().manual_seed(config.seed)
+    if row_seeds is not None and len(row_seeds) != len(prompts):
+        raise ValueError(f"generate: {len(row_seeds)} row seeds for {len(prompts)} prompts")
+    generator: torch.Generator | list[torch.Generator] = (
+        torch.Generator().manual_seed(config.seed)
+        if row_seeds is None
+        else [torch.Generator().manual_seed(seed) for seed in row_seeds]
+    )
     completions = [Completion(prompt_tokens=list(prompt)) for prompt in prompts]
     was_training = model.training
     model.eval()
     try:
-        timings = _decode(model, tokens_BS.to(device), cache, config, generator, completions, eos_id, decode)
+        timings = _decode(model, tokens_BS.to(device), cache, config, generator, completions, eos_id, decode, sync)
     finally:
         model.train(was_training)
     if decode is not None:
@@ -104,10 +125,11 @@ def _decode(
     tokens_BS: torch.Tensor,
     cache: KVCache,
     config: GenerationConfig,
-    generator: torch.Generator,
+    generator: torch.Generator | list[torch.Generator],
     completions: list[Completion],
     eos_id: int | None,
     decode: Callable[[list[int]], str] | None,
+    sync: GenerationSync | None = None,
 ) -> tuple[float, float]:
     """Prefill, then a token per step until every completion has ended; the seconds of each phase."""
     device = tokens_BS.device
@@ -124,7 +146,8 @@ def _decode(
                 completion.tokens.append(token)
                 completion.logprobs.append(logprob)
                 completion.finish_reason = _finished(completion, token, eos_id, config, decode, cache)
-        if all(completion.finish_reason is not None for completion in completions):
+        finished = all(completion.finish_reason is not None for completion in completions)
+        if sync.all_finished(finished) if sync is not None else finished:
             break
         logits_BV = model(chosen_B[:, None].to(device), cache).logits_BSV[:, -1]
     _synchronize(device)

@@ -12,17 +12,24 @@ from ferry.inference.config import GenerationConfig
 
 
 def next_tokens(
-    logits_BV: torch.Tensor, config: GenerationConfig, generator: torch.Generator
+    logits_BV: torch.Tensor, config: GenerationConfig, generator: torch.Generator | list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chosen token of every row and its log-probability under the model (temperature 1, unfiltered),
-    which is what a policy-gradient update needs."""
+    which is what a policy-gradient update needs.
+
+    With one generator per row, each row's draws depend on its own seed alone, not on which
+    other rows share the batch (RL rollouts draw the same tokens whatever the world size).
+    """
     logits_BV = logits_BV.float().cpu()
     logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
     if config.temperature == 0.0:
         tokens_B = logits_BV.argmax(dim=-1)
     else:
-        scores_BV = filter_scores(logits_BV / config.temperature, config.top_k, config.top_p)
-        tokens_B = torch.multinomial(torch.softmax(scores_BV, dim=-1), 1, generator=generator).squeeze(1)
+        probs_BV = torch.softmax(filter_scores(logits_BV / config.temperature, config.top_k, config.top_p), dim=-1)
+        if isinstance(generator, list):
+            tokens_B = torch.cat([torch.multinomial(row_V, 1, generator=g) for row_V, g in zip(probs_BV, generator)])
+        else:
+            tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
     return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
 
 

@@ -36,13 +36,15 @@ class StepMetrics:
         Compute is the phases' time not spent blocked in communication; MFU counts the
         model's FLOPs (not recomputation or padding) over all devices' peak.
         """
-        compute_s = max(times.forward_s + times.backward_s + times.optimizer_s - times.blocked_s, 0.0)
+        busy_s = times.forward_s + times.backward_s + times.optimizer_s + times.generate_s
+        compute_s = max(busy_s - times.blocked_s, 0.0)
         tokens_per_s = tokens / times.step_s
         return {
             "step_s": times.step_s,
             "forward_s": times.forward_s,
             "backward_s": times.backward_s,
             "optimizer_s": times.optimizer_s,
+            "generate_s": times.generate_s,
             "compute_s": compute_s,
             "comm_s": times.comm_s,
             "comm_compute_ratio": times.comm_s / compute_s if compute_s > 0 else None,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-PHASES = ("forward", "backward", "optimizer")
+PHASES = ("forward", "backward", "optimizer", "generate")
 WAITS = ("comm", "ep_wait")
 REGIONS = PHASES + WAITS
 _BLOCKED = "blocked"
@@ -40,6 +40,7 @@ class StepTimes:
     comm_s: float
     ep_wait_s: float
     blocked_s: float
+    generate_s: float = 0.0
 
 
 class StepTimer:
@@ -107,6 +108,7 @@ class StepTimer:
             comm_s=seconds["comm"],
             ep_wait_s=seconds["ep_wait"],
             blocked_s=seconds[_BLOCKED],
+            generate_s=seconds["generate"],
         )
 
     def _mark(self) -> object:

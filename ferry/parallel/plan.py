@@ -74,6 +74,17 @@ class ParallelPlan:
             return self.dp is None or self.dp.rank == 0
         return self.context.rank == 0
 
+    def lay_out_frozen(self, model: Transformer) -> None:
+        """Give a second model (a frozen reference, built like the trained one) this plan's expert layout,
+        so checkpoint pieces land in it as in the trained model and its forwards join the same all-to-alls."""
+        if self.config.mode == "fsdp" and self.context.is_distributed:
+            raise UserError("a reference model needs parallel.mode: ep (FSDP mode is the weight-gathering baseline)")
+        if self.ep is not None and self.config.mode == "ep" and self.config.ep > 1:
+            num_experts = model.config.moe.num_experts
+            for layer in model.moe_layers():
+                shard_experts(layer.experts, self.ep.rank, self.config.ep)
+                layer.dispatcher = AllToAllDispatcher(self.ep, num_experts)
+
     def layout(self) -> dict:
         return {"world_size": self.context.world_size, "ep": self.config.ep, "mode": self.config.mode}
 

@@ -9,12 +9,12 @@ to know that a result came from the chain it claims.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
+from ferry.checkpoint.digests import checkpoint_digest
 from ferry.checkpoint.format import MANIFEST_NAME
 from ferry.config import UserError
 from ferry.data.manifest import sha256_file
@@ -22,10 +22,6 @@ from ferry.data.manifest import sha256_file
 LINEAGE_FILE = "lineage.json"
 LINEAGE_FORMAT = "ferry-lineage"
 LINEAGE_VERSION = 1
-
-
-def checkpoint_digest(path: Path) -> str:
-    return hashlib.sha256((path / MANIFEST_NAME).read_bytes()).hexdigest()
 
 
 def dataset_record(name: str, path: str, weight: float | None = None) -> dict[str, Any]:

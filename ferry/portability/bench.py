@@ -127,12 +127,22 @@ def input_tokens_digest(config: RunConfig, steps: int) -> str:
 def bench_record(
     suite: BenchSuite, config: RunConfig, overrides, nproc: int, run: dict, metrics: list[dict], tokens_digest: str
 ) -> dict:
-    """The record of one measurement from the run's manifest and its per-step metrics."""
+    """The record of one measurement from the run's manifest and its per-step metrics.
+
+    Refused without the digest of the initial weights: the trainer leaves it out when the run did not start
+    from the suite's seed (init_from), and an input digest over "None" would match every such run whatever
+    weights it started from.
+    """
     measured = [record for record in metrics if record["step"] > suite.warmup_steps]
     if len(measured) < suite.measured_steps:
         raise BenchError(f"the run recorded {len(measured)} measured steps of {suite.measured_steps}")
-    spread = {name: _spread([record.get(key) for record in measured]) for name, key in FIGURES.items()}
     weights = run.get("initial_weights_xxh3")
+    if not isinstance(weights, str) or not weights:
+        raise BenchError(
+            f"the run of {suite.name} recorded no digest of its initial weights (initial_weights_xxh3 in run.json "
+            f"is {weights!r}): it did not start from the suite's seed, so its inputs cannot be compared"
+        )
+    spread = {name: _spread([record.get(key) for record in measured]) for name, key in FIGURES.items()}
     hardware = run.get("hardware", {})
     return {
         "kind": RECORD_KIND,

@@ -123,6 +123,7 @@ class _Record(BaseModel):
     suite_digest: str
     input_digest: str
     workload_digest: str
+    weights_digest: str = Field(min_length=1, description="a record without it did not start from the suite's seed")
     device: str
     nproc: int = Field(ge=1)
     tokens_per_s_per_device: float = Field(gt=0, allow_inf_nan=False)

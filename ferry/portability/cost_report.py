@@ -123,12 +123,28 @@ def _print(console: Console, data: dict) -> None:
             f"{row['cost_to_train_own_usd']:,.0f}",
         )
     console.print(table)
-    for row in data["scaling"]:
-        if row["communication_dominates"]:
-            console.print(
-                f"[yellow]communication dominates at world size {row['world_size']} (ep {row['ep_degree']}): "
-                f"comm/compute {row['comm_compute_ratio']:.2f}[/]"
-            )
+    if data["scaling"]:
+        _print_scaling(console, data["scaling"])
+
+
+def _print_scaling(console: Console, scaling: list[dict]) -> None:
+    """The scaling view as cost.md has it: the flag alone would say that communication dominates somewhere,
+    not how throughput per device fell on the way there."""
+    table = Table(title="Scaling: throughput per device and communication by layout")
+    for column in ("device", "world size", "EP", "tok/s/device", "vs smallest", "comm/compute", "comm share", ""):
+        table.add_column(column, justify="left" if column in ("device", "") else "right")
+    for row in scaling:
+        table.add_row(
+            escape(row["device"]),
+            str(row["world_size"]),
+            str(row["ep_degree"]),
+            f"{row['tokens_per_s_per_device']:,.0f}",
+            f"{row['per_device_vs_smallest']:.2f}",
+            _ratio(row["comm_compute_ratio"]),
+            _ratio(row["comm_share_of_step"]),
+            "[bold yellow]communication dominates[/]" if row["communication_dominates"] else "",
+        )
+    console.print(table)
 
 
 def render_markdown(data: dict, inputs: CostInputs, charts: list[str]) -> str:

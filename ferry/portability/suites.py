@@ -22,13 +22,29 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ferry.config import ConfigError, Section, UserError, apply_overrides
-from ferry.config.loader import validate
+from ferry.config.loader import parse_override, validate
 from ferry.config.named import read_named_yaml
 from ferry.model import count_model
 from ferry.train.config import RunConfig
 
 SUITES_DIR = Path("benchmarks") / "suites"
-_FIXED = ("run.", "train.steps", "train.log_every", "train.stop_at", "data.", "checkpoint.", "resume", "fault.")
+# What makes a run a measurement of its suite, refused as overrides: where it runs and writes, how many steps,
+# its data, checkpoints, resuming and faults; and what it starts from and optimises. `init_from` (with
+# `init_optimizer`) would replace the seed's initial weights, whose digest the trainer then clears, so the input
+# digest could not tell the runs apart; `train.objective` turns the same tokens into another computation.
+_FIXED = (
+    "run",
+    "train.steps",
+    "train.log_every",
+    "train.stop_at",
+    "train.objective",
+    "data",
+    "checkpoint",
+    "resume",
+    "fault",
+    "init_from",
+    "init_optimizer",
+)
 
 
 class BenchSuite(Section):
@@ -59,14 +75,15 @@ class BenchSuite(Section):
 
         Overrides may change what a comparison varies (kernels, precision, layout, the model to try a
         variant); never what makes it a measurement of this suite: where it runs and writes, how many
-        steps, its data, checkpoints or resuming.
+        steps, its data, checkpoints or resuming, the weights it starts from (`init_from`,
+        `init_optimizer`) or the objective it trains (`train.objective`).
         """
         for text in overrides:
-            key = text.partition("=")[0].strip()
-            if key.startswith(_FIXED):
+            key = _fixed_key(text)
+            if key is not None:
                 raise UserError(
-                    f"ferry bench: {key} is fixed by the suite (run, steps, data, checkpoints, resume); "
-                    "change the suite file instead"
+                    f"ferry bench: {key} is fixed by the suite (run, steps, objective, data, checkpoints, resume, "
+                    "faults, the initial weights: init_from, init_optimizer); change the suite file instead"
                 )
         fixed = [
             f"run.name={self.name}",
@@ -85,6 +102,18 @@ class BenchSuite(Section):
             return validate(RunConfig, raw)
         except ConfigError as exc:
             raise ConfigError(f"suite {self.name}: {exc}") from None
+
+
+def _fixed_key(text: str) -> str | None:
+    """The key of override `text` when it sets a fixed key, inside one (`run.seed`) or over one by replacing
+    its section (`train={objective: dpo}`); None when it may vary. Keys are compared as parsed, so quoting
+    (`train."objective"`) does not slip past."""
+    keys, _ = parse_override(text)
+    for fixed in _FIXED:
+        parts = fixed.split(".")
+        if keys[: len(parts)] == parts or parts[: len(keys)] == keys:
+            return ".".join(keys)
+    return None
 
 
 def load_suite(spec: str) -> BenchSuite:
@@ -158,19 +187,25 @@ def memory_estimate(config: RunConfig, world_size: int, device: str) -> MemoryEs
     return MemoryEstimate(int(state), int(activations + logits + copies), int(moments * 4))
 
 
-def device_memory_bytes(device: str) -> tuple[str, int]:
-    """(what, bytes) of memory one rank has on `device`: the GPU's, or the host's for a CPU run."""
+def device_memory_bytes(device: str, ranks: int = 1) -> tuple[str, int]:
+    """(what, bytes) of memory one rank has on `device`: the host's for a CPU run; on a GPU, the smallest of
+    the GPUs the first `ranks` local ranks take (rank i runs on GPU i), since the rank on it fails first."""
     if device == "cpu":
         return "this host", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     import torch
 
-    properties = torch.cuda.get_device_properties(0)
-    return properties.name, properties.total_memory
+    gpus = [torch.cuda.get_device_properties(index) for index in range(ranks)]
+    index = min(range(ranks), key=lambda i: gpus[i].total_memory)
+    smallest = gpus[index]
+    if len({gpu.total_memory for gpu in gpus}) > 1:
+        return f"{smallest.name} (GPU {index}, the smallest of the {ranks} the ranks take)", smallest.total_memory
+    return smallest.name, smallest.total_memory
 
 
 def check_fits(suite: BenchSuite, config: RunConfig, world_size: int) -> MemoryEstimate:
-    """Refuse, before anything runs, a suite that needs a device this machine lacks, or more memory than one
-    rank has here (keeping 5% free)."""
+    """Refuse, before anything runs, a suite that needs a device this machine lacks, fewer GPUs than it has
+    ranks (each local rank takes a GPU of its own: with too few, ranks would land on GPUs that do not exist and
+    crash after the launch), or more memory than one rank has here (keeping 5% free)."""
     import torch
 
     device = config.run.device if config.run.device != "auto" else _auto_device()
@@ -181,7 +216,13 @@ def check_fits(suite: BenchSuite, config: RunConfig, world_size: int) -> MemoryE
             f"{_gib(estimate.total_bytes)} GiB per rank ({estimate.describe()}); run it on a GPU machine, or with "
             "--device cpu where the host can hold it"
         )
-    where, available = device_memory_bytes(device)
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise UserError(
+            f"suite {suite.name} runs {world_size} ranks on cuda, one GPU each, but {torch.cuda.device_count()} "
+            f"GPU(s) are visible here; run it on a host with {world_size} GPUs, or with fewer ranks (--nproc, "
+            "with parallel.ep dividing it)"
+        )
+    where, available = device_memory_bytes(device, world_size)
     per_rank = available / world_size if device == "cpu" else available
     if estimate.total_bytes > HEADROOM * per_rank:
         raise UserError(

@@ -22,6 +22,7 @@ from ferry.model.config import ModelConfig
 from ferry.parallel.config import ParallelConfig
 from ferry.precision.config import PrecisionConfig
 from ferry.train.fault_config import FaultConfig
+from ferry.train.objective_config import DPOConfig, GRPOConfig, Objective
 
 
 class RunSection(Section):
@@ -65,8 +66,11 @@ class OptimConfig(Section):
 class TrainConfig(Section):
     """How long and with what batch; the global batch is fixed whatever the world size."""
 
+    objective: Objective = Field("lm", description="lm (next token; SFT with a loss mask), dpo or grpo")
     steps: int = Field(100, ge=1)
-    global_batch: int = Field(16, ge=1, description="sequences per optimizer step, over all ranks")
+    global_batch: int = Field(
+        16, ge=1, description="sequences per optimizer step, over all ranks (dpo: pairs; grpo: prompts)"
+    )
     micro_batch: int = Field(8, ge=1, description="sequences per forward pass on one rank")
     log_every: int = Field(10, ge=1, description="console line interval (metrics.jsonl gets every step)")
     stop_at: int | None = Field(
@@ -103,6 +107,8 @@ class RunConfig(Section):
     profile: ProfileConfig = ProfileConfig()
     fault: FaultConfig = FaultConfig()
     eval: EvalConfig = EvalConfig()
+    dpo: DPOConfig = DPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
     resume: str | None = Field(
         None,
         min_length=1,

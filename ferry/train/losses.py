@@ -37,11 +37,21 @@ def compute_loss(
     targets_T = targets_BS.reshape(-1)
     lm_loss_sum = F.cross_entropy(logits_TV, targets_T, ignore_index=IGNORE_INDEX, reduction="sum")
     correct = (logits_TV.detach().argmax(dim=-1) == targets_T).sum()
-    if output.moe_stats:
-        aux_loss = torch.stack([stats.aux_loss for stats in output.moe_stats]).mean()
-        z_loss = torch.stack([stats.z_loss for stats in output.moe_stats]).mean()
-    else:
-        aux_loss = z_loss = logits_TV.new_zeros(())
-    router = moe.aux_loss_coef * aux_loss + moe.z_loss_coef * z_loss
-    objective = lm_loss_sum / max(trained_in_step, 1) + share_of_step * router
+    aux_loss, z_loss = router_losses(output)
+    objective = lm_loss_sum / max(trained_in_step, 1) + share_of_step * router_objective(moe, aux_loss, z_loss)
     return LossParts(objective, lm_loss_sum.detach(), correct, aux_loss.detach(), z_loss.detach())
+
+
+def router_losses(output: ModelOutput) -> tuple[torch.Tensor, torch.Tensor]:
+    """The balancing and z losses of the forward, each a mean over its MoE layers (zero without any)."""
+    if not output.moe_stats:
+        zero = output.logits_BSV.new_zeros((), dtype=torch.float32)
+        return zero, zero
+    aux_loss = torch.stack([stats.aux_loss for stats in output.moe_stats]).mean()
+    z_loss = torch.stack([stats.z_loss for stats in output.moe_stats]).mean()
+    return aux_loss, z_loss
+
+
+def router_objective(moe: MoEConfig, aux_loss: torch.Tensor, z_loss: torch.Tensor) -> torch.Tensor:
+    """What the routers' losses add to any objective: the same weights whatever is being trained."""
+    return moe.aux_loss_coef * aux_loss + moe.z_loss_coef * z_loss

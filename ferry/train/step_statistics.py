@@ -14,20 +14,27 @@ from ferry.train.losses import LossParts
 
 
 class StepStatistics:
-    """Sums over the micro-batches of this rank, then (after `reduce`) over every rank."""
+    """Sums over the micro-batches of this rank, then (after the plan's `sum_over_ranks(totals)`) over every
+    rank. `extra` slots hold an objective's own sums (DPO rewards, GRPO rewards and clip counts)."""
 
-    def __init__(self, num_layers: int, num_experts: int, device: torch.device):
+    def __init__(self, num_layers: int, num_experts: int, device: torch.device, extra: int = 0):
         per_layer = num_layers * num_experts
-        self.totals = torch.zeros(4 + 2 * per_layer + num_layers, dtype=torch.float64, device=device)
+        self.totals = torch.zeros(4 + 2 * per_layer + num_layers + extra, dtype=torch.float64, device=device)
         self.sums_4 = self.totals[:4]
         self.counts_LE = self.totals[4 : 4 + per_layer].view(num_layers, num_experts)
         self.mean_prob_LE = self.totals[4 + per_layer : 4 + 2 * per_layer].view(num_layers, num_experts)
-        self.entropy_L = self.totals[4 + 2 * per_layer :]
+        self.entropy_L = self.totals[4 + 2 * per_layer : 4 + 2 * per_layer + num_layers]
+        self.extra = self.totals[4 + 2 * per_layer + num_layers :]
 
     def add(self, parts: LossParts, output: ModelOutput, share: float) -> None:
         """One micro-batch, `share` of the global batch: loss sums as they are, means weighted by share."""
         correct = parts.correct.to(parts.lm_loss_sum.dtype)
-        self.sums_4 += torch.stack([parts.lm_loss_sum, correct, share * parts.aux_loss, share * parts.z_loss]).double()
+        self.sums_4[:2] += torch.stack([parts.lm_loss_sum, correct]).double()
+        self.add_router(parts.aux_loss, parts.z_loss, output, share)
+
+    def add_router(self, aux_loss: torch.Tensor, z_loss: torch.Tensor, output: ModelOutput, share: float) -> None:
+        """The routers' losses and loads of one forward that is `share` of the step."""
+        self.sums_4[2:] += torch.stack([share * aux_loss.detach(), share * z_loss.detach()]).double()
         for index, stats in enumerate(output.moe_stats):
             self.counts_LE[index] += stats.tokens_per_expert_E
             self.mean_prob_LE[index] += share * stats.mean_prob_E.double()

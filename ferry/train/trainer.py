@@ -32,7 +32,7 @@ from ferry.checkpoint import (
 from ferry.comm import init_distributed, launcher_ranks
 from ferry.comm.process_group import shutdown
 from ferry.config import UserError
-from ferry.data import DataCursor, MixedLoader, document_ids
+from ferry.data import DataCursor, document_ids
 from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.inference import HeldOutEvaluation, eval_record
 from ferry.kernels import select_kernels
@@ -66,7 +66,7 @@ from ferry.train.checkpointing import (
     train_state_pieces,
 )
 from ferry.train.config import RunConfig
-from ferry.train.losses import compute_loss
+from ferry.train.objectives import build_loader, build_objective
 from ferry.train.optimizer import decayed_parameter_names, learning_rate
 from ferry.train.resilience import Resilience, restarted_by_torchrun
 from ferry.train.run_record import RunRecord, prepare_run_dir
@@ -91,11 +91,11 @@ class Trainer:
         self.context = init_distributed(config.comm, self.device)
         self.rank, self.world_size = self.context.rank, self.context.world_size
         self.resilience = Resilience(config, self.rank, self.world_size, started_unix)
-        self.resilience.agree = self._largest_over_ranks
+        self.resilience.agree = self.largest_over_ranks
         config.check_world_size(self.world_size)
         self.profile = _profile(config.hardware, self.device)
         self.precision = resolve_precision(config.precision, self.profile)
-        self.loader = MixedLoader(config.data, seed=config.run.seed, global_batch=train.global_batch)
+        self.loader = build_loader(config)
         tokenizer_vocab = self.loader.tokenizer["vocab_size"]
         if config.model.vocab_size < tokenizer_vocab:
             raise UserError(
@@ -103,8 +103,9 @@ class Trainer:
                 f"vocabulary ({tokenizer_vocab}) of {self.loader.datasets[0].label}; a model that will learn added "
                 "tokens (the chat tokens of SFT) needs the rows from pre-training on: init_from keeps vocab_size"
             )
+        token_eval = config.eval if train.objective == "lm" else config.eval.model_copy(update={"sources": []})
         self.evaluation = HeldOutEvaluation(
-            config.eval, config.data.seq_len, config.eval.batch_size or train.global_batch, train.micro_batch,
+            token_eval, config.data.seq_len, config.eval.batch_size or train.global_batch, train.micro_batch,
             document_eos=self.loader.tokenizer["eos_id"] if config.data.document_masking else None,
         )
         first = self.loader.datasets[0]
@@ -139,6 +140,8 @@ class Trainer:
         self.plan.attach_timer(self.metrics.timer)
         self.hub: MetricsHub | None = None
         self.carried: dict[str, str] = {}
+        self.tokens_seen = 0
+        self.objective = build_objective(self)
 
     @property
     def is_main(self) -> bool:
@@ -161,6 +164,7 @@ class Trainer:
         found, notes, resume_times = self._resume(resume)
         if config.init_from is not None and not (found and found.checkpoint):
             notes += self._initialize_from(Path(config.init_from))
+        notes += self.objective.prepare(self)
         # `latest` with nothing to resume from is a run resumed at step 0: its records are its own
         resumed_step = found.checkpoint.step if found and found.checkpoint else (0 if resume == "latest" else None)
         run_dir = config.run.path
@@ -209,13 +213,13 @@ class Trainer:
                 resilience.before_step(step)
                 last = self.train_step()
                 resilience.after_step(last)
-                if self.evaluation.due(self.cursor.step, config.train.steps):
+                if self._evaluation_due(self.cursor.step):
                     last.update(resilience.evaluate(self.evaluate))
                 losses.append(last["loss"])
                 if resilience.save_due(self.cursor.step, checkpoints):
                     resilience.save(self.cursor.step, checkpoints, self.checkpoint_state, last)
                 self.hub.write(last)
-                if "eval.loss" in last:
+                if any(key.startswith("eval") for key in last):
                     self.hub.message(_eval_line(last))
                 trace.step_finished(last["step"])
             if config.checkpoint.enabled and checkpoints.last_step != self.cursor.step:
@@ -273,10 +277,12 @@ class Trainer:
             "optimizer": optimizer_record(self.model, self.optimizer),
             "loss_scaler": {"kind": self.scaler.kind, **self.scaler.state_dict()},
             "precision": self.precision.as_dict(),
+            "tokens_seen": self.tokens_seen,
+            "objective": self.objective.state(),
         }
         meta = CheckpointMeta(
             step=step,
-            tokens_seen=step * self.tokens_per_step,
+            tokens_seen=self.tokens_seen,
             layout=Layout(**self._layout()),
             model_config=config.model.model_dump(mode="json"),
             run_config=config.model_dump(mode="json"),
@@ -317,6 +323,8 @@ class Trainer:
             saved = scaler["kind"] if scaler else "absent"
             self.carried["loss_scaler"] = f"not in use here (the checkpoint's: {saved})"
         self.cursor = DataCursor.from_dict(state["data_cursor"])
+        self.tokens_seen = int(state.get("tokens_seen", self.cursor.step * self.tokens_per_step))
+        self.objective.load_state(state.get("objective"))
         return notes
 
     def train_step(self) -> dict:
@@ -329,29 +337,14 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         moe_layers = self.model.moe_layers()
-        statistics = StepStatistics(len(moe_layers), config.model.moe.num_experts, self.device)
-        autocast = self._autocast()
-        batches = self.loader.micro_batches(self.cursor, self.rank, self.world_size, config.train.micro_batch)
-        for batch in batches.micro:
-            share = batch.inputs_BS.shape[0] / config.train.global_batch
-            self.resilience.phase("forward")
-            with timer.region("forward"), autocast:
-                output = self.model(batch.inputs_BS.to(self.device), document_ids_BS=self._documents(batch.inputs_BS))
-                parts = compute_loss(
-                    output, batch.targets_BS.to(self.device), config.model.moe, batches.trained_targets, share
-                )
-            self.resilience.phase("backward")
-            with timer.region("backward"):
-                self.scaler.scale_loss(parts.objective).backward()
-            statistics.add(parts, output, share)
-        self.resilience.after_backward(step + 1, self.model)
-        self.resilience.phase("optimizer")
+        statistics = StepStatistics(
+            len(moe_layers), config.model.moe.num_experts, self.device, extra=self.objective.extra_statistics
+        )
+        outcome = self.objective.step(self, statistics)
         with timer.region("optimizer"):
-            grad_norm, stepped = self._apply_gradients(config.optim.grad_clip, step + 1)
             self.plan.sum_over_ranks(statistics.totals)
-            if stepped:
+            if outcome.stepped:
                 for layer, layer_counts_E in zip(moe_layers, statistics.counts_LE):
                     layer.router.update_bias(layer_counts_E)
         self.cursor = self.loader.advance(self.cursor)
@@ -359,51 +352,73 @@ class Trainer:
             collectives.flush()
         times = timer.stop()
         comm_bytes = sum(op.bytes for op in self.plan.stats.take().values())
-        lm_sum, correct, aux, z = statistics.losses()
-        trained = max(batches.trained_targets, 1)
-        lm_loss = lm_sum / trained
+        _, _, aux, z = statistics.losses()
+        figures = self.objective.figures(statistics, outcome)
+        self.tokens_seen += outcome.tokens
         moe = config.model.moe
         return {
             "step": self.cursor.step,
-            "loss": lm_loss + moe.aux_loss_coef * aux + moe.z_loss_coef * z,
-            "lm_loss": lm_loss,
+            "loss": figures.pop("loss") + moe.aux_loss_coef * aux + moe.z_loss_coef * z,
+            **figures,
             "aux_loss": aux,
             "z_loss": z,
-            "token_accuracy": correct / trained,
-            "trained_share": batches.trained_targets / self.tokens_per_step,
             "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens": self.cursor.step * self.tokens_per_step,
-            **self.metrics.record(times, tokens=self.tokens_per_step),
+            "grad_norm": outcome.grad_norm,
+            "tokens": self.tokens_seen,
+            **self.metrics.record(times, tokens=outcome.tokens),
             "comm_bytes": comm_bytes,
             "optimizer_state_mib": optimizer_state_bytes(self.optimizer) / 2**20,
             "loss_scale": self.scaler.scale,
             "skipped_steps": self.scaler.skipped_steps,
-            **moe_diagnostics(
-                statistics.counts_LE, statistics.mean_prob_LE, statistics.entropy_L, ep_degree=self._ep_degree()
-            ),
+            **self._moe_diagnostics(statistics),
         }
+
+    def _moe_diagnostics(self, statistics: StepStatistics) -> dict:
+        """Routing health of the step's training forwards; none when nothing was trained (a GRPO step whose
+        groups all had equal rewards)."""
+        if statistics.counts_LE.numel() and not bool((statistics.counts_LE.sum(dim=1) > 0).all()):
+            return {}
+        return moe_diagnostics(
+            statistics.counts_LE, statistics.mean_prob_LE, statistics.entropy_L, ep_degree=self._ep_degree()
+        )
+
+    def apply_update(self, step: int) -> tuple[float, bool]:
+        """After the backwards of an update: fault hooks, then reduce, unscale, clip and step (see
+        `_apply_gradients`); the gradient norm and whether the optimizer stepped."""
+        self.resilience.after_backward(step, self.model)
+        self.resilience.phase("optimizer")
+        with self.metrics.timer.region("optimizer"):
+            return self._apply_gradients(self.config.optim.grad_clip, step)
 
     def evaluate(self, progress: Callable[[], None]) -> dict:
         """Held-out loss and perplexity of every `eval` source, the same figures on every rank.
 
         Its collectives are left out of the next step's `comm_bytes`.
         """
-        losses = self.evaluation.run(
-            self.model, self.device, self.rank, self.world_size, self._autocast(), self.plan.sum_over_ranks, progress
-        )
+        record = {}
+        if self.evaluation.sources:
+            losses = self.evaluation.run(
+                self.model, self.device, self.rank, self.world_size, self.autocast(), self.plan.sum_over_ranks, progress
+            )
+            record = eval_record(losses)
+        if self.objective.evaluation_due(self.cursor.step, self.config.train.steps):
+            record.update(self.objective.evaluate(self, progress))
         for collectives in self.plan.collectives:
             collectives.flush()
         self.plan.stats.take()
-        return eval_record(losses)
+        return record
 
-    def _documents(self, inputs_BS: torch.Tensor) -> torch.Tensor | None:
+    def _evaluation_due(self, step: int) -> bool:
+        last = self.config.train.steps
+        return self.evaluation.due(step, last) or self.objective.evaluation_due(step, last)
+
+    def documents(self, inputs_BS: torch.Tensor) -> torch.Tensor | None:
         """Each position's document when `data.document_masking` is on (None: plain causal attention)."""
         if not self.config.data.document_masking:
             return None
         return document_ids(inputs_BS, self.loader.tokenizer["eos_id"]).to(self.device)
 
-    def _autocast(self) -> torch.autocast:
+    def autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.precision.torch_compute_dtype, enabled=self.precision.autocast)
 
     def _apply_gradients(self, grad_clip: float, step: int) -> tuple[float, bool]:
@@ -426,7 +441,7 @@ class Trainer:
         self.scaler.update(finite)
         return grad_norm, finite
 
-    def _largest_over_ranks(self, values: list[float]) -> list[float]:
+    def largest_over_ranks(self, values: list[float]) -> list[float]:
         """Each value's maximum over the ranks (the value itself in a single process)."""
         if not self.context.is_distributed:
             return values
@@ -445,7 +460,7 @@ class Trainer:
         """Start from the weights of the checkpoint at `path` (of the same model), and its AdamW state with
         `init_optimizer`; data position, step counter and schedule start fresh."""
         digests = (self.config.checkpoint.verify,)
-        checkpoint = find_resume_point(str(path), path, share=self._share(), digests=digests).checkpoint
+        checkpoint = find_resume_point(str(path), path, share=self.share(), digests=digests).checkpoint
         check_config(checkpoint, self.config)
         with_optimizer = self.config.init_optimizer
         if with_optimizer and not ("optimizer" in checkpoint.manifest.train_state and checkpoint.names("optim.")):
@@ -476,14 +491,14 @@ class Trainer:
             resume,
             config.checkpoint.path(config.run.path),
             prefetch,
-            self._share(),
+            self.share(),
             digests=(config.checkpoint.verify,),
         )
         verified = time.perf_counter()
         notes = self.restore(found.checkpoint) if found.checkpoint else []
         return found, notes, {"verify_s": verified - started, "restore_s": time.perf_counter() - verified}
 
-    def _share(self) -> SharedVerification | None:
+    def share(self) -> SharedVerification | None:
         """In a multi-rank job the ranks split the hashing of a checkpoint's files and agree on the verdict."""
         if not self.context.is_distributed:
             return None
@@ -554,11 +569,22 @@ def _profile(name: str, device: torch.device) -> HardwareProfile:
 
 
 def _eval_line(record: dict) -> str:
-    figures = ", ".join(
+    figures = [
         f"{name} loss {loss:.4f} (perplexity {record['eval.perplexity'][name]:.2f})"
-        for name, loss in record["eval.loss"].items()
-    )
-    return f"ferry: held-out at step {record['step']}: {figures}"
+        for name, loss in record.get("eval.loss", {}).items()
+    ]
+    for key, label, form in _OBJECTIVE_EVAL:
+        figures += [f"{name} {label} {form.format(value)}" for name, value in record.get(key, {}).items()]
+    return f"ferry: held-out at step {record['step']}: {', '.join(figures)}"
+
+
+# held-out figures of the preference and RL objectives: record key, console label, format
+_OBJECTIVE_EVAL = (
+    ("eval/rewards/accuracy", "reward accuracy", "{:.1%}"),
+    ("eval/rewards/margin", "reward margin", "{:.3f}"),
+    ("eval/solve_rate", "solve rate", "{:.1%}"),
+    ("eval/greedy_solve_rate", "greedy", "{:.1%}"),
+)
 
 
 def _resume_record(found: Found | None, carried: dict[str, str], times: dict[str, float]) -> dict | None:

@@ -1,0 +1,319 @@
+"""The GRPO objective: sample a group of completions per prompt, score them with a verifier, and push the
+policy towards the completions that beat their group.
+
+A step takes `train.global_batch` prompts; each rank samples `group_size` completions of
+its prompts with the KV-cache decoder (timed as `generate`), so a prompt's group never
+spans ranks and its advantages need no communication. Groups whose rewards are all equal
+carry no signal and are left out; the loss is summed over the remaining completion tokens
+and divided by their count over every rank (each token weighs the same, whatever its
+completion's length). Every rank runs the same number of forwards (expert parallelism
+needs every rank in every all-to-all): a rank with fewer micro-batches runs fillers
+weighted zero.
+
+The sampler's generator of completion g of prompt record i at step s is seeded with
+(run.seed, s, i, g): a resumed run draws the same completions, and a prompt's draws do not
+depend on the world size or on which other prompts share its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ferry.config import UserError
+from ferry.data.chat import IM_END
+from ferry.data.records import RecordDataset
+from ferry.data.targets import completion_batch
+from ferry.data.tokenizer import load_tokenizer
+from ferry.inference import GenerationConfig
+from ferry.inference.generate import GenerationSync, generate
+from ferry.train.losses import router_losses, router_objective
+from ferry.train.objectives import StepOutcome
+from ferry.train.preference_losses import clipped_policy_loss, group_advantages, k3_kl, token_logprobs
+from ferry.train.reference import build_reference_model, parent_checkpoint, reference_record
+from ferry.train.step_statistics import StepStatistics
+from ferry.train.verifiers import VERIFIERS
+
+if TYPE_CHECKING:
+    from ferry.model import Transformer
+    from ferry.train.trainer import Trainer
+
+# extra statistics: reward sum, sum of group stds, groups, completions, completion tokens, kept groups,
+# trained tokens, clipped tokens, kl sum, tokens processed, loss sum, completions accepted
+_SUMS = 12
+_SEED_STREAM = 0x6E90
+_EVAL_STREAM = 0xE7A1
+EVAL_SAMPLES = 4
+
+
+@dataclass
+class Rollouts:
+    """One rank's sampled completions of a step, grouped by prompt."""
+
+    prompts: list[np.ndarray]
+    completions: list[np.ndarray]
+    rewards_PG: torch.Tensor
+    advantages_PG: torch.Tensor
+    kept_P: torch.Tensor
+
+
+class GRPOObjective:
+    extra_statistics = _SUMS
+
+    def __init__(self, trainer: Trainer):
+        config = trainer.config
+        self.config = config.grpo
+        self.seed = config.run.seed
+        self.dataset: RecordDataset = trainer.loader.dataset
+        self.held_out = [
+            RecordDataset(source.path, f"eval.sources.{index} ({source.name})", "prompts")
+            for index, source in enumerate(config.eval.sources)
+        ]
+        tokenizer = load_tokenizer(self.dataset.path / self.dataset.tokenizer["file"])
+        self.decode = tokenizer.decode
+        self.stop_id = tokenizer.token_id(IM_END)
+        if self.stop_id is None:
+            raise UserError(f"{self.dataset.label}: its tokenizer has no {IM_END}; prepare prompts with the chat template")
+        self.pad_id = self.dataset.tokenizer["eos_id"]
+        self.verify = VERIFIERS[self.config.verifier]
+        self.prompts_per_step = config.train.global_batch
+        self.eval_interval = config.eval.interval
+        for dataset in [self.dataset, *self.held_out]:
+            longest = int((dataset.spans[:, 0, 1] - dataset.spans[:, 0, 0]).max())
+            if longest + self.config.max_new_tokens > config.model.max_seq_len:
+                raise UserError(
+                    f"{dataset.label}: a prompt of {longest} tokens plus grpo.max_new_tokens "
+                    f"({self.config.max_new_tokens}) exceeds model.max_seq_len ({config.model.max_seq_len})"
+                )
+        self.reference_model: Transformer | None = None
+        self.reference_pointer: dict | None = None
+
+    def prepare(self, trainer: Trainer) -> list[str]:
+        parent = parent_checkpoint(trainer)
+        self.reference_pointer = reference_record(parent)
+        if self.config.kl_coef > 0:
+            self.reference_model = build_reference_model(trainer, parent)
+            return [f"KL reference: {parent.path} (step {parent.step})"]
+        return []
+
+    def step(self, trainer: Trainer, statistics: StepStatistics) -> StepOutcome:
+        config = trainer.config
+        timer = trainer.metrics.timer
+        records = trainer.loader.step_records(trainer.cursor, trainer.rank, trainer.world_size)
+        trainer.resilience.phase("generate")
+        with timer.region("generate"):
+            rollouts = self._rollouts(trainer, records.indices, step=trainer.cursor.step)
+        sums = statistics.extra
+        group = self.config.group_size
+        rewards_PG = rollouts.rewards_PG
+        sums[0] += rewards_PG.sum().item()
+        sums[1] += rewards_PG.std(dim=1).sum().item()
+        sums[2] += rewards_PG.shape[0]
+        sums[3] += rewards_PG.numel()
+        sums[4] += sum(len(completion) for completion in rollouts.completions)
+        sums[5] += rollouts.kept_P.sum().item()
+        sums[9] += sum(len(p) + len(c) for p, c in zip(rollouts.prompts, rollouts.completions))
+        sums[11] += (rewards_PG >= 1.0).sum().item()
+        kept = [index for index in range(len(rollouts.completions)) if rollouts.kept_P[index // group]]
+        trained_tokens = self._sum_over_ranks(trainer, sum(len(rollouts.completions[i]) for i in kept))
+        micro = config.train.micro_batch * group
+        batches = [kept[start : start + micro] for start in range(0, len(kept), micro)]
+        rounds = int(self._max_over_ranks(trainer, len(batches)))
+        if trained_tokens == 0:
+            return StepOutcome(False, 0.0, tokens=0, figures={"trained": 0})
+        old_logps: dict[int, torch.Tensor] = {}
+        grad_norm, stepped = 0.0, False
+        for iteration in range(self.config.iterations):
+            trainer.optimizer.zero_grad(set_to_none=True)
+            for round_index in range(rounds):
+                rows = batches[round_index] if round_index < len(batches) else []
+                self._train_batch(trainer, statistics, rollouts, rows, round_index, trained_tokens, old_logps, iteration)
+            grad_norm, stepped = trainer.apply_update(trainer.cursor.step + 1)
+        return StepOutcome(stepped, grad_norm, tokens=0, figures={"trained": trained_tokens})
+
+    def figures(self, statistics: StepStatistics, outcome: StepOutcome) -> dict:
+        """Means over the step's completions and groups; KL and clipping over the trained tokens of the first
+        update (the one whose ratios start at 1)."""
+        (reward, spread, groups, completions, lengths, kept, trained, clipped, kl, tokens, loss, accepted) = (
+            statistics.extra.tolist()
+        )
+        outcome.tokens = int(tokens)
+        per_token = max(trained, 1.0)
+        return {
+            "loss": loss,
+            "reward": reward / completions,
+            "reward_std": spread / groups,
+            "solve_rate": accepted / completions,
+            "kl": kl / per_token,
+            "clip_fraction": clipped / per_token,
+            "completion_length": lengths / completions,
+            "filtered_groups": 1.0 - kept / groups,
+        }
+
+    def evaluation_due(self, step: int, last_step: int) -> bool:
+        interval = self.eval_interval
+        return bool(self.held_out) and (step == last_step or (interval > 0 and step % interval == 0))
+
+    @torch.no_grad()
+    def evaluate(self, trainer: Trainer, progress) -> dict:
+        """Solve rates of every held-out prompt set, the prompts split over the ranks: sampled as the rollouts
+        are (`eval/solve_rate`: `EVAL_SAMPLES` completions a prompt, fixed seeds, so evaluations compare) and
+        greedy (`eval/greedy_solve_rate`)."""
+        sampled, greedy = {}, {}
+        max_new_tokens = self.config.eval_max_new_tokens or self.config.max_new_tokens
+        for source, dataset in zip(trainer.config.eval.sources, self.held_out):
+            for rates, temperature, samples in ((sampled, self.config.temperature, EVAL_SAMPLES), (greedy, 0.0, 1)):
+                solved = solved_prompts(
+                    trainer.model, dataset, self.verify, max_new_tokens, trainer.rank, trainer.world_size,
+                    self._sync(trainer), temperature=temperature, samples=samples, seed=self.seed,
+                )
+                progress()
+                rates[source.name] = self._sum_over_ranks(trainer, solved) / len(dataset)
+        return {"eval/solve_rate": sampled, "eval/greedy_solve_rate": greedy}
+
+    def state(self) -> dict:
+        return {
+            "kind": "grpo",
+            "reference": self.reference_pointer,
+            "sampler": {"seed": self.seed, "scheme": "per completion: (run.seed, step, prompt record, sample)"},
+        }
+
+    def load_state(self, state: dict | None) -> None:
+        if state and state.get("kind") == "grpo" and state["sampler"]["seed"] != self.seed:
+            raise UserError(
+                f"the checkpoint's rollouts were drawn with run.seed {state['sampler']['seed']}, this run's is "
+                f"{self.seed}: resume with the same seed"
+            )
+
+    def _rollouts(self, trainer: Trainer, indices: list[int], step: int) -> Rollouts:
+        group = self.config.group_size
+        prompts = [self.dataset.field(index, "prompt") for index in indices for _ in range(group)]
+        seeds = [_seed(self.seed, _SEED_STREAM, step, index, sample) for index in indices for sample in range(group)]
+        sampling = GenerationConfig(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature)
+        result = generate(trainer.model, prompts, sampling, eos_id=self.stop_id, row_seeds=seeds, sync=self._sync(trainer))
+        completions = [np.asarray(completion.tokens, dtype=np.int64) for completion in result.completions]
+        rewards = [
+            self._reward(completion.tokens, self.dataset.answers[index])
+            for completion, index in zip(result.completions, [i for i in indices for _ in range(group)])
+        ]
+        rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(indices), group)
+        advantages_PG = group_advantages(rewards_PG, self.config.scale_rewards)
+        kept_P = rewards_PG.max(dim=1).values > rewards_PG.min(dim=1).values
+        return Rollouts(prompts, completions, rewards_PG, advantages_PG, kept_P)
+
+    def _reward(self, tokens: list[int], answer: str) -> float:
+        return self.verify(self.decode([token for token in tokens if token != self.stop_id]), answer)
+
+    def _train_batch(
+        self,
+        trainer: Trainer,
+        statistics: StepStatistics,
+        rollouts: Rollouts,
+        rows: list[int],
+        round_index: int,
+        trained_tokens: int,
+        old_logps: dict[int, torch.Tensor],
+        iteration: int,
+    ) -> None:
+        """Forward and backward of one micro-batch of kept completions (or a zero-weight filler)."""
+        config = trainer.config
+        filler = not rows
+        rows = rows or [0]
+        prompts = [rollouts.prompts[row] for row in rows]
+        completions = [rollouts.completions[row] if len(rollouts.completions[row]) else np.asarray([self.stop_id]) for row in rows]
+        inputs_BS, targets_BS = completion_batch(prompts, completions, self.pad_id)
+        inputs_BS, targets_BS = inputs_BS.to(trainer.device), targets_BS.to(trainer.device)
+        mask_BS = targets_BS >= 0
+        advantages_B1 = rollouts.advantages_PG.view(-1)[rows].to(trainer.device)[:, None]
+        weight = 0.0 if filler else 1.0
+        share = 0.0 if filler else len(rows) / (self.prompts_per_step * self.config.group_size)
+        trainer.resilience.phase("forward")
+        with trainer.metrics.timer.region("forward"), trainer.autocast():
+            output = trainer.model(inputs_BS)
+            logps_BS = token_logprobs(output.logits_BSV, targets_BS)
+            if iteration == 0:
+                old_logps[round_index] = logps_BS.detach()
+            losses_BS, clipped_BS = clipped_policy_loss(
+                logps_BS, old_logps[round_index], advantages_B1, self.config.clip_low, self.config.clip_high
+            )
+            kl_BS = torch.zeros_like(logps_BS)
+            if self.reference_model is not None:
+                with torch.no_grad():
+                    reference_BS = token_logprobs(self.reference_model(inputs_BS).logits_BSV, targets_BS)
+                kl_BS = k3_kl(logps_BS, reference_BS)
+                losses_BS = losses_BS + self.config.kl_coef * kl_BS
+            policy_loss = (losses_BS * mask_BS).sum() / trained_tokens
+            aux_loss, z_loss = router_losses(output)
+            objective = weight * policy_loss + share * router_objective(config.model.moe, aux_loss, z_loss)
+        trainer.resilience.phase("backward")
+        with trainer.metrics.timer.region("backward"):
+            trainer.scaler.scale_loss(objective).backward()
+        if filler or iteration > 0:
+            return
+        statistics.add_router(aux_loss, z_loss, output, share)
+        extra = statistics.extra
+        extra[6] += mask_BS.sum().item()
+        extra[7] += (clipped_BS & mask_BS).sum().item()
+        extra[8] += (kl_BS.detach() * mask_BS).sum().item()
+        extra[10] += policy_loss.detach().item()
+
+    def _sync(self, trainer: Trainer) -> GenerationSync | None:
+        if trainer.world_size == 1:
+            return None
+        return GenerationSync(
+            longest=lambda value: int(self._max_over_ranks(trainer, value)),
+            all_finished=lambda finished: self._max_over_ranks(trainer, 0.0 if finished else 1.0) == 0.0,
+        )
+
+    def _sum_over_ranks(self, trainer: Trainer, value: float) -> float:
+        if trainer.world_size == 1:
+            return value
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=trainer.device)
+        return float(trainer.plan.sum_over_ranks(tensor).item())
+
+    def _max_over_ranks(self, trainer: Trainer, value: float) -> float:
+        return trainer.largest_over_ranks([float(value)])[0]
+
+
+@torch.no_grad()
+def solved_prompts(
+    model: Transformer,
+    dataset: RecordDataset,
+    verify: Callable[[str, str], float],
+    max_new_tokens: int,
+    rank: int = 0,
+    world_size: int = 1,
+    sync: GenerationSync | None = None,
+    temperature: float = 0.0,
+    samples: int = 1,
+    seed: int = 0,
+) -> float:
+    """How many of this rank's share of `dataset`'s prompts are solved: each prompt counts the share of its
+    `samples` completions the verifier accepts (greedy at temperature 0). Sample j of prompt i is drawn with
+    the seed (seed, i, j) whatever the ranks. A rank without prompts of its own still decodes one, uncounted,
+    to stay in step with the others."""
+    tokenizer = load_tokenizer(dataset.path / dataset.tokenizer["file"])
+    stop_id = tokenizer.token_id(IM_END)
+    per_rank = -(-len(dataset) // world_size)
+    mine = list(range(rank * per_rank, min((rank + 1) * per_rank, len(dataset))))
+    rows = [index for index in mine for _ in range(samples)] or [0]
+    seeds = [_seed(seed, _EVAL_STREAM, index, sample) for index in mine for sample in range(samples)] or [0]
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
+    result = generate(
+        model, [dataset.field(row, "prompt") for row in rows], config, eos_id=stop_id, row_seeds=seeds, sync=sync
+    )
+    if not mine:
+        return 0.0
+    accepted = [
+        verify(tokenizer.decode([token for token in completion.tokens if token != stop_id]), dataset.answers[row]) >= 1.0
+        for row, completion in zip(rows, result.completions)
+    ]
+    return sum(accepted) / samples
+
+
+def _seed(*parts: int) -> int:
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])

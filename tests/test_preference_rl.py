@@ -1,0 +1,182 @@
+"""DPO and GRPO: the losses against hand-computed values, the reference cache, short runs on the embedded
+task, and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferry.cli.main import main
+from ferry.data import PrepareSpec, prepare_dataset
+from ferry.data.records import RecordDataset
+from ferry.data.tasks import task_documents
+from ferry.train.preference_losses import clipped_policy_loss, dpo_losses, group_advantages, k3_kl
+from ferry.train.trainer import train
+from ferry.train.verifiers import exact_match, numeric_match
+
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(stdlib_dataset) -> Path:
+    """The test corpus's tokenizer; preparing chat or record data adds the chat tokens to it."""
+    return stdlib_dataset / "tokenizer.json"
+
+
+def test_dpo_prefers_the_chosen_answer_and_matches_hand_values():
+    policy_c, policy_r, ref_c, ref_r = (torch.tensor([v]) for v in (-1.0, -3.0, -2.0, -2.0))
+    losses, chosen, rejected = dpo_losses(policy_c, policy_r, ref_c, ref_r, beta=0.5, kind="sigmoid")
+    margin = (-1.0 + 2.0) - (-3.0 + 2.0)  # 2.0
+    assert losses.item() == pytest.approx(-math.log(1 / (1 + math.exp(-0.5 * margin))))
+    assert (chosen.item(), rejected.item()) == pytest.approx((0.5, -0.5))
+    swapped, _, _ = dpo_losses(policy_r, policy_c, ref_r, ref_c, beta=0.5, kind="sigmoid")
+    assert losses.item() < math.log(2) < swapped.item()
+    ipo, _, _ = dpo_losses(policy_c, policy_r, ref_c, ref_r, beta=0.5, kind="ipo")
+    assert ipo.item() == pytest.approx((margin - 1.0) ** 2)
+
+
+def test_group_advantages_clipping_and_k3():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    centred = group_advantages(rewards, scale_by_std=False)
+    assert centred.tolist() == [[0.5, -0.5, -0.5, 0.5], [0.0, 0.0, 0.0, 0.0]]
+    scaled = group_advantages(rewards, scale_by_std=True)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std().item()
+    assert scaled[0, 0].item() == pytest.approx(0.5 / (std + 1e-4))
+    assert scaled[1].abs().max().item() == 0.0
+    logps = torch.log(torch.tensor([1.5, 0.5, 1.1]))
+    losses, clipped = clipped_policy_loss(logps, torch.zeros(3), torch.tensor([1.0, -1.0, 1.0]), 0.2, 0.28)
+    assert losses.tolist() == pytest.approx([-1.28, 0.8, -1.1])
+    assert clipped.tolist() == [True, True, False]
+    same = torch.tensor([-0.3, -2.0])
+    assert k3_kl(same, same).abs().max().item() == 0.0
+    assert (k3_kl(same, same + 0.5) > 0).all()
+
+
+def test_verifiers():
+    assert exact_match(" 9 ", "9") == 1.0 and exact_match("9.", "9") == 0.0
+    assert numeric_match("the answer is 1,234.0", "1234") == 1.0
+    assert numeric_match("-3 then 7", "7") == 1.0 and numeric_match("no number", "7") == 0.0
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory, chat_tokenizer: Path) -> dict[str, Path]:
+    """The largest-digit task's three views and held-out sets, in the test tokenizer with the chat tokens."""
+    root = tmp_path_factory.mktemp("largest")
+    out = {}
+    for split in ("largest", "largest-held-out"):
+        for view, flags in (("chat", {"chat": True, "seq_len": 64}), ("pairs", {"records": "preferences"}),
+                            ("prompts", {"records": "prompts"})):
+            name = f"{view}{'-held-out' if split.endswith('held-out') else ''}"
+            spec = PrepareSpec(embedded=split, tokenizer=str(chat_tokenizer), embedded_max_bytes=60_000, **flags)
+            prepare_dataset(spec, root / name)
+            out[name] = root / name
+    spec = PrepareSpec(embedded="largest", tokenizer=str(chat_tokenizer), embedded_max_bytes=20_000, records="preferences")
+    prepare_dataset(spec, root / "pairs-fewer")
+    out["pairs-fewer"] = root / "pairs-fewer"
+    return out
+
+
+def _config(tmp_path: Path, name: str, overrides: list[str]):
+    from conftest import tiny_config
+
+    base = ["model.vocab_size=576", "data.seq_len=64", "train.log_every=100", "checkpoint.interval=0"]
+    return tiny_config(Path("unused"), tmp_path / name, *base, *overrides)
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory, task) -> Path:
+    tmp = tmp_path_factory.mktemp("sft")
+    train(_config(tmp, "sft", [f"data.sources=[{{name: chat, path: {task['chat']}}}]", "train.steps=30"]))
+    return tmp / "sft" / "checkpoints"
+
+
+def test_the_task_views_speak_of_the_same_problems_and_never_of_held_out_ones(task):
+    pairs = RecordDataset(task["pairs"], "pairs", "preferences")
+    prompts = RecordDataset(task["prompts"], "prompts", "prompts")
+    train_questions = {json.loads(d.text)["prompt"][0]["content"] for d in task_documents("largest", "prompts")}
+    held_out = {json.loads(d.text)["prompt"][0]["content"] for d in task_documents("largest-held-out", "prompts")}
+    assert not train_questions & held_out
+    assert all((pairs.field(i, "prompt") == prompts.field(i, "prompt")).all() for i in range(min(len(pairs), len(prompts))))
+    assert (pairs.field(0, "chosen") != pairs.field(0, "rejected")).any()
+
+
+def test_dpo_reuses_its_reference_cache_and_recomputes_it_for_new_data(tmp_path, task, sft, capsys):
+    cache = tmp_path / "cache"
+    common = [
+        "train.objective=dpo", "train.steps=2", f"init_from={sft}", f"dpo.reference_cache={cache}",
+        "optim.lr=1e-3", "run.overwrite=true", f"eval.sources=[{{name: held_out, path: {task['pairs-held-out']}}}]",
+    ]
+    first = _config(tmp_path, "dpo", [f"data.sources=[{{name: pairs, path: {task['pairs']}}}]", *common])
+    train(first)
+    entries = sorted(cache.glob("*.safetensors"))
+    assert len(entries) == 2  # training pairs and held-out pairs
+    stamps = {path: path.stat().st_mtime_ns for path in entries}
+    capsys.readouterr()
+    train(first)
+    assert "reused from" in capsys.readouterr().out
+    assert {path: path.stat().st_mtime_ns for path in cache.glob("*.safetensors")} == stamps
+    other = _config(tmp_path, "dpo", [f"data.sources=[{{name: pairs, path: {task['pairs-fewer']}}}]", *common])
+    capsys.readouterr()
+    train(other)
+    assert "(pairs) computed from" in capsys.readouterr().out
+    assert len(list(cache.glob("*.safetensors"))) == 3
+    record = json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen"):
+        assert math.isfinite(record[key])
+    assert 0.0 <= record["eval/rewards/accuracy"]["held_out"] <= 1.0
+    assert "moe.imbalance" in record
+
+
+def test_a_new_parent_invalidates_the_reference_cache(tmp_path, task, sft):
+    from ferry.train.reference import LogprobCache
+
+    inputs = {"parent": "a", "data": ["x"], "model": {}, "precision": {}}
+    assert LogprobCache(tmp_path, inputs).key != LogprobCache(tmp_path, {**inputs, "parent": "b"}).key
+    assert LogprobCache(tmp_path, inputs).key != LogprobCache(tmp_path, {**inputs, "data": ["y"]}).key
+
+
+def test_grpo_trains_from_rollouts_and_resumes_with_the_same_draws(tmp_path, task, sft):
+    overrides = [
+        "train.objective=grpo", f"init_from={sft}", f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
+        f"eval.sources=[{{name: held_out, path: {task['prompts-held-out']}}}]", "eval.interval=0",
+        "train.global_batch=4", "train.micro_batch=2", "grpo.group_size=4", "grpo.max_new_tokens=3",
+        "grpo.verifier=numeric", "grpo.kl_coef=0.05", "grpo.iterations=2", "train.steps=4", "optim.lr=1e-3",
+        "checkpoint.interval=2",
+    ]
+    whole = train(_config(tmp_path, "whole", overrides))
+    records = [json.loads(line) for line in (whole.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for key in ("reward", "reward_std", "solve_rate", "kl", "clip_fraction", "completion_length", "generate_s"):
+        assert all(math.isfinite(r[key]) for r in records), key
+    assert records[-1]["generate_s"] > 0
+    assert 0.0 <= records[-1]["eval/solve_rate"]["held_out"] <= 1.0
+    train(_config(tmp_path, "split", [*overrides, "train.stop_at=2"]))
+    resumed = train(_config(tmp_path, "split", [*overrides, "resume=latest"]))
+    assert resumed.losses == whole.losses[2:]
+
+
+def _exit_code(args: list[str], capsys) -> tuple[int, str]:
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+def test_bad_preference_and_rl_input_exits_2_naming_it(tmp_path, task, sft, chat_tokenizer, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "hi", "chosen": "a"}) + "\n", encoding="utf-8")
+    args = ["data", "prepare", str(bad), "--preferences", "--tokenizer", str(chat_tokenizer), "--output"]
+    code, err = _exit_code([*args, str(tmp_path / "p1")], capsys)
+    assert code == 2 and "bad.jsonl:1" in err and "'rejected'" in err
+    bad.write_text(json.dumps({"prompt": "hi", "chosen": "a", "rejected": "  "}) + "\n", encoding="utf-8")
+    code, err = _exit_code([*args, str(tmp_path / "p2")], capsys)
+    assert code == 2 and "'rejected' is empty" in err
+    train_args = ["train", "configs/tiny.yaml", f"run.dir={tmp_path / 'r'}", "model.vocab_size=4160",
+                  "model.max_seq_len=64", "data.seq_len=64", "train.objective=grpo", f"init_from={sft}",
+                  f"data.sources=[{{name: prompts, path: {task['prompts']}}}]"]
+    code, err = _exit_code([*train_args, "grpo.verifier=fuzzy"], capsys)
+    assert code == 2 and "grpo.verifier" in err and "fuzzy" in err
+    code, err = _exit_code([*train_args, "grpo.group_size=1"], capsys)
+    assert code == 2 and "grpo.group_size" in err
+    code, err = _exit_code([*train_args[:-1], f"data.sources=[{{name: pairs, path: {task['pairs']}}}]"], capsys)
+    assert code == 2 and "preferences" in err

@@ -27,7 +27,8 @@ demo: $(STAMP)
 	$(BIN)/ferry train configs/tiny.yaml 'eval.sources=[{name: held_out, path: data/stdlib-held-out}]' eval.interval=100
 
 # The stage chain of configs/pipelines/tiny.yaml. Its datasets share one tokenizer: the demo's BPE plus the
-# chat tokens, which the conversation set (prepared first) adds.
+# chat tokens, which the conversation set (prepared first) adds. The largest-digit task gives SFT a warm-start
+# set, DPO its preference pairs and GRPO its prompts (and held-out pairs and prompts for their evaluation).
 PIPELINE_DATA := data/pipeline
 pipeline: $(STAMP)
 	$(BIN)/ferry data prepare --embedded stdlib --output data/stdlib
@@ -41,6 +42,16 @@ pipeline: $(STAMP)
 		--output $(PIPELINE_DATA)/text
 	$(BIN)/ferry data prepare --embedded stdlib --skip-bytes 6000000 --max-bytes 400000 \
 		--tokenizer $(PIPELINE_DATA)/chat/tokenizer.json --output $(PIPELINE_DATA)/text-held-out
+	$(BIN)/ferry data prepare --chat --embedded largest --seq-len 512 \
+		--tokenizer $(PIPELINE_DATA)/chat/tokenizer.json --output $(PIPELINE_DATA)/largest-chat
+	$(BIN)/ferry data prepare --preferences --embedded largest --tokenizer $(PIPELINE_DATA)/chat/tokenizer.json \
+		--output $(PIPELINE_DATA)/largest-pairs
+	$(BIN)/ferry data prepare --preferences --embedded largest-held-out \
+		--tokenizer $(PIPELINE_DATA)/chat/tokenizer.json --output $(PIPELINE_DATA)/largest-pairs-held-out
+	$(BIN)/ferry data prepare --prompts --embedded largest --tokenizer $(PIPELINE_DATA)/chat/tokenizer.json \
+		--output $(PIPELINE_DATA)/largest-prompts
+	$(BIN)/ferry data prepare --prompts --embedded largest-held-out \
+		--tokenizer $(PIPELINE_DATA)/chat/tokenizer.json --output $(PIPELINE_DATA)/largest-prompts-held-out
 	$(BIN)/ferry pipeline run configs/pipelines/tiny.yaml --dir runs/pipeline
 
 test: $(STAMP)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import time
 
 import pytest
 import yaml
@@ -12,7 +13,18 @@ import yaml
 from ferry.cli.main import main
 from ferry.train import Trainer
 from ferry.train.fault_config import FaultConfig
-from ferry.train.restarts import EVENTS_NAME, read_events
+from ferry.train import resilience as resilience_module
+from ferry.train.resilience import Resilience, restarted_by_torchrun
+from ferry.train.restarts import (
+    CAUSES_DIR,
+    EVENTS_NAME,
+    append_event,
+    goodput,
+    read_events,
+    restarts,
+    settle_run_record,
+    write_cause,
+)
 from ferry.train.watchdog import Watchdog
 from ferry.train.young_daly import AutoInterval, daly_interval_s, young_interval_s
 
@@ -140,6 +152,90 @@ def test_a_deterministic_crash_stops_after_the_no_progress_budget(config_file, t
     assert "giving up: 3 attempt(s) in a row trained no step beyond step 4" in err
     # the first failure followed progress; two restarts without progress spend the budget of 2; not ten restarts
     assert sum(1 for event in read_events(run_dir) if event["event"] == "failure") == 4
+    # run.json has the last word of the supervisor, not the last attempt's (which could not know of its failure)
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "failed" and "3 attempt(s) in a row trained no step beyond step 4" in record["gave_up"]
+    assert len(record["restarts"]) == 4 and record["goodput"]["restarts"] == 4
+    assert all("injected fault 0 (raise) at step 5" in row["cause"] for row in record["restarts"])
+    # every restart resumed from step 4, though none of them trained a step; the last failure had no restart
+    assert [row["resumed_from_step"] for row in record["restarts"]] == [4, 4, 4, None]
+    assert [row["steps_lost"] for row in record["restarts"]] == [0, 0, 0, None]
+    assert all(row["restart_latency_s"] > 0 for row in record["restarts"][:3])
+    assert record["goodput"]["loading_s"] > 0 and record["goodput"]["restarting_s"] > 0
+    assert not list((run_dir / CAUSES_DIR).glob("*.json"))
+
+
+def test_a_supervisor_that_gives_up_after_a_sigkill_completes_the_run_record(tmp_path, monkeypatch, capsys):
+    """The last attempt was killed outright: its run.json still says `running`, with no restarts."""
+    from ferry.launch import supervisor
+    from ferry.launch.local import Outcome
+
+    run_dir = tmp_path / "run"
+    attempts = []
+
+    def killed_at_step_3(nproc, argv):
+        now = time.time()
+        if not attempts:
+            run_dir.mkdir()
+            append_event(run_dir, {"event": "start", "at_unix": now, "step": 0, "loading_s": 0.0})
+        else:  # what a restarted attempt's rank 0 records as it begins
+            append_event(run_dir, {"event": "restored", "at_unix": now, "step": 2, "verify_s": 0.1, "restore_s": 0.2})
+        attempts.append(argv)
+        (run_dir / "run.json").write_text(json.dumps({"status": "running", "name": "test", "restarts": []}))
+        steps = range(1, 3) if len(attempts) == 1 else range(3, 3)
+        with (run_dir / "metrics.jsonl").open("a") as handle:
+            for step in steps:
+                handle.write(json.dumps({"step": step, "loss": 1.0, "step_s": 0.01, "checkpoint_save_s": 0.0}) + "\n")
+        return Outcome(exit_codes={0: -9}, failed_at_unix=now)
+
+    monkeypatch.setattr(supervisor, "run_ranks", killed_at_step_3)
+    code = supervisor.supervise(1, ["train", "x.yaml"], run_dir, run_dir / "checkpoints", 1, 2)
+    assert code == 1 and len(attempts) == 2
+    assert "giving up: the restart budget (--max-restarts 1) is spent" in capsys.readouterr().err
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "failed" and record["name"] == "test" and record["finished_at"]
+    assert "the restart budget (--max-restarts 1) is spent" in record["gave_up"]
+    assert record["error"] == "rank 0 was killed (SIGKILL)"
+    first, second = record["restarts"]
+    assert "rank 0 was killed (SIGKILL)" in first["cause"] and first["failed_at_step"] == 2
+    assert (first["resumed_from_step"], first["steps_lost"]) == (2, 0) and second["resumed_from_step"] is None
+    good = record["goodput"]
+    assert good["restarts"] == 2 and good["productive_s"] == pytest.approx(0.02)
+    assert good["loading_s"] == pytest.approx(0.3)
+
+
+def test_settling_a_run_that_died_before_writing_its_record_still_leaves_one(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    append_event(run_dir, {"event": "start", "at_unix": 100.0, "step": 0, "loading_s": 0.0})
+    append_event(run_dir, {"event": "failure", "at_unix": 101.0, "failed_at_step": 0, "causes": [],
+                           "exit_codes": {"0": 1}})
+    content = settle_run_record(run_dir, "the restart budget (--max-restarts 0) is spent", now=102.0)
+    assert json.loads((run_dir / "run.json").read_text()) == content
+    assert content["status"] == "failed" and content["error"] == "rank 0 exited with code 1"
+    assert content["restarts"][0]["resumed_from_step"] is None and content["goodput"]["wall_s"] == 2.0
+
+
+def test_a_restart_that_fails_again_before_its_first_step_still_says_where_it_resumed():
+    events = [
+        {"event": "start", "at_unix": 100.0, "step": 0, "loading_s": 0.0},
+        {"event": "failure", "at_unix": 110.0, "failed_at_step": 7, "causes": [], "exit_codes": {"1": -9}},
+        {"event": "restored", "at_unix": 113.0, "step": 6, "verify_s": 1.0, "restore_s": 0.5,
+         "skipped": ["step-00000008"], "removed_unfinished_saves": []},
+        # that attempt died before its first step; the next one restored nothing before it died
+        {"event": "failure", "at_unix": 114.0, "failed_at_step": 6, "causes": [], "exit_codes": {"0": 1}},
+        {"event": "failure", "at_unix": 120.0, "failed_at_step": 6, "causes": [], "exit_codes": {"0": 1}},
+        {"event": "restored", "at_unix": 124.0, "step": 4, "verify_s": 2.0, "restore_s": 0.5},
+        {"event": "resumed", "at_unix": 124.5, "step": 4},
+    ]
+    rows = restarts(events)
+    assert [row["resumed_from_step"] for row in rows] == [6, None, 4]
+    assert [row["steps_lost"] for row in rows] == [1, None, 2]
+    assert [row["restart_latency_s"] for row in rows] == [pytest.approx(3.0), None, pytest.approx(4.0)]
+    assert rows[0]["skipped_checkpoints"] == ["step-00000008"]
+    good = goodput(events, [{"step": step, "step_s": 1.0} for step in range(1, 11)], now=130.0)
+    assert good["restarts"] == 3 and good["lost_steps"] == 3
+    assert good["loading_s"] == pytest.approx(4.0) and good["restarting_s"] == pytest.approx(3.0 + 6.0 + 4.0)
 
 
 def test_poisoned_gradients_roll_back_when_asked_and_are_skipped_otherwise(config_file, tmp_path):
@@ -233,8 +329,94 @@ def test_a_run_restarted_by_torchrun_resumes_its_newest_checkpoint_and_records_t
     assert record["resumed_from"]["step"] == 4 and record["status"] == "completed"
     (restart,) = record["restarts"]
     assert restart["by"] == "torchrun" and restart["failed_at_step"] == 5 and restart["steps_lost"] == 1
-    assert [event["event"] for event in read_events(run_dir)] == ["start", "failure", "resumed"]
+    assert [event["event"] for event in read_events(run_dir)] == ["start", "failure", "restored", "resumed"]
     assert (run_dir / EVENTS_NAME).exists()
+
+
+def test_a_restart_counted_by_another_nodes_agent_is_agreed_over_the_ranks_and_recorded(
+    make_config, tmp_path, monkeypatch
+):
+    """torchrun's agent on node 1 counted the restart (its rank was killed); node 0's did not. Rank 0 learns
+    the count from the agreement, records the failure with its own report and names the silent rank."""
+    run_dir = tmp_path / "run"
+    config = make_config("train.steps=8", run_dir=run_dir)
+    run_dir.mkdir()
+    append_event(run_dir, {"event": "start", "at_unix": time.time() - 5, "step": 0, "loading_s": 0.0})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_s": 0.1}) + "\n" for s in range(1, 6)))
+    write_cause(run_dir, 0, 6, "forward", "RuntimeError: Connection closed by peer")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setattr(resilience_module.dist, "is_initialized", lambda: True)  # as in a two-node job
+    monkeypatch.setattr(resilience_module, "_agreed", {})
+    offered = []
+
+    def agree(values):  # the all-reduce (maximum): node 1's agent counted one restart
+        offered.append(list(values))
+        return [max(value, other) for value, other in zip(values, [0.0, 1.0])]
+
+    assert restarted_by_torchrun(agree)
+    node0 = Resilience(config, 0, 2, time.time())
+    node0.agree = agree
+    node0.note_agent_restart()
+    node0.note_agent_restart()  # asked twice: still one collective, one failure
+    assert offered == [[0.0, 0.0]], "one all-reduce, with this node's count at its place"
+    failure = read_events(run_dir)[-1]
+    assert failure["event"] == "failure" and failure["by"] == "torchrun" and failure["failed_at_step"] == 5
+    assert failure["restart_count"] == 1 and failure["silent_ranks"] == [1]
+    assert sum(1 for event in read_events(run_dir) if event["event"] == "failure") == 1
+    assert not list((run_dir / CAUSES_DIR).glob("*.json")), "the cause went into the record"
+    node0.begin(4, {"verify_s": 0.1, "restore_s": 0.2, "skipped": [], "removed_unfinished_saves": []}, None, print)
+    node0.watchdog.stop()
+    (row,) = restarts(read_events(run_dir))
+    assert row["cause"].startswith("rank 1 left no report (killed outright, or stopped by the launcher); then rank 0")
+    assert (row["resumed_from_step"], row["steps_lost"]) == (4, 1) and row["restart_latency_s"] >= 0
+
+
+def test_a_start_that_is_no_restart_drops_the_causes_an_unrecorded_failure_left(make_config, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_cause(run_dir, 1, 3, "backward", "RuntimeError: from a crash nobody recorded")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    Resilience(make_config(run_dir=run_dir), 0, 1, time.time()).note_agent_restart()
+    assert not list((run_dir / CAUSES_DIR).glob("*.json"))
+    assert read_events(run_dir) == []
+
+
+def test_a_checkpoint_fault_under_an_auto_interval_fires_at_the_first_save_at_or_after_its_step(
+    make_config, tmp_path, capsys
+):
+    from ferry.checkpoint import CheckpointError, verify_checkpoint
+
+    run_dir = tmp_path / "run"
+    config = make_config("train.steps=8", "checkpoint.interval=auto", "checkpoint.auto_first_step=4",
+                         "checkpoint.keep=40", "fault.inject=[{step: 3, kind: corrupt_checkpoint}]", run_dir=run_dir)
+    Trainer(config).fit()
+    assert "fault.inject.0 (corrupt_checkpoint at step 3 on rank 0) fires at the first checkpoint save at or after" \
+        in capsys.readouterr().out
+    saved = sorted(path.name for path in (run_dir / "checkpoints").glob("step-*"))
+    assert saved[0] == "step-00000004", saved
+    with pytest.raises(CheckpointError):
+        verify_checkpoint(run_dir / "checkpoints" / "step-00000004")
+    for later in saved[1:]:
+        verify_checkpoint(run_dir / "checkpoints" / later)  # fired once: the later saves are intact
+
+
+def test_which_save_an_auto_interval_checkpoint_fault_fires_at(make_config, tmp_path):
+    faults = ("fault.inject=[{step: 3, kind: corrupt_checkpoint}, {step: 5, kind: corrupt_checkpoint}, "
+              "{step: 6, kind: kill_during_save, once: false}]")
+    auto = Resilience(make_config("train.steps=20", "checkpoint.interval=auto", faults), 0, 1, time.time())
+    auto._last_save_step = 0
+    assert auto._save_fault_step(2, "corrupt_checkpoint") is None
+    assert auto._save_fault_step(10, "corrupt_checkpoint") == 3, "one corruption per save, the earliest first"
+    (tmp_path / "run" / ".faults" / "fired").mkdir(parents=True)
+    (tmp_path / "run" / ".faults" / "fired" / "fault-0").write_text("fired")
+    assert auto._save_fault_step(10, "corrupt_checkpoint") == 5, "a once fault not yet fired waits for a save"
+    assert auto._save_fault_step(10, "kill_during_save") == 6
+    auto._last_save_step = 10
+    assert auto._save_fault_step(14, "kill_during_save") is None, "an every-attempt fault fires once per attempt"
+    fixed = Resilience(make_config("train.steps=20", "checkpoint.interval=3", faults.replace("5", "9")), 0, 1, 0.0)
+    assert fixed._save_fault_step(6, "kill_during_save") == 6, "a fixed interval: the fault of the save's own step"
 
 
 @pytest.mark.parametrize(

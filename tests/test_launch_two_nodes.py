@@ -5,6 +5,7 @@ two ranks of one node."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import yaml
 from ferry.cli.main import main
 from ferry.comm.spawn import free_port
 from ferry.metrics import read_metrics
+from ferry.train.restarts import CAUSES_DIR, read_events
 
 from conftest import TINY_RUN
 
@@ -86,6 +88,17 @@ def test_two_torchrun_nodes_on_one_host_train_as_two_ranks_of_one_node(
     _run_nodes(scripts, tmp_path / "logs")
     if restart:
         assert "resuming from" in "".join(path.read_text() for path in (tmp_path / "logs").glob("*.log"))
+        # only node 1's agent counted the restart; rank 0, on node 0, records it all the same
+        record = json.loads((run_dir / "run.json").read_text())
+        assert record["status"] == "completed"
+        (restarted,) = record["restarts"]
+        assert restarted["by"] == "torchrun"
+        assert restarted["cause"].startswith("rank 1 left no report"), restarted["cause"]
+        assert (restarted["failed_at_step"], restarted["resumed_from_step"], restarted["steps_lost"]) == (4, 4, 0)
+        assert restarted["restart_latency_s"] > 0
+        assert record["goodput"]["restarts"] == 1 and record["goodput"]["restarting_s"] > 0
+        assert [event["event"] for event in read_events(run_dir)] == ["start", "failure", "restored", "resumed"]
+        assert not list((run_dir / CAUSES_DIR).glob("*.json")), "every rank's report went into the record"
     by_step = {record["step"]: record["loss"] for record in read_metrics(run_dir)}  # a resumed step's last record
     assert sorted(by_step) == list(range(1, TINY_RUN["train"]["steps"] + 1))
     assert [by_step[step] for step in sorted(by_step)] == one_node_losses

@@ -64,7 +64,18 @@ def full_record(step: int) -> dict:
         "goodput": 0.9,
         **moe_diagnostics(counts_LE, probs_LE, torch.tensor([1.2, 1.3]), ep_degree=2),
         **eval_record({"held_out": SourceLoss(loss=3.25, tokens=4096)}),
+        **OBJECTIVE_KEYS,
     }
+
+
+# what DPO and GRPO steps add (a record holds one objective's keys; the sinks must know them all)
+OBJECTIVE_KEYS = {
+    "rewards/chosen": 0.2, "rewards/rejected": -0.1, "rewards/margin": 0.3, "rewards/accuracy": 0.75,
+    "logps/chosen": -2.0, "logps/rejected": -3.5, "reward": 0.6, "reward_std": 0.4, "solve_rate": 0.6, "kl": 0.01,
+    "clip_fraction": 0.02, "completion_length": 2.5, "filtered_groups": 0.25,
+    "eval/rewards/accuracy": {"held_out": 0.8}, "eval/rewards/margin": {"held_out": 1.2},
+    "eval/solve_rate": {"held_out": 0.7}, "eval/greedy_solve_rate": {"held_out": 0.8},
+}
 
 
 def scrape(url: str) -> str:

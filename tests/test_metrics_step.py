@@ -17,6 +17,7 @@ ISSUE_KEYS = {
     "forward_s",
     "backward_s",
     "optimizer_s",
+    "generate_s",
     "compute_s",
     "comm_s",
     "comm_compute_ratio",

@@ -180,3 +180,27 @@ def test_bad_preference_and_rl_input_exits_2_naming_it(tmp_path, task, sft, chat
     assert code == 2 and "grpo.group_size" in err
     code, err = _exit_code([*train_args[:-1], f"data.sources=[{{name: pairs, path: {task['pairs']}}}]"], capsys)
     assert code == 2 and "preferences" in err
+
+
+@pytest.mark.parametrize("objective", ["dpo", "grpo"])
+def test_two_expert_parallel_ranks_train_as_one_process_does(tmp_path, task, sft, objective):
+    """Records split over 2 EP ranks: the reference scores, the rollouts (each rank decoding its own prompts in
+    step with the other) and the update give the 1-process run's figures."""
+    from ferry.comm.spawn import run_on_ranks
+
+    import distributed_training as runs
+
+    data = task["pairs"] if objective == "dpo" else task["prompts"]
+    overrides = [
+        f"train.objective={objective}", f"init_from={sft}", f"data.sources=[{{name: d, path: {data}}}]",
+        "model.vocab_size=576", "data.seq_len=64", "train.steps=3", "checkpoint.interval=0", "optim.lr=1e-3",
+        "train.global_batch=8", "train.micro_batch=2", "grpo.group_size=4", "grpo.max_new_tokens=3",
+        "grpo.verifier=numeric",
+    ]
+    single = runs.train_run(str(data), str(tmp_path / "one"), *overrides)
+    ranks = run_on_ranks(runs.train_run, 2, str(data), str(tmp_path / "two"), *overrides, "parallel.ep=2")
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-6)
+    if objective == "grpo":
+        assert [r["reward"] for r in ranks[0]["records"]] == [r["reward"] for r in single["records"]]
+    assert ranks[0]["records"][-1]["moe.ep_imbalance"] >= 1.0

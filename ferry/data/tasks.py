@@ -18,11 +18,13 @@ as is the answer.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import zlib
 from collections.abc import Iterator
 from itertools import islice
 from typing import Literal
+
+import numpy as np
 
 from ferry.config.errors import UserError
 from ferry.data.corpus import Document
@@ -32,7 +34,8 @@ TaskView = Literal["chat", "preferences", "prompts"]
 DIGITS = 5
 PROBLEMS = {"largest": 4000, "largest-held-out": 400}
 _HELD_OUT_IN_100 = 20
-_CANDIDATES = 40_000  # lists drawn to fill the splits, in a fixed pseudo-random order
+_CANDIDATES = 40_000  # lists drawn to fill the splits
+_TASK_SEED = 20261202
 
 
 def task_documents(name: str, view: TaskView) -> Iterator[Document]:
@@ -53,16 +56,16 @@ def task_documents(name: str, view: TaskView) -> Iterator[Document]:
 
 
 def _problems(held_out: bool) -> Iterator[tuple[int, ...]]:
-    """Distinct digit lists of the split, each drawn from hashes of its position (no random state). The largest
-    digit is drawn first, uniformly, so no answer is more common than another: a model cannot score by always
-    naming a high digit."""
+    """Distinct digit lists of the split from a fixed-seed generator (PCG64: the same lists on every platform).
+    The largest digit is drawn first, uniformly, so no answer is more common than another: a model cannot
+    score by always naming a high digit."""
+    generator = np.random.default_rng(_TASK_SEED)
     seen: set[tuple[int, ...]] = set()
-    for position in range(_CANDIDATES):
-        draws = [zlib.crc32(f"largest {position} {slot}".encode()) for slot in range(DIGITS + 2)]
-        largest = draws[0] % 10
-        digits = [draw % (largest + 1) for draw in draws[2:]]
-        digits[draws[1] % DIGITS] = largest
-        problem = tuple(digits)
+    for _ in range(_CANDIDATES):
+        largest = int(generator.integers(10))
+        digits = generator.integers(0, largest + 1, size=DIGITS)
+        digits[generator.integers(DIGITS)] = largest
+        problem = tuple(int(digit) for digit in digits)
         if problem in seen or _is_held_out(problem) != held_out:
             continue
         seen.add(problem)
@@ -70,7 +73,8 @@ def _problems(held_out: bool) -> Iterator[tuple[int, ...]]:
 
 
 def _is_held_out(digits: tuple[int, ...]) -> bool:
-    return zlib.crc32(("held " + ",".join(map(str, digits))).encode()) % 100 < _HELD_OUT_IN_100
+    digest = hashlib.sha256(",".join(map(str, digits)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") % 100 < _HELD_OUT_IN_100
 
 
 def _near_miss(digits: tuple[int, ...]) -> int:

@@ -6,7 +6,8 @@ counts against a second, small budget (`fault.max_no_progress_restarts`), so a d
 stops the job with a clear message instead of looping K times. Every failure is recorded in the
 run directory (`restarts.jsonl`: when, what the failing ranks said or how they ended, how far the
 job had got); the trainer pairs it with the resumption that follows and reports both, with the
-job's goodput, in `run.json`.
+job's goodput, in `run.json`. When the supervisor gives up, no attempt follows to do that: the
+supervisor settles `run.json` itself (every restart, goodput, status failed, why it gave up).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from ferry.checkpoint import list_checkpoints
 from ferry.launch.local import run_ranks
-from ferry.train.restarts import append_event, collect_causes, describe_causes, last_metrics_step
+from ferry.train.restarts import append_event, collect_causes, describe_causes, last_metrics_step, settle_run_record
 
 
 def supervise(
@@ -55,14 +56,17 @@ def supervise(
         cause = describe_causes(event)
         no_progress = no_progress + 1 if reached <= best_step and restarts > 0 else 0
         best_step = max(best_step, reached)
+        reason = None
         if no_progress > max_no_progress:
-            _say(
-                f"ferry: giving up: {no_progress} attempt(s) in a row trained no step beyond step {best_step} "
+            reason = (
+                f"{no_progress} attempt(s) in a row trained no step beyond step {best_step} "
                 f"(fault.max_no_progress_restarts is {max_no_progress}); the failure repeats: {cause}"
             )
-            return 1
-        if restarts >= max_restarts:
-            _say(f"ferry: giving up: the restart budget (--max-restarts {max_restarts}) is spent; last failure: {cause}")
+        elif restarts >= max_restarts:
+            reason = f"the restart budget (--max-restarts {max_restarts}) is spent; last failure: {cause}"
+        if reason is not None:
+            _say(f"ferry: giving up: {reason}")
+            _settle(run_dir, reason, detected)
             return 1
         restarts += 1
         _say(
@@ -70,6 +74,15 @@ def supervise(
             "resuming every rank from the newest checkpoint that verifies"
         )
         attempt_argv = [*argv, "resume=latest"] if list_checkpoints(checkpoints) or not _resumes(argv) else list(argv)
+
+
+def _settle(run_dir: Path, reason: str, detected: float) -> None:
+    """`run.json` with the failure that ends the job; a record that cannot be written is no reason to hide
+    the job's own exit status."""
+    try:
+        settle_run_record(run_dir, reason, now=detected)
+    except OSError as exc:
+        _say(f"ferry: warning: could not complete {run_dir / 'run.json'}: {exc}")
 
 
 def _resumes(argv: list[str]) -> bool:

@@ -40,6 +40,8 @@ from ferry.train.run_record import RUN_RECORD_NAME
 
 CONFIGS_DIR = "configs"
 IMPORTS_DIR = "imports"
+# the held-out figures a stage's lineage keeps: the LM loss, DPO's reward accuracy, GRPO's solve rates
+HELD_OUT_FIGURES = ("eval.loss", "eval/rewards/accuracy", "eval/solve_rate", "eval/greedy_solve_rate")
 # keys the runner sets for each stage: not part of what a user changes between runs
 _RUNNER_KEYS = ("resume", "init_from", "init_optimizer", "run.")
 
@@ -238,6 +240,7 @@ def _outcome(config: RunConfig, returncode: int) -> dict[str, Any]:
         "step": final.step,
         "loss": last.get("loss"),
         "eval_loss": last.get("eval.loss"),
+        "eval": {key: last[key] for key in HELD_OUT_FIGURES if key in last},
         "data_mix": [
             {key: source.get(key) for key in ("name", "path", "weight", "tokens", "tokenizer_sha256", "shards")}
             for source in run_record.get("data_mix", [])

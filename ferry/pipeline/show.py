@@ -14,14 +14,14 @@ def lineage_lines(directory: str | Path) -> list[str]:
     rows = [("stage", "status", "starts from", "steps", "loss", "held-out", "checkpoint")]
     for stage in data["stages"]:
         result = stage.get("result") or {}
-        held_out = result.get("eval_loss") or {}
+        held_out = _held_out(result)
         rows.append((
             stage["name"],
             stage["status"],
             _start(stage),
             str(result.get("step", "-")),
             f"{result['loss']:.4f}" if result.get("loss") is not None else "-",
-            ", ".join(f"{name} {loss:.4f}" for name, loss in held_out.items()) or "-",
+            held_out or "-",
             f"{result['checkpoint']} ({result['digest'][:12]})" if result else "-",
         ))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
@@ -36,6 +36,16 @@ def lineage_lines(directory: str | Path) -> list[str]:
             + (f" @ {code['git_commit'][:12]}{'+dirty' if code.get('git_dirty') else ''}" if code.get("git_commit") else "")
         )
     return lines
+
+
+def _held_out(result: dict) -> str:
+    """The stage's last held-out figures: loss per source, or DPO's reward accuracy, or GRPO's solve rates."""
+    figures = result.get("eval") or {"eval.loss": result.get("eval_loss") or {}}
+    parts = [f"{name} {loss:.4f}" for name, loss in figures.get("eval.loss", {}).items()]
+    for key, label in (("eval/rewards/accuracy", "reward acc"), ("eval/solve_rate", "solved"),
+                       ("eval/greedy_solve_rate", "greedy")):
+        parts += [f"{name} {label} {value:.1%}" for name, value in figures.get(key, {}).items()]
+    return ", ".join(parts)
 
 
 def _start(stage: dict) -> str:

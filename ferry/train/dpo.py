@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from ferry.model import Transformer
     from ferry.train.trainer import Trainer
 
-# extra statistics: loss, chosen and rejected rewards, pairs ranked right, chosen and rejected log-probs, tokens
+# extra statistics: loss, chosen and rejected rewards, pairs ranked right, chosen and rejected log-probs, and the
+# tokens the step put through the model (prompts and answers)
 _SUMS = 7
 
 
@@ -92,7 +93,8 @@ class DPOObjective:
             with trainer.metrics.timer.region("backward"):
                 trainer.scaler.scale_loss(objective).backward()
             statistics.add_router(aux_loss, z_loss, output, share)
-            statistics.extra += _pair_sums(losses_B, chosen_B, rejected_B, logps_2B, tokens_2B)
+            statistics.extra += _pair_sums(losses_B, chosen_B, rejected_B, logps_2B)
+            statistics.extra[-1] += sum(self._sequence_tokens(index) for index in indices)
         grad_norm, stepped = trainer.apply_update(trainer.cursor.step + 1)
         return StepOutcome(stepped, grad_norm, tokens=0)
 
@@ -124,13 +126,13 @@ class DPOObjective:
         try:
             for source, dataset in zip(trainer.config.eval.sources, self.held_out):
                 sums = torch.zeros(_SUMS, dtype=torch.float64, device=trainer.device)
-                for indices in _rank_batches(len(dataset), trainer.config.train.micro_batch, trainer):
+                for indices in _rank_batches(len(dataset), self.config.score_batch, trainer):
                     with trainer.autocast():
                         logps_2B, tokens_2B, _ = _score(trainer, trainer.model, dataset, indices, self.pad_id)
                     reference = self.reference[dataset.label][indices]
                     losses_B, chosen_B, rejected_B = self._losses(logps_2B, tokens_2B, reference)
                     if indices.size and indices[0] >= 0:
-                        sums += _pair_sums(losses_B, chosen_B, rejected_B, logps_2B, tokens_2B)
+                        sums += _pair_sums(losses_B, chosen_B, rejected_B, logps_2B)
                     progress()
                 trainer.plan.sum_over_ranks(sums)
                 _, chosen, rejected, right, _, _, _ = sums.tolist()
@@ -146,23 +148,32 @@ class DPOObjective:
     def load_state(self, state: dict | None) -> None:
         return None
 
+    def _sequence_tokens(self, index: int) -> int:
+        """Tokens a pair puts through the model: its prompt twice and both answers."""
+        lengths = self.dataset.spans[index, :, 1] - self.dataset.spans[index, :, 0]
+        return int(2 * lengths[0] + lengths[1] + lengths[2])
+
     def _losses(
         self, logps_2B: torch.Tensor, tokens_2B: torch.Tensor, reference_B2: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pairs = logps_2B.shape[0] // 2
         reference_2B = reference_B2.to(logps_2B).T.reshape(-1)
+        chosen_nll_B = -logps_2B[:pairs] / tokens_2B[:pairs]
         if self.config.loss == "length_normalized":
             logps_2B, reference_2B = logps_2B / tokens_2B, reference_2B / tokens_2B
-        return dpo_losses(
+        losses_B, chosen_B, rejected_B = dpo_losses(
             logps_2B[:pairs], logps_2B[pairs:], reference_2B[:pairs], reference_2B[pairs:], self.config.beta,
             self.config.loss,
         )
+        if self.config.nll_weight:
+            losses_B = losses_B + self.config.nll_weight * chosen_nll_B
+        return losses_B, chosen_B, rejected_B
 
     @torch.no_grad()
     def _score_all(self, trainer: Trainer, model: Transformer, dataset: RecordDataset) -> torch.Tensor:
         """`[records, 2]` summed log-probs of every pair's chosen and rejected answer under `model`."""
         logps_N2 = torch.zeros(len(dataset), 2, dtype=torch.float64, device=trainer.device)
-        for indices in _rank_batches(len(dataset), trainer.config.train.micro_batch, trainer):
+        for indices in _rank_batches(len(dataset), self.config.score_batch, trainer):
             with trainer.autocast():
                 logps_2B, _, _ = _score(trainer, model, dataset, indices, self.pad_id)
             if indices.size and indices[0] >= 0:
@@ -195,7 +206,8 @@ def _score(
     return logps_2B, tokens_2B, output
 
 
-def _pair_sums(losses_B, chosen_B, rejected_B, logps_2B, tokens_2B) -> torch.Tensor:
+def _pair_sums(losses_B, chosen_B, rejected_B, logps_2B) -> torch.Tensor:
+    """The pairs' sums in the statistics' extra slots (the last one, tokens, is added by the caller)."""
     pairs = losses_B.shape[0]
     return torch.stack(
         [
@@ -205,7 +217,7 @@ def _pair_sums(losses_B, chosen_B, rejected_B, logps_2B, tokens_2B) -> torch.Ten
             (chosen_B > rejected_B).sum().to(chosen_B.dtype),
             logps_2B[:pairs].detach().sum(),
             logps_2B[pairs:].detach().sum(),
-            tokens_2B.sum(),
+            torch.zeros((), device=logps_2B.device),
         ]
     ).double()
 

@@ -17,7 +17,8 @@ PUBLISHED_MTBF_HOURS_PER_DEVICE = 50_000.0
 
 
 class FaultSpec(Section):
-    """One fault to inject: at the start of `step` on `rank` (for checkpoint faults: at the save of `step`)."""
+    """One fault to inject: at the start of `step` on `rank` (for checkpoint faults: at the save of `step`; with
+    `checkpoint.interval: auto`, whose saving steps are not known in advance, at the first save at or after it)."""
 
     step: int = Field(ge=1)
     rank: int = Field(0, ge=0)

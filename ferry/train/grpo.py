@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from ferry.train.trainer import Trainer
 
 # extra statistics: reward sum, sum of group stds, groups, completions, completion tokens, kept groups,
-# trained tokens, clipped tokens, kl sum, tokens processed, loss sum, completions accepted
+# trained tokens, clipped tokens, kl sum, tokens trained on (prompts and completions of the kept groups, once per
+# update; the rollouts' decoding is timed but not counted), loss sum, completions accepted
 _SUMS = 12
 _SEED_STREAM = 0x6E90
 _EVAL_STREAM = 0xE7A1
@@ -116,9 +117,10 @@ class GRPOObjective:
         sums[3] += rewards_PG.numel()
         sums[4] += sum(len(completion) for completion in rollouts.completions)
         sums[5] += rollouts.kept_P.sum().item()
-        sums[9] += sum(len(p) + len(c) for p, c in zip(rollouts.prompts, rollouts.completions))
         sums[11] += (rewards_PG >= 1.0).sum().item()
         kept = [index for index in range(len(rollouts.completions)) if rollouts.kept_P[index // group]]
+        trained_sequences = sum(len(rollouts.prompts[i]) + len(rollouts.completions[i]) for i in kept)
+        sums[9] += trained_sequences * self.config.iterations
         trained_tokens = self._sum_over_ranks(trainer, sum(len(rollouts.completions[i]) for i in kept))
         micro = config.train.micro_batch * group
         batches = [kept[start : start + micro] for start in range(0, len(kept), micro)]

@@ -19,9 +19,12 @@ import os
 import time
 from collections.abc import Callable
 
+import torch
+import torch.distributed as dist
+
 from ferry.checkpoint import CheckpointManager
 from ferry.train.config import RunConfig
-from ferry.train.faults import FaultInjector
+from ferry.train.faults import MARKERS_DIR, FaultInjector
 from ferry.train.restarts import (
     append_event,
     collect_causes,
@@ -38,11 +41,56 @@ from ferry.train.watchdog import Watchdog
 from ferry.train.young_daly import AutoInterval
 
 Say = Callable[[str], None]
+Agree = Callable[[list[float]], list[float]]  # each value's maximum over the ranks, on every rank
+
+CHECKPOINT_FAULTS = ("kill_during_save", "corrupt_checkpoint")
+
+_agreed: dict = {}  # the process group and environment the restart counts were agreed for, and the counts
 
 
-def restarted_by_torchrun() -> bool:
-    """torchrun's elastic agent restarts every worker after a failure and counts the restarts."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+def torchrun_restart_counts(agree: Agree | None = None) -> list[int]:
+    """The restart count of every node's torchrun agent, the same list on every rank; empty when no torchrun
+    agent started this process.
+
+    An agent counts only the restarts it decides: when a worker on node 1 fails, node 1's agent raises
+    TORCHELASTIC_RESTART_COUNT, while node 0's agent restarts its own workers (a peer waits in the
+    rendezvous) and does not. So each rank puts its node's count at its node's place (GROUP_RANK of
+    GROUP_WORLD_SIZE) and one all-reduce (maximum; `agree`, else over the default process group) gives
+    every rank all of them. Called on every rank; the agreement is kept, so the collective runs once per
+    process group however often this is asked. Every torchrun worker has the variable and no other
+    process does, so the ranks of a job all take part in the collective, or none does.
+    """
+    local = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if local is None:
+        return []
+    nodes = max(int(os.environ.get("GROUP_WORLD_SIZE", "1")), 1)
+    node = min(max(int(os.environ.get("GROUP_RANK", "0")), 0), nodes - 1)
+    counts = [0.0] * nodes
+    counts[node] = float(int(local))
+    if not (dist.is_available() and dist.is_initialized()):
+        return [int(count) for count in counts]
+    group, key = dist.group.WORLD, (local, node, nodes)
+    if _agreed.get("group") is group and _agreed.get("key") == key:
+        return list(_agreed["counts"])
+    agreed = [int(round(count)) for count in (agree or _largest_over_world)(counts)]
+    _agreed.update(group=group, key=key, counts=agreed)
+    return list(agreed)
+
+
+def restarted_by_torchrun(agree: Agree | None = None) -> bool:
+    """Whether torchrun's elastic agents restarted the job: any node's agent counted a restart (a collective
+    in a multi-rank job: call it on every rank, see `torchrun_restart_counts`)."""
+    return any(count > 0 for count in torchrun_restart_counts(agree))
+
+
+def _largest_over_world(values: list[float]) -> list[float]:
+    """Each value's maximum over the default process group, on the device its backend works on."""
+    backend = str(dist.get_backend())
+    kind = {"nccl": "cuda", "xccl": "xpu"}.get(backend, "cpu")  # gloo, and mixed backends, take CPU tensors
+    device = torch.device(kind, torch.get_device_module(kind).current_device()) if kind != "cpu" else None
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
 
 
 class Resilience:
@@ -64,22 +112,28 @@ class Resilience:
         self._record: RunRecord | None = None
         self._restarting = False
         self._first_step_done = False
-        self._resume_info: dict = {}
+        self._last_save_step = 0
         self._productive = 0.0
         self._job_start_unix = started_unix
         self._say: Say = print
-        self.agree: Callable[[list[float]], list[float]] = lambda values: values
+        self.agree: Agree = lambda values: values
 
     def begin(self, resumed_step: int | None, resume_info: dict, record: RunRecord | None, say: Say) -> None:
         """Note where this attempt starts: a new job (fresh, or resumed by hand) or the restart of one."""
         self._say = say
         self.step = resumed_step or 0
+        self._last_save_step = self.step
         self._record = record
-        self._resume_info = resume_info
         if self.is_main:
             events = read_events(self.run_dir)
             self._restarting = restart_is_pending(events)
-            if not self._restarting:
+            if self._restarting:
+                # the restart has restored the job: where from and at what cost, even if this attempt fails
+                # again before its first step
+                append_event(
+                    self.run_dir, {"event": "restored", "at_unix": time.time(), "step": self.step, **resume_info}
+                )
+            else:
                 loading = (resume_info.get("verify_s") or 0.0) + (resume_info.get("restore_s") or 0.0)
                 append_event(
                     self.run_dir,
@@ -88,22 +142,47 @@ class Resilience:
             starts = [event for event in read_events(self.run_dir) if event["event"] == "start"]
             self._job_start_unix = starts[-1]["at_unix"] if starts else self.started_unix
             self._productive = sum(record.get("step_s") or 0.0 for record in self._kept_records())
+            self._announce_save_faults()
         self.watchdog.start(self.step)
 
-    def note_agent_restart(self) -> None:
-        """Under torchrun, no ferry supervisor recorded the failure: rank 0 does, once per restart torchrun
-        counts, before the run's records are cut back to the checkpoint it resumes from (they still say how
-        far the failed attempt got). torchrun does not say how the ranks ended; what they reported does."""
-        if not (self.is_main and restarted_by_torchrun()):
+    def _announce_save_faults(self) -> None:
+        """With `checkpoint.interval: auto` no one knows in advance at which steps the run saves: a checkpoint
+        fault fires at the first save at or after its step (at the latest the run's last save)."""
+        if self.auto is None:
             return
-        count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        for index, spec in enumerate(self.config.fault.inject):
+            if spec.kind in CHECKPOINT_FAULTS:
+                self._say(
+                    f"ferry: note: fault.inject.{index} ({spec.kind} at step {spec.step} on rank {spec.rank}) fires at "
+                    f"the first checkpoint save at or after step {spec.step}: with checkpoint.interval auto, Daly's "
+                    "interval decides the steps that save"
+                )
+
+    def note_agent_restart(self) -> None:
+        """Under torchrun, no ferry supervisor recorded the failure: rank 0 does, once per restart torchrun's
+        agents count, before the run's records are cut back to the checkpoint it resumes from (they still say
+        how far the failed attempt got). The count is agreed over the ranks first (every rank calls this):
+        the failed rank may have lived on another node, whose agent alone counted the restart. torchrun does
+        not say how the ranks ended; what they reported does, and the ranks that reported nothing are named.
+
+        Otherwise (a fresh start, a run resumed by hand, an attempt of ferry's supervisor, which collects
+        causes itself) any cause file left in the run directory belongs to no recorded failure: it is
+        dropped, so that the next failure is not blamed on it. No rank of this attempt has written one yet:
+        causes are written from the training loop and the watchdog, which start after the barrier that
+        follows this call."""
+        counts = torchrun_restart_counts(self.agree)
+        if not self.is_main:
+            return
+        total = sum(counts)  # one more for each restart (more when several nodes saw the same failure)
         recorded = [e for e in job_events(read_events(self.run_dir)) if e.get("by") == "torchrun"]
-        if recorded and recorded[-1].get("restart_count", 0) >= count:
+        if total == 0 or (recorded and recorded[-1].get("restart_count", 0) >= total):
+            collect_causes(self.run_dir)
             return
         metrics = self.run_dir / METRICS_NAME
         last_written = metrics.stat().st_mtime if metrics.exists() else time.time()
         event = self.failure_event("torchrun", {}, time.time(), fallback_at=last_written)
-        append_event(self.run_dir, {**event, "restart_count": count})
+        silent = sorted(set(range(self.world_size)) - {cause["rank"] for cause in event["causes"]})
+        append_event(self.run_dir, {**event, "silent_ranks": silent, "restart_count": total, "restart_counts": counts})
 
     def failure_event(self, by: str, exit_codes: dict, detected_unix: float, fallback_at: float) -> dict:
         """The event that says the job failed: what the ranks said, how far it got, when (the first report,
@@ -145,10 +224,7 @@ class Resilience:
             if not self._first_step_done and self._restarting:
                 # back at work when the first step began: its own time is productive, not restarting
                 began = time.time() - record["step_s"]
-                append_event(
-                    self.run_dir,
-                    {"event": "resumed", "at_unix": began, "step": record["step"] - 1, **self._resume_info},
-                )
+                append_event(self.run_dir, {"event": "resumed", "at_unix": began, "step": record["step"] - 1})
             if not self._first_step_done and self._record is not None:
                 self._record.update(first_step_at_unix=time.time())
         else:
@@ -163,8 +239,9 @@ class Resilience:
     def save(self, step: int, checkpoints: CheckpointManager, state: Callable[[], tuple], record: dict) -> None:
         """Save, timing what training waits for; the `auto` interval follows from that wait."""
         self.watchdog.phase("checkpoint save")
+        kill_step = self._save_fault_step(step, "kill_during_save")
         started = time.perf_counter()
-        checkpoints.save(*state(), before_publish=self.injector.during_save(step))
+        checkpoints.save(*state(), before_publish=None if kill_step is None else self.injector.during_save(kill_step))
         cost = time.perf_counter() - started
         record["checkpoint_save_s"] = cost
         if self.auto is not None:
@@ -176,11 +253,33 @@ class Resilience:
                 f"{self.auto.job_mtbf_s / 3600:.3g} h is {self.auto.interval_s:.1f} s = every "
                 f"{self.auto.interval_steps} steps"
             )
-        if self.injector.wants_after_save(step):
+        corrupt_step = self._save_fault_step(step, "corrupt_checkpoint")
+        if corrupt_step is not None and self.injector.wants_after_save(corrupt_step):
             checkpoints.wait()
-            self.injector.after_save(step, checkpoints.saved[-1])
+            self.injector.after_save(corrupt_step, checkpoints.saved[-1])
+        self._last_save_step = step
         self.watchdog.touch()
         self.watchdog.phase("between steps")
+
+    def _save_fault_step(self, step: int, kind: str) -> int | None:
+        """The step of the fault of `kind` this save fires: with a fixed interval, one of this very step; with
+        `auto` (whose saves fall where Daly's interval puts them), the earliest still due at or before this
+        step: a fault fired once per run not yet fired, or one fired at every attempt not yet fired at a save
+        of this attempt. One per save and kind (two corruptions of one file would undo each other)."""
+        if self.auto is None:
+            return step
+        due = [
+            spec.step
+            for index, spec in self.injector.mine
+            if spec.kind == kind
+            and spec.step <= step
+            and (
+                not (self.run_dir / MARKERS_DIR / f"fault-{index}").exists()
+                if spec.once
+                else spec.step > self._last_save_step
+            )
+        ]
+        return min(due) if due else None
 
     def evaluate(self, run: Callable[[Callable[[], None]], dict]) -> dict:
         """A held-out evaluation: each of its forwards restarts the hang clock (a long one is not a hang)."""

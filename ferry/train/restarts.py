@@ -4,14 +4,17 @@ Everything lives in the run directory, so that it survives the processes it desc
 
     restarts.jsonl         events, appended: `start` (a job begins: a fresh run, or one resumed by
                            hand), `failure` (written by whoever restarts the job: ferry's supervisor,
-                           or rank 0 of a run restarted by torchrun), `resumed` (rank 0, once the
-                           restarted job has trained its first step again)
+                           or rank 0 of a run restarted by torchrun), `restored` (rank 0, as a
+                           restarted attempt begins to train: the step it resumed from, what
+                           verifying and restoring cost), `resumed` (rank 0, once the restarted
+                           job has trained its first step again)
     .faults/causes/*.json  what a failing rank said before it went (an exception, a hang); a rank
                            killed outright says nothing, and its exit signal speaks for it
 
 `run.json` lists each restart (time, cause, the step it failed at and the step it resumed from,
 steps lost, restart latency) and the job's goodput: productive step time over wall time, with
-what the rest went to (saving, loading, restarting, lost steps).
+what the rest went to (saving, loading, restarting, lost steps). When a supervisor gives up, it
+settles `run.json` itself (`settle_run_record`): the last attempt could not know of its own failure.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-from ferry.train.run_record import EVENTS_NAME, FAULTS_DIR
+from ferry.train.run_record import EVENTS_NAME, FAULTS_DIR, RunRecord
 
 CAUSES_DIR = Path(FAULTS_DIR) / "causes"
 
@@ -88,14 +91,12 @@ def last_metrics_step(run_dir: Path, metrics_name: str = "metrics.jsonl") -> int
 
 
 def restart_is_pending(events: list[dict]) -> bool:
-    """Whether the job is being restarted: a failure was recorded and no training resumed since."""
+    """Whether the job is being restarted: a failure was recorded and no attempt restored the job since."""
     for event in reversed(events):
-        if event["event"] == "resumed":
+        if event["event"] in ("restored", "resumed", "start"):
             return False
         if event["event"] == "failure":
             return True
-        if event["event"] == "start":
-            return False
     return False
 
 
@@ -105,24 +106,37 @@ def job_events(events: list[dict]) -> list[dict]:
     return events[starts[-1]:] if starts else events
 
 
+def _restored_after(job: list[dict], index: int) -> dict | None:
+    """The attempt that followed the failure at `index`, if it got as far as restoring the job: its
+    `restored` event (in logs written before that event existed, its `resumed` event), up to the next failure."""
+    following = []
+    for event in job[index + 1 :]:
+        if event["event"] in ("failure", "start"):
+            break
+        following.append(event)
+    return next((e for e in following if e["event"] == "restored"), None) or next(
+        (e for e in following if e["event"] == "resumed"), None
+    )
+
+
 def restarts(events: list[dict]) -> list[dict]:
-    """Each failure of the job paired with the resumption that followed it (if any yet)."""
+    """Each failure of the job paired with the attempt that followed it, if that attempt restored the job
+    (even when it failed again before its first step); None where no attempt did."""
     rows = []
     job = job_events(events)
     for index, event in enumerate(job):
         if event["event"] != "failure":
             continue
-        # the resumption that followed, even past failures of attempts that died before their first step
-        resumed = next((e for e in job[index + 1 :] if e["event"] == "resumed"), None)
+        restored = _restored_after(job, index)
         row = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(event["at_unix"])),
             "cause": describe_causes(event),
             "failed_at_step": event["failed_at_step"],
-            "resumed_from_step": None if resumed is None else resumed["step"],
-            "steps_lost": None if resumed is None else event["failed_at_step"] - resumed["step"],
-            "restart_latency_s": None if resumed is None else resumed["at_unix"] - event["at_unix"],
-            "skipped_checkpoints": [] if resumed is None else resumed.get("skipped", []),
-            "removed_unfinished_saves": [] if resumed is None else resumed.get("removed_unfinished_saves", []),
+            "resumed_from_step": None if restored is None else restored["step"],
+            "steps_lost": None if restored is None else max(event["failed_at_step"] - restored["step"], 0),
+            "restart_latency_s": None if restored is None else max(restored["at_unix"] - event["at_unix"], 0.0),
+            "skipped_checkpoints": [] if restored is None else restored.get("skipped", []),
+            "removed_unfinished_saves": [] if restored is None else restored.get("removed_unfinished_saves", []),
             "by": event.get("by"),
         }
         rows.append(row)
@@ -134,10 +148,13 @@ def describe_causes(event: dict) -> str:
 
     A rank killed outright (SIGKILL; the launcher itself stops ranks with SIGTERM) says nothing
     and is taken as the first to go: the errors its peers then raise (a connection reset in a
-    collective) are consequences, listed after it in the order they were reported.
+    collective) are consequences, listed after it in the order they were reported. Under torchrun
+    no exit codes are known: the ranks that left no report (`silent_ranks`) are named first instead.
     """
     reporting = {cause["rank"] for cause in event.get("causes", [])}
-    killed, other = [], []
+    silent = [rank for rank in event.get("silent_ranks", []) if rank not in reporting]
+    killed = [_silent_line(silent)] if silent else []
+    other = []
     for rank, code in sorted(event.get("exit_codes", {}).items(), key=lambda item: int(item[0])):
         if int(rank) in reporting:
             continue
@@ -155,6 +172,11 @@ def describe_causes(event: dict) -> str:
     return "; then ".join(parts) if parts else "no rank reported a cause"
 
 
+def _silent_line(ranks: list[int]) -> str:
+    names = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(rank) for rank in ranks)
+    return f"{names} left no report (killed outright, or stopped by the launcher)"
+
+
 def _shorten(text: str, limit: int = 200) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -165,8 +187,9 @@ def goodput(events: list[dict], records: list[dict], now: float) -> dict:
 
     Productive: the step times of the steps the run kept (a step lost to a failure and trained
     again counts once). Saving: what training waited for checkpoints. Loading: verifying and
-    restoring checkpoints at each resumption. Restarting: from each failure to the first step
-    trained after it.
+    restoring checkpoints at the job's start and at each restart (also of an attempt that failed
+    again before its first step). Restarting: from each failure until a restarted attempt had
+    restored the job and began to train (which includes its loading), or until the next failure.
     """
     job = job_events(events)
     start = job[0] if job and job[0]["event"] == "start" else None
@@ -175,7 +198,7 @@ def goodput(events: list[dict], records: list[dict], now: float) -> dict:
     kept = [record for record in records if record.get("step", 0) > first_step]
     productive = sum(record.get("step_s") or 0.0 for record in kept)
     rows = restarts(events)
-    resumed = [event for event in job if event["event"] == "resumed"]
+    restorations = [_restored_after(job, index) for index, event in enumerate(job) if event["event"] == "failure"]
     wall = max(now - begin, 1e-9)
     return {
         "wall_s": wall,
@@ -184,20 +207,56 @@ def goodput(events: list[dict], records: list[dict], now: float) -> dict:
         "restarts": len(rows),
         "lost_steps": sum(row["steps_lost"] or 0 for row in rows),
         "saving_s": sum(record.get("checkpoint_save_s") or 0.0 for record in kept),
-        "loading_s": sum((event.get("verify_s") or 0.0) + (event.get("restore_s") or 0.0) for event in resumed)
+        "loading_s": sum(
+            (event.get("verify_s") or 0.0) + (event.get("restore_s") or 0.0) for event in restorations if event
+        )
         + (start.get("loading_s") or 0.0 if start else 0.0),
         "restarting_s": _restarting_s(job),
     }
 
 
 def _restarting_s(job: list[dict]) -> float:
-    """Time from each failure to the next failure or resumption: failures that follow one another before
-    training resumes are counted once, not once per failure."""
+    """Time from each failure to the restoration that followed it, or to the next failure when the attempt
+    between them restored nothing: failures that follow one another are not counted twice."""
     total = 0.0
     for index, event in enumerate(job):
         if event["event"] != "failure":
             continue
-        following = next((e for e in job[index + 1 :] if e["event"] in ("failure", "resumed")), None)
+        following = next((e for e in job[index + 1 :] if e["event"] in ("failure", "restored", "resumed")), None)
         if following is not None:
             total += max(following["at_unix"] - event["at_unix"], 0.0)
     return total
+
+
+def read_step_records(run_dir: Path, metrics_name: str = "metrics.jsonl") -> list[dict]:
+    """The step records of the run, tolerating a line torn by a crash (the failed attempt may have left one)."""
+    path = run_dir / metrics_name
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else ():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+def settle_run_record(run_dir: Path, reason: str, now: float | None = None) -> dict:
+    """A supervisor that gives up has the last word in `run.json`: its last attempt wrote it before the
+    failure that ends the job was recorded (or never finished it, when it was killed), so every restart,
+    the goodput, status `failed`, the reason for giving up and the last failure's cause are written here."""
+    now = time.time() if now is None else now
+    events = read_events(run_dir)
+    rows = restarts(events)
+    failures = [event for event in job_events(events) if event["event"] == "failure"]
+    record = RunRecord.reopen(run_dir)
+    fields = {
+        "restarts": rows,
+        "goodput": goodput(events, read_step_records(run_dir), now),
+        "gave_up": reason,
+    }
+    if record.content.get("status") != "failed" or not record.content.get("error"):
+        fields["error"] = describe_causes(failures[-1]) if failures else reason  # killed: no rank wrote one
+    record.finish("failed", **fields)
+    return record.content

@@ -77,6 +77,19 @@ class RunRecord:
         self.content = {"status": "running", "started_at": _now(), **content}
         self.save()
 
+    @classmethod
+    def reopen(cls, run_dir: Path) -> RunRecord:
+        """The `run.json` a run left, to be amended by whoever outlives it (a supervisor that gave up);
+        an empty record when the run died before writing one, or left it unreadable."""
+        record = cls.__new__(cls)
+        record.path = run_dir / RUN_RECORD_NAME
+        try:
+            content = json.loads(record.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            content = None
+        record.content = content if isinstance(content, dict) else {"status": "running"}
+        return record
+
     def update(self, **fields) -> None:
         self.content.update(fields)
         self.save()

@@ -38,7 +38,7 @@ data="$out/data"
 ferry data prepare --embedded stdlib --output "$data" --max-bytes 2000000 || exit 1
 rm -rf "$out/bundle" "$out/bundle-source" "$out/finish-cpu"
 ferry rehearse start configs/tiny.yaml "data.sources.0.path=$data" --from cuda --out "$out/bundle" \
-    --steps 60 --switch-at 30 || exit 1
+    --steps 100 --switch-at 50 || exit 1
 ferry rehearse finish "$out/bundle" --to cpu --dir "$out/finish-cpu" --history "$out/portability" 2>&1 \
     | tee "$out/rehearsal.txt" || status=1
 ferry report --history "$out/portability" --out "$out/report" || status=1

@@ -131,7 +131,7 @@ class Trainer:
         )
         self.scaler = self.precision.build_scaler(config.precision)
         self.cursor: DataCursor = self.loader.new_cursor()
-        self.size = count_model(config.model, config.data.seq_len)
+        self.size = count_model(config.model, self._sequence_length())
         self.tokens_per_step = train.global_batch * config.data.seq_len
         self.environment = environment_fingerprint(self.device)
         self.metrics = StepMetrics(
@@ -524,7 +524,7 @@ class Trainer:
             f"({layout['mode']}, ep {layout['ep_degree']}, {self.context.backend or 'no'} collectives, "
             f"profile {self.profile.name}) — {self.size.total_params / 1e6:.2f}M params "
             f"({self.size.active_params / 1e6:.2f}M active), {self.config.train.steps} steps of "
-            f"{self.tokens_per_step:,} tokens, writing to {run_dir}"
+            f"{self._step_size()}, writing to {run_dir}"
         )
         if self.hub.prometheus is not None:
             say(f"ferry: Prometheus metrics at {self.hub.prometheus.url}")
@@ -532,6 +532,23 @@ class Trainer:
             say(f"ferry: resuming from {found.checkpoint.path} at step {found.checkpoint.step}")
         elif found:
             say(f"ferry: no checkpoint to resume from in {self.config.checkpoint.path(run_dir)}; step 0")
+
+    def _sequence_length(self) -> int:
+        """The sequence length FLOPs are counted at: the windows of token data; for DPO and GRPO, whose records
+        are far shorter than `data.seq_len`, the longest record (with GRPO's completions)."""
+        train = self.config.train
+        if train.objective == "lm":
+            return self.config.data.seq_len
+        completions = self.config.grpo.max_new_tokens if train.objective == "grpo" else 0
+        return self.loader.dataset.longest + completions
+
+    def _step_size(self) -> str:
+        train = self.config.train
+        if train.objective == "dpo":
+            return f"{train.global_batch} preference pairs"
+        if train.objective == "grpo":
+            return f"{train.global_batch} prompts x {self.config.grpo.group_size} sampled completions"
+        return f"{self.tokens_per_step:,} tokens"
 
     def _describe(self) -> dict:
         return {

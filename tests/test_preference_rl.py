@@ -14,6 +14,7 @@ from ferry.cli.main import main
 from ferry.data import PrepareSpec, prepare_dataset
 from ferry.data.records import RecordDataset
 from ferry.data.tasks import task_documents
+from ferry.metrics.names import objective_keys
 from ferry.train.preference_losses import clipped_policy_loss, dpo_losses, group_advantages, k3_kl
 from ferry.train.trainer import train
 from ferry.train.verifiers import exact_match, numeric_match
@@ -89,7 +90,7 @@ def _config(tmp_path: Path, name: str, overrides: list[str]):
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory, task) -> Path:
     tmp = tmp_path_factory.mktemp("sft")
-    train(_config(tmp, "sft", [f"data.sources=[{{name: chat, path: {task['chat']}}}]", "train.steps=30"]))
+    train(_config(tmp, "sft", [f"data.sources=[{{name: chat, path: {task['chat']}}}]", "train.steps=120", "optim.lr=1e-2"]))
     return tmp / "sft" / "checkpoints"
 
 
@@ -124,6 +125,7 @@ def test_dpo_reuses_its_reference_cache_and_recomputes_it_for_new_data(tmp_path,
     assert "(pairs) computed from" in capsys.readouterr().out
     assert len(list(cache.glob("*.safetensors"))) == 3
     record = json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert objective_keys("dpo") <= set(record)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen"):
         assert math.isfinite(record[key])
     assert 0.0 <= record["eval/rewards/accuracy"]["held_out"] <= 1.0
@@ -148,6 +150,10 @@ def test_grpo_trains_from_rollouts_and_resumes_with_the_same_draws(tmp_path, tas
     ]
     whole = train(_config(tmp_path, "whole", overrides))
     records = [json.loads(line) for line in (whole.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("moe.imbalance" in r for r in records) and max(r["reward"] for r in records) > 0
+    assert objective_keys("grpo") - {"eval/solve_rate", "eval/greedy_solve_rate"} <= set(records[0])
+    assert objective_keys("grpo") <= set(records[-1])
+    assert max(r["clip_fraction"] for r in records) > 0 and records[-1]["kl"] > 0  # iterations 2, kl_coef 0.05
     for key in ("reward", "reward_std", "solve_rate", "kl", "clip_fraction", "completion_length", "generate_s"):
         assert all(math.isfinite(r[key]) for r in records), key
     assert records[-1]["generate_s"] > 0
@@ -180,6 +186,9 @@ def test_bad_preference_and_rl_input_exits_2_naming_it(tmp_path, task, sft, chat
     assert code == 2 and "grpo.group_size" in err
     code, err = _exit_code([*train_args[:-1], f"data.sources=[{{name: pairs, path: {task['pairs']}}}]"], capsys)
     assert code == 2 and "preferences" in err
+    lm_on_pairs = [arg for arg in train_args if not arg.startswith(("train.objective", "data.sources"))]
+    code, err = _exit_code([*lm_on_pairs, f"data.sources=[{{name: pairs, path: {task['pairs']}}}]"], capsys)
+    assert code == 2 and "holds preferences (a record dataset)" in err and "train.objective: dpo does" in err
 
 
 @pytest.mark.parametrize("objective", ["dpo", "grpo"])
@@ -203,4 +212,5 @@ def test_two_expert_parallel_ranks_train_as_one_process_does(tmp_path, task, sft
     assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-6)
     if objective == "grpo":
         assert [r["reward"] for r in ranks[0]["records"]] == [r["reward"] for r in single["records"]]
+        assert max(r["reward"] for r in single["records"]) > 0, "nothing trained: the comparison would be empty"
     assert ranks[0]["records"][-1]["moe.ep_imbalance"] >= 1.0

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ferry.config.errors import UserError
-from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME
+from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, refuse_records
 
 
 class TokenDataset:
@@ -37,6 +37,7 @@ class TokenDataset:
             raise UserError(
                 f"{label}: {str(manifest_path)!r} is not a {DATASET_FORMAT} v{DATASET_VERSION} manifest"
             )
+        refuse_records(self.manifest, label, "a token-window reader (train.objective: lm, eval.loss)")
         self.tokenizer = self.manifest["tokenizer"]
         self._shards = [self._open_shard(entry) for entry in self.manifest["shards"]]
         lengths = np.array([len(shard) for shard in self._shards], dtype=np.int64)

@@ -21,28 +21,12 @@ import numpy as np
 from ferry.config.errors import UserError
 from ferry.data.config import DataConfig
 from ferry.data.loader import DataCursor
-from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME
+from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, record_kind
 
 RECORD_FIELDS = {"preferences": ("prompt", "chosen", "rejected"), "prompts": ("prompt",)}
 TOKENS_NAME = "tokens.npy"
 SPANS_NAME = "spans.npy"
 ANSWERS_NAME = "answers.json"
-_READERS = {"preferences": "train.objective: dpo", "prompts": "train.objective: grpo"}
-
-
-def record_kind(manifest: dict) -> str | None:
-    """`preferences` or `prompts` for a record dataset's manifest, None for a token stream."""
-    records = manifest.get("records")
-    return records["kind"] if isinstance(records, dict) else None
-
-
-def refuse_records(manifest: dict, label: str, reader: str) -> None:
-    """A token-stream reader given a record dataset: say which objective reads it."""
-    kind = record_kind(manifest)
-    if kind is not None:
-        raise UserError(f"{label} holds {kind} (a record dataset), which {reader} cannot read; {_READERS[kind]} does")
-
-
 class RecordDataset:
     """The records of one prepared dataset of `kind`, memory-mapped."""
 

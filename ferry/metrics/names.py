@@ -21,6 +21,7 @@ class Metric:
     a mapping from held-out source name to a number (only in the records of steps that evaluated).
 
     `scale` turns the record's unit into the exported one (Prometheus wants base units: bytes, not MiB).
+    `objective`: the `train.objective` whose steps report it (None: every objective's).
     """
 
     key: str
@@ -28,10 +29,19 @@ class Metric:
     shape: Shape
     help: str
     scale: float = 1.0
+    objective: str | None = None
 
 
-def _step(key: str, prometheus: str, help: str, scale: float = 1.0) -> Metric:
-    return Metric(key, f"ferry_{prometheus}", "step", help, scale)
+def _step(key: str, prometheus: str, help: str, scale: float = 1.0, objective: str | None = None) -> Metric:
+    return Metric(key, f"ferry_{prometheus}", "step", help, scale, objective)
+
+
+def _dpo(key: str, prometheus: str, help: str) -> Metric:
+    return _step(key, f"dpo_{prometheus}", f"DPO: {help}", objective="dpo")
+
+
+def _grpo(key: str, prometheus: str, help: str) -> Metric:
+    return _step(key, f"grpo_{prometheus}", f"GRPO: {help}", objective="grpo")
 
 
 def _moe(name: str, help: str, aggregate: str) -> tuple[Metric, Metric]:
@@ -46,9 +56,12 @@ METRICS: tuple[Metric, ...] = (
     _step("step", "step", "optimizer steps completed"),
     _step("tokens", "tokens_seen", "tokens trained on since the run began"),
     _step("loss", "loss", "training objective: lm_loss + aux_loss_coef * aux_loss + z_loss_coef * z_loss"),
-    _step("lm_loss", "lm_loss", "next-token cross-entropy, mean over the step's trained tokens"),
-    _step("token_accuracy", "token_accuracy", "share of trained tokens the model ranks first"),
-    _step("trained_share", "trained_share", "trained tokens / tokens of the step (below 1 with a loss mask: SFT)"),
+    _step("lm_loss", "lm_loss", "next-token cross-entropy, mean over the step's trained tokens", objective="lm"),
+    _step("token_accuracy", "token_accuracy", "share of trained tokens the model ranks first", objective="lm"),
+    _step(
+        "trained_share", "trained_share", "trained tokens / tokens of the step (below 1 with a loss mask: SFT)",
+        objective="lm",
+    ),
     _step("aux_loss", "aux_loss", "load-balancing loss as optimised (1.0 at perfect balance)"),
     _step("z_loss", "z_loss", "router z-loss"),
     _step("lr", "learning_rate", "learning rate of the step"),
@@ -58,7 +71,7 @@ METRICS: tuple[Metric, ...] = (
     _step("backward_s", "backward_seconds", "time in backward passes"),
     _step("optimizer_s", "optimizer_seconds", "time in clipping and the optimizer update"),
     _step("generate_s", "generate_seconds", "time sampling completions (GRPO rollouts; 0 for other objectives)"),
-    _step("compute_s", "compute_seconds", "forward + backward + optimizer + generate time not blocked in communication"),
+    _step("compute_s", "compute_seconds", "forward + backward + optimizer + generate time not blocked in comms"),
     _step("comm_s", "comm_seconds", "time blocked in collectives"),
     _step("comm_compute_ratio", "comm_compute_ratio", "comm_s / compute_s"),
     _step("ep_wait_s", "ep_wait_seconds", "time blocked in MoE dispatch and combine"),
@@ -81,29 +94,44 @@ METRICS: tuple[Metric, ...] = (
     *_moe("router_entropy", "mean over tokens of the routing distribution's entropy, in nats", "mean"),
     *_moe("aux_score", "switch balancing score of the step's loads and probabilities (1 = balanced)", "mean"),
     *_moe("balance_gap", "how much more concentrated the real load is than the aux score says", "max"),
-    _step("rewards/chosen", "dpo_rewards_chosen", "DPO: beta x (policy - reference) log-prob of the chosen answers, mean"),
-    _step("rewards/rejected", "dpo_rewards_rejected", "DPO: the same implicit reward of the rejected answers, mean"),
-    _step("rewards/margin", "dpo_rewards_margin", "DPO: rewards/chosen - rewards/rejected, mean over pairs"),
-    _step("rewards/accuracy", "dpo_rewards_accuracy", "DPO: share of pairs whose chosen answer earns the higher reward"),
-    _step("logps/chosen", "dpo_logps_chosen", "DPO: the policy's summed log-prob of a chosen answer, mean"),
-    _step("logps/rejected", "dpo_logps_rejected", "DPO: the policy's summed log-prob of a rejected answer, mean"),
-    _step("reward", "grpo_reward", "GRPO: mean verifier reward of the step's completions"),
-    _step("reward_std", "grpo_reward_std", "GRPO: standard deviation of the rewards within a group, mean over groups"),
-    _step("solve_rate", "grpo_solve_rate", "GRPO: share of the step's completions the verifier accepts"),
-    _step("kl", "grpo_kl", "GRPO: k3 estimate of KL(policy || reference), mean over trained tokens"),
-    _step("clip_fraction", "grpo_clip_fraction", "GRPO: share of trained tokens whose importance ratio was clipped"),
-    _step("completion_length", "grpo_completion_length", "GRPO: tokens per sampled completion, mean"),
-    _step("filtered_groups", "grpo_filtered_groups", "GRPO: share of groups left out because every reward was equal"),
-    Metric("eval/rewards/accuracy", "ferry_eval_dpo_rewards_accuracy", "source", "DPO: rewards/accuracy on held-out pairs"),
-    Metric("eval/rewards/margin", "ferry_eval_dpo_rewards_margin", "source", "DPO: rewards/margin on held-out pairs"),
+    _dpo("rewards/chosen", "rewards_chosen", "beta x (policy - reference) log-prob of the chosen answers, mean"),
+    _dpo("rewards/rejected", "rewards_rejected", "the same implicit reward of the rejected answers, mean"),
+    _dpo("rewards/margin", "rewards_margin", "rewards/chosen - rewards/rejected, mean over pairs"),
+    _dpo("rewards/accuracy", "rewards_accuracy", "share of pairs whose chosen answer earns the higher reward"),
+    _dpo("logps/chosen", "logps_chosen", "the policy's summed log-prob of a chosen answer, mean"),
+    _dpo("logps/rejected", "logps_rejected", "the policy's summed log-prob of a rejected answer, mean"),
+    _grpo("reward", "reward", "mean verifier reward of the step's completions"),
+    _grpo("reward_std", "reward_std", "standard deviation of the rewards within a group, mean over groups"),
+    _grpo("solve_rate", "solve_rate", "share of the step's completions the verifier accepts"),
+    _grpo("kl", "kl", "k3 estimate of KL(policy || reference), mean over trained tokens"),
+    _grpo("clip_fraction", "clip_fraction", "share of trained tokens whose importance ratio was clipped"),
+    _grpo("completion_length", "completion_length", "tokens per sampled completion, mean"),
+    _grpo("filtered_groups", "filtered_groups", "share of groups left out because every reward was equal"),
+    Metric(
+        "eval/rewards/accuracy", "ferry_eval_dpo_rewards_accuracy", "source", "DPO: rewards/accuracy on held-out pairs",
+        objective="dpo",
+    ),
+    Metric(
+        "eval/rewards/margin", "ferry_eval_dpo_rewards_margin", "source", "DPO: rewards/margin on held-out pairs",
+        objective="dpo",
+    ),
     Metric(
         "eval/solve_rate", "ferry_eval_solve_rate", "source",
         "GRPO: share of held-out completions solved, 4 sampled a prompt at the rollout temperature (fixed seeds)",
+        objective="grpo",
     ),
-    Metric("eval/greedy_solve_rate", "ferry_eval_greedy_solve_rate", "source", "GRPO: held-out solve rate, greedy"),
-    Metric("eval.loss", "ferry_eval_loss", "source", "held-out next-token cross-entropy per eval source"),
-    Metric("eval.perplexity", "ferry_eval_perplexity", "source", "exp(eval.loss) per eval source"),
+    Metric(
+        "eval/greedy_solve_rate", "ferry_eval_greedy_solve_rate", "source", "GRPO: held-out solve rate, greedy",
+        objective="grpo",
+    ),
+    Metric("eval.loss", "ferry_eval_loss", "source", "held-out next-token cross-entropy per eval source", objective="lm"),
+    Metric("eval.perplexity", "ferry_eval_perplexity", "source", "exp(eval.loss) per eval source", objective="lm"),
 )
+
+
+def objective_keys(objective: str) -> set[str]:
+    """The record keys a run of `objective` reports (its own and every objective's)."""
+    return {metric.key for metric in METRICS if metric.objective in (None, objective)}
 
 
 def prometheus_names() -> set[str]:

@@ -61,7 +61,9 @@ class DPOObjective:
         for dataset in [self.dataset, *self.held_out]:
             cache = LogprobCache(directory, self._cache_inputs(trainer, dataset))
             logps = cache.load()
-            if logps is None or logps.shape != (len(dataset), 2):
+            usable = logps is not None and logps.shape == (len(dataset), 2)
+            # every rank scores together (expert parallelism) if any lacks the entry (e.g. no shared disk)
+            if trainer.largest_over_ranks([0.0 if usable else 1.0])[0] > 0:
                 model = model or build_reference_model(trainer, parent)
                 logps = self._score_all(trainer, model, dataset)
                 if trainer.is_main:

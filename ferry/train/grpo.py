@@ -138,8 +138,8 @@ class GRPOObjective:
         return StepOutcome(stepped, grad_norm, tokens=0, figures={"trained": trained_tokens})
 
     def figures(self, statistics: StepStatistics, outcome: StepOutcome) -> dict:
-        """Means over the step's completions and groups; KL and clipping over the trained tokens of the first
-        update (the one whose ratios start at 1)."""
+        """Means over the step's completions and groups; KL and clipping over the trained tokens of every update
+        (the first update's ratios are all 1: clipping shows from the second on, with `grpo.iterations` > 1)."""
         (reward, spread, groups, completions, lengths, kept, trained, clipped, kl, tokens, loss, accepted) = (
             statistics.extra.tolist()
         )
@@ -254,14 +254,15 @@ class GRPOObjective:
         trainer.resilience.phase("backward")
         with trainer.metrics.timer.region("backward"):
             trainer.scaler.scale_loss(objective).backward()
-        if filler or iteration > 0:
+        if filler:
             return
-        statistics.add_router(aux_loss, z_loss, output, share)
         extra = statistics.extra
-        extra[6] += mask_BS.sum().item()
+        extra[6] += mask_BS.sum().item()  # clipping and KL: over the tokens of every update
         extra[7] += (clipped_BS & mask_BS).sum().item()
         extra[8] += (kl_BS.detach() * mask_BS).sum().item()
-        extra[10] += policy_loss.detach().item()
+        if iteration == 0:  # the loss and the routers: as the first update saw them
+            statistics.add_router(aux_loss, z_loss, output, share)
+            extra[10] += policy_loss.detach().item()
 
     def _sync(self, trainer: Trainer) -> GenerationSync | None:
         if trainer.world_size == 1:

@@ -124,6 +124,12 @@ def test_dpo_reuses_its_reference_cache_and_recomputes_it_for_new_data(tmp_path,
     train(other)
     assert "(pairs) computed from" in capsys.readouterr().out
     assert len(list(cache.glob("*.safetensors"))) == 3
+    new_parent = _config(tmp_path, "dpo2", [f"data.sources=[{{name: pairs, path: {task['pairs-fewer']}}}]", *common,
+                                           f"init_from={tmp_path / 'dpo' / 'checkpoints'}"])
+    capsys.readouterr()
+    train(new_parent)
+    assert capsys.readouterr().out.count("computed from") == 2  # the same data, another parent: both recomputed
+    assert len(list(cache.glob("*.safetensors"))) == 5
     record = json.loads((tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()[-1])
     assert objective_keys("dpo") <= set(record)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen"):

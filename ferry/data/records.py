@@ -129,7 +129,7 @@ class RecordLoader:
                 "kind": self.dataset.kind,
                 "rows_per_step": self.global_batch,
                 "tokenizer_sha256": self.tokenizer["sha256"],
-                "files": self.dataset.file_hashes(),
+                "shards": self.dataset.file_hashes(),  # the record files, in the shape of a token dataset's shards
                 "sources": self.dataset.manifest.get("source_hashes", []),
             }
         ]

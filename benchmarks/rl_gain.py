@@ -99,7 +99,8 @@ def main() -> None:
         gains = [row[index + 2] - row[index] for row in rows]
         spread = statistics.stdev(gains) if len(gains) > 1 else 0.0
         print(
-            f"{label}: mean gain of GRPO over SFT {statistics.mean(gains):+.1%} (std {spread:.1%}, min {min(gains):+.1%}) "
+            f"{label}: mean gain of GRPO over SFT {statistics.mean(gains):+.1%} (std {spread:.1%}, "
+            f"min {min(gains):+.1%}) "
             f"over {len(gains)} seeds; {len(held_out)} held-out prompts"
         )
     print(f"wall {time.perf_counter() - started:.0f} s")

@@ -28,7 +28,7 @@ from ferry.train.restarts import (
 from ferry.train.watchdog import Watchdog
 from ferry.train.young_daly import AutoInterval, daly_interval_s, young_interval_s
 
-from conftest import TINY_RUN
+from conftest import REPO, TINY_RUN
 
 
 def test_young_and_daly_intervals_match_hand_calculations():
@@ -482,3 +482,33 @@ def test_a_drill_with_three_faults_on_two_ranks_ends_bitwise_equal(config_file, 
     assert record["restarts"][1]["skipped_checkpoints"][0].endswith("step-00000004"), "the corrupt one is skipped"
     assert record["restarts"][1]["resumed_from_step"] == 2
     assert "drill PASS" in capsys.readouterr().out
+
+
+def test_a_hang_while_loading_a_checkpoint_is_caught_and_named(stdlib_dataset, tmp_path):
+    """The watchdog watches from the start of the run: a checkpoint load that never returns ends the rank
+    with the hang exit code and a cause naming the load (a real process: the watchdog ends it)."""
+    import subprocess
+    import sys
+
+    from ferry.train.restarts import collect_causes
+    from ferry.train.watchdog import HANG_EXIT_CODE
+
+    script = tmp_path / "hang_in_load.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "import ferry.train.trainer as trainer\n"
+        "from conftest import tiny_config\n"
+        "trainer.find_resume_point = lambda *args, **kwargs: time.sleep(600)\n"
+        f"config = tiny_config({str(stdlib_dataset)!r}, {str(tmp_path / 'run')!r}, 'resume=latest',\n"
+        "    'fault.hang_timeout_s=1', 'fault.hang_first_step_s=0', 'fault.hang_checkpoint_s=1')\n"
+        "trainer.Trainer(config).fit()\n",
+        encoding="utf-8",
+    )
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == HANG_EXIT_CODE, result.stderr[-2000:]
+    assert time.monotonic() - started < 60
+    assert "stuck in checkpoint load" in result.stderr
+    causes = collect_causes(tmp_path / "run")
+    assert any("checkpoint load" in str(cause) for cause in causes), causes

@@ -13,7 +13,7 @@ from ferry.checkpoint import verify_checkpoint
 from ferry.cli.main import main
 from ferry.config import UserError
 from ferry.pipeline import run_pipeline
-from ferry.pipeline.lineage import checkpoint_digest
+from ferry.checkpoint.digests import checkpoint_digest
 from ferry.train import Trainer
 
 from conftest import TINY_RUN, tiny_config

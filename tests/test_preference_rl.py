@@ -74,7 +74,9 @@ def task(tmp_path_factory, chat_tokenizer: Path) -> dict[str, Path]:
             spec = PrepareSpec(embedded=split, tokenizer=str(chat_tokenizer), embedded_max_bytes=60_000, **flags)
             prepare_dataset(spec, root / name)
             out[name] = root / name
-    spec = PrepareSpec(embedded="largest", tokenizer=str(chat_tokenizer), embedded_max_bytes=20_000, records="preferences")
+    spec = PrepareSpec(
+        embedded="largest", tokenizer=str(chat_tokenizer), embedded_max_bytes=20_000, records="preferences"
+    )
     prepare_dataset(spec, root / "pairs-fewer")
     out["pairs-fewer"] = root / "pairs-fewer"
     return out
@@ -90,7 +92,8 @@ def _config(tmp_path: Path, name: str, overrides: list[str]):
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory, task) -> Path:
     tmp = tmp_path_factory.mktemp("sft")
-    train(_config(tmp, "sft", [f"data.sources=[{{name: chat, path: {task['chat']}}}]", "train.steps=120", "optim.lr=1e-2"]))
+    chat = f"data.sources=[{{name: chat, path: {task['chat']}}}]"
+    train(_config(tmp, "sft", [chat, "train.steps=120", "optim.lr=1e-2"]))
     return tmp / "sft" / "checkpoints"
 
 
@@ -100,7 +103,8 @@ def test_the_task_views_speak_of_the_same_problems_and_never_of_held_out_ones(ta
     train_questions = {json.loads(d.text)["prompt"][0]["content"] for d in task_documents("largest", "prompts")}
     held_out = {json.loads(d.text)["prompt"][0]["content"] for d in task_documents("largest-held-out", "prompts")}
     assert not train_questions & held_out
-    assert all((pairs.field(i, "prompt") == prompts.field(i, "prompt")).all() for i in range(min(len(pairs), len(prompts))))
+    shared = range(min(len(pairs), len(prompts)))
+    assert all((pairs.field(i, "prompt") == prompts.field(i, "prompt")).all() for i in shared)
     assert (pairs.field(0, "chosen") != pairs.field(0, "rejected")).any()
 
 

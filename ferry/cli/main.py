@@ -141,7 +141,9 @@ def _data_prepare(args: argparse.Namespace) -> int:
         ignored = [flag for flag, value in given if value is not None]
         if ignored:
             flag = "--chat" if args.chat else f"--{args.records}"
-            raise UserError(f"{' and '.join(ignored)}: {flag} reads its fields with the --tokenizer given; leave it out")
+            raise UserError(
+                f"{' and '.join(ignored)}: {flag} reads its fields with the --tokenizer given; leave it out"
+            )
     spec = PrepareSpec(
         inputs=list(args.inputs),
         embedded=args.embedded,

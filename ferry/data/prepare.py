@@ -124,7 +124,9 @@ def _check_spec(spec: PrepareSpec) -> None:
                 "(e.g. the SFT dataset's tokenizer.json)"
             )
         if spec.seq_len is not None:
-            raise UserError(f"--seq-len sets the rows conversations are packed into; --{spec.records} keeps records whole")
+            raise UserError(
+                f"--seq-len sets the rows conversations are packed into; --{spec.records} keeps records whole"
+            )
     if spec.embedded in EMBEDDED_CONVERSATIONS and not spec.chat:
         raise UserError(f"--embedded {spec.embedded} is a set of conversations: add --chat --seq-len N")
     if spec.embedded in EMBEDDED_CORPORA and spec.chat:
@@ -145,7 +147,8 @@ def _document_source(spec: PrepareSpec) -> Callable[[], Iterator[Document]]:
     """A function that yields the documents afresh (BPE training and encoding each need a pass)."""
     if spec.embedded in EMBEDDED_TASKS:
         view = spec.records or "chat"
-        return lambda: within_budget(task_documents(spec.embedded, view), spec.embedded_max_bytes, spec.embedded_skip_bytes)
+        budget = (spec.embedded_max_bytes, spec.embedded_skip_bytes)
+        return lambda: within_budget(task_documents(spec.embedded, view), *budget)
     if spec.embedded:
         embedded = embedded_conversations if spec.chat else embedded_documents
         return lambda: embedded(spec.embedded, spec.embedded_max_bytes, spec.embedded_skip_bytes)

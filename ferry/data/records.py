@@ -48,7 +48,9 @@ class RecordDataset:
         found = record_kind(self.manifest)
         if found != kind:
             what = f"{found}" if found else "a token stream"
-            raise UserError(f"{label}: {str(self.path)!r} holds {what}; this run reads {kind} (ferry data prepare --{kind})")
+            raise UserError(
+                f"{label}: {str(self.path)!r} holds {what}; this run reads {kind} (ferry data prepare --{kind})"
+            )
         self.kind = kind
         self.fields = RECORD_FIELDS[kind]
         self.tokenizer = self.manifest["tokenizer"]

@@ -9,11 +9,11 @@ all speak about the same problems:
   largest one's neighbour when every digit is the same);
 - `prompts`: the question with its answer, for a verifier to check sampled completions.
 
-Problems are lists of `DIGITS` digits whose largest digit is uniform over 0-9; a fixed hash of the list puts a fifth of all lists in
-the held-out split, which no view of `largest` holds, so a held-out solve rate measures the
-skill rather than recall. Each split yields its first `PROBLEMS` lists in a fixed hashed
-order. In the demo tokenizer each digit, comma and bracket of `max(3,7,2,9,4)=` is one token,
-as is the answer.
+Problems are lists of `DIGITS` digits whose largest digit is uniform over 0-9 (drawn by a
+fixed-seed generator); a hash of the list puts a fifth of all lists in the held-out split, which
+no view of `largest` holds, so a held-out solve rate measures the skill rather than recall. Each
+split yields its first `PROBLEMS` distinct lists. In the demo tokenizer each digit, comma and
+bracket of `max(3,7,2,9,4)=` is one token, as is the answer.
 """
 
 from __future__ import annotations

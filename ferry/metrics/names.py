@@ -86,6 +86,9 @@ METRICS: tuple[Metric, ...] = (
     _step("checkpoint_save_s", "checkpoint_save_seconds", "time training waited for a checkpoint save in the step"),
     _step("checkpoint_interval_steps", "checkpoint_interval_steps", "steps between checkpoints (Young/Daly when auto)"),
     _step("goodput", "goodput", "productive step time over the job's wall time so far, restarts included"),
+    _step("lost_steps", "lost_steps", "steps trained again after failures, since the job began (rank 0)"),
+    _step("loading_s", "loading_seconds", "time verifying and restoring checkpoints since the job began (rank 0)"),
+    _step("restarting_s", "restarting_seconds", "time from failures to restored restarts since the job began"),
     Metric("moe.tokens_per_expert", "ferry_moe_expert_tokens", "expert", "assignments per expert in the step"),
     *_moe("imbalance", "busiest expert's load / mean expert load", "mean"),
     *_moe("cv", "coefficient of variation of the expert loads", "mean"),
@@ -124,7 +127,9 @@ METRICS: tuple[Metric, ...] = (
         "eval/greedy_solve_rate", "ferry_eval_greedy_solve_rate", "source", "GRPO: held-out solve rate, greedy",
         objective="grpo",
     ),
-    Metric("eval.loss", "ferry_eval_loss", "source", "held-out next-token cross-entropy per eval source", objective="lm"),
+    Metric(
+        "eval.loss", "ferry_eval_loss", "source", "held-out next-token cross-entropy per eval source", objective="lm"
+    ),
     Metric("eval.perplexity", "ferry_eval_perplexity", "source", "exp(eval.loss) per eval source", objective="lm"),
 )
 

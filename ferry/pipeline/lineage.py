@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ferry.checkpoint.digests import checkpoint_digest
 from ferry.checkpoint.format import MANIFEST_NAME
 from ferry.config import UserError
 from ferry.data.manifest import sha256_file

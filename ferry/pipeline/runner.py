@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from ferry.checkpoint import config_differences, find_resume_point, list_checkpoints
+from ferry.checkpoint.digests import checkpoint_digest
 from ferry.config import UserError, dump_yaml
 from ferry.config.loader import validate
 from ferry.data.manifest import sha256_file
-from ferry.pipeline.lineage import Lineage, checkpoint_digest, dataset_record
+from ferry.pipeline.lineage import Lineage, dataset_record
 from ferry.pipeline.spec import (
     HF_PREFIX,
     PREVIOUS,

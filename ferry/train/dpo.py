@@ -68,7 +68,9 @@ class DPOObjective:
                 logps = self._score_all(trainer, model, dataset)
                 if trainer.is_main:
                     cache.save(logps)
-                notes.append(f"reference log-probs of {dataset.label} computed from {parent.path}, cached in {cache.path}")
+                notes.append(
+                    f"reference log-probs of {dataset.label} computed from {parent.path}, cached in {cache.path}"
+                )
             else:
                 notes.append(f"reference log-probs of {dataset.label} reused from {cache.path}")
             self.reference[dataset.label] = logps
@@ -180,6 +182,7 @@ class DPOObjective:
                 logps_2B, _, _ = _score(trainer, model, dataset, indices, self.pad_id)
             if indices.size and indices[0] >= 0:
                 logps_N2[indices] = logps_2B.double().view(2, -1).T
+            trainer.resilience.watchdog.touch()  # scoring a large set is progress, not a hang
         return trainer.plan.sum_over_ranks(logps_N2).cpu()
 
     def _cache_inputs(self, trainer: Trainer, dataset: RecordDataset) -> dict:

@@ -74,11 +74,12 @@ class GRPOObjective:
             RecordDataset(source.path, f"eval.sources.{index} ({source.name})", "prompts")
             for index, source in enumerate(config.eval.sources)
         ]
-        tokenizer = load_tokenizer(self.dataset.path / self.dataset.tokenizer["file"])
-        self.decode = tokenizer.decode
-        self.stop_id = tokenizer.token_id(IM_END)
+        self.tokenizer = load_tokenizer(self.dataset.path / self.dataset.tokenizer["file"])
+        self.stop_id = self.tokenizer.token_id(IM_END)
         if self.stop_id is None:
-            raise UserError(f"{self.dataset.label}: its tokenizer has no {IM_END}; prepare prompts with the chat template")
+            raise UserError(
+                f"{self.dataset.label}: its tokenizer has no {IM_END}; prepare prompts with the chat template"
+            )
         self.pad_id = self.dataset.tokenizer["eos_id"]
         self.verify = VERIFIERS[self.config.verifier]
         self.prompts_per_step = config.train.global_batch
@@ -133,7 +134,9 @@ class GRPOObjective:
             trainer.optimizer.zero_grad(set_to_none=True)
             for round_index in range(rounds):
                 rows = batches[round_index] if round_index < len(batches) else []
-                self._train_batch(trainer, statistics, rollouts, rows, round_index, trained_tokens, old_logps, iteration)
+                self._train_batch(
+                    trainer, statistics, rollouts, rows, round_index, trained_tokens, old_logps, iteration
+                )
             grad_norm, stepped = trainer.apply_update(trainer.cursor.step + 1)
         return StepOutcome(stepped, grad_norm, tokens=0, figures={"trained": trained_tokens})
 
@@ -196,7 +199,9 @@ class GRPOObjective:
         prompts = [self.dataset.field(index, "prompt") for index in indices for _ in range(group)]
         seeds = [_seed(self.seed, _SEED_STREAM, step, index, sample) for index in indices for sample in range(group)]
         sampling = GenerationConfig(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature)
-        result = generate(trainer.model, prompts, sampling, eos_id=self.stop_id, row_seeds=seeds, sync=self._sync(trainer))
+        result = generate(
+            trainer.model, prompts, sampling, eos_id=self.stop_id, row_seeds=seeds, sync=self._sync(trainer)
+        )
         completions = [np.asarray(completion.tokens, dtype=np.int64) for completion in result.completions]
         rewards = [
             self._reward(completion.tokens, self.dataset.answers[index])
@@ -208,7 +213,7 @@ class GRPOObjective:
         return Rollouts(prompts, completions, rewards_PG, advantages_PG, kept_P)
 
     def _reward(self, tokens: list[int], answer: str) -> float:
-        return self.verify(self.decode([token for token in tokens if token != self.stop_id]), answer)
+        return self.verify(_text(self.tokenizer, tokens, self.stop_id), answer)
 
     def _train_batch(
         self,
@@ -226,7 +231,7 @@ class GRPOObjective:
         filler = not rows
         rows = rows or [0]
         prompts = [rollouts.prompts[row] for row in rows]
-        completions = [rollouts.completions[row] if len(rollouts.completions[row]) else np.asarray([self.stop_id]) for row in rows]
+        completions = [rollouts.completions[row] for row in rows]
         inputs_BS, targets_BS = completion_batch(prompts, completions, self.pad_id)
         inputs_BS, targets_BS = inputs_BS.to(trainer.device), targets_BS.to(trainer.device)
         mask_BS = targets_BS >= 0
@@ -312,10 +317,15 @@ def solved_prompts(
     if not mine:
         return 0.0
     accepted = [
-        verify(tokenizer.decode([token for token in completion.tokens if token != stop_id]), dataset.answers[row]) >= 1.0
+        verify(_text(tokenizer, completion.tokens, stop_id), dataset.answers[row]) >= 1.0
         for row, completion in zip(rows, result.completions)
     ]
     return sum(accepted) / samples
+
+
+def _text(tokenizer, tokens: list[int], stop_id: int) -> str:
+    """A completion's text for the verifier: its tokens without the `<|im_end|>` that ended it."""
+    return tokenizer.decode([token for token in tokens if token != stop_id])
 
 
 def _seed(*parts: int) -> int:

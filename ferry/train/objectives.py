@@ -69,7 +69,8 @@ class LanguageModelObjective:
         timer = trainer.metrics.timer
         trainer.optimizer.zero_grad(set_to_none=True)
         autocast = trainer.autocast()
-        batches = trainer.loader.micro_batches(trainer.cursor, trainer.rank, trainer.world_size, config.train.micro_batch)
+        micro_batch = config.train.micro_batch
+        batches = trainer.loader.micro_batches(trainer.cursor, trainer.rank, trainer.world_size, micro_batch)
         for batch in batches.micro:
             share = batch.inputs_BS.shape[0] / config.train.global_batch
             trainer.resilience.phase("forward")

@@ -79,5 +79,6 @@ class LogprobCache:
         """Write atomically: a crash leaves the old entry or none, never half a file."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         staging = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        save_file({"logps": logps.double().cpu().contiguous()}, str(staging), metadata={"inputs": json.dumps(self.inputs)})
+        tensors = {"logps": logps.double().cpu().contiguous()}
+        save_file(tensors, str(staging), metadata={"inputs": json.dumps(self.inputs)})
         os.replace(staging, self.path)

@@ -113,10 +113,18 @@ class Resilience:
         self._restarting = False
         self._first_step_done = False
         self._last_save_step = 0
+        self._lost: dict = {}
         self._productive = 0.0
         self._job_start_unix = started_unix
         self._say: Say = print
         self.agree: Agree = lambda values: values
+
+    def watch_loading(self) -> None:
+        """Before the run restores anything: the watchdog watches the load too (verifying and restoring a
+        checkpoint, the collectives of a shared verification, a reference model's scoring), in a phase that
+        gets the checkpoint allowance on top of the first step's; `touch` it while long work progresses."""
+        self.watchdog.phase("checkpoint load")
+        self.watchdog.start(0)
 
     def begin(self, resumed_step: int | None, resume_info: dict, record: RunRecord | None, say: Say) -> None:
         """Note where this attempt starts: a new job (fresh, or resumed by hand) or the restart of one."""
@@ -142,7 +150,10 @@ class Resilience:
             starts = [event for event in read_events(self.run_dir) if event["event"] == "start"]
             self._job_start_unix = starts[-1]["at_unix"] if starts else self.started_unix
             self._productive = sum(record.get("step_s") or 0.0 for record in self._kept_records())
+            so_far = goodput(read_events(self.run_dir), [], time.time())
+            self._lost = {key: so_far[key] for key in ("lost_steps", "loading_s", "restarting_s")}
             self._announce_save_faults()
+        self.watchdog.phase("start-up")
         self.watchdog.start(self.step)
 
     def _announce_save_faults(self) -> None:
@@ -221,6 +232,7 @@ class Resilience:
         if self.is_main:
             self._productive += record["step_s"]
             record["goodput"] = self._productive / max(time.time() - self._job_start_unix, 1e-9)
+            record.update(self._lost)  # what the job's failures and loads have cost so far (fixed in an attempt)
             if not self._first_step_done and self._restarting:
                 # back at work when the first step began: its own time is productive, not restarting
                 began = time.time() - record["step_s"]
@@ -228,7 +240,7 @@ class Resilience:
             if not self._first_step_done and self._record is not None:
                 self._record.update(first_step_at_unix=time.time())
         else:
-            record["goodput"] = None
+            record.update(goodput=None, lost_steps=None, loading_s=None, restarting_s=None)
         self._first_step_done = True
 
     def save_due(self, step: int, checkpoints: CheckpointManager) -> bool:

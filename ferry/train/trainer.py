@@ -152,12 +152,20 @@ class Trainer:
         to be resumed later).
 
         With `resume` set, the train state is restored first and the run's records
-        continue from the checkpoint's step.
+        continue from the checkpoint's step. The hang watchdog watches from the start, the load
+        included, and stops however the run ends.
         """
+        try:
+            return self._fit(stop_at)
+        finally:
+            self.resilience.watchdog.stop()
+
+    def _fit(self, stop_at: int | None) -> TrainResult:
         config = self.config
         stop_at = stop_at or config.train.stop_at or config.train.steps
         stop_at = min(stop_at, config.train.steps)
         resume = config.resume
+        self.resilience.watch_loading()
         if restarted_by_torchrun() and (list_checkpoints(config.checkpoint.path(config.run.path)) or resume is None):
             resume = "latest"  # restarted by torchrun's agent: the run's own newest checkpoint, or step 0
         self.resilience.note_agent_restart()

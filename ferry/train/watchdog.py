@@ -38,17 +38,21 @@ class Watchdog:
         self._slowest_warmup = 0.0
         self._last = time.monotonic()
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @property
     def enabled(self) -> bool:
         return self.config.hang_timeout_s is not None
 
     def start(self, step: int) -> None:
+        """Watch from now (the clock restarts); a watchdog already watching (the load before the first step)
+        goes on in the same thread."""
         self.step = step
         self._last = time.monotonic()
         self._stop.clear()
-        if self.enabled:
-            threading.Thread(target=self._watch, name="ferry-watchdog", daemon=True).start()
+        if self.enabled and not (self._thread is not None and self._thread.is_alive()):
+            self._thread = threading.Thread(target=self._watch, name="ferry-watchdog", daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()

@@ -65,6 +65,7 @@ from ferry.train.checkpointing import (
     save_on_all_ranks,
     train_state_pieces,
 )
+from ferry.train.announcements import announce, describe, eval_line, resume_record
 from ferry.train.config import RunConfig
 from ferry.train.objectives import build_loader, build_objective
 from ferry.train.optimizer import decayed_parameter_names, learning_rate
@@ -179,8 +180,8 @@ class Trainer:
         record = None
         if self.is_main:
             prepare_run_dir(config, resume_step=resumed_step)
-            resumed_from = _resume_record(found, self.carried, resume_times)
-            record = RunRecord(run_dir, {**self._describe(), "resumed_from": resumed_from})
+            resumed_from = resume_record(found, self.carried, resume_times)
+            record = RunRecord(run_dir, {**describe(self), "resumed_from": resumed_from})
         self._barrier()
         writes = {"write": partial(save_on_all_ranks, plan=self.plan)} if self.context.is_distributed else {}
         checkpoints = CheckpointManager(
@@ -200,7 +201,7 @@ class Trainer:
             first_step=self.cursor.step,
         )
         trace = TorchTrace(config.profile, run_dir, self.device, self.rank)
-        self._announce(run_dir, found, notes)
+        announce(self, run_dir, found, notes)
         for leftover in checkpoints.removed_leftovers:
             self.hub.message(f"ferry: warning: removed the unfinished save {leftover} (its process died mid-save)")
         if record is not None:
@@ -228,7 +229,7 @@ class Trainer:
                     resilience.save(self.cursor.step, checkpoints, self.checkpoint_state, last)
                 self.hub.write(last)
                 if any(key.startswith("eval") for key in last):
-                    self.hub.message(_eval_line(last))
+                    self.hub.message(eval_line(last))
                 trace.step_finished(last["step"])
             if config.checkpoint.enabled and checkpoints.last_step != self.cursor.step:
                 resilience.save(self.cursor.step, checkpoints, self.checkpoint_state, {})
@@ -291,7 +292,7 @@ class Trainer:
         meta = CheckpointMeta(
             step=step,
             tokens_seen=self.tokens_seen,
-            layout=Layout(**self._layout()),
+            layout=Layout(**self.layout()),
             model_config=config.model.model_dump(mode="json"),
             run_config=config.model_dump(mode="json"),
             environment=self.environment,
@@ -427,7 +428,8 @@ class Trainer:
         return document_ids(inputs_BS, self.loader.tokenizer["eos_id"]).to(self.device)
 
     def autocast(self) -> torch.autocast:
-        return torch.autocast(self.device.type, dtype=self.precision.torch_compute_dtype, enabled=self.precision.autocast)
+        precision = self.precision
+        return torch.autocast(self.device.type, dtype=precision.torch_compute_dtype, enabled=precision.autocast)
 
     def _apply_gradients(self, grad_clip: float, step: int) -> tuple[float, bool]:
         """Reduce, unscale, check, clip and step; a step whose gradients overflowed is skipped
@@ -478,7 +480,8 @@ class Trainer:
             if with_optimizer:
                 restore_optimizer(checkpoint, self.model, self.optimizer, self.plan)
         optimizer = f"from {checkpoint.path}" if with_optimizer else "fresh"
-        self.carried = {"weights": f"from {checkpoint.path} (step {checkpoint.step})", "optimizer": optimizer, "schedule": "fresh"}
+        weights = f"from {checkpoint.path} (step {checkpoint.step})"
+        self.carried = {"weights": weights, "optimizer": optimizer, "schedule": "fresh"}
         self.initial_weights = None  # the digest of the random initialisation no longer describes the start
         state = "weights and optimizer state" if with_optimizer else "weights"
         fresh = "data position and schedule" if with_optimizer else "optimizer, data position and schedule"
@@ -518,29 +521,6 @@ class Trainer:
 
         return SharedVerification(self.rank, self.world_size, agree)
 
-    def _announce(self, run_dir: Path, found: Found | None, notes: list[str]) -> None:
-        say = self.hub.message
-        for path, reason in found.skipped if found else []:
-            say(f"ferry: warning: skipping checkpoint {path}: {reason}")
-        for note in notes:
-            say(f"ferry: note: {note}")
-        say(f"ferry: precision: {'; '.join(self.precision.decisions)}")
-        say(f"ferry: {self.kernels.describe()}")
-        layout = self._layout()
-        say(
-            f"ferry: training {self.config.run.name} on {self.device} x {self.world_size} "
-            f"({layout['mode']}, ep {layout['ep_degree']}, {self.context.backend or 'no'} collectives, "
-            f"profile {self.profile.name}) — {self.size.total_params / 1e6:.2f}M params "
-            f"({self.size.active_params / 1e6:.2f}M active), {self.config.train.steps} steps of "
-            f"{self._step_size()}, writing to {run_dir}"
-        )
-        if self.hub.prometheus is not None:
-            say(f"ferry: Prometheus metrics at {self.hub.prometheus.url}")
-        if found and found.checkpoint:
-            say(f"ferry: resuming from {found.checkpoint.path} at step {found.checkpoint.step}")
-        elif found:
-            say(f"ferry: no checkpoint to resume from in {self.config.checkpoint.path(run_dir)}; step 0")
-
     def _sequence_length(self) -> int:
         """The sequence length FLOPs are counted at: the windows of token data; for DPO and GRPO, whose records
         are far shorter than `data.seq_len`, the longest record (with GRPO's completions)."""
@@ -550,35 +530,7 @@ class Trainer:
         completions = self.config.grpo.max_new_tokens if train.objective == "grpo" else 0
         return self.loader.dataset.longest + completions
 
-    def _step_size(self) -> str:
-        train = self.config.train
-        if train.objective == "dpo":
-            return f"{train.global_batch} preference pairs"
-        if train.objective == "grpo":
-            return f"{train.global_batch} prompts x {self.config.grpo.group_size} sampled completions"
-        return f"{self.tokens_per_step:,} tokens"
-
-    def _describe(self) -> dict:
-        return {
-            "name": self.config.run.name,
-            "config": self.config.model_dump(mode="json"),
-            "data_mix": self.loader.mix_record(),
-            "tokenizer": self.loader.tokenizer,
-            "model_size": self.size.as_dict(),
-            "initial_weights_xxh3": self.initial_weights,
-            "layout": self._layout(),
-            "hardware": {
-                "profile": self.profile.name,
-                "peak_tflops": self.profile.peak_tflops,
-                "mfu_dtype": self.precision.mfu_dtype,
-                "price_per_device_hour_usd": self.profile.price_per_device_hour_usd,
-            },
-            "precision": self.precision.as_dict(),
-            "kernels": self.kernels.as_dict(),
-            "environment": {**self.environment, "comm_backend": self.context.backend},
-        }
-
-    def _layout(self) -> dict:
+    def layout(self) -> dict:
         mode = self.config.parallel.mode if self.context.is_distributed else "single"
         return {"world_size": self.world_size, "ep_degree": self._ep_degree(), "mode": mode}
 
@@ -591,39 +543,6 @@ def _profile(name: str, device: torch.device) -> HardwareProfile:
     """The hardware profile of the run; a CPU's peak is measured (once per machine, cached)."""
     profile = resolve_profile(name, device)
     return measured_cpu_profile() if profile.measure_peak and device.type == "cpu" else profile
-
-
-def _eval_line(record: dict) -> str:
-    figures = [
-        f"{name} loss {loss:.4f} (perplexity {record['eval.perplexity'][name]:.2f})"
-        for name, loss in record.get("eval.loss", {}).items()
-    ]
-    for key, label, form in _OBJECTIVE_EVAL:
-        figures += [f"{name} {label} {form.format(value)}" for name, value in record.get(key, {}).items()]
-    return f"ferry: held-out at step {record['step']}: {', '.join(figures)}"
-
-
-# held-out figures of the preference and RL objectives: record key, console label, format
-_OBJECTIVE_EVAL = (
-    ("eval/rewards/accuracy", "reward accuracy", "{:.1%}"),
-    ("eval/rewards/margin", "reward margin", "{:.3f}"),
-    ("eval/solve_rate", "solve rate", "{:.1%}"),
-    ("eval/greedy_solve_rate", "greedy", "{:.1%}"),
-)
-
-
-def _resume_record(found: Found | None, carried: dict[str, str], times: dict[str, float]) -> dict | None:
-    """What run.json says about where the run continued from, which newer checkpoints were unusable,
-    which parts of the train state came over, and what verifying and restoring cost."""
-    if found is None or found.checkpoint is None:
-        return None
-    return {
-        "checkpoint": str(found.checkpoint.path),
-        "step": found.checkpoint.step,
-        "skipped": [{"checkpoint": str(path), "reason": reason} for path, reason in found.skipped],
-        "carried": carried,
-        **times,
-    }
 
 
 def train(config: RunConfig) -> TrainResult:

@@ -60,6 +60,12 @@ class HeldOut:
         return split_windows(windows_BS1, trained_BS1)
 
 
+def held_out_due(has_sources: bool, interval: int, step: int, last_step: int) -> bool:
+    """The schedule of every held-out evaluation (loss, DPO rewards, GRPO solve rates): every `eval.interval`
+    steps and after the last one."""
+    return has_sources and (step == last_step or (interval > 0 and step % interval == 0))
+
+
 @dataclass(frozen=True)
 class SourceLoss:
     loss: float
@@ -116,8 +122,7 @@ class HeldOutEvaluation:
                 )
 
     def due(self, step: int, last_step: int) -> bool:
-        interval = self.config.interval
-        return bool(self.sources) and (step == last_step or (interval > 0 and step % interval == 0))
+        return held_out_due(bool(self.sources), self.config.interval, step, last_step)
 
     @torch.no_grad()
     def run(

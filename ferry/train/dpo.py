@@ -17,10 +17,16 @@ import torch
 
 from ferry.data.records import RecordDataset
 from ferry.data.targets import completion_batch
+from ferry.inference.evaluation import held_out_due
 from ferry.train.losses import router_losses, router_objective
 from ferry.train.objectives import StepOutcome
 from ferry.train.preference_losses import dpo_losses, token_logprobs
-from ferry.train.reference import LogprobCache, build_reference_model, parent_checkpoint, reference_record
+from ferry.train.reference import (
+    LogprobCache,
+    build_reference_model,
+    parent_checkpoint,
+    reference_record,
+)
 from ferry.train.step_statistics import StepStatistics
 
 if TYPE_CHECKING:
@@ -118,8 +124,7 @@ class DPOObjective:
         }
 
     def evaluation_due(self, step: int, last_step: int) -> bool:
-        interval = self.eval_interval
-        return bool(self.held_out) and (step == last_step or (interval > 0 and step % interval == 0))
+        return held_out_due(bool(self.held_out), self.eval_interval, step, last_step)
 
     @torch.no_grad()
     def evaluate(self, trainer: Trainer, progress) -> dict:

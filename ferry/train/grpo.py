@@ -30,11 +30,21 @@ from ferry.data.records import RecordDataset
 from ferry.data.targets import completion_batch
 from ferry.data.tokenizer import load_tokenizer
 from ferry.inference import GenerationConfig
+from ferry.inference.evaluation import held_out_due
 from ferry.inference.generate import GenerationSync, generate
 from ferry.train.losses import router_losses, router_objective
 from ferry.train.objectives import StepOutcome
-from ferry.train.preference_losses import clipped_policy_loss, group_advantages, k3_kl, token_logprobs
-from ferry.train.reference import build_reference_model, parent_checkpoint, reference_record
+from ferry.train.preference_losses import (
+    clipped_policy_loss,
+    group_advantages,
+    k3_kl,
+    token_logprobs,
+)
+from ferry.train.reference import (
+    build_reference_model,
+    parent_checkpoint,
+    reference_record,
+)
 from ferry.train.step_statistics import StepStatistics
 from ferry.train.verifiers import VERIFIERS
 
@@ -127,7 +137,7 @@ class GRPOObjective:
         batches = [kept[start : start + micro] for start in range(0, len(kept), micro)]
         rounds = int(self._max_over_ranks(trainer, len(batches)))
         if trained_tokens == 0:
-            return StepOutcome(False, 0.0, tokens=0, figures={"trained": 0})
+            return StepOutcome(False, 0.0, tokens=0)
         old_logps: dict[int, torch.Tensor] = {}
         grad_norm, stepped = 0.0, False
         for iteration in range(self.config.iterations):
@@ -138,7 +148,7 @@ class GRPOObjective:
                     trainer, statistics, rollouts, rows, round_index, trained_tokens, old_logps, iteration
                 )
             grad_norm, stepped = trainer.apply_update(trainer.cursor.step + 1)
-        return StepOutcome(stepped, grad_norm, tokens=0, figures={"trained": trained_tokens})
+        return StepOutcome(stepped, grad_norm, tokens=0)
 
     def figures(self, statistics: StepStatistics, outcome: StepOutcome) -> dict:
         """Means over the step's completions and groups; KL and clipping over the trained tokens of every update
@@ -160,8 +170,7 @@ class GRPOObjective:
         }
 
     def evaluation_due(self, step: int, last_step: int) -> bool:
-        interval = self.eval_interval
-        return bool(self.held_out) and (step == last_step or (interval > 0 and step % interval == 0))
+        return held_out_due(bool(self.held_out), self.eval_interval, step, last_step)
 
     @torch.no_grad()
     def evaluate(self, trainer: Trainer, progress) -> dict:

@@ -9,7 +9,7 @@ is watched through pre-training, SFT, DPO and RL alike.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ferry.train.losses import compute_loss
@@ -27,7 +27,6 @@ class StepOutcome:
     stepped: bool
     grad_norm: float
     tokens: int
-    figures: dict = field(default_factory=dict)
 
 
 class Objective(Protocol):

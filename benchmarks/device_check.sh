@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # The checks the CPU suite cannot make, in one run on a machine with a CUDA or ROCm GPU:
-#   1. the accelerator tests (vendor kernels against the portable ones, CUDA timers),
+#   1. the accelerator tests (vendor kernels against the portable ones, torchao's FP8/MXFP8 kernels where
+#      torchao is installed, CUDA timers),
 #   2. `ferry kernels bench` in bfloat16 (the ledger's missing measured gains),
 #   3. the rehearsal of a GPU-to-CPU move (`ferry rehearse start` on the GPU, `finish` on the CPU):
 #      trained on the GPU, resumed on the CPU from its checkpoint and trained there from scratch,
 #      judged against the GPU run; the verdict goes to $out/portability with its lead time,
-#   4. whole training steps with the vendor kernels against the portable path (bfloat16 and FP8),
-#      and the standard suites (`ferry bench moe-tiny` on the GPU, `ferry bench olmoe-1b-7b`) with their cost,
+#   4. whole training steps (benchmarks/accelerator_training.py): every variant (portable, vendor kernels,
+#      compiled blocks, FP8 emulated / native / torchao) on the mid-size shape, then 12 steps of the
+#      OLMoE-1B-7B shape (one 4,096-token sequence a micro-batch, 8 a step) with the vendor kernels,
+#      compiled, FP8 native and FP8 on torchao (the torchao variant fails fast, and says so, without
+#      torchao); and the standard suites (`ferry bench moe-tiny` on the GPU, `ferry bench olmoe-1b-7b`)
+#      with their cost,
 #   5. checkpoint save and load throughput on the machine's disk.
-# Usage: bash benchmarks/device_check.sh   (writes under $OUT, default runs/device-check)
+# Usage: bash benchmarks/device_check.sh [STAGE...]   (writes under $OUT, default runs/device-check)
+# STAGE: tests kernels rehearse training olmoe suites io (default: all, in that order; each prints its
+# time). All of them take longer than one 10-minute device call: run them in groups that fit, e.g.
+# `tests training olmoe`, then `kernels rehearse suites io`.
 # Needs ferry's dependencies importable next to the GPU build of torch; it says which are not.
 set -u -o pipefail
 out="${OUT:-runs/device-check}"
@@ -28,26 +36,68 @@ if not torch.cuda.is_available():
 print(f"device check: {torch.cuda.get_device_name()} torch {torch.__version__}")
 PY
 
-status=0
-"$python" -m pytest -q -rs tests/test_kernels_agreement.py tests/test_kernels_low_precision.py \
-    tests/test_metrics_step.py 2>&1 | tee "$out/accelerator_tests.txt" || status=1
-ferry kernels bench --device cuda --dtype bfloat16 --history "$out/portability" 2>&1 | tee "$out/kernels_bench.txt" \
-    || status=1
-
 data="$out/data"
-ferry data prepare --embedded stdlib --output "$data" --max-bytes 2000000 || exit 1
-rm -rf "$out/bundle" "$out/bundle-source" "$out/finish-cpu"
-ferry rehearse start configs/tiny.yaml "data.sources.0.path=$data" --from cuda --out "$out/bundle" \
-    --steps 100 --switch-at 50 || exit 1
-ferry rehearse finish "$out/bundle" --to cpu --dir "$out/finish-cpu" --history "$out/portability" 2>&1 \
-    | tee "$out/rehearsal.txt" || status=1
-ferry report --history "$out/portability" --out "$out/report" || status=1
-"$python" benchmarks/accelerator_training.py --data "$data" 2>&1 | tee "$out/accelerator_training.txt" || status=1
-rm -rf "$out"/bench-*
-for suite in moe-tiny olmoe-1b-7b; do
-    ferry bench "$suite" --device cuda --out "$out/bench-$suite.json" --dir "$out/bench-$suite" 2>&1 \
-        | tee "$out/bench-$suite.txt" || status=1
-    ferry cost "$out/bench-$suite.json" --out "$out/bench-$suite-cost" 2>&1 | tee -a "$out/bench-$suite.txt" || status=1
+prepare_data() {
+    [ -f "$data/manifest.json" ] || ferry data prepare --embedded stdlib --output "$data" --max-bytes 2000000
+}
+
+stage_tests() {
+    "$python" -m pytest -q -rs tests/test_kernels_agreement.py tests/test_kernels_low_precision.py \
+        tests/test_kernels_torchao.py tests/test_moe_host_syncs.py tests/test_metrics_step.py 2>&1 \
+        | tee "$out/accelerator_tests.txt"
+}
+
+stage_kernels() {
+    ferry kernels bench --device cuda --dtype bfloat16 --history "$out/portability" 2>&1 | tee "$out/kernels_bench.txt"
+}
+
+stage_rehearse() {
+    prepare_data || return 1
+    rm -rf "$out/bundle" "$out/bundle-source" "$out/finish-cpu"
+    ferry rehearse start configs/tiny.yaml "data.sources.0.path=$data" --from cuda --out "$out/bundle" \
+        --steps 100 --switch-at 50 || return 1
+    ferry rehearse finish "$out/bundle" --to cpu --dir "$out/finish-cpu" --history "$out/portability" 2>&1 \
+        | tee "$out/rehearsal.txt" || return 1
+    ferry report --history "$out/portability" --out "$out/report"
+}
+
+stage_training() {
+    prepare_data || return 1
+    "$python" benchmarks/accelerator_training.py --data "$data" 2>&1 | tee "$out/accelerator_training.txt"
+}
+
+stage_olmoe() {
+    prepare_data || return 1
+    "$python" benchmarks/accelerator_training.py --data "$data" --shape olmoe-1b-7b --steps 12 \
+        --variants auto,compiled,fp8-native,fp8-torchao 2>&1 | tee "$out/accelerator_training-olmoe-1b-7b.txt"
+}
+
+stage_suites() {
+    rm -rf "$out"/bench-*
+    local suite failed=0
+    for suite in moe-tiny olmoe-1b-7b; do
+        ferry bench "$suite" --device cuda --out "$out/bench-$suite.json" --dir "$out/bench-$suite" 2>&1 \
+            | tee "$out/bench-$suite.txt" || failed=1
+        ferry cost "$out/bench-$suite.json" --out "$out/bench-$suite-cost" 2>&1 | tee -a "$out/bench-$suite.txt" \
+            || failed=1
+    done
+    return $failed
+}
+
+stage_io() {
+    "$python" benchmarks/checkpoint_io.py --dir "$out" 2>&1 | tee "$out/checkpoint_io.txt"
+}
+
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(tests kernels rehearse training olmoe suites io)
+status=0
+for stage in "${stages[@]}"; do
+    if ! declare -F "stage_$stage" > /dev/null; then
+        echo "device check: no stage $stage (stages: tests kernels rehearse training olmoe suites io)" >&2
+        exit 2
+    fi
+    started=$SECONDS
+    "stage_$stage" || { status=1; echo "device check: stage $stage failed" >&2; }
+    echo "device check: stage $stage took $((SECONDS - started)) s"
 done
-"$python" benchmarks/checkpoint_io.py --dir "$out" 2>&1 | tee "$out/checkpoint_io.txt" || status=1
 exit $status

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 
@@ -22,6 +23,7 @@ import torch
 
 from ferry.kernels import KernelsConfig, select_kernels
 from ferry.model import MoEConfig, MoELayer
+from ferry.platform.allocator import apply_host_allocator
 
 DIM, FFN, TOP_K = 512, 256, 4
 
@@ -33,8 +35,15 @@ def main() -> None:
     parser.add_argument("--policy", choices=["auto", "portable"], default="auto")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--host-allocator",
+        choices=["default", "keep_freed"],
+        default="default",
+        help="keep_freed: the CPU profile's preset (ferry/platform/allocator.py), applied before anything runs",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    allocator = apply_host_allocator(args.host_allocator)
 
     kernels = select_kernels(KernelsConfig(policy=args.policy), "cpu")
     layers = {experts: _layer(experts, kernels) for experts in args.experts}
@@ -44,6 +53,7 @@ def main() -> None:
         for tokens in args.tokens
     }
     times = {(experts, tokens): [] for tokens in args.tokens for experts in args.experts}
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for round_index in range(args.repeats + 1):
         for experts, tokens in times:
             started = time.perf_counter()
@@ -51,6 +61,7 @@ def main() -> None:
             if round_index:  # round 0 warms every configuration up
                 times[experts, tokens].append(time.perf_counter() - started)
 
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
     rows = []
     for (experts, tokens), seconds in times.items():
         tok_s = tokens / statistics.median(seconds)
@@ -73,6 +84,8 @@ def main() -> None:
         "policy": args.policy,
         "threads": args.threads,
         "repeats": args.repeats,
+        "host_allocator": allocator,
+        "minor_faults_per_round": round(faults / (args.repeats + 1)),
     }
     print(json.dumps(summary))
 

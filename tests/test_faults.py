@@ -301,6 +301,8 @@ def test_two_ranks_agree_on_the_auto_interval(config_file, tmp_path):
     assert code == 0
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "completed" and record["checkpoint_interval"]["interval_steps"] >= 1
+    # the ranks `--nproc` starts run with the CPU profile's allocator preset
+    assert record["hardware"]["host_allocator"]["applied"] and record["hardware"]["host_allocator"]["mallopt"]
 
 
 def test_a_restart_before_the_first_save_of_a_run_resumed_from_elsewhere_resumes_that_checkpoint_again(

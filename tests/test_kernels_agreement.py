@@ -103,7 +103,11 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-VENDOR = [pytest.param(impl, id=impl.key + " " + impl.op) for impl in REGISTRY.vendor_implementations()]
+# torchao's kernels round their scales to powers of two, so they sit ~5% from the emulation on random data;
+# tests/test_kernels_torchao.py holds them to bounds measured for that rounding
+VENDOR = [
+    pytest.param(impl, id=impl.key + " " + impl.op) for impl in REGISTRY.vendor_implementations() if impl.name != "torchao"
+]
 
 
 def _device_recipe(recipe: LowPrecisionRecipe, device: torch.device) -> LowPrecisionRecipe:

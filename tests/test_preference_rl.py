@@ -219,7 +219,24 @@ def test_two_expert_parallel_ranks_train_as_one_process_does(tmp_path, task, sft
     single = runs.train_run(str(data), str(tmp_path / "one"), *overrides)
     ranks = run_on_ranks(runs.train_run, 2, str(data), str(tmp_path / "two"), *overrides, "parallel.ep=2")
     assert ranks[0]["losses"] == ranks[1]["losses"]
-    assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-6)
+    if objective == "dpo":
+        assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-6)
+    else:
+        # The rollouts are padded per rank; where a position's router scores tie exactly (z-losses agree to
+        # 5e-10), the layouts may route it differently, which moves the balancing loss by one assignment's
+        # share of ~1,300 (5e-4 relative). Everything else in the loss is compared as tightly as for DPO.
+        from ferry.model import MoEConfig
+
+        aux_coef = MoEConfig().aux_loss_coef  # the tiny config keeps the default
+
+        def without_balancing(records: list[dict]) -> list[float]:
+            return [record["loss"] - aux_coef * record["aux_loss"] for record in records]
+
+        assert without_balancing(ranks[0]["records"]) == pytest.approx(
+            without_balancing(single["records"]), rel=1e-4, abs=1e-6
+        )
+        balancing = [[record["aux_loss"] for record in run["records"]] for run in (ranks[0], single)]
+        assert balancing[0] == pytest.approx(balancing[1], rel=1e-3)
     if objective == "grpo":
         assert [r["reward"] for r in ranks[0]["records"]] == [r["reward"] for r in single["records"]]
         assert max(r["reward"] for r in single["records"]) > 0, "nothing trained: the comparison would be empty"

@@ -58,6 +58,7 @@ class GenerationSync:
 
 
 @torch.inference_mode()
+@torch.compiler.set_stance("force_eager")  # a cache's shapes change every step: compiled blocks would recompile
 def generate(
     model: Transformer,
     prompts: Sequence[Sequence[int]],

@@ -18,6 +18,7 @@ from ferry.kernels.vendor import (
     padded_bmm,
     torch_grouped_mm,
     torch_scaled_grouped_mm,
+    torchao_grouped_mm,
 )
 
 
@@ -128,6 +129,14 @@ REGISTRY = Registry(
             vendor=(
                 Implementation(
                     op="moe.fp8_grouped_mm",
+                    name="torchao",
+                    platform="cuda",
+                    fn=torchao_grouped_mm.fp8_grouped_mm,
+                    probe=torchao_grouped_mm.probe_fp8,
+                    summary="torchao 0.17+: fused FP8 quantization, torch._scaled_grouped_mm, SM90, power-of-2 scales",
+                ),
+                Implementation(
+                    op="moe.fp8_grouped_mm",
                     name="torch_scaled_grouped_mm",
                     platform="cuda",
                     fn=torch_scaled_grouped_mm.fp8_grouped_mm,
@@ -155,6 +164,16 @@ REGISTRY = Registry(
                 low_precision.low_precision_grouped_mm,
                 "emulated: operands rounded, moe.grouped_mm as selected",
                 uses=("moe.grouped_mm",),
+            ),
+            vendor=(
+                Implementation(
+                    op="moe.mxfp8_grouped_mm",
+                    name="torchao",
+                    platform="cuda",
+                    fn=torchao_grouped_mm.mxfp8_grouped_mm,
+                    probe=torchao_grouped_mm.probe_mxfp8,
+                    summary="torchao 0.17+: fused MXFP8 quantization and grouped GEMM, SM100, E4M3 gradients only",
+                ),
             ),
         ),
         Op(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,3 +31,20 @@ class Dispatch:
 def group_sizes(offsets_E: torch.Tensor) -> list[int]:
     """Rows per group from the group ends, on the host (one device sync for implementations that loop)."""
     return torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
+
+
+def reads_group_sizes_on_host(fn: Callable) -> Callable:
+    """Marks an implementation that reads its group sizes on the host (a device sync on accelerators).
+
+    Such a function loops or allocates by values only known at run time, so a compiled region
+    (`train.compile: blocks`) leaves it out, a graph break, instead of tracing it and compiling it
+    again for every new set of group sizes; `host_reads` tells the sync-free paths from the others.
+    """
+    wrapped = torch.compiler.disable(fn)
+    wrapped.reads_group_sizes_on_host = True
+    return wrapped
+
+
+def host_reads(fn: Callable) -> bool:
+    """Whether a chosen op function (its sub-ops bound or not) was marked `reads_group_sizes_on_host`."""
+    return getattr(getattr(fn, "func", fn), "reads_group_sizes_on_host", False)

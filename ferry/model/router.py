@@ -57,7 +57,7 @@ class Router(nn.Module):
         weights_TK = scores_TE.gather(1, expert_ids_TK)
         if self.renormalize:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-        tokens_per_expert_E = torch.bincount(expert_ids_TK.flatten(), minlength=self.num_experts)
+        tokens_per_expert_E = count_assignments(expert_ids_TK, self.num_experts)
         probs_TE = scores_TE if self.score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
         mean_prob_E = probs_TE.mean(dim=0)
         return Routing(
@@ -88,3 +88,15 @@ class Router(nn.Module):
             return
         load_E = tokens_per_expert_E.to(self.expert_bias_E.dtype)
         self.expert_bias_E += self.bias_update_rate * torch.sign(load_E.mean() - load_E)
+
+
+def count_assignments(expert_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert, a tensor of fixed size on the device.
+
+    Not `torch.bincount`: its output size depends on the largest id, which it reads on the host (a
+    device sync on accelerators) and which a compiled graph cannot know in advance.
+    """
+    ids_N = expert_ids_TK.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device).scatter_add_(
+        0, ids_N, torch.ones_like(ids_N)
+    )

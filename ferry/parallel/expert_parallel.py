@@ -23,8 +23,13 @@ class AllToAllDispatcher:
         self.ep_size = collectives.size
         self.num_local = num_experts // self.ep_size
 
+    @torch.compiler.disable
     def __call__(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
-        """`x_ND` is sorted by global expert id; returns expert outputs in the same order."""
+        """`x_ND` is sorted by global expert id; returns expert outputs in the same order.
+
+        Its one host read is the exchange of the per-rank row counts that the all-to-all needs for
+        its split sizes; a compiled block runs it eagerly (a graph break) for the same reason.
+        """
         with self.collectives.region("ep_wait"):
             received_counts_PL, send_splits, receive_splits, x_RD = self._dispatch(x_ND, tokens_per_expert_E)
         y_RD = self._run_local_experts(x_RD, received_counts_PL, experts)
@@ -45,7 +50,7 @@ class AllToAllDispatcher:
         """Received rows come grouped by source rank, then by local expert: regroup by expert, run, restore."""
         ep, local = self.ep_size, self.num_local
         expert_of_row_R = torch.repeat_interleave(
-            torch.arange(local, device=x_RD.device).repeat(ep), received_counts_PL.flatten()
+            torch.arange(local, device=x_RD.device).repeat(ep), received_counts_PL.flatten(), output_size=len(x_RD)
         )
         order_R = torch.argsort(expert_of_row_R, stable=True)
         y_sorted_RD = experts(x_RD.index_select(0, order_R), received_counts_PL.sum(0))

@@ -48,10 +48,16 @@ def clip_grad_norm(
 
 
 def _sum_sq(params: list[nn.Parameter]) -> torch.Tensor:
+    """The sum of squares of every gradient: each tensor's norm in fp32 (one read, no copy), summed in fp64.
+
+    Casting every gradient to fp64 first cost a copy of the whole model's gradients per step, a tenth of
+    a CPU step; a tensor's own fp32 norm is already accurate far below what clipping can notice.
+    """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    return torch.stack([g.double().pow(2).sum() for g in grads]).sum().cpu()
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    return torch.stack(norms).double().pow(2).sum().cpu()
 
 
 def _buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:

@@ -18,6 +18,7 @@ from ferry.comm import Collectives, CommStats, DistContext, build_mesh
 from ferry.config import UserError
 from ferry.model import Transformer
 from ferry.model.experts import Experts
+from ferry.parallel.adamw import fused_where_available
 from ferry.parallel.config import ParallelConfig
 from ferry.parallel.expert_parallel import AllToAllDispatcher, shard_experts
 from ferry.parallel.fsdp import apply_fsdp
@@ -126,6 +127,7 @@ class ParallelPlan:
                 {"params": [p for n, p in params if n not in decayed], "weight_decay": 0.0},
             ],
             **adamw_kwargs,
+            **fused_where_available([p for _, p in params]),
         )
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ferry.comm import Collectives
+from ferry.parallel.adamw import fused_where_available
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ShardedAdamW:
                 {"params": [p for name, p in owned if name not in decayed], "weight_decay": 0.0},
             ],
             **adamw_kwargs,
+            **fused_where_available([p for _, p in owned]),
         )
 
     @property

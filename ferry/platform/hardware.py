@@ -21,6 +21,7 @@ from pydantic import Field
 
 from ferry.config import Section, UserError
 from ferry.config.loader import validate
+from ferry.platform.allocator import HostAllocator
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -50,6 +51,10 @@ class HardwareProfile(Section):
     price_per_device_hour_usd: float = Field(ge=0)
     purchase_price_usd: float = Field(ge=0, description="buying one device (the accelerator alone), for `ferry cost`")
     power_kw: float = Field(gt=0, description="power one device draws at full load, its share of the node included")
+    host_allocator: HostAllocator = Field(
+        "default",
+        description="keep_freed: the run's processes keep freed memory for reuse (ferry/platform/allocator.py)",
+    )
     sources: list[str] = Field(min_length=1)
 
     def peak_flops(self, dtype: str) -> float:

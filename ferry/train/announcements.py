@@ -25,6 +25,12 @@ def announce(trainer: Trainer, run_dir: Path, found: Found | None, notes: list[s
         say(f"ferry: note: {note}")
     say(f"ferry: precision: {'; '.join(trainer.precision.decisions)}")
     say(f"ferry: {trainer.kernels.describe()}")
+    if trainer.compiled["mode"] != "none":
+        eager = trainer.compiled["eager_ops"]
+        say(
+            f"ferry: compile: {trainer.compiled['regions']} blocks compiled on the first step"
+            + (f"; eager inside them: {', '.join(eager)}" if eager else "")
+        )
     layout = trainer.layout()
     say(
         f"ferry: training {trainer.config.run.name} on {trainer.device} x {trainer.world_size} "
@@ -66,9 +72,11 @@ def describe(trainer: Trainer) -> dict:
             "peak_tflops": trainer.profile.peak_tflops,
             "mfu_dtype": trainer.precision.mfu_dtype,
             "price_per_device_hour_usd": trainer.profile.price_per_device_hour_usd,
+            "host_allocator": trainer.host_allocator,
         },
         "precision": trainer.precision.as_dict(),
         "kernels": trainer.kernels.as_dict(),
+        "compile": trainer.compiled,
         "environment": {**trainer.environment, "comm_backend": trainer.context.backend},
     }
 

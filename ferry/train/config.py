@@ -18,6 +18,7 @@ from ferry.data.config import DataConfig
 from ferry.inference.config import EvalConfig
 from ferry.kernels.config import KernelsConfig
 from ferry.metrics.config import MetricsConfig, ProfileConfig
+from ferry.model.compilation import Compile
 from ferry.model.config import ModelConfig
 from ferry.parallel.config import ParallelConfig
 from ferry.precision.config import PrecisionConfig
@@ -33,6 +34,11 @@ class RunSection(Section):
     seed: int = Field(0, ge=0)
     device: Literal["auto", "cpu", "cuda", "xpu", "mps"] = "auto"
     overwrite: bool = Field(False, description="replace the records of an earlier run in the same dir")
+    host_allocator: Literal["profile", "default", "keep_freed"] = Field(
+        "profile",
+        description="profile: the hardware profile's preset (cpu: keep_freed, freed memory reused instead of "
+        "mapped afresh each step); default: the C library's own behaviour",
+    )
 
     @property
     def path(self) -> Path:
@@ -67,6 +73,11 @@ class TrainConfig(Section):
     """How long and with what batch; the global batch is fixed whatever the world size."""
 
     objective: Objective = Field("lm", description="lm (next token; SFT with a loss mask), dpo or grpo")
+    compile: Compile = Field(
+        "none",
+        description="none (eager), or blocks: each transformer block compiled on its own with torch.compile "
+        "(inductor; on a CPU it needs a C++ compiler)",
+    )
     steps: int = Field(100, ge=1)
     global_batch: int = Field(
         16, ge=1, description="sequences per optimizer step, over all ranks (dpo: pairs; grpo: prompts)"

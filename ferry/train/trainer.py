@@ -44,10 +44,12 @@ from ferry.metrics import (
     moe_diagnostics,
 )
 from ferry.model import Transformer, count_model
+from ferry.model.compilation import compile_blocks
 from ferry.model.digest import weights_digest
 from ferry.parallel import build_plan
 from ferry.parallel.zero import optimizer_state_bytes
 from ferry.platform import environment_fingerprint, resolve_device
+from ferry.platform.allocator import apply_host_allocator
 from ferry.platform.hardware import (
     HardwareProfile,
     measured_cpu_profile,
@@ -95,6 +97,8 @@ class Trainer:
         self.resilience.agree = self.largest_over_ranks
         config.check_world_size(self.world_size)
         self.profile = _profile(config.hardware, self.device)
+        allocator = config.run.host_allocator
+        self.host_allocator = apply_host_allocator(self.profile.host_allocator if allocator == "profile" else allocator)
         self.precision = resolve_precision(config.precision, self.profile)
         self.loader = build_loader(config)
         tokenizer_vocab = self.loader.tokenizer["vocab_size"]
@@ -123,6 +127,7 @@ class Trainer:
         self.initial_weights = weights_digest(model) if self.is_main else None
         self.model: Transformer = model.to(self.device, dtype=self.precision.torch_param_dtype)
         self.decayed = decayed_parameter_names(self.model)
+        self.compiled = compile_blocks(self.model, train.compile)
         self.plan = build_plan(
             config.parallel, self.context, self.model, self.device, self.precision.torch_reduce_dtype
         )

@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from ferry.kernels.dispatch import reads_group_sizes_on_host
+
 
 class Recipe(Protocol):
     """How the three GEMMs of an expert layer quantize their operands.
@@ -37,6 +39,7 @@ class Recipe(Protocol):
     def token_block_ids(self, offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor: ...
 
 
+@reads_group_sizes_on_host
 def low_precision_grouped_mm(
     x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, recipe: Recipe, *, grouped_mm
 ) -> torch.Tensor:

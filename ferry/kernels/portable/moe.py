@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kernels.amp import outside_autocast
-from ferry.kernels.dispatch import Dispatch, group_sizes
+from ferry.kernels.dispatch import Dispatch, group_sizes, reads_group_sizes_on_host
 
 
 def permute(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor) -> tuple[torch.Tensor, Dispatch]:
@@ -27,6 +27,7 @@ def permute(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor) -> tuple[torch.Tens
     return _GatherTokens.apply(x_TD, dispatch), dispatch
 
 
+@reads_group_sizes_on_host
 @outside_autocast
 def grouped_mm(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """Rows of group e times w[e].T, one matmul per expert (the reference every other one must meet)."""

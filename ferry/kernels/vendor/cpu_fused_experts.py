@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kernels.amp import outside_autocast
+from ferry.kernels.dispatch import reads_group_sizes_on_host
 from ferry.kernels.vendor.cpu_gemm_layout import REDUCED_DTYPES, fast_right_operand
 
 # Large enough for full-speed matmuls, small enough that a block's temporaries stay in cache
@@ -51,6 +52,7 @@ from ferry.kernels.vendor.cpu_gemm_layout import REDUCED_DTYPES, fast_right_oper
 BLOCK_ROWS = 1024
 
 
+@reads_group_sizes_on_host
 @outside_autocast
 def routed_experts(
     x_TD: torch.Tensor,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ferry.kernels.amp import outside_autocast
+from ferry.kernels.dispatch import reads_group_sizes_on_host
 from ferry.kernels.portable.moe import loop_grouped_mm
 from ferry.kernels.vendor.cpu_gemm_layout import REDUCED_DTYPES, fast_right_operand
 
@@ -22,6 +23,7 @@ def probe(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+@reads_group_sizes_on_host
 @outside_autocast
 def grouped_mm(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     return loop_grouped_mm(x_NI, w_EOI, offsets_E, input_grad_weight=fast_right_operand)

@@ -11,6 +11,7 @@ import importlib.util
 import torch
 
 from ferry.kernels.amp import outside_autocast
+from ferry.kernels.dispatch import reads_group_sizes_on_host
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -24,6 +25,7 @@ def probe(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+@reads_group_sizes_on_host
 @outside_autocast
 def grouped_mm(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     from grouped_gemm.ops import gmm

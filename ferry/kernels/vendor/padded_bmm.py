@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 
 from ferry.kernels.amp import outside_autocast
+from ferry.kernels.dispatch import reads_group_sizes_on_host
 
 
+@reads_group_sizes_on_host
 @outside_autocast
 def grouped_mm(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     num_experts, rows = w_EOI.shape[0], x_NI.shape[0]

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ferry.kernels.amp import outside_autocast
+from ferry.kernels.dispatch import reads_group_sizes_on_host
 
 GROUP_ALIGN_ROWS = 16
 # The element format torch's row-wise FP8 grouped GEMM takes, for both operands: OCP E4M3 on
@@ -51,6 +52,7 @@ def probe_rocm(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+@reads_group_sizes_on_host
 @outside_autocast
 def fp8_grouped_mm(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, recipe) -> torch.Tensor:
     elements = ROCM_ELEMENTS if torch.version.hip else CUDA_ELEMENTS

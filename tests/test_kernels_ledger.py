@@ -6,6 +6,7 @@ import argparse
 import datetime
 
 import pytest
+import torch
 
 from ferry.cli.kernels import add_kernels_commands
 from ferry.kernels import REGISTRY, load_ledger
@@ -100,3 +101,29 @@ def test_kernels_bench_rejects_a_budget_outside_zero_to_one():
 
     with pytest.raises(UserError, match="--budget"):
         _cli("kernels", "bench", "--device", "cpu", "--budget", "1.5")
+
+
+def test_kernels_bench_lists_an_implementation_that_refuses_the_recipe_as_unavailable(monkeypatch):
+    """An implementation whose kernel takes other element formats (torchao's MXFP8 with E5M2 gradients) is
+    listed with its reason, and the other implementations are still timed."""
+    from ferry.kernels import bench
+    from ferry.kernels.bench import BenchShape, run_bench
+    from ferry.kernels.registry import RecipeRefused
+    from ferry.platform.hardware import load_profile
+    from ferry.precision import PrecisionConfig, resolve_precision
+
+    timed = bench._time
+
+    def refusing_low_precision(case, fn, repeats, device):
+        if any(getattr(arg, "kind", None) == "fp8" for arg in case.args):
+            raise RecipeRefused("it computes E4M3 gradients only")
+        return timed(case, fn, repeats, device)
+
+    monkeypatch.setattr(bench, "_time", refusing_low_precision)
+    recipe = resolve_precision(PrecisionConfig(experts="fp8", on_unsupported="emulate"), load_profile("cpu")).recipe
+    shape = BenchShape(tokens=64, dim=32, ffn=16, experts=4, top_k=2)
+    report = run_bench(torch.device("cpu"), 0.1, shape, repeats=1, recipes={"moe.fp8_grouped_mm": recipe})
+    timings = {op.op: op.timings for op in report.ops}
+    (fp8,) = timings["moe.fp8_grouped_mm"][:1]
+    assert fp8.seconds is None and fp8.unavailable == "it computes E4M3 gradients only"
+    assert all(timing.seconds is not None for timing in timings["moe.grouped_mm"] if timing.unavailable is None)

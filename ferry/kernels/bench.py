@@ -24,7 +24,7 @@ import torch
 from ferry.kernels.catalogue import REGISTRY
 from ferry.kernels.config import KernelsConfig
 from ferry.kernels.portable.low_precision import Recipe
-from ferry.kernels.registry import PORTABLE, Implementation, Op, Registry
+from ferry.kernels.registry import PORTABLE, Implementation, Op, RecipeRefused, Registry
 from ferry.kernels.selection import KernelSelection, bind, select_kernels
 
 DISPATCH_LIMIT = 0.01
@@ -167,7 +167,10 @@ def run_bench(
                 timings.append(Timing(impl.key, None, reason))
                 continue
             fn = bind(impl, portable.functions)  # an op composed of others runs on their portable ones
-            timings.append(Timing(impl.key, _time(cases[op.name], fn, repeats, device)))
+            try:
+                timings.append(Timing(impl.key, _time(cases[op.name], fn, repeats, device)))
+            except RecipeRefused as refused:
+                timings.append(Timing(impl.key, None, str(refused)))
         report.ops.append(OpReport(op.name, timings))
     layer_case = cases["moe.routed_experts"]
     report.layer_seconds = _time(layer_case, auto["moe.routed_experts"], repeats, device)

@@ -24,6 +24,11 @@ PORTABLE = "portable"
 Probe = Callable[[torch.device, torch.dtype], "str | None"]
 
 
+class RecipeRefused(ValueError):
+    """A low-precision implementation cannot compute the recipe it was handed (another element format than
+    its kernel takes): the caller picks another implementation, and the bench lists it as unavailable."""
+
+
 def platform_of(device: torch.device) -> str:
     """The platform key of a device; ROCm builds expose AMD GPUs as `cuda` devices."""
     if device.type == "cuda" and torch.version.hip:

@@ -19,15 +19,19 @@ from ferry.kernels.dispatch import host_reads
 Compile = Literal["none", "blocks"]
 
 
-def compile_blocks(model, mode: Compile) -> dict:
-    """Compile `model`'s blocks in place as `mode` says; what run.json records about it."""
+def compile_blocks(model, mode: Compile, expert_parallel: bool = False) -> dict:
+    """Compile `model`'s blocks in place as `mode` says; what run.json records about it, with what runs
+    eagerly inside the blocks (`expert_parallel`: the experts run behind the all-to-all dispatcher)."""
     if mode == "none":
         return {"mode": "none"}
     for block in model.layers:
         block.compile()
-    eager = [
-        f"{op}={choice.implementation.key}" for op, choice in model.kernels.choices.items() if host_reads(choice.fn)
-    ]
+    if expert_parallel:
+        eager = ["the expert-parallel dispatcher (all-to-all and the local experts)"]
+    elif model.moe_layers():
+        eager = _host_reading_parts(model.kernels, "moe.routed_experts")
+    else:
+        eager = []
     return {
         "mode": mode,
         "regions": len(model.layers),
@@ -35,3 +39,11 @@ def compile_blocks(model, mode: Compile) -> dict:
         "torch": torch.__version__,
         "eager_ops": eager,
     }
+
+
+def _host_reading_parts(kernels, op: str) -> list[str]:
+    """`op`'s chosen implementation if it reads on the host, else those of the sub-ops it is composed of."""
+    choice = kernels.choices[op]
+    if host_reads(choice.fn):
+        return [f"{op}={choice.implementation.key}"]
+    return [part for sub in choice.implementation.uses for part in _host_reading_parts(kernels, sub)]

@@ -127,7 +127,8 @@ class Trainer:
         self.initial_weights = weights_digest(model) if self.is_main else None
         self.model: Transformer = model.to(self.device, dtype=self.precision.torch_param_dtype)
         self.decayed = decayed_parameter_names(self.model)
-        self.compiled = compile_blocks(self.model, train.compile)
+        expert_parallel = config.parallel.mode == "ep" and config.parallel.ep > 1
+        self.compiled = compile_blocks(self.model, train.compile, expert_parallel)
         self.plan = build_plan(
             config.parallel, self.context, self.model, self.device, self.precision.torch_reduce_dtype
         )

@@ -19,6 +19,7 @@ import torch
 
 from ferry.kernels.amp import outside_autocast
 from ferry.kernels.dispatch import reads_group_sizes_on_host
+from ferry.kernels.registry import RecipeRefused
 
 GROUP_ALIGN_ROWS = 16
 # The element format torch's row-wise FP8 grouped GEMM takes, for both operands: OCP E4M3 on
@@ -151,7 +152,7 @@ def _pad_groups(tensors_NX: list[torch.Tensor], offsets_E: torch.Tensor):
 def _check_recipe(recipe, elements: torch.dtype) -> None:
     formats = (recipe.forward_format.dtype, recipe.grad_format.dtype)
     if recipe.kind != "fp8" or any(dtype != elements for dtype in formats):
-        raise ValueError(
+        raise RecipeRefused(
             f"moe.fp8_grouped_mm torch_scaled_grouped_mm computes row-wise scaled FP8 with {elements} for every "
             f"operand here; the recipe is {recipe.kind} with {formats[0]} forward and {formats[1]} gradients"
         )

@@ -41,6 +41,7 @@ import torch
 
 from ferry.config import UserError
 from ferry.kernels.amp import outside_autocast
+from ferry.kernels.registry import RecipeRefused
 
 MOE_TRAINING = "torchao.prototype.moe_training"
 FP8_KERNEL = "_to_fp8_rowwise_then_scaled_grouped_mm"
@@ -220,4 +221,4 @@ def _refusal(recipe, kind: str, what: str) -> str | None:
 
 def _refuse(reason: str | None) -> None:
     if reason is not None:
-        raise ValueError(reason)
+        raise RecipeRefused(reason)

@@ -293,6 +293,27 @@ def test_torchao_paths_refuse_recipes_their_kernels_cannot_compute(fn, recipe):
         fn(x, w, offsets, recipe)
 
 
+def test_a_recipe_the_kernel_cannot_compute_is_known_at_start_auto_falls_back_and_a_pin_is_refused():
+    """ferry's MXFP8 recipe (E5M2 gradients) on torchao's E4M3-only kernel: under `auto` the run takes the
+    portable emulation and says why; pinned, the run stops before training, naming the pin."""
+    from ferry.kernels.selection import Choice, KernelSelection
+    from ferry.precision.kernels import with_low_precision_experts
+
+    selection = portable_kernels()
+    torchao = next(impl for impl in REGISTRY["moe.mxfp8_grouped_mm"].vendor if impl.name == "torchao")
+
+    def chosen(pinned: bool) -> KernelSelection:
+        choice = Choice(torchao, "as if chosen on an SM100 GPU", torchao.fn, pinned)
+        return KernelSelection("auto", "cuda", "cuda", {**selection.choices, "moe.mxfp8_grouped_mm": choice})
+
+    assert torchao.recipe_refusal(MXFP8_E4M3) is None
+    fallen_back = with_low_precision_experts(chosen(pinned=False), MXFP8_E5M2).choices["moe.mxfp8_grouped_mm"]
+    assert fallen_back.implementation.portable
+    assert fallen_back.reason.startswith("auto: torchao@cuda refuses the recipe: moe.mxfp8_grouped_mm torchao computes")
+    with pytest.raises(UserError, match='kernels.ops."moe.mxfp8_grouped_mm": torchao@cuda cannot run this recipe'):
+        with_low_precision_experts(chosen(pinned=True), MXFP8_E5M2)
+
+
 def test_torchao_paths_name_widths_their_kernels_cannot_take():
     x, w, offsets = _inputs([32], width_in=48, width_out=64)
     with pytest.raises(UserError, match="torchao needs widths that are multiples of 32, got in 48 and out 64"):

@@ -133,6 +133,7 @@ REGISTRY = Registry(
                     platform="cuda",
                     fn=torchao_grouped_mm.fp8_grouped_mm,
                     probe=torchao_grouped_mm.probe_fp8,
+                    recipe_refusal=torchao_grouped_mm.fp8_recipe_refusal,
                     summary="torchao 0.17+: fused FP8 quantization, torch._scaled_grouped_mm, SM90, power-of-2 scales",
                 ),
                 Implementation(
@@ -141,6 +142,7 @@ REGISTRY = Registry(
                     platform="cuda",
                     fn=torch_scaled_grouped_mm.fp8_grouped_mm,
                     probe=torch_scaled_grouped_mm.probe_cuda,
+                    recipe_refusal=torch_scaled_grouped_mm.recipe_refusal,
                     summary="torch._scaled_grouped_mm: FP8 CUTLASS grouped GEMM, SM90, row-wise scales",
                 ),
                 Implementation(
@@ -149,6 +151,7 @@ REGISTRY = Registry(
                     platform="rocm",
                     fn=torch_scaled_grouped_mm.fp8_grouped_mm,
                     probe=torch_scaled_grouped_mm.probe_rocm,
+                    recipe_refusal=torch_scaled_grouped_mm.recipe_refusal,
                     summary="torch._scaled_grouped_mm on MI300X/MI325X (gfx942), FNUZ E4M3, row-wise scales",
                 ),
             ),
@@ -172,6 +175,7 @@ REGISTRY = Registry(
                     platform="cuda",
                     fn=torchao_grouped_mm.mxfp8_grouped_mm,
                     probe=torchao_grouped_mm.probe_mxfp8,
+                    recipe_refusal=torchao_grouped_mm.mxfp8_recipe_refusal,
                     summary="torchao 0.17+: fused MXFP8 quantization and grouped GEMM, SM100, E4M3 gradients only",
                 ),
             ),

@@ -47,6 +47,9 @@ class Implementation:
     `uses` names ops that `fn` is composed of: selection passes their chosen
     functions as keyword arguments named after the op's last part
     (`moe.grouped_mm` -> `grouped_mm=`), so a composition follows every choice.
+    `recipe_refusal`, for a low-precision implementation whose kernel takes fixed element
+    formats, says why it cannot compute a recipe (None: it can); the precision layer asks
+    before binding the recipe, so a refusal is known at start, not at the first forward.
     """
 
     op: str
@@ -56,6 +59,7 @@ class Implementation:
     platform: str | None = None
     probe: Probe = always_available
     uses: tuple[str, ...] = ()
+    recipe_refusal: Callable[[object], "str | None"] | None = None
 
     @property
     def portable(self) -> bool:

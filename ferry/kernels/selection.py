@@ -28,6 +28,7 @@ class Choice:
     implementation: Implementation
     reason: str
     fn: Callable
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,14 +90,15 @@ def select_kernels(
     choices: dict[str, Choice] = {}
     functions: dict[str, Callable] = {}
     for op in registry:  # in registration order, so the parts of a composed op are chosen first
-        if op.name in config.ops:
+        pinned = op.name in config.ops
+        if pinned:
             impl, reason = _pinned(op, config.ops[op.name], device, dtype, ledger, today)
         elif config.policy == "auto":
             impl, reason = _auto(op, device, dtype, ledger, today)
         else:
             impl, reason = op.portable, "policy portable"
         functions[op.name] = bind(impl, functions)
-        choices[op.name] = Choice(impl, reason, functions[op.name])
+        choices[op.name] = Choice(impl, reason, functions[op.name], pinned)
     return KernelSelection(config.policy, str(device), platform_of(device), choices)
 
 

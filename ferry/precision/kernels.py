@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from ferry.config import UserError
 from ferry.kernels import REGISTRY, KernelSelection
 from ferry.kernels.selection import Choice, bind
 from ferry.precision.recipe import LowPrecisionRecipe
@@ -28,8 +29,25 @@ def low_precision_op(recipe: LowPrecisionRecipe) -> str:
 
 
 def with_low_precision_experts(selection: KernelSelection, recipe: LowPrecisionRecipe) -> KernelSelection:
-    """The same selection with the expert GEMMs in `recipe`'s numerics, by the chosen low-precision op."""
-    low = selection.choices[low_precision_op(recipe)]
+    """The same selection with the expert GEMMs in `recipe`'s numerics, by the chosen low-precision op.
+
+    A vendor implementation whose kernel cannot compute the recipe (other element formats) gives way to
+    the portable emulation when `auto` chose it, with the reason recorded; pinned, it is a `UserError`.
+    """
+    op = low_precision_op(recipe)
+    low = selection.choices[op]
+    refusal = low.implementation.recipe_refusal
+    reason = refusal(recipe) if refusal is not None else None
+    if reason is not None and low.pinned:
+        raise UserError(f'kernels.ops."{op}": {low.implementation.key} cannot run this recipe: {reason}')
+    if reason is not None:
+        portable = REGISTRY[op].portable
+        functions = {name: choice.fn for name, choice in selection.choices.items()}
+        low = Choice(portable, f"auto: {low.implementation.key} refuses the recipe: {reason}",
+                     bind(portable, functions))
+        selection = KernelSelection(
+            selection.policy, selection.device, selection.platform, {**selection.choices, op: low}
+        )
     functions: dict = {}
     choices: dict[str, Choice] = {}
     for name, choice in selection.choices.items():

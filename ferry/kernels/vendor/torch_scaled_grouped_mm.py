@@ -149,10 +149,23 @@ def _pad_groups(tensors_NX: list[torch.Tensor], offsets_E: torch.Tensor):
     return (*padded, padded_offsets_E.to(offsets_E.dtype))
 
 
-def _check_recipe(recipe, elements: torch.dtype) -> None:
+def recipe_refusal(recipe) -> str | None:
+    """Why this device's kernel cannot compute `recipe`, or None when it can."""
+    elements = ROCM_ELEMENTS if torch.version.hip else CUDA_ELEMENTS
+    return _recipe_refusal(recipe, elements)
+
+
+def _recipe_refusal(recipe, elements: torch.dtype) -> str | None:
     formats = (recipe.forward_format.dtype, recipe.grad_format.dtype)
-    if recipe.kind != "fp8" or any(dtype != elements for dtype in formats):
-        raise RecipeRefused(
-            f"moe.fp8_grouped_mm torch_scaled_grouped_mm computes row-wise scaled FP8 with {elements} for every "
-            f"operand here; the recipe is {recipe.kind} with {formats[0]} forward and {formats[1]} gradients"
-        )
+    if recipe.kind == "fp8" and all(dtype == elements for dtype in formats):
+        return None
+    return (
+        f"moe.fp8_grouped_mm torch_scaled_grouped_mm computes row-wise scaled FP8 with {elements} for every "
+        f"operand here; the recipe is {recipe.kind} with {formats[0]} forward and {formats[1]} gradients"
+    )
+
+
+def _check_recipe(recipe, elements: torch.dtype) -> None:
+    reason = _recipe_refusal(recipe, elements)
+    if reason is not None:
+        raise RecipeRefused(reason)

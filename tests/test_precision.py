@@ -116,6 +116,24 @@ def test_fp8_formats_follow_the_vendor():
     assert resolve_precision(PrecisionConfig(experts="fp8"), load_profile("h100")).recipe.forward_format.dtype == torch.float8_e4m3fn
 
 
+def test_the_gradient_format_follows_the_kind_unless_the_config_names_one():
+    def grad_format(kind: str, profile: str, gradient_format: str = "auto") -> torch.dtype:
+        config = PrecisionConfig(experts=kind, gradient_format=gradient_format)
+        return resolve_precision(config, load_profile(profile)).recipe.grad_format.dtype
+
+    assert grad_format("mxfp8", "b200") == torch.float8_e5m2
+    assert grad_format("mxfp8", "b200", "e4m3") == torch.float8_e4m3fn  # what torchao's MXFP8 kernel computes
+    assert grad_format("fp8", "h100") == torch.float8_e4m3fn
+    assert grad_format("fp8", "mi300x", "e5m2") == torch.float8_e5m2fnuz  # the vendor's variant
+
+
+def test_mxfp8_with_e4m3_gradients_trains_in_the_emulation(make_config, tmp_path):
+    from ferry.train import train
+
+    result = train(make_config("train.steps=3", "precision.experts=mxfp8", "precision.gradient_format=e4m3"))
+    assert len(result.losses) == 3 and all(loss == loss for loss in result.losses)
+
+
 def test_unsupported_formats_emulate_or_fail_as_configured():
     emulated = resolve_precision(PrecisionConfig(experts="mxfp8"), load_profile("h100"))
     assert emulated.experts_mode == "emulated" and "emulated" in " ".join(emulated.decisions)

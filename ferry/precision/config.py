@@ -38,6 +38,11 @@ class PrecisionConfig(Section):
     reduce_dtype: Dtype | None = Field(None, description="dtype of gradient reductions across ranks")
     loss_scaling: LossScalingConfig = LossScalingConfig()
     experts: Literal["none", "fp8", "mxfp8"] = Field("none", description="low-precision expert GEMMs")
+    gradient_format: Literal["auto", "e4m3", "e5m2"] = Field(
+        "auto",
+        description="element format of the experts' gradients; auto: e4m3 for fp8, e5m2 for mxfp8 (e4m3 is what "
+        "torchao's MXFP8 kernel computes)",
+    )
     on_unsupported: Literal["emulate", "error"] = Field(
         "emulate", description="when the hardware lacks the experts' format natively"
     )

@@ -121,7 +121,7 @@ def resolve_precision(config: PrecisionConfig, profile: HardwareProfile) -> Prec
             )
         else:
             experts_mode = "emulated"
-        recipe = _recipe(config.experts, numerics)
+        recipe = _recipe(config.experts, numerics, config.gradient_format)
         decisions.append(
             f"experts={config.experts} {experts_mode} on {profile.name} "
             f"(forward {recipe.forward_format.dtype}, gradients {recipe.grad_format.dtype})"
@@ -131,17 +131,22 @@ def resolve_precision(config: PrecisionConfig, profile: HardwareProfile) -> Prec
     )
 
 
-def _recipe(kind: str, profile: HardwareProfile) -> LowPrecisionRecipe:
+def _recipe(kind: str, profile: HardwareProfile, gradient_format: str = "auto") -> LowPrecisionRecipe:
     """The formats of each kind, in the variant the hardware uses (OCP or FNUZ).
 
     FP8 rounds every operand, gradients included, to E4M3: with one scale per row (per
     channel and expert group for the weight gradient) gradients keep their range
     without E5M2, and E4M3 on both sides is what torch's FP8 grouped GEMM accepts on
     NVIDIA and AMD. MXFP8 uses E4M3 elements forward and E5M2 for gradients, as the OCP
-    MX format allows.
+    MX format allows; `precision.gradient_format: e4m3` gives it E4M3 gradients, what
+    torchao's MXFP8 grouped GEMM computes (a block scale per 32 values keeps their range).
     """
     e4m3 = next(name for name in profile.float8_formats if name.startswith("float8_e4m3"))
     if kind == "mxfp8":
         # OCP MX elements are OCP FP8 on every vendor
-        return LowPrecisionRecipe(kind, float_format("float8_e4m3fn"), float_format("float8_e5m2"))
+        gradients = "float8_e4m3fn" if gradient_format == "e4m3" else "float8_e5m2"
+        return LowPrecisionRecipe(kind, float_format("float8_e4m3fn"), float_format(gradients))
+    if gradient_format == "e5m2":
+        e5m2 = next(name for name in profile.float8_formats if name.startswith("float8_e5m2"))
+        return LowPrecisionRecipe(kind, float_format(e4m3), float_format(e5m2))
     return LowPrecisionRecipe(kind, float_format(e4m3), float_format(e4m3))

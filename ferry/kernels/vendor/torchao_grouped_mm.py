@@ -17,7 +17,8 @@ recipes:
   `torch._scaled_grouped_mm` refuses 8.9).
 - MXFP8 (`_to_mxfp8_then_scaled_grouped_mm`): blocks of 32, E8M0 scales by the OCP rule
   (torchao's FLOOR mode, the one the emulation uses), but E4M3 for every operand: it
-  cannot compute a recipe with E5M2 gradients (ferry's MXFP8 recipe) and refuses one.
+  cannot compute a recipe with E5M2 gradients (ferry's default MXFP8 recipe) and refuses
+  one; `precision.gradient_format: e4m3` gives the recipe it computes.
   Compute capability 10.x, and a torchao built with its CUDA 12.8+ kernels.
 
 Both take the tokens row-major, the weights as (E, I, O) column-major (`w_EOI.transpose`,

@@ -4,56 +4,68 @@ On an accelerator every read of a tensor's value on the host (`.item()`, `.tolis
 an op whose output size depends on the data) stalls the host until the device catches up. With all
 experts local and the grouped GEMM taking device offsets (what `auto` selects on an SM90 GPU), a
 forward and backward of the model makes no such read. On a CPU the same code path runs with
-`torch_grouped_mm@cpu` in place of the CUDA kernel, and a function mode records every call that
+`torch_grouped_mm@cpu` in place of the CUDA kernel, and a dispatch mode records every op that
 would read a value on the host. On a GPU, torch's own sync detector checks the real thing.
 """
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ferry.kernels import KernelsConfig, select_kernels
 from ferry.kernels.dispatch import host_reads
 from ferry.model import ModelConfig
 
-# Every Python-level call that hands a tensor's value to the host, and the ops whose output size depends
-# on tensor values (so the host must read them to allocate the output).
-HOST_READS = {
-    torch.Tensor.item,
-    torch.Tensor.tolist,
-    torch.Tensor.__bool__,
-    torch.Tensor.__int__,
-    torch.Tensor.__float__,
-    torch.Tensor.__index__,
-    torch.Tensor.cpu,
-    torch.Tensor.numpy,
-    torch.equal,
-    torch.bincount,
-    torch.Tensor.bincount,
-    torch.nonzero,
-    torch.Tensor.nonzero,
-    torch.unique,
-    torch.masked_select,
-    torch.Tensor.masked_select,
+# The aten ops that hand a tensor's value to the host (`.item()`, `int(t)`, `bool(t)` all dispatch
+# `_local_scalar_dense`), or whose output size depends on tensor values (so the host must read them).
+SYNCING_OPS = {
+    "aten._local_scalar_dense",
+    "aten.equal",
+    "aten.bincount",
+    "aten.nonzero",
+    "aten.masked_select",
+    "aten._unique2",
+    "aten.unique_dim",
+    "aten.unique_consecutive",
 }
 
 
-class RecordHostReads(TorchFunctionMode):
-    """Records the host reads among the torch functions called while it is active (autograd's backward
-    functions included: they run under the same mode on the calling thread)."""
+class RecordHostReads(TorchDispatchMode):
+    """Records every host read while it is active, forward and backward (a dispatch mode reaches the ops
+    autograd runs for custom functions' backwards too): the syncing aten ops, `repeat_interleave` without
+    its output size, and `.tolist()` / `.numpy()`, which read a CPU tensor's memory without an op."""
 
     def __init__(self):
         super().__init__()
         self.reads: list[str] = []
+        self._patched = {}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        sized_without_output_size = func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and (
-            "output_size" not in kwargs and isinstance(args[1] if len(args) > 1 else None, torch.Tensor)
+        name = str(func.overloadpacket)
+        sized_on_the_host = name == "aten.repeat_interleave" and kwargs.get("output_size") is None and any(
+            isinstance(arg, torch.Tensor) and arg.dtype in (torch.int32, torch.int64) for arg in args
         )
-        if func in HOST_READS or sized_without_output_size:
-            self.reads.append(getattr(func, "__qualname__", str(func)))
+        if name in SYNCING_OPS or sized_on_the_host:
+            self.reads.append(name)
         return func(*args, **kwargs)
+
+    def __enter__(self):
+        for method in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, method)
+            self._patched[method] = original
+
+            def reading(tensor, *args, _original=original, _method=method, **kwargs):
+                self.reads.append(f"Tensor.{_method}")
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, method, reading)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for method, original in self._patched.items():
+            setattr(torch.Tensor, method, original)
+        return super().__exit__(*exc)
 
 
 def _model(kernels, **moe):
@@ -103,7 +115,7 @@ def test_the_recorder_sees_the_host_reads_of_a_looping_grouped_gemm():
     model = _model(kernels)
     with RecordHostReads() as recorder:
         _step(model, "cpu")
-    assert recorder.reads == ["TensorBase.tolist"] * (2 * 3)  # 2 MoE layers x 3 GEMMs (the backward reuses them)
+    assert recorder.reads == ["Tensor.tolist"] * (2 * 3)  # 2 MoE layers x 3 GEMMs (the backward reuses them)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -127,3 +139,28 @@ def test_a_moe_layers_forward_and_backward_never_wait_for_the_gpu():
         forward_and_backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_native_fp8_path_reads_nothing_on_the_host():
+    """`torch_scaled_grouped_mm`'s quantisation and padding around a kernel that only gives shapes (the real
+    kernel runs on a GPU; its numerics are checked against a reference in test_kernels_low_precision.py)."""
+    from ferry.kernels.vendor.torch_scaled_grouped_mm import CUDA_ELEMENTS, scaled_grouped_mm_with
+    from ferry.precision.formats import float_format
+    from ferry.precision.recipe import LowPrecisionRecipe
+
+    def shapes_only(a, b, scale_a, scale_b, offs, out_dtype):
+        if b.ndim == 3:  # 2d x 3d: a row per token
+            return torch.zeros(a.shape[0], b.shape[2], dtype=out_dtype)
+        return torch.zeros(offs.shape[0], a.shape[0], b.shape[1], dtype=out_dtype)  # 2d x 2d: a matrix per group
+
+    e4m3 = float_format("float8_e4m3fn")
+    x_NI = torch.randn(40, 32, requires_grad=True)
+    w_EOI = torch.randn(4, 16, 32, requires_grad=True)
+    offsets_E = torch.tensor([5, 5, 29, 40], dtype=torch.int32)
+    with RecordHostReads() as recorder:
+        y_NO = scaled_grouped_mm_with(
+            shapes_only, CUDA_ELEMENTS, x_NI, w_EOI, offsets_E, LowPrecisionRecipe("fp8", e4m3, e4m3)
+        )
+        y_NO.sum().backward()
+    assert recorder.reads == []
+    assert x_NI.grad is not None and w_EOI.grad is not None

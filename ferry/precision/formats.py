@@ -57,7 +57,9 @@ def mx_scale_exponents(amax: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), exponent, torch.full_like(amax, float("nan")))
 
 
-def quantize_mx(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None):
+def quantize_mx(
+    x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None, num_blocks: int | None = None
+):
     """MX-quantize along `dim` in blocks of 32: (elements in `fmt`'s dtype, fp32 power-of-two scales).
 
     The scales have `x`'s shape with `dim` moved last and holding one entry per block.
@@ -65,18 +67,21 @@ def quantize_mx(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Te
     blocks of 32, so that a block never spans two experts' token groups.
     """
     moved = x.movedim(dim, -1).float()
-    blocks = _Blocks.of(moved.shape[-1], MX_BLOCK, block_ids)
+    blocks = _Blocks.of(moved.shape[-1], MX_BLOCK, block_ids, num_blocks)
     scale_XB = torch.exp2(mx_scale_exponents(blocks.amax(moved), fmt))
     return _scaled_elements(moved, scale_XB, blocks, fmt, dim), scale_XB
 
 
-def quantize_rowwise(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None):
+def quantize_rowwise(
+    x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None, num_blocks: int | None = None
+):
     """FP8 with one fp32 scale (amax / max) per row along `dim`, or per group of `block_ids` along it.
 
-    Returns the elements in `fmt`'s dtype and the scales, laid out as `quantize_mx`'s.
+    Returns the elements in `fmt`'s dtype and the scales, laid out as `quantize_mx`'s. With `block_ids`,
+    `num_blocks` (when the caller knows it: the number of experts) spares reading the last id on the host.
     """
     moved = x.movedim(dim, -1).float()
-    blocks = _Blocks.of(moved.shape[-1], moved.shape[-1], block_ids)
+    blocks = _Blocks.of(moved.shape[-1], moved.shape[-1], block_ids, num_blocks)
     amax_XB = blocks.amax(moved)
     scale_XB = torch.where(amax_XB > 0, amax_XB / fmt.max, torch.ones_like(amax_XB))
     return _scaled_elements(moved, scale_XB, blocks, fmt, dim), scale_XB
@@ -118,11 +123,12 @@ class _Blocks:
 
     size: int | None
     ids_L: torch.Tensor | None
+    count: int | None = None  # blocks of `ids_L`, when known without reading the ids
 
     @staticmethod
-    def of(length: int, size: int, block_ids_L: torch.Tensor | None) -> "_Blocks":
+    def of(length: int, size: int, block_ids_L: torch.Tensor | None, count: int | None = None) -> "_Blocks":
         if block_ids_L is not None:
-            return _Blocks(None, block_ids_L)
+            return _Blocks(None, block_ids_L, count)
         if length and length % size == 0:
             return _Blocks(size, None)
         return _Blocks(None, torch.arange(length) // size)
@@ -133,7 +139,7 @@ class _Blocks:
             amax_XB = x_XL.abs().unflatten(-1, (-1, self.size)).amax(-1)
             return torch.nan_to_num(amax_XB, nan=float("inf"), posinf=float("inf"))
         ids_L = self.ids_L.to(x_XL.device)
-        num_blocks = int(ids_L[-1]) + 1 if ids_L.numel() else 0
+        num_blocks = self.count if self.count is not None else (int(ids_L[-1]) + 1 if ids_L.numel() else 0)
         magnitude = torch.nan_to_num(x_XL.abs(), nan=float("inf"), posinf=float("inf"))
         amax_XB = x_XL.new_zeros(*x_XL.shape[:-1], num_blocks)
         return amax_XB.scatter_reduce(-1, ids_L.expand_as(x_XL), magnitude, reduce="amax", include_self=True)

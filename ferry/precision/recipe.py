@@ -38,11 +38,19 @@ class LowPrecisionRecipe:
             return fake_quantize_mx(x, fmt, dim, block_ids)
         return fake_quantize_rowwise(x, fmt, dim, block_ids)
 
-    def quantize_scaled(self, x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids: torch.Tensor | None = None):
-        """The elements in `fmt`'s dtype and their scales (what a native scaled GEMM multiplies)."""
+    def quantize_scaled(
+        self,
+        x: torch.Tensor,
+        fmt: FloatFormat,
+        dim: int,
+        block_ids: torch.Tensor | None = None,
+        num_blocks: int | None = None,
+    ):
+        """The elements in `fmt`'s dtype and their scales (what a native scaled GEMM multiplies); `num_blocks`,
+        when the caller knows how many blocks `block_ids` names, keeps the count off the host."""
         if self.kind == "mxfp8":
-            return quantize_mx(x, fmt, dim, block_ids)
-        return quantize_rowwise(x, fmt, dim, block_ids)
+            return quantize_mx(x, fmt, dim, block_ids, num_blocks)
+        return quantize_rowwise(x, fmt, dim, block_ids, num_blocks)
 
     def token_block_ids(self, offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor:
         """Block id of every token row: MX blocks of 32 restart at each expert's group; FP8 uses one per group."""

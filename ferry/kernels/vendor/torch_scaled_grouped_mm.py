@@ -8,7 +8,8 @@ per row of each, and for the weight gradient (groups along the reduction dim,
 "2d x 2d") one scale per row and group, group-major. Its reduction-dim groups must be
 multiples of 16 rows, so this implementation pads token groups with zero rows there,
 which add nothing to a sum. The recipe quantizes, exactly as the portable emulation
-does; only the GEMM differs.
+does; only the GEMM differs. Nothing is read back to the host: the padded size is a bound
+from the shapes and the number of weight-gradient scale groups is the number of experts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections.abc import Callable
 import torch
 
 from ferry.kernels.amp import outside_autocast
-from ferry.kernels.dispatch import reads_group_sizes_on_host
 from ferry.kernels.registry import RecipeRefused
 
 GROUP_ALIGN_ROWS = 16
@@ -53,7 +53,6 @@ def probe_rocm(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-@reads_group_sizes_on_host
 @outside_autocast
 def fp8_grouped_mm(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, recipe) -> torch.Tensor:
     elements = ROCM_ELEMENTS if torch.version.hip else CUDA_ELEMENTS
@@ -106,9 +105,9 @@ class _FP8GroupedMM(torch.autograd.Function):
 
 def _weight_gradient(kernel, recipe, dy_NO, x_NI, offsets_E, num_experts: int) -> torch.Tensor:
     """dw[e] = dy[group e].T @ x[group e]: the 2d x 2d form, groups along tokens, scaled per channel and group."""
-    block_ids_N = recipe.token_block_ids(offsets_E, x_NI.shape[0])
-    dy_q, dy_scale_OB = recipe.quantize_scaled(dy_NO, recipe.grad_format, 0, block_ids_N)
-    x_q, x_scale_IB = recipe.quantize_scaled(x_NI, recipe.forward_format, 0, block_ids_N)
+    block_ids_N = recipe.token_block_ids(offsets_E, x_NI.shape[0])  # FP8: one block per expert group
+    dy_q, dy_scale_OB = recipe.quantize_scaled(dy_NO, recipe.grad_format, 0, block_ids_N, num_experts)
+    x_q, x_scale_IB = recipe.quantize_scaled(x_NI, recipe.forward_format, 0, block_ids_N, num_experts)
     dy_q, x_q, padded_offsets_E = _pad_groups([dy_q, x_q], offsets_E)
     grad_EOI = kernel(
         dy_q.t().contiguous(),
@@ -131,16 +130,19 @@ def _group_major(scale_XB: torch.Tensor, num_groups: int) -> torch.Tensor:
 
 
 def _pad_groups(tensors_NX: list[torch.Tensor], offsets_E: torch.Tensor):
-    """Each group's rows moved to a start that is a multiple of 16, zero rows between; with the new offsets."""
-    sizes_E = torch.diff(offsets_E.long(), prepend=offsets_E.new_zeros(1).long())
+    """Each group's rows moved to a start that is a multiple of 16, zero rows between and after; with the
+    new group ends. The padded row count is a bound the shapes give (every group padded by at most 15 rows),
+    so nothing is read on the host; the kernel reads up to the last group end only."""
+    num_rows, num_groups = tensors_NX[0].shape[0], offsets_E.shape[0]
+    ends_E = offsets_E.long()
+    sizes_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
     padded_E = (sizes_E + GROUP_ALIGN_ROWS - 1) // GROUP_ALIGN_ROWS * GROUP_ALIGN_ROWS
-    if torch.equal(padded_E, sizes_E):
-        return (*tensors_NX, offsets_E)
     padded_offsets_E = torch.cumsum(padded_E, 0)
-    rows_N = torch.arange(int(offsets_E[-1]), device=offsets_E.device)
-    group_N = torch.searchsorted(offsets_E.long(), rows_N, right=True)
-    destination_N = rows_N + (padded_offsets_E - padded_E - (offsets_E.long() - sizes_E))[group_N]
-    total = int(padded_offsets_E[-1])
+    rows_N = torch.arange(num_rows, device=offsets_E.device)
+    group_N = torch.searchsorted(ends_E, rows_N, right=True)
+    destination_N = rows_N + (padded_offsets_E - padded_E - (ends_E - sizes_E))[group_N]
+    bound = (num_rows + num_groups * (GROUP_ALIGN_ROWS - 1) + GROUP_ALIGN_ROWS - 1) // GROUP_ALIGN_ROWS
+    total = bound * GROUP_ALIGN_ROWS
     padded = []
     for tensor_NX in tensors_NX:
         bytes_NX = tensor_NX.view(torch.uint8)  # fp8 has no index_copy kernel everywhere; its bytes do

@@ -69,8 +69,9 @@ def ferry_config(args: argparse.Namespace, run_dir: Path, compile_mode: str) -> 
         "train.compile": compile_mode,
         "run.host_allocator": args.host_allocator,
     }
+    pins = [f'kernels.ops."{op}"={implementation}' for op, implementation in (pin.split("=", 1) for pin in args.op)]
     return load_config(
-        RunConfig, REPO / "configs" / "tiny.yaml", [f"{key}={value}" for key, value in overrides.items()]
+        RunConfig, REPO / "configs" / "tiny.yaml", [f"{key}={value}" for key, value in overrides.items()] + pins
     )
 
 
@@ -212,6 +213,10 @@ def main() -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="also profile ferry's step and print where its time goes"
     )
+    parser.add_argument(
+        "--op", action="append", default=[], metavar="OP=IMPLEMENTATION",
+        help="pin a kernel op on every ferry side (kernels.ops), e.g. moe.grouped_mm=torch_grouped_mm",
+    )
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
@@ -275,6 +280,7 @@ def main() -> None:
         "first_step_loss": {side: round(loss, 6) for side, loss in first_losses.items()},
         "step_s": {side: [round(s, 4) for s in seconds] for side, seconds in times.items()},
         "experts_kernel": reference.kernels.choices["moe.routed_experts"].implementation.key,
+        "pinned_ops": args.op,
         "host_allocator": reference.host_allocator,
         "minor_faults_per_step": round(faults / (args.steps + 2)),
         "threads": args.threads,

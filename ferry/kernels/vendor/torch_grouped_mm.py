@@ -37,6 +37,15 @@ def probe_cuda(device: torch.device, dtype: torch.dtype) -> str | None:
 @outside_autocast
 def grouped_mm(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     _check_alignment(x_NI, w_EOI)
+    if x_NI.dtype != torch.bfloat16:
+        return _untraced(x_NI, w_EOI, offsets_E)
+    return _TorchGroupedMM.apply(x_NI, w_EOI, offsets_E)
+
+
+@torch.compiler.disable
+def _untraced(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel in float32, outside compiled regions: the shape function that compilation traces
+    with (torch 2.13) accepts bfloat16 only, though the CPU kernel computes float32 too."""
     return _TorchGroupedMM.apply(x_NI, w_EOI, offsets_E)
 
 

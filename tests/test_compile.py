@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from ferry.portability import compare_runs
@@ -22,3 +23,12 @@ def test_compiled_blocks_train_as_the_eager_run_does(make_config, tmp_path):
     assert compiled["mode"] == "blocks" and compiled["regions"] == 2 and compiled["backend"] == "inductor"
     assert "moe.routed_experts=fused_loop@cpu" in compiled["eager_ops"]  # it reads group sizes on the host
     assert json.loads((tmp_path / "eager" / "run.json").read_text())["compile"] == {"mode": "none"}
+
+
+def test_a_compiled_block_on_the_sync_free_expert_path_trains_in_float32(make_config, tmp_path):
+    """The portable experts on torch's grouped GEMM (what an accelerator runs) compile around the GEMM: its
+    shape function takes bfloat16 only, so in float32 it runs eagerly between the compiled parts."""
+    sync_free = ('kernels.ops."moe.routed_experts"=portable', 'kernels.ops."moe.grouped_mm"=torch_grouped_mm')
+    eager = train(make_config("train.steps=3", *sync_free, run_dir=tmp_path / "eager"))
+    compiled = train(make_config("train.steps=3", *sync_free, "train.compile=blocks", run_dir=tmp_path / "compiled"))
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-5)  # fused elementwise work: rounding only

@@ -170,3 +170,31 @@ def test_under_autocast_experts_compute_in_its_dtype_on_the_local_and_the_dispat
     (out_local, grad_local), (out_dispatched, grad_dispatched) = results
     assert (out_local - out_dispatched).norm() < 2e-2 * out_local.norm()
     assert (grad_local - grad_dispatched).norm() < 2e-2 * grad_local.norm()
+
+
+def test_padding_is_routed_but_left_out_of_the_routers_losses_and_statistics():
+    """A row padded to a batch's longest: the real positions' routing statistics are those of the row alone,
+    the experts still run the padding, and nothing of the router's losses reaches the padding's inputs."""
+    from ferry.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(_config(moe={"bias_balancing": {"enabled": True, "update_rate": 0.01}}))
+    real_BS = torch.randint(1, 97, (1, 11))
+    padded_BS = torch.cat([real_BS, torch.zeros(1, 7, dtype=torch.long)], dim=1)
+    padding_BS = torch.arange(18)[None, :] >= 11
+    alone = model(real_BS).moe_stats
+    padded = model(padded_BS, padding_BS=padding_BS).moe_stats
+    counted_as_real = model(padded_BS).moe_stats
+    for layer_alone, layer_padded, layer_unmasked in zip(alone, padded, counted_as_real):
+        assert torch.equal(layer_padded.tokens_per_expert_E, layer_alone.tokens_per_expert_E)
+        for name in ("aux_loss", "z_loss", "mean_prob_E", "entropy"):
+            assert torch.allclose(getattr(layer_padded, name), getattr(layer_alone, name), rtol=1e-5, atol=1e-7), name
+        assert layer_unmasked.tokens_per_expert_E.sum() == 18 * 2, "unmarked, the padding would count"
+
+    layer = _layer()
+    x_TD = torch.randn(18, 16, requires_grad=True)
+    routing = layer.router(x_TD, padding_BS.reshape(-1))
+    assert routing.tokens_per_expert_E.sum() == 18 * 2, "the experts run every position"
+    assert routing.load_E.sum() == 11 * 2
+    (routing.aux_loss + routing.z_loss).backward()
+    assert x_TD.grad[11:].abs().max() == 0 and x_TD.grad[:11].abs().max() > 0

@@ -288,3 +288,25 @@ def test_prepare_chat_errors_exit_2_and_name_the_culprit(tmp_path, stdlib_datase
         assert done.returncode == 2, done.stderr
         assert message in done.stderr
         assert not output.exists()
+
+
+def test_packed_rows_mark_their_padding_and_completion_batches_theirs():
+    """Padding is what `RowPacker` adds after a row's last end-of-text, and what `completion_batch` adds
+    after a shorter row; an end-of-text that ends a document is not padding."""
+    from ferry.data.targets import completion_batch, packing_padding
+
+    packer = RowPacker(seq_len=12, eos_id=0, open_rows=1)
+    closed = [packer.add(RenderedConversation(np.arange(n) + 10, np.arange(n) > 0)) for n in (4, 3, 6)]
+    rows = [row for row in closed if row is not None] + packer.finish()
+    # rows: [10..13, eos, 10..12, eos, eos, eos, eos] and [10..15, eos, eos x5] after the first closes
+    inputs_BS = torch.from_numpy(np.stack([ids for ids, _ in rows]))
+    padding_BS = packing_padding(inputs_BS, eos_id=0)
+    assert padding_BS.sum() == packer.stats.padding_tokens
+    assert padding_BS[0].tolist() == [False] * 9 + [True] * 3
+    assert padding_BS[1].tolist() == [False] * 7 + [True] * 5
+    assert packing_padding(inputs_BS[:1, :9], eos_id=0) is None, "a row ending in one end-of-text is not padded"
+
+    batch = completion_batch([np.array([5, 6]), np.array([5])], [np.array([7, 8, 9]), np.array([7])], pad_id=0)
+    assert batch.inputs_BS.shape == (2, 4)
+    assert batch.padding_BS.tolist() == [[False] * 4, [False, False, True, True]]
+    assert completion_batch([np.array([5])], [np.array([7, 8])], pad_id=0).padding_BS is None

@@ -20,7 +20,7 @@ import torch
 from ferry.config.errors import UserError
 from ferry.data.config import DataConfig
 from ferry.data.dataset import TokenDataset
-from ferry.data.targets import split_windows
+from ferry.data.targets import Batch, packing_padding, split_windows
 
 _ROW_SHUFFLE_STREAM = 0x5EED
 
@@ -38,14 +38,6 @@ class DataCursor:
     @classmethod
     def from_dict(cls, data: dict) -> "DataCursor":
         return cls(step=int(data["step"]), consumed={str(k): int(v) for k, v in data["consumed"].items()})
-
-
-@dataclass
-class Batch:
-    """Input and target token ids of a slice of a global batch (untrained targets: IGNORE_INDEX)."""
-
-    inputs_BS: torch.Tensor
-    targets_BS: torch.Tensor
 
 
 @dataclass
@@ -144,8 +136,10 @@ class MixedLoader:
         micro = []
         for start in range(0, per_rank, micro_batch):
             part = slice(start, start + micro_batch)
-            inputs_BS, targets_BS = split_windows(windows_BS1[part], None if trained_BS1 is None else trained_BS1[part])
-            micro.append(Batch(inputs_BS=inputs_BS, targets_BS=targets_BS))
+            packed = trained_BS1 is not None  # conversations packed into rows, their rest padded
+            inputs_BS, targets_BS = split_windows(windows_BS1[part], trained_BS1[part] if packed else None)
+            padding_BS = packing_padding(inputs_BS, self.tokenizer["eos_id"]) if packed else None
+            micro.append(Batch(inputs_BS, targets_BS, padding_BS))
         trained = int(masks[:, 1:].sum()) if masks is not None else windows[:, 1:].size
         return StepBatches(micro, trained)
 

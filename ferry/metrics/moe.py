@@ -16,13 +16,17 @@ import torch
 from ferry.config import UserError
 
 
-def router_entropy(probs_TE: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of the entropy (nats) of each token's routing distribution.
+def router_entropy(probs_TE: torch.Tensor, weight_T: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over tokens (weighted by `weight_T`, 0 for padding, when given) of the entropy (nats) of
+    each token's routing distribution.
 
     `probs_TE` must sum to one per token (softmax scores, or sigmoid scores divided
     by their sum). ln(E) means the router cannot tell experts apart; 0 means certainty.
     """
-    return -torch.special.xlogy(probs_TE, probs_TE).sum(dim=-1).mean()
+    entropy_T = -torch.special.xlogy(probs_TE, probs_TE).sum(dim=-1)
+    if weight_T is None:
+        return entropy_T.mean()
+    return (entropy_T * weight_T).sum() / weight_T.sum().clamp(min=1.0)
 
 
 def dropped_tokens(tokens_per_expert_E: torch.Tensor, capacity: int) -> torch.Tensor:

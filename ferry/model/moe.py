@@ -24,7 +24,8 @@ class ExpertDispatcher(Protocol):
 
 @dataclass
 class MoEStats:
-    """What one MoE layer reports per forward: its losses and how many tokens each expert got."""
+    """What one MoE layer reports per forward: its losses and how many tokens each expert got, padding
+    left out (the experts still ran it)."""
 
     tokens_per_expert_E: torch.Tensor
     aux_loss: torch.Tensor
@@ -64,14 +65,13 @@ class MoELayer(nn.Module):
         y_ND = self.dispatcher(x_ND, routing.tokens_per_expert_E, self.experts)
         return self._combine(y_ND, weights_TK, dispatch)
 
-    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+    def forward(self, x_BSD: torch.Tensor, padding_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
+        """The layer's output, and its statistics over the positions that are not padding."""
         batch, seq_len, dim = x_BSD.shape
         x_TD = x_BSD.reshape(-1, dim)
-        routing = self.router(x_TD)
+        routing = self.router(x_TD, None if padding_BS is None else padding_BS.reshape(-1))
         out_TD = self.run_experts(x_TD, routing)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
-        stats = MoEStats(
-            routing.tokens_per_expert_E, routing.aux_loss, routing.z_loss, routing.mean_prob_E, routing.entropy
-        )
+        stats = MoEStats(routing.load_E, routing.aux_loss, routing.z_loss, routing.mean_prob_E, routing.entropy)
         return out_TD.view(batch, seq_len, dim), stats

@@ -15,11 +15,16 @@ from ferry.model.config import MoEConfig
 
 @dataclass
 class Routing:
-    """Where each token goes and with what weight, plus the router's losses for this batch."""
+    """Where each token goes and with what weight, plus the router's losses for this batch.
+
+    `tokens_per_expert_E` counts every assignment, as the experts run them; `load_E` and the
+    losses, probabilities and entropy count only the tokens that are not padding.
+    """
 
     expert_ids_TK: torch.Tensor
     weights_TK: torch.Tensor
     tokens_per_expert_E: torch.Tensor
+    load_E: torch.Tensor
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
     mean_prob_E: torch.Tensor
@@ -45,7 +50,11 @@ class Router(nn.Module):
         self.weight_ED = nn.Parameter(torch.empty(config.num_experts, dim))
         self.register_buffer("expert_bias_E", torch.zeros(config.num_experts), persistent=True)
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
+    def forward(self, x_TD: torch.Tensor, padding_T: torch.Tensor | None = None) -> Routing:
+        """Route every token; with `padding_T` (True where a position only pads its row), padding is
+        routed and run like any token but left out of the balancing and z losses, the load the bias
+        follows and the diagnostics: a batch padded to its longest row must not teach the router to
+        spread copies of the padding token over the experts."""
         logits_TE = self._linear(*in_autocast_dtype(x_TD, self.weight_ED)).float()
         if self.score_func == "softmax":
             scores_TE = logits_TE.softmax(dim=-1)
@@ -59,26 +68,39 @@ class Router(nn.Module):
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         tokens_per_expert_E = count_assignments(expert_ids_TK, self.num_experts)
         probs_TE = scores_TE if self.score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
-        mean_prob_E = probs_TE.mean(dim=0)
+        squared_log_partition_T = torch.logsumexp(logits_TE, dim=-1).pow(2)
+        if padding_T is None:
+            load_E, counted = tokens_per_expert_E, scores_TE.shape[0]
+            mean_prob_E, z_loss = probs_TE.mean(dim=0), squared_log_partition_T.mean()
+            entropy = router_entropy(probs_TE.detach())
+        else:
+            counted_T = ~padding_T.reshape(-1)
+            load_E = count_assignments(expert_ids_TK, self.num_experts, counted_T)
+            weight_T = counted_T.to(scores_TE.dtype)
+            counted = weight_T.sum().clamp(min=1.0)
+            mean_prob_E = (probs_TE * weight_T[:, None]).sum(dim=0) / counted
+            z_loss = (squared_log_partition_T * weight_T).sum() / counted
+            entropy = router_entropy(probs_TE.detach(), weight_T)
         return Routing(
             expert_ids_TK=expert_ids_TK,
             weights_TK=weights_TK.to(x_TD.dtype),
             tokens_per_expert_E=tokens_per_expert_E,
-            aux_loss=self._load_balancing_loss(mean_prob_E, tokens_per_expert_E, scores_TE.shape[0]),
-            z_loss=torch.logsumexp(logits_TE, dim=-1).pow(2).mean(),
+            load_E=load_E,
+            aux_loss=self._load_balancing_loss(mean_prob_E, load_E, counted),
+            z_loss=z_loss,
             mean_prob_E=mean_prob_E.detach(),
-            entropy=router_entropy(probs_TE.detach()),
+            entropy=entropy,
         )
 
     def _load_balancing_loss(
-        self, mean_prob_E: torch.Tensor, tokens_per_expert_E: torch.Tensor, num_tokens: int
+        self, mean_prob_E: torch.Tensor, load_E: torch.Tensor, num_tokens: int | torch.Tensor
     ) -> torch.Tensor:
         """Switch-style E * sum_e f_e * p_e, normalised so that perfect balance scores 1.
 
-        f_e is the fraction of the T*K assignments that went to expert e, p_e the mean
-        routing probability of e (sigmoid scores are normalised per token first).
+        f_e is the fraction of the counted tokens' T*K assignments that went to expert e, p_e
+        the mean routing probability of e (sigmoid scores are normalised per token first).
         """
-        fraction_E = tokens_per_expert_E.to(mean_prob_E.dtype) / (num_tokens * self.top_k)
+        fraction_E = load_E.to(mean_prob_E.dtype) / (num_tokens * self.top_k)
         return self.num_experts * torch.dot(fraction_E, mean_prob_E)
 
     @torch.no_grad()
@@ -90,13 +112,18 @@ class Router(nn.Module):
         self.expert_bias_E += self.bias_update_rate * torch.sign(load_E.mean() - load_E)
 
 
-def count_assignments(expert_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Assignments per expert, a tensor of fixed size on the device.
+def count_assignments(
+    expert_ids_TK: torch.Tensor, num_experts: int, counted_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Assignments per expert (of the tokens `counted_T` marks, or of all), a tensor of fixed size on
+    the device.
 
     Not `torch.bincount`: its output size depends on the largest id, which it reads on the host (a
     device sync on accelerators) and which a compiled graph cannot know in advance.
     """
     ids_N = expert_ids_TK.flatten()
-    return torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device).scatter_add_(
-        0, ids_N, torch.ones_like(ids_N)
-    )
+    if counted_T is None:
+        ones_N = torch.ones_like(ids_N)
+    else:
+        ones_N = counted_T[:, None].expand(expert_ids_TK.shape).flatten().to(ids_N.dtype)
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device).scatter_add_(0, ids_N, ones_N)

@@ -39,11 +39,15 @@ class Block(nn.Module):
         self.ffn = SwiGLU(config.dim, config.dense_ffn_dim, kernels) if dense else MoELayer(config.dim, config.moe, kernels)
 
     def forward(
-        self, x_BSD: torch.Tensor, cache: LayerCache | None = None, visible_BSS: torch.Tensor | None = None
+        self,
+        x_BSD: torch.Tensor,
+        cache: LayerCache | None = None,
+        visible_BSS: torch.Tensor | None = None,
+        padding_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MoEStats | None]:
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cache, visible_BSS)
         if isinstance(self.ffn, MoELayer):
-            ffn_BSD, stats = self.ffn(self.ffn_norm(h_BSD))
+            ffn_BSD, stats = self.ffn(self.ffn_norm(h_BSD), padding_BS)
             return h_BSD + ffn_BSD, stats
         return h_BSD + self.ffn(self.ffn_norm(h_BSD)), None
 
@@ -90,12 +94,18 @@ class Transformer(nn.Module):
         return [block.ffn for block in self.layers if isinstance(block.ffn, MoELayer)]
 
     def forward(
-        self, tokens_BS: torch.Tensor, cache: KVCache | None = None, document_ids_BS: torch.Tensor | None = None
+        self,
+        tokens_BS: torch.Tensor,
+        cache: KVCache | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+        padding_BS: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Logits of every position; with a cache, `tokens_BS` continue what it holds and are added to it.
 
         With `document_ids_BS` (the document of each position of a packed sequence), a
-        position attends only to earlier positions of its own document.
+        position attends only to earlier positions of its own document. `padding_BS` marks the
+        positions that only pad their row: computed like the others, left out of the routers'
+        losses and statistics.
         """
         if tokens_BS.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {tokens_BS.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
@@ -109,7 +119,8 @@ class Transformer(nn.Module):
         x_BSD = self.tok_embeddings(tokens_BS)
         moe_stats = []
         for index, block in enumerate(self.layers):
-            x_BSD, stats = block(x_BSD, cache.layer(index, step) if cache is not None else None, visible_BSS)
+            layer_cache = cache.layer(index, step) if cache is not None else None
+            x_BSD, stats = block(x_BSD, layer_cache, visible_BSS, padding_BS)
             if stats is not None:
                 moe_stats.append(stats)
         if cache is not None:

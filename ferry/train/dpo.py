@@ -208,9 +208,9 @@ def _score(
     rows = [int(index) if index >= 0 else 0 for index in indices]  # -1: a filler row that keeps ranks in step
     prompts = [dataset.field(row, "prompt") for row in rows] * 2
     answers = [dataset.field(row, "chosen") for row in rows] + [dataset.field(row, "rejected") for row in rows]
-    inputs_BS, targets_BS = completion_batch(prompts, answers, pad_id)
-    output = model(inputs_BS.to(trainer.device))
-    targets_BS = targets_BS.to(trainer.device)
+    batch = completion_batch(prompts, answers, pad_id).to(trainer.device)
+    output = model(batch.inputs_BS, padding_BS=batch.padding_BS)
+    targets_BS = batch.targets_BS
     logps_2B = token_logprobs(output.logits_BSV, targets_BS).sum(dim=1)
     tokens_2B = (targets_BS >= 0).sum(dim=1).to(logps_2B.dtype)
     return logps_2B, tokens_2B, output

@@ -241,15 +241,15 @@ class GRPOObjective:
         rows = rows or [0]
         prompts = [rollouts.prompts[row] for row in rows]
         completions = [rollouts.completions[row] for row in rows]
-        inputs_BS, targets_BS = completion_batch(prompts, completions, self.pad_id)
-        inputs_BS, targets_BS = inputs_BS.to(trainer.device), targets_BS.to(trainer.device)
+        batch = completion_batch(prompts, completions, self.pad_id).to(trainer.device)
+        inputs_BS, targets_BS = batch.inputs_BS, batch.targets_BS
         mask_BS = targets_BS >= 0
         advantages_B1 = rollouts.advantages_PG.view(-1)[rows].to(trainer.device)[:, None]
         weight = 0.0 if filler else 1.0
         share = 0.0 if filler else len(rows) / (self.prompts_per_step * self.config.group_size)
         trainer.resilience.phase("forward")
         with trainer.metrics.timer.region("forward"), trainer.autocast():
-            output = trainer.model(inputs_BS)
+            output = trainer.model(inputs_BS, padding_BS=batch.padding_BS)
             logps_BS = token_logprobs(output.logits_BSV, targets_BS)
             if iteration == 0:
                 old_logps[round_index] = logps_BS.detach()

@@ -74,12 +74,10 @@ class LanguageModelObjective:
             share = batch.inputs_BS.shape[0] / config.train.global_batch
             trainer.resilience.phase("forward")
             with timer.region("forward"), autocast:
-                output = trainer.model(
-                    batch.inputs_BS.to(trainer.device), document_ids_BS=trainer.documents(batch.inputs_BS)
-                )
-                parts = compute_loss(
-                    output, batch.targets_BS.to(trainer.device), config.model.moe, batches.trained_targets, share
-                )
+                batch = batch.to(trainer.device)
+                documents_BS = trainer.documents(batch.inputs_BS)
+                output = trainer.model(batch.inputs_BS, document_ids_BS=documents_BS, padding_BS=batch.padding_BS)
+                parts = compute_loss(output, batch.targets_BS, config.model.moe, batches.trained_targets, share)
             trainer.resilience.phase("backward")
             with timer.region("backward"):
                 trainer.scaler.scale_loss(parts.objective).backward()

@@ -500,8 +500,9 @@ def test_a_hang_while_loading_a_checkpoint_is_caught_and_named(stdlib_dataset, t
         "import sys, time\n"
         f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
         "import ferry.train.trainer as trainer\n"
+        "import ferry.train.train_state as train_state\n"
         "from conftest import tiny_config\n"
-        "trainer.find_resume_point = lambda *args, **kwargs: time.sleep(600)\n"
+        "train_state.find_resume_point = lambda *args, **kwargs: time.sleep(600)\n"
         f"config = tiny_config({str(stdlib_dataset)!r}, {str(tmp_path / 'run')!r}, 'resume=latest',\n"
         "    'fault.hang_timeout_s=1', 'fault.hang_first_step_s=0', 'fault.hang_checkpoint_s=1')\n"
         "trainer.Trainer(config).fit()\n",

@@ -23,6 +23,7 @@ from ferry.checkpoint.digests import checkpoint_digest
 from ferry.config import UserError
 from ferry.model import Transformer
 from ferry.train.checkpointing import restore_model
+from ferry.train.train_state import shared_verification
 
 if TYPE_CHECKING:
     from ferry.train.trainer import Trainer
@@ -39,7 +40,8 @@ def parent_checkpoint(trainer: Trainer) -> Checkpoint:
             "parent: set init_from (in a pipeline, init_from: previous)"
         )
     path = Path(config.init_from)
-    return find_resume_point(str(path), path, share=trainer.share(), digests=(config.checkpoint.verify,)).checkpoint
+    share = shared_verification(trainer)
+    return find_resume_point(str(path), path, share=share, digests=(config.checkpoint.verify,)).checkpoint
 
 
 def reference_record(checkpoint: Checkpoint) -> dict:

@@ -18,17 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ferry.checkpoint import (
-    Checkpoint,
-    CheckpointManager,
-    CheckpointMeta,
-    Found,
-    Layout,
-    SharedVerification,
-    TensorPiece,
-    find_resume_point,
-    list_checkpoints,
-)
+from ferry.checkpoint import CheckpointManager, list_checkpoints
 from ferry.comm import init_distributed, launcher_ranks
 from ferry.comm.process_group import shutdown
 from ferry.config import UserError
@@ -57,16 +47,7 @@ from ferry.platform.hardware import (
 )
 from ferry.precision import resolve_precision
 from ferry.precision.kernels import low_precision_op, with_low_precision_experts
-from ferry.train.checkpointing import (
-    check_config,
-    optimizer_prefetch,
-    optimizer_record,
-    restore_model,
-    restore_optimizer,
-    restore_rng,
-    save_on_all_ranks,
-    train_state_pieces,
-)
+from ferry.train.checkpointing import save_on_all_ranks
 from ferry.train.announcements import announce, describe, eval_line, resume_record
 from ferry.train.config import RunConfig
 from ferry.train.objectives import build_loader, build_objective
@@ -74,6 +55,7 @@ from ferry.train.optimizer import decayed_parameter_names, learning_rate
 from ferry.train.resilience import Resilience, restarted_by_torchrun
 from ferry.train.run_record import RunRecord, prepare_run_dir
 from ferry.train.step_statistics import StepStatistics
+from ferry.train.train_state import checkpoint_state, initialize_from, resume_from
 
 
 @dataclass
@@ -176,9 +158,9 @@ class Trainer:
         if restarted_by_torchrun() and (list_checkpoints(config.checkpoint.path(config.run.path)) or resume is None):
             resume = "latest"  # restarted by torchrun's agent: the run's own newest checkpoint, or step 0
         self.resilience.note_agent_restart()
-        found, notes, resume_times = self._resume(resume)
+        found, notes, resume_times = resume_from(self, resume)
         if config.init_from is not None and not (found and found.checkpoint):
-            notes += self._initialize_from(Path(config.init_from))
+            notes += initialize_from(self, Path(config.init_from))
         notes += self.objective.prepare(self)
         # `latest` with nothing to resume from is a run resumed at step 0: its records are its own
         resumed_step = found.checkpoint.step if found and found.checkpoint else (0 if resume == "latest" else None)
@@ -213,6 +195,7 @@ class Trainer:
         if record is not None:
             record.update(removed_unfinished_saves=[str(path) for path in checkpoints.removed_leftovers])
         resilience = self.resilience
+        save_state = partial(checkpoint_state, self)
         resume_info = {
             **resume_times,
             "skipped": [str(path) for path, _ in found.skipped] if found else [],
@@ -232,13 +215,13 @@ class Trainer:
                     last.update(resilience.evaluate(self.evaluate))
                 losses.append(last["loss"])
                 if resilience.save_due(self.cursor.step, checkpoints):
-                    resilience.save(self.cursor.step, checkpoints, self.checkpoint_state, last)
+                    resilience.save(self.cursor.step, checkpoints, save_state, last)
                 self.hub.write(last)
                 if any(key.startswith("eval") for key in last):
                     self.hub.message(eval_line(last))
                 trace.step_finished(last["step"])
             if config.checkpoint.enabled and checkpoints.last_step != self.cursor.step:
-                resilience.save(self.cursor.step, checkpoints, self.checkpoint_state, {})
+                resilience.save(self.cursor.step, checkpoints, save_state, {})
             resilience.wait_for_saves(checkpoints)
         except BaseException as exc:
             resilience.failed(exc)
@@ -273,74 +256,6 @@ class Trainer:
             ending = "done" if status == "completed" else f"stopped at step {self.cursor.step}"
             self.hub.message(f"ferry: {ending} — final loss {last['loss']:.4f}; run in {run_dir}")
         return TrainResult(run_dir, losses, last)
-
-    def checkpoint_state(self) -> tuple[dict[str, TensorPiece], CheckpointMeta]:
-        """This rank's share of the train state under logical names, and the manifest's metadata."""
-        config = self.config
-        step = self.cursor.step
-        pieces = train_state_pieces(self.model, self.optimizer, self.plan, self.device)
-        train_state = {
-            "data_cursor": self.cursor.to_dict(),
-            "schedule": {
-                "kind": f"warmup_{config.optim.schedule}",
-                "step": step,
-                "total_steps": config.train.steps,
-                "warmup_steps": config.optim.warmup_steps,
-                "next_lr": learning_rate(config.optim, step, config.train.steps),
-                "last_lr": learning_rate(config.optim, step - 1, config.train.steps) if step else None,
-            },
-            "optimizer": optimizer_record(self.model, self.optimizer),
-            "loss_scaler": {"kind": self.scaler.kind, **self.scaler.state_dict()},
-            "precision": self.precision.as_dict(),
-            "tokens_seen": self.tokens_seen,
-            "objective": self.objective.state(),
-        }
-        meta = CheckpointMeta(
-            step=step,
-            tokens_seen=self.tokens_seen,
-            layout=Layout(**self.layout()),
-            model_config=config.model.model_dump(mode="json"),
-            run_config=config.model_dump(mode="json"),
-            environment=self.environment,
-            train_state=train_state,
-        )
-        return pieces, meta
-
-    def restore(self, checkpoint: Checkpoint) -> list[str]:
-        """Continue from `checkpoint` in this run's layout: weights, optimizer state, scaler, RNG, data position.
-
-        Returns notes for the user: config fields that differ from the checkpoint's
-        (a different model is refused) and states that could not be carried over.
-        """
-        notes = [f"config differs from the checkpoint's: {line}" for line in check_config(checkpoint, self.config)]
-        with checkpoint:
-            restore_model(checkpoint, self.model, self.plan)
-            restore_optimizer(checkpoint, self.model, self.optimizer, self.plan)
-            rng_notes = restore_rng(checkpoint, self.device, self.rank, self.world_size)
-        notes += rng_notes
-        state = checkpoint.manifest.train_state
-        self.carried = {
-            "weights": "carried",
-            "optimizer": "carried (AdamW moments and step counts)",
-            "data_cursor": "carried",
-            "schedule": f"carried (continues at step {checkpoint.step} of {self.config.train.steps})",
-            "rng": "carried" if not rng_notes else "not carried: " + "; ".join(rng_notes),
-        }
-        scaler = state.get("loss_scaler")
-        if scaler and scaler["kind"] == self.scaler.kind:
-            self.scaler.load_state_dict(scaler)
-            self.carried["loss_scaler"] = "carried" if self.scaler.enabled else "carried (none in use)"
-        elif self.scaler.enabled:
-            note = f"loss scaling restarts from precision.loss_scaling.init_scale ({self.scaler.scale:g})"
-            notes.append(note)
-            self.carried["loss_scaler"] = note
-        else:
-            saved = scaler["kind"] if scaler else "absent"
-            self.carried["loss_scaler"] = f"not in use here (the checkpoint's: {saved})"
-        self.cursor = DataCursor.from_dict(state["data_cursor"])
-        self.tokens_seen = int(state.get("tokens_seen", self.cursor.step * self.tokens_per_step))
-        self.objective.load_state(state.get("objective"))
-        return notes
 
     def train_step(self) -> dict:
         """One optimizer step over one global batch; returns the step's metrics record."""
@@ -471,61 +386,6 @@ class Trainer:
     def _barrier(self) -> None:
         if self.context.is_distributed:
             dist.barrier()
-
-    def _initialize_from(self, path: Path) -> list[str]:
-        """Start from the weights of the checkpoint at `path` (of the same model), and its AdamW state with
-        `init_optimizer`; data position, step counter and schedule start fresh."""
-        digests = (self.config.checkpoint.verify,)
-        checkpoint = find_resume_point(str(path), path, share=self.share(), digests=digests).checkpoint
-        check_config(checkpoint, self.config)
-        with_optimizer = self.config.init_optimizer
-        if with_optimizer and not ("optimizer" in checkpoint.manifest.train_state and checkpoint.names("optim.")):
-            raise UserError(f"init_optimizer: {checkpoint.path} holds no optimizer state (weights only)")
-        with checkpoint:
-            restore_model(checkpoint, self.model, self.plan)
-            if with_optimizer:
-                restore_optimizer(checkpoint, self.model, self.optimizer, self.plan)
-        optimizer = f"from {checkpoint.path}" if with_optimizer else "fresh"
-        weights = f"from {checkpoint.path} (step {checkpoint.step})"
-        self.carried = {"weights": weights, "optimizer": optimizer, "schedule": "fresh"}
-        self.initial_weights = None  # the digest of the random initialisation no longer describes the start
-        state = "weights and optimizer state" if with_optimizer else "weights"
-        fresh = "data position and schedule" if with_optimizer else "optimizer, data position and schedule"
-        return [f"{state} initialised from {checkpoint.path} (step {checkpoint.step}); {fresh} start fresh"]
-
-    def _resume(self, resume: str | None) -> tuple[Found | None, list[str], dict[str, float]]:
-        """Restore the checkpoint `resume` points to, if any; None when the run does not resume.
-
-        Also returns the seconds spent verifying and restoring it: the part of a move's
-        switching lead time that the checkpoint itself costs.
-        """
-        config = self.config
-        if resume is None:
-            return None, [], {}
-        started = time.perf_counter()
-        prefetch = optimizer_prefetch(self.model, self.optimizer, self.plan)
-        found = find_resume_point(
-            resume,
-            config.checkpoint.path(config.run.path),
-            prefetch,
-            self.share(),
-            digests=(config.checkpoint.verify,),
-        )
-        verified = time.perf_counter()
-        notes = self.restore(found.checkpoint) if found.checkpoint else []
-        return found, notes, {"verify_s": verified - started, "restore_s": time.perf_counter() - verified}
-
-    def share(self) -> SharedVerification | None:
-        """In a multi-rank job the ranks split the hashing of a checkpoint's files and agree on the verdict."""
-        if not self.context.is_distributed:
-            return None
-
-        def agree(payload: tuple) -> list[tuple]:
-            payloads: list = [None] * self.world_size
-            dist.all_gather_object(payloads, payload)
-            return payloads
-
-        return SharedVerification(self.rank, self.world_size, agree)
 
     def _sequence_length(self) -> int:
         """The sequence length FLOPs are counted at: the windows of token data; for DPO and GRPO, whose records

@@ -1,0 +1,164 @@
+"""The trainer's state in and out of checkpoints: what a save holds beside the tensors, resuming a run
+where its checkpoint left it (in this run's layout), and starting from another run's weights
+(`init_from`). The tensors themselves go by logical names (`ferry.train.checkpointing`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from ferry.checkpoint import (
+    Checkpoint,
+    CheckpointMeta,
+    Found,
+    Layout,
+    SharedVerification,
+    TensorPiece,
+    find_resume_point,
+)
+from ferry.config import UserError
+from ferry.data import DataCursor
+from ferry.train.checkpointing import (
+    check_config,
+    optimizer_prefetch,
+    optimizer_record,
+    restore_model,
+    restore_optimizer,
+    restore_rng,
+    train_state_pieces,
+)
+from ferry.train.optimizer import learning_rate
+
+if TYPE_CHECKING:
+    from ferry.train.trainer import Trainer
+
+
+def checkpoint_state(trainer: Trainer) -> tuple[dict[str, TensorPiece], CheckpointMeta]:
+    """This rank's share of the train state under logical names, and the manifest's metadata."""
+    config = trainer.config
+    step = trainer.cursor.step
+    pieces = train_state_pieces(trainer.model, trainer.optimizer, trainer.plan, trainer.device)
+    train_state = {
+        "data_cursor": trainer.cursor.to_dict(),
+        "schedule": {
+            "kind": f"warmup_{config.optim.schedule}",
+            "step": step,
+            "total_steps": config.train.steps,
+            "warmup_steps": config.optim.warmup_steps,
+            "next_lr": learning_rate(config.optim, step, config.train.steps),
+            "last_lr": learning_rate(config.optim, step - 1, config.train.steps) if step else None,
+        },
+        "optimizer": optimizer_record(trainer.model, trainer.optimizer),
+        "loss_scaler": {"kind": trainer.scaler.kind, **trainer.scaler.state_dict()},
+        "precision": trainer.precision.as_dict(),
+        "tokens_seen": trainer.tokens_seen,
+        "objective": trainer.objective.state(),
+    }
+    meta = CheckpointMeta(
+        step=step,
+        tokens_seen=trainer.tokens_seen,
+        layout=Layout(**trainer.layout()),
+        model_config=config.model.model_dump(mode="json"),
+        run_config=config.model_dump(mode="json"),
+        environment=trainer.environment,
+        train_state=train_state,
+    )
+    return pieces, meta
+
+
+def restore(trainer: Trainer, checkpoint: Checkpoint) -> list[str]:
+    """Continue from `checkpoint` in this run's layout: weights, optimizer state, scaler, RNG, data position.
+
+    Returns notes for the user: config fields that differ from the checkpoint's
+    (a different model is refused) and states that could not be carried over.
+    """
+    notes = [f"config differs from the checkpoint's: {line}" for line in check_config(checkpoint, trainer.config)]
+    with checkpoint:
+        restore_model(checkpoint, trainer.model, trainer.plan)
+        restore_optimizer(checkpoint, trainer.model, trainer.optimizer, trainer.plan)
+        rng_notes = restore_rng(checkpoint, trainer.device, trainer.rank, trainer.world_size)
+    notes += rng_notes
+    state = checkpoint.manifest.train_state
+    trainer.carried = {
+        "weights": "carried",
+        "optimizer": "carried (AdamW moments and step counts)",
+        "data_cursor": "carried",
+        "schedule": f"carried (continues at step {checkpoint.step} of {trainer.config.train.steps})",
+        "rng": "carried" if not rng_notes else "not carried: " + "; ".join(rng_notes),
+    }
+    scaler = state.get("loss_scaler")
+    if scaler and scaler["kind"] == trainer.scaler.kind:
+        trainer.scaler.load_state_dict(scaler)
+        trainer.carried["loss_scaler"] = "carried" if trainer.scaler.enabled else "carried (none in use)"
+    elif trainer.scaler.enabled:
+        note = f"loss scaling restarts from precision.loss_scaling.init_scale ({trainer.scaler.scale:g})"
+        notes.append(note)
+        trainer.carried["loss_scaler"] = note
+    else:
+        saved = scaler["kind"] if scaler else "absent"
+        trainer.carried["loss_scaler"] = f"not in use here (the checkpoint's: {saved})"
+    trainer.cursor = DataCursor.from_dict(state["data_cursor"])
+    trainer.tokens_seen = int(state.get("tokens_seen", trainer.cursor.step * trainer.tokens_per_step))
+    trainer.objective.load_state(state.get("objective"))
+    return notes
+
+
+def initialize_from(trainer: Trainer, path: Path) -> list[str]:
+    """Start from the weights of the checkpoint at `path` (of the same model), and its AdamW state with
+    `init_optimizer`; data position, step counter and schedule start fresh."""
+    digests = (trainer.config.checkpoint.verify,)
+    checkpoint = find_resume_point(str(path), path, share=shared_verification(trainer), digests=digests).checkpoint
+    check_config(checkpoint, trainer.config)
+    with_optimizer = trainer.config.init_optimizer
+    if with_optimizer and not ("optimizer" in checkpoint.manifest.train_state and checkpoint.names("optim.")):
+        raise UserError(f"init_optimizer: {checkpoint.path} holds no optimizer state (weights only)")
+    with checkpoint:
+        restore_model(checkpoint, trainer.model, trainer.plan)
+        if with_optimizer:
+            restore_optimizer(checkpoint, trainer.model, trainer.optimizer, trainer.plan)
+    optimizer = f"from {checkpoint.path}" if with_optimizer else "fresh"
+    weights = f"from {checkpoint.path} (step {checkpoint.step})"
+    trainer.carried = {"weights": weights, "optimizer": optimizer, "schedule": "fresh"}
+    trainer.initial_weights = None  # the digest of the random initialisation no longer describes the start
+    state = "weights and optimizer state" if with_optimizer else "weights"
+    fresh = "data position and schedule" if with_optimizer else "optimizer, data position and schedule"
+    return [f"{state} initialised from {checkpoint.path} (step {checkpoint.step}); {fresh} start fresh"]
+
+
+def resume_from(trainer: Trainer, resume: str | None) -> tuple[Found | None, list[str], dict[str, float]]:
+    """Restore the checkpoint `resume` points to, if any; None when the run does not resume.
+
+    Also returns the seconds spent verifying and restoring it: the part of a move's
+    switching lead time that the checkpoint itself costs.
+    """
+    config = trainer.config
+    if resume is None:
+        return None, [], {}
+    started = time.perf_counter()
+    prefetch = optimizer_prefetch(trainer.model, trainer.optimizer, trainer.plan)
+    found = find_resume_point(
+        resume,
+        config.checkpoint.path(config.run.path),
+        prefetch,
+        shared_verification(trainer),
+        digests=(config.checkpoint.verify,),
+    )
+    verified = time.perf_counter()
+    notes = restore(trainer, found.checkpoint) if found.checkpoint else []
+    return found, notes, {"verify_s": verified - started, "restore_s": time.perf_counter() - verified}
+
+
+def shared_verification(trainer: Trainer) -> SharedVerification | None:
+    """In a multi-rank job the ranks split the hashing of a checkpoint's files and agree on the verdict."""
+    if not trainer.context.is_distributed:
+        return None
+
+    def agree(payload: tuple) -> list[tuple]:
+        payloads: list = [None] * trainer.world_size
+        dist.all_gather_object(payloads, payload)
+        return payloads
+
+    return SharedVerification(trainer.rank, trainer.world_size, agree)

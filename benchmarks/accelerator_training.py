@@ -25,7 +25,9 @@ Variants, each its own `ferry train` process, bfloat16 compute:
 - `fp8-emulated`: FP8 expert GEMMs, portable (rounded to FP8, multiplied in bfloat16);
 - `fp8-native`: FP8 expert GEMMs on the approved vendor kernel (`torch_scaled_grouped_mm` on SM90);
 - `fp8-torchao`: FP8 expert GEMMs on torchao's kernels, pinned (`kernels.ops."moe.fp8_grouped_mm"=torchao`)
-  while their ledger entry is unapproved; needs `pip install ferry-moe[gpu]`.
+  while their ledger entry is unapproved; needs `pip install ferry-moe[gpu]`;
+- `chunked-loss`: `auto` with `train.loss_chunk=1024` (the head and the loss by chunks of 1,024 tokens,
+  no full logits): its peak memory against `auto`'s is the point.
 
 Each reports the medians over the steps after the warm-up of tokens/s, MFU (against the hardware
 profile's peak for the compute dtype, bf16: FP8 expert GEMMs do not change it), the step and its
@@ -97,6 +99,7 @@ VARIANTS = {
     "fp8-emulated": {"kernels.policy": "portable", **FP8},
     "fp8-native": {"kernels.policy": "auto", **FP8},
     "fp8-torchao": {"kernels.policy": "auto", **FP8, 'kernels.ops."moe.fp8_grouped_mm"': "torchao"},
+    "chunked-loss": {"kernels.policy": "auto", "train.loss_chunk": 1024},
 }
 # ratio name -> (numerator variant, denominator variant), by tokens/s
 RATIOS = {
@@ -104,6 +107,7 @@ RATIOS = {
     "compiled_vs_auto": ("compiled", "auto"),
     "fp8_native_vs_emulated": ("fp8-native", "fp8-emulated"),
     "fp8_torchao_vs_native": ("fp8-torchao", "fp8-native"),
+    "chunked_loss_vs_auto": ("chunked-loss", "auto"),
 }
 SPLIT = ("forward_s", "backward_s", "optimizer_s", "comm_s")
 EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")  # a traceback's last line: `torch.OutOfMemoryError: ...`

@@ -69,7 +69,7 @@ stage_training() {
 stage_olmoe() {
     prepare_data || return 1
     "$python" benchmarks/accelerator_training.py --data "$data" --shape olmoe-1b-7b --steps 12 \
-        --variants auto,compiled,fp8-native,fp8-torchao 2>&1 | tee "$out/accelerator_training-olmoe-1b-7b.txt"
+        --variants auto,compiled,fp8-native,fp8-torchao,chunked-loss 2>&1 | tee "$out/accelerator_training-olmoe-1b-7b.txt"
 }
 
 stage_suites() {

@@ -18,7 +18,8 @@ The sides alternate step by step so a drift in machine speed hits both. Before t
 step's losses are checked to agree. Prints a table and, last, one JSON line: both tokens/s, their
 ratio, each side's fraction of the GEMM limit, and ferry's step split (forward, backward, optimizer).
 
-    python benchmarks/whole_step.py [--data data/stdlib] [--steps 8] [--policy auto]
+    python benchmarks/whole_step.py [--data data/stdlib] [--steps 8] [--policy auto] [--compile] [--breakdown]
+        [--op OP=IMPL] [--variant KEY=VALUE[,KEY=VALUE]] [--host-allocator ...]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from ferry.train.trainer import Trainer
 REPO = Path(__file__).resolve().parent.parent
 
 
-def ferry_config(args: argparse.Namespace, run_dir: Path, compile_mode: str) -> RunConfig:
+def ferry_config(args: argparse.Namespace, run_dir: Path, compile_mode: str, extra: list[str] = ()) -> RunConfig:
     overrides = {
         "run.dir": run_dir,
         "run.seed": 0,
@@ -71,7 +72,9 @@ def ferry_config(args: argparse.Namespace, run_dir: Path, compile_mode: str) -> 
     }
     pins = [f'kernels.ops."{op}"={implementation}' for op, implementation in (pin.split("=", 1) for pin in args.op)]
     return load_config(
-        RunConfig, REPO / "configs" / "tiny.yaml", [f"{key}={value}" for key, value in overrides.items()] + pins
+        RunConfig,
+        REPO / "configs" / "tiny.yaml",
+        [f"{key}={value}" for key, value in overrides.items()] + pins + list(extra),
     )
 
 
@@ -214,6 +217,10 @@ def main() -> None:
         "--breakdown", action="store_true", help="also profile ferry's step and print where its time goes"
     )
     parser.add_argument(
+        "--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+        help="one more ferry side with these config overrides, e.g. train.loss_chunk=512 (repeatable)",
+    )
+    parser.add_argument(
         "--op", action="append", default=[], metavar="OP=IMPLEMENTATION",
         help="pin a kernel op on every ferry side (kernels.ops), e.g. moe.grouped_mm=torch_grouped_mm",
     )
@@ -236,6 +243,8 @@ def main() -> None:
     ferry = {"ferry": Trainer(ferry_config(args, Path(args.run_dir), "none"))}
     if args.compile:
         ferry["ferry compiled"] = Trainer(ferry_config(args, Path(args.run_dir), "blocks"))
+    for variant in args.variant:
+        ferry[f"ferry {variant}"] = Trainer(ferry_config(args, Path(args.run_dir), "none", variant.split(",")))
     reference = ferry["ferry"]
     theirs = TransformersSide(transformers_model(reference), reference)
     tokens = args.batch * args.seq
@@ -292,10 +301,13 @@ def main() -> None:
     if args.compile:
         result["compiled_ratio"] = round(tok_s["ferry compiled"] / tok_s["transformers"], 3)
         result["compile_speedup"] = round(tok_s["ferry compiled"] / tok_s["ferry"], 3)
-    print(f"{'side':<16}{'tokens/s':>10}{'vs transformers':>17}{'of GEMM limit':>15}")
+    for variant in args.variant:
+        result[f"speedup {variant}"] = round(tok_s[f"ferry {variant}"] / tok_s["ferry"], 3)
+    width = max(16, *(len(side) + 2 for side in tok_s))
+    print(f"{'side':<{width}}{'tokens/s':>10}{'vs transformers':>17}{'of GEMM limit':>15}")
     for side, value in tok_s.items():
-        print(f"{side:<16}{value:>10.0f}{value / tok_s['transformers']:>17.2f}{value / limit_tok_s:>15.2f}")
-    print(f"{'GEMM limit':<16}{limit_tok_s:>10.0f}{limit_tok_s / tok_s['transformers']:>17.2f}{1.0:>15.2f}")
+        print(f"{side:<{width}}{value:>10.0f}{value / tok_s['transformers']:>17.2f}{value / limit_tok_s:>15.2f}")
+    print(f"{'GEMM limit':<{width}}{limit_tok_s:>10.0f}{limit_tok_s / tok_s['transformers']:>17.2f}{1.0:>15.2f}")
     for name, seconds in result.get("ferry_breakdown_s", {}).items():
         print(f"  ferry step: {name:<46}{seconds * 1e3:>8.0f} ms")
     print(json.dumps(result))

@@ -58,6 +58,13 @@ def test_invalid_values_name_the_dotted_key(override, named):
     assert named in str(caught.value)
 
 
+def test_a_chunked_loss_is_refused_where_there_is_no_next_token_loss():
+    with pytest.raises(ConfigError) as caught:
+        load_run_config(REPO / "configs" / "tiny.yaml", ["train.objective=grpo", "train.loss_chunk=64"])
+    assert "train.loss_chunk: chunks the next-token loss (objective lm); grpo" in str(caught.value)
+    assert load_run_config(REPO / "configs" / "tiny.yaml", ["train.loss_chunk=64"]).train.loss_chunk == 64
+
+
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as caught:
         load_config(RunConfig, None, ["train.steps=0", "optim.lr=-1"])

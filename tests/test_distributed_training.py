@@ -90,6 +90,18 @@ def test_an_ep2_checkpoint_resumes_in_another_2_rank_layout(reference, stdlib_da
     assert _relative(continued, reference["single"][5:]) < LAYOUT_TOLERANCE
 
 
+@pytest.mark.parametrize("layout", [(), ("parallel.mode=fsdp",)], ids=["one-process", "fsdp"])
+def test_the_chunked_head_loss_trains_as_logits_then_loss(reference, stdlib_dataset, tmp_path, layout):
+    """`train.loss_chunk` (here 40 tokens, not a divisor of the micro-batch's 128) changes where the head's
+    gradients are made, not what they are; under FSDP the head's weight is the one gathered in the forward."""
+    overrides = (str(stdlib_dataset), str(tmp_path), "train.loss_chunk=40", *layout)
+    if layout:
+        losses = run_on_ranks(runs.train_run, 2, *overrides)[0]["losses"]
+    else:
+        losses = Trainer(runs.tiny_config(*overrides)).fit().losses
+    assert _relative(losses, reference["single"]) < LAYOUT_TOLERANCE
+
+
 def test_an_ep2_checkpoint_resumes_in_one_process(reference, stdlib_dataset, tmp_path):
     checkpoint = reference["ep_dir"] / "checkpoints" / "step-00000005"
     resumed = Trainer(runs.tiny_config(str(stdlib_dataset), str(tmp_path), f"resume={checkpoint}")).fit().losses

@@ -12,6 +12,7 @@ from ferry.kernels import KernelSelection, portable_kernels
 from ferry.model.attention import Attention
 from ferry.model.config import ModelConfig
 from ferry.model.feedforward import SwiGLU
+from ferry.model.head_loss import HeadLoss, HeadTargets, chunked_head_loss
 from ferry.model.kv_cache import KVCache, LayerCache
 from ferry.model.linear import Linear
 from ferry.model.moe import MoELayer, MoEStats
@@ -21,10 +22,12 @@ from ferry.model.rope import RotaryEmbedding
 
 @dataclass
 class ModelOutput:
-    """Logits and one `MoEStats` per MoE layer (in layer order)."""
+    """Logits, or with targets the head's loss instead (`head_loss`, logits None), and one `MoEStats` per
+    MoE layer (in layer order)."""
 
-    logits_BSV: torch.Tensor
+    logits_BSV: torch.Tensor | None
     moe_stats: list[MoEStats]
+    head_loss: HeadLoss | None = None
 
 
 class Block(nn.Module):
@@ -99,13 +102,16 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         document_ids_BS: torch.Tensor | None = None,
         padding_BS: torch.Tensor | None = None,
+        targets: HeadTargets | None = None,
     ) -> ModelOutput:
         """Logits of every position; with a cache, `tokens_BS` continue what it holds and are added to it.
 
         With `document_ids_BS` (the document of each position of a packed sequence), a
         position attends only to earlier positions of its own document. `padding_BS` marks the
         positions that only pad their row: computed like the others, left out of the routers'
-        losses and statistics.
+        losses and statistics. With `targets`, the output projection and the cross-entropy are
+        computed together chunk by chunk (`head_loss.py`) and no logits are returned: inside the
+        forward, where a sharded head's weight is gathered.
         """
         if tokens_BS.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {tokens_BS.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
@@ -125,4 +131,7 @@ class Transformer(nn.Module):
                 moe_stats.append(stats)
         if cache is not None:
             cache.commit(step)
-        return ModelOutput(self.output(self.norm(x_BSD)), moe_stats)
+        h_BSD = self.norm(x_BSD)
+        if targets is not None:
+            return ModelOutput(None, moe_stats, chunked_head_loss(h_BSD, self.output.weight, targets))
+        return ModelOutput(self.output(h_BSD), moe_stats)

@@ -78,6 +78,12 @@ class TrainConfig(Section):
         description="none (eager), or blocks: each transformer block compiled on its own with torch.compile "
         "(inductor; on a CPU it needs a C++ compiler)",
     )
+    loss_chunk: int = Field(
+        0,
+        ge=0,
+        description="lm: tokens per chunk of the output projection and cross-entropy computed together, so the "
+        "step's full logits are never held (ferry/model/head_loss.py); 0: logits first, then the loss",
+    )
     steps: int = Field(100, ge=1)
     global_batch: int = Field(
         16, ge=1, description="sequences per optimizer step, over all ranks (dpo: pairs; grpo: prompts)"
@@ -90,6 +96,14 @@ class TrainConfig(Section):
         description="stop after this step with a checkpoint, as a preempted run would; the schedule still spans "
         "`steps`; resume=latest with stop_at unset (or later) continues the run",
     )
+
+    @field_validator("loss_chunk")
+    @classmethod
+    def _chunks_the_lm_loss(cls, loss_chunk: int, info: ValidationInfo) -> int:
+        objective = info.data.get("objective")
+        if loss_chunk and objective != "lm":
+            raise ValueError(f"chunks the next-token loss (objective lm); {objective} scores its sequences' log-probs")
+        return loss_chunk
 
     @field_validator("micro_batch")
     @classmethod

@@ -33,10 +33,13 @@ def compute_loss(
     the whole step; the router terms (means over MoE layers) are weighted by the
     micro-batch's share. `correct` counts trained targets the model ranks first.
     """
-    logits_TV = output.logits_BSV.reshape(-1, output.logits_BSV.shape[-1]).float()
-    targets_T = targets_BS.reshape(-1)
-    lm_loss_sum = F.cross_entropy(logits_TV, targets_T, ignore_index=IGNORE_INDEX, reduction="sum")
-    correct = (logits_TV.detach().argmax(dim=-1) == targets_T).sum()
+    if output.head_loss is not None:  # computed with the head, chunk by chunk
+        lm_loss_sum, correct = output.head_loss.lm_loss_sum, output.head_loss.correct
+    else:
+        logits_TV = output.logits_BSV.reshape(-1, output.logits_BSV.shape[-1]).float()
+        targets_T = targets_BS.reshape(-1)
+        lm_loss_sum = F.cross_entropy(logits_TV, targets_T, ignore_index=IGNORE_INDEX, reduction="sum")
+        correct = (logits_TV.detach().argmax(dim=-1) == targets_T).sum()
     aux_loss, z_loss = router_losses(output)
     objective = lm_loss_sum / max(trained_in_step, 1) + share_of_step * router_objective(moe, aux_loss, z_loss)
     return LossParts(objective, lm_loss_sum.detach(), correct, aux_loss.detach(), z_loss.detach())
@@ -45,7 +48,8 @@ def compute_loss(
 def router_losses(output: ModelOutput) -> tuple[torch.Tensor, torch.Tensor]:
     """The balancing and z losses of the forward, each a mean over its MoE layers (zero without any)."""
     if not output.moe_stats:
-        zero = output.logits_BSV.new_zeros((), dtype=torch.float32)
+        device = (output.logits_BSV if output.head_loss is None else output.head_loss.lm_loss_sum).device
+        zero = torch.zeros((), dtype=torch.float32, device=device)
         return zero, zero
     aux_loss = torch.stack([stats.aux_loss for stats in output.moe_stats]).mean()
     z_loss = torch.stack([stats.z_loss for stats in output.moe_stats]).mean()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from ferry.model.head_loss import HeadTargets
 from ferry.train.losses import compute_loss
 from ferry.train.step_statistics import StepStatistics
 
@@ -76,7 +77,10 @@ class LanguageModelObjective:
             with timer.region("forward"), autocast:
                 batch = batch.to(trainer.device)
                 documents_BS = trainer.documents(batch.inputs_BS)
-                output = trainer.model(batch.inputs_BS, document_ids_BS=documents_BS, padding_BS=batch.padding_BS)
+                head = HeadTargets(batch.targets_BS, config.train.loss_chunk) if config.train.loss_chunk else None
+                output = trainer.model(
+                    batch.inputs_BS, document_ids_BS=documents_BS, padding_BS=batch.padding_BS, targets=head
+                )
                 parts = compute_loss(output, batch.targets_BS, config.model.moe, batches.trained_targets, share)
             trainer.resilience.phase("backward")
             with timer.region("backward"):

@@ -33,11 +33,16 @@ def byte_dataset(tmp_path_factory):
     return output
 
 
+@pytest.mark.parametrize("loss_chunk", [0, 48], ids=["logits", "chunked-head"])
 def test_a_run_records_held_out_loss_at_its_interval_and_ferry_eval_agrees(
-    make_config, stdlib_dataset, tmp_path, capsys
+    make_config, stdlib_dataset, tmp_path, capsys, loss_chunk
 ):
+    """With `train.loss_chunk` the evaluation scores by chunks too, and `ferry eval` as the run did."""
     qwen3_shaped = ("model.qk_norm=true", "model.qk_norm_scope=head")  # so that it exports
-    config = make_config("train.steps=5", *qwen3_shaped, _sources(("held_out", stdlib_dataset)), *HELD_OUT)
+    config = make_config(
+        "train.steps=5", f"train.loss_chunk={loss_chunk}", *qwen3_shaped, _sources(("held_out", stdlib_dataset)),
+        *HELD_OUT,
+    )
     Trainer(config).fit()
     out = capsys.readouterr().out
     records = [json.loads(line) for line in (config.run.path / "metrics.jsonl").read_text().splitlines()]

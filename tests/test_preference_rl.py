@@ -140,6 +140,17 @@ def test_dpo_reuses_its_reference_cache_and_recomputes_it_for_new_data(tmp_path,
         assert math.isfinite(record[key])
     assert 0.0 <= record["eval/rewards/accuracy"]["held_out"] <= 1.0
     assert "moe.imbalance" in record
+    # `ferry eval` on the run's last checkpoint gives its last held-out figures (the reference: its init_from)
+    held_out = str(task["pairs-held-out"])
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "dpo"), "--data", held_out, "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)["datasets"][held_out]
+    assert figures["kind"] == "preferences" and figures["records"] > 0
+    assert figures["rewards/accuracy"] == record["eval/rewards/accuracy"]["held_out"]
+    assert figures["rewards/margin"] == pytest.approx(record["eval/rewards/margin"]["held_out"], rel=1e-6)
+    assert 0.0 <= figures["preference_accuracy"] <= 1.0 and figures["logps/chosen"] < 0
+    assert main(["eval", str(tmp_path / "dpo"), "--data", held_out, "--reference", "none", "--json"]) == 0
+    assert "rewards/accuracy" not in json.loads(capsys.readouterr().out)["datasets"][held_out]
 
 
 def test_a_new_parent_invalidates_the_reference_cache(tmp_path, task, sft):
@@ -150,7 +161,7 @@ def test_a_new_parent_invalidates_the_reference_cache(tmp_path, task, sft):
     assert LogprobCache(tmp_path, inputs).key != LogprobCache(tmp_path, {**inputs, "data": ["y"]}).key
 
 
-def test_grpo_trains_from_rollouts_and_resumes_with_the_same_draws(tmp_path, task, sft):
+def test_grpo_trains_from_rollouts_and_resumes_with_the_same_draws(tmp_path, task, sft, capsys):
     overrides = [
         "train.objective=grpo", f"init_from={sft}", f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
         f"eval.sources=[{{name: held_out, path: {task['prompts-held-out']}}}]", "eval.interval=0",
@@ -168,6 +179,14 @@ def test_grpo_trains_from_rollouts_and_resumes_with_the_same_draws(tmp_path, tas
         assert all(math.isfinite(r[key]) for r in records), key
     assert records[-1]["generate_s"] > 0
     assert 0.0 <= records[-1]["eval/solve_rate"]["held_out"] <= 1.0
+    # `ferry eval` on the last checkpoint draws the evaluation's completions again: the same solve rates
+    held_out = str(task["prompts-held-out"])
+    capsys.readouterr()
+    assert main(["eval", str(whole.run_dir), "--data", held_out, "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)["datasets"][held_out]
+    assert figures["kind"] == "prompts" and figures["verifier"] == "numeric"
+    assert figures["solve_rate"] == records[-1]["eval/solve_rate"]["held_out"]
+    assert figures["greedy_solve_rate"] == records[-1]["eval/greedy_solve_rate"]["held_out"]
     train(_config(tmp_path, "split", [*overrides, "train.stop_at=2"]))
     resumed = train(_config(tmp_path, "split", [*overrides, "resume=latest"]))
     assert resumed.losses == whole.losses[2:]
@@ -199,6 +218,11 @@ def test_bad_preference_and_rl_input_exits_2_naming_it(tmp_path, task, sft, chat
     lm_on_pairs = [arg for arg in train_args if not arg.startswith(("train.objective", "data.sources"))]
     code, err = _exit_code([*lm_on_pairs, f"data.sources=[{{name: pairs, path: {task['pairs']}}}]"], capsys)
     assert code == 2 and "holds preferences (a record dataset)" in err and "train.objective: dpo does" in err
+    evaluate = ["eval", str(sft), "--data"]
+    code, err = _exit_code([*evaluate, str(task["prompts-held-out"]), "--verifier", "fuzzy"], capsys)
+    assert code == 2 and "--verifier" in err and "fuzzy" in err
+    code, err = _exit_code([*evaluate, str(task["pairs-held-out"]), "--reference", str(tmp_path / "nope")], capsys)
+    assert code == 2 and "--reference" in err and "does not exist" in err
 
 
 @pytest.mark.parametrize("objective", ["dpo", "grpo"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ferry.config import UserError
 
@@ -31,7 +32,11 @@ def add_inference_commands(commands) -> None:
     generate.add_argument("--json", action="store_true", help="print one JSON record per prompt instead of text")
     generate.set_defaults(handler=run_generate)
 
-    evaluate = commands.add_parser("eval", help="held-out loss and perplexity of a checkpoint on prepared datasets")
+    evaluate = commands.add_parser(
+        "eval",
+        help="a checkpoint's held-out figures on prepared datasets: loss and perplexity on token datasets, solve "
+        "rates on prompts, answer ranking (and DPO rewards) on preference pairs",
+    )
     evaluate.add_argument("source", help=SOURCE_HELP)
     evaluate.add_argument(
         "--data", nargs="+", required=True, metavar="DIR", help="prepared datasets (ferry data prepare)"
@@ -46,6 +51,13 @@ def add_inference_commands(commands) -> None:
         "--batch-size", type=int, default=None, help="sequences per batch (default: the run's eval.batch_size)"
     )
     evaluate.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (default: the batch)")
+    evaluate.add_argument(
+        "--verifier", default=None, help="prompts: how a completion is scored (default: the run's grpo.verifier)"
+    )
+    evaluate.add_argument(
+        "--reference", default=None,
+        help="preferences: the reference checkpoint of the DPO rewards (default: a DPO run's init_from; none: skip)",
+    )
     _add_model_options(evaluate)
     evaluate.add_argument("--json", action="store_true", help="print the figures as JSON")
     evaluate.set_defaults(handler=run_eval)
@@ -143,11 +155,120 @@ def _prompts_file(path: str | None) -> list[str]:
 
 def run_eval(args: argparse.Namespace) -> int:
     """The run's own evaluation settings unless a flag says otherwise, so that on the run's checkpoint
-    the figures are the ones it recorded."""
-    from ferry.data.tokenizer import encoding_digest
-    from ferry.inference import EvalConfig, HeldOutEvaluation, load_model
+    the figures are the ones it recorded. Token datasets give loss and perplexity, record datasets the
+    figures of the objective that reads them (`ferry.train.record_evaluation`)."""
+    from ferry.inference import load_model
 
     loaded = load_model(args.source, args.device, args.dtype, args.tokenizer)
+    kinds = {path: _dataset_kind(path) for path in args.data}
+    token_paths = [path for path, kind in kinds.items() if kind is None]
+    token_figures, windows = _token_figures(args, loaded, token_paths)
+    figures = {
+        path: token_figures[path] if kind is None else _record_figures(args, loaded, path, kind)
+        for path, kind in kinds.items()
+    }
+    if args.json:
+        print(json.dumps({"source": loaded.origin, "step": loaded.step, **windows, "datasets": figures}, indent=2))
+        return 0
+    step = f"step {loaded.step}" if loaded.step is not None else "no step"
+    per_dataset = ""
+    if windows:
+        per_dataset = ", {batches} x {batch_size} windows of {seq_len} tokens per dataset".format(**windows)
+    print(f"ferry: {loaded.origin} ({step}){per_dataset}")
+    width = max(len(name) for name in figures)
+    for name, result in figures.items():
+        print(f"  {name:<{width}}  {_figures_line(result)}")
+    return 0
+
+
+def _dataset_kind(path: str) -> str | None:
+    """`prompts` or `preferences` for a record dataset; None for a token dataset (or anything unreadable,
+    which the token reader then names)."""
+    from ferry.data.manifest import MANIFEST_NAME, record_kind
+
+    try:
+        return record_kind(json.loads((Path(path) / MANIFEST_NAME).read_text(encoding="utf-8")))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _figures_line(result: dict) -> str:
+    if result["kind"] == "tokens":
+        return f"loss {result['loss']:.4f}  perplexity {result['perplexity']:,.2f}  ({result['tokens']:,} tokens)"
+    if result["kind"] == "prompts":
+        return (
+            f"solve rate {result['solve_rate']:.3f}  greedy {result['greedy_solve_rate']:.3f}  "
+            f"({result['records']} prompts, verifier {result['verifier']})"
+        )
+    line = (
+        f"preference accuracy {result['preference_accuracy']:.3f}  log-probs chosen {result['logps/chosen']:.2f}  "
+        f"rejected {result['logps/rejected']:.2f}"
+    )
+    if "rewards/accuracy" in result:
+        line += f"  rewards: accuracy {result['rewards/accuracy']:.3f}  margin {result['rewards/margin']:.4f}"
+    return f"{line}  ({result['records']} pairs)"
+
+
+def _record_figures(args: argparse.Namespace, loaded, path: str, kind: str) -> dict:
+    """Solve rates of a prompt set, or the ranking of a pair set's answers (and the DPO rewards against the
+    reference), with the run's `grpo` / `dpo` settings."""
+    from ferry.data.records import RecordDataset
+    from ferry.train.objective_config import DPOConfig, GRPOConfig
+    from ferry.train.record_evaluation import preference_figures, prompt_figures
+
+    run = loaded.run_config
+    dataset = RecordDataset(path, f"--data {path}", kind)
+    _check_record_tokenizer(loaded, dataset)
+    if kind == "prompts":
+        settings = dict(run.get("grpo") or {})
+        if args.verifier is not None:
+            settings["verifier"] = args.verifier
+        config = _checked(GRPOConfig, {key: ("--verifier" if key == "verifier" else "the run's grpo." + key, value)
+                                       for key, value in settings.items()})
+        return prompt_figures(loaded.model, dataset, config, seed=(run.get("run") or {}).get("seed", 0))
+    config = DPOConfig.model_validate(run.get("dpo") or {})
+    reference_path = args.reference
+    if reference_path is None and (run.get("train") or {}).get("objective") == "dpo":
+        reference_path = run.get("init_from")
+    reference = None
+    if reference_path is not None and reference_path != "none":
+        from ferry.inference import load_model
+
+        flag = "--reference" if args.reference is not None else "the run's init_from (the DPO reference)"
+        try:
+            reference = load_model(reference_path, args.device, args.dtype, args.tokenizer).model
+        except UserError as exc:
+            raise UserError(f"{flag}: {exc}") from None
+    return preference_figures(loaded.model, dataset, config, reference)
+
+
+def _check_record_tokenizer(loaded, dataset) -> None:
+    """The records must be tokenized as the model's data was, and fit its vocabulary."""
+    from ferry.data.tokenizer import encoding_digest, load_tokenizer
+
+    tokenizer = dataset.tokenizer
+    if loaded.tokenizer is not None and encoding_digest(
+        load_tokenizer(dataset.path / tokenizer["file"])
+    ) != encoding_digest(loaded.tokenizer):
+        raise UserError(
+            f"{dataset.label} was tokenized with another tokenizer than the model's ({loaded.tokenizer_path}); "
+            "prepare it with the same one (ferry data prepare --tokenizer PATH)"
+        )
+    if tokenizer["vocab_size"] > loaded.model.config.vocab_size:
+        raise UserError(
+            f"{dataset.label}: its tokenizer has {tokenizer['vocab_size']} tokens, the model "
+            f"{loaded.model.config.vocab_size}"
+        )
+
+
+def _token_figures(args: argparse.Namespace, loaded, paths: list[str]) -> tuple[dict[str, dict], dict]:
+    """Loss and perplexity of every token dataset, with the run's evaluation settings unless a flag says
+    otherwise; and those settings (window length, batches and their size)."""
+    from ferry.data.tokenizer import encoding_digest
+    from ferry.inference import EvalConfig, HeldOutEvaluation
+
+    if not paths:
+        return {}, {}
     model = loaded.model
     if loaded.tokenizer is None:
         raise UserError(
@@ -167,7 +288,7 @@ def run_eval(args: argparse.Namespace) -> int:
     config = _checked(
         EvalConfig,
         {
-            "sources": ("--data", [{"name": path, "path": path} for path in args.data]),
+            "sources": ("--data", [{"name": path, "path": path} for path in paths]),
             "batches": ("--batches", batches),
             "batch_size": ("--batch-size", batch_size),
         },
@@ -179,26 +300,17 @@ def run_eval(args: argparse.Namespace) -> int:
     evaluation = HeldOutEvaluation(
         config, seq_len, batch_size, micro_batch,
         document_eos=loaded.tokenizer.eos_id if masking else None,
-        labels=[f"--data {path}" for path in args.data],
+        labels=[f"--data {path}" for path in paths],
         count_names=f"--batches {batches} x --batch-size {batch_size}",
         seq_len_name="--seq-len" if args.seq_len is not None else "--seq-len (the run's data.seq_len)",
+        loss_chunk=(run.get("train") or {}).get("loss_chunk", 0),
     )
     evaluation.check_tokenizer(
         encoding_digest(loaded.tokenizer), model.config.vocab_size, f"the model's tokenizer ({loaded.tokenizer_path})"
     )
     losses = evaluation.run(model, next(model.parameters()).device)
-    if args.json:
-        datasets = {
-            name: {"loss": r.loss, "perplexity": r.perplexity, "tokens": r.tokens} for name, r in losses.items()
-        }
-        report = {"source": loaded.origin, "step": loaded.step, "seq_len": seq_len, "batches": batches,
-                  "batch_size": batch_size, "datasets": datasets}
-        print(json.dumps(report, indent=2))
-        return 0
-    step = f"step {loaded.step}" if loaded.step is not None else "no step"
-    print(f"ferry: {loaded.origin} ({step}), {batches} x {batch_size} windows of {seq_len} tokens per dataset")
-    width = max(len(name) for name in losses)
-    for name, result in losses.items():
-        figures = f"loss {result.loss:.4f}  perplexity {result.perplexity:,.2f}  ({result.tokens:,} tokens)"
-        print(f"  {name:<{width}}  {figures}")
-    return 0
+    figures = {
+        name: {"kind": "tokens", "loss": r.loss, "perplexity": r.perplexity, "tokens": r.tokens}
+        for name, r in losses.items()
+    }
+    return figures, {"seq_len": seq_len, "batches": batches, "batch_size": batch_size}

@@ -24,6 +24,7 @@ from ferry.data import TokenDataset, document_ids
 from ferry.data.targets import IGNORE_INDEX, split_windows
 from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.inference.config import EvalConfig
+from ferry.model.head_loss import HeadTargets
 
 
 @dataclass(frozen=True)
@@ -89,12 +90,16 @@ class HeldOutEvaluation:
         labels: list[str] | None = None,
         count_names: str = "eval.batches x eval.batch_size",
         seq_len_name: str = "data.seq_len",
+        loss_chunk: int = 0,
     ):
         """`document_eos`: mask attention within documents ending with this token, as training did.
         `labels` name each source in messages (default `eval.sources.<i> (<name>)`), `count_names` the
-        settings that fix how many windows are read, `seq_len_name` the one that fixes their length."""
+        settings that fix how many windows are read, `seq_len_name` the one that fixes their length.
+        `loss_chunk`: the head and the loss by chunks of that many tokens, as `train.loss_chunk` trains,
+        so that an evaluation never holds the full logits a training step does not hold."""
         self.config = config
         self.document_eos = document_eos
+        self.loss_chunk = loss_chunk
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.micro_batch = micro_batch
@@ -154,15 +159,7 @@ class HeldOutEvaluation:
                         mine[micro_start : micro_start + self.micro_batch], self.seq_len
                     )
                     inputs_BS, targets_BS = inputs_BS.to(device), targets_BS.to(device)
-                    with autocast or nullcontext():
-                        documents_BS = None if self.document_eos is None else document_ids(inputs_BS, self.document_eos)
-                        logits_BSV = model(inputs_BS, document_ids_BS=documents_BS).logits_BSV
-                    sums_2N[2 * index] += F.cross_entropy(
-                        logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(),
-                        targets_BS.reshape(-1),
-                        ignore_index=IGNORE_INDEX,
-                        reduction="sum",
-                    ).double()
+                    sums_2N[2 * index] += self._loss_sum(model, inputs_BS, targets_BS, autocast).double()
                     sums_2N[2 * index + 1] += (targets_BS != IGNORE_INDEX).sum().double()
                     if progress is not None:
                         progress()
@@ -174,6 +171,20 @@ class HeldOutEvaluation:
             source.name: SourceLoss(totals[2 * index] / max(totals[2 * index + 1], 1.0), int(totals[2 * index + 1]))
             for index, source in enumerate(self.sources)
         }
+
+
+    def _loss_sum(
+        self, model: torch.nn.Module, inputs_BS: torch.Tensor, targets_BS: torch.Tensor, autocast
+    ) -> torch.Tensor:
+        """The summed token loss of one micro-batch."""
+        head = HeadTargets(targets_BS, self.loss_chunk) if self.loss_chunk else None
+        with autocast or nullcontext():
+            documents_BS = None if self.document_eos is None else document_ids(inputs_BS, self.document_eos)
+            output = model(inputs_BS, document_ids_BS=documents_BS, targets=head)
+        if output.head_loss is not None:
+            return output.head_loss.lm_loss_sum
+        logits_TV = output.logits_BSV.reshape(-1, output.logits_BSV.shape[-1]).float()
+        return F.cross_entropy(logits_TV, targets_BS.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def eval_record(losses: dict[str, SourceLoss]) -> dict:

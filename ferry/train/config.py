@@ -82,7 +82,8 @@ class TrainConfig(Section):
         0,
         ge=0,
         description="lm: tokens per chunk of the output projection and cross-entropy computed together, so the "
-        "step's full logits are never held (ferry/model/head_loss.py); 0: logits first, then the loss",
+        "full logits are never held, in training steps and held-out evaluations (ferry/model/head_loss.py); 0: "
+        "logits first, then the loss",
     )
     steps: int = Field(100, ge=1)
     global_batch: int = Field(

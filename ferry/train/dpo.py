@@ -19,6 +19,7 @@ from ferry.data.records import RecordDataset
 from ferry.data.targets import completion_batch
 from ferry.inference.evaluation import held_out_due
 from ferry.train.losses import router_losses, router_objective
+from ferry.train.objective_config import DPOConfig
 from ferry.train.objectives import StepOutcome
 from ferry.train.preference_losses import dpo_losses, token_logprobs
 from ferry.train.reference import (
@@ -93,8 +94,9 @@ class DPOObjective:
             share = len(indices) / records.global_count
             trainer.resilience.phase("forward")
             with trainer.metrics.timer.region("forward"), trainer.autocast():
-                logps_2B, tokens_2B, output = _score(trainer, trainer.model, self.dataset, indices, self.pad_id)
-                losses_B, chosen_B, rejected_B = self._losses(logps_2B, tokens_2B, reference[indices])
+                scored = score_pairs(trainer.model, self.dataset, indices, self.pad_id, trainer.device)
+                logps_2B, tokens_2B, output = scored
+                losses_B, chosen_B, rejected_B = pair_losses(self.config, logps_2B, tokens_2B, reference[indices])
                 aux_loss, z_loss = router_losses(output)
                 objective = losses_B.sum() / records.global_count + share * router_objective(
                     config.model.moe, aux_loss, z_loss
@@ -137,9 +139,10 @@ class DPOObjective:
                 sums = torch.zeros(_SUMS, dtype=torch.float64, device=trainer.device)
                 for indices in _rank_batches(len(dataset), self.config.score_batch, trainer):
                     with trainer.autocast():
-                        logps_2B, tokens_2B, _ = _score(trainer, trainer.model, dataset, indices, self.pad_id)
+                        scored = score_pairs(trainer.model, dataset, indices, self.pad_id, trainer.device)
+                        logps_2B, tokens_2B, _ = scored
                     reference = self.reference[dataset.label][indices]
-                    losses_B, chosen_B, rejected_B = self._losses(logps_2B, tokens_2B, reference)
+                    losses_B, chosen_B, rejected_B = pair_losses(self.config, logps_2B, tokens_2B, reference)
                     if indices.size and indices[0] >= 0:
                         sums += _pair_sums(losses_B, chosen_B, rejected_B, logps_2B)
                     progress()
@@ -162,29 +165,13 @@ class DPOObjective:
         lengths = self.dataset.spans[index, :, 1] - self.dataset.spans[index, :, 0]
         return int(2 * lengths[0] + lengths[1] + lengths[2])
 
-    def _losses(
-        self, logps_2B: torch.Tensor, tokens_2B: torch.Tensor, reference_B2: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pairs = logps_2B.shape[0] // 2
-        reference_2B = reference_B2.to(logps_2B).T.reshape(-1)
-        chosen_nll_B = -logps_2B[:pairs] / tokens_2B[:pairs]
-        if self.config.loss == "length_normalized":
-            logps_2B, reference_2B = logps_2B / tokens_2B, reference_2B / tokens_2B
-        losses_B, chosen_B, rejected_B = dpo_losses(
-            logps_2B[:pairs], logps_2B[pairs:], reference_2B[:pairs], reference_2B[pairs:], self.config.beta,
-            self.config.loss,
-        )
-        if self.config.nll_weight:
-            losses_B = losses_B + self.config.nll_weight * chosen_nll_B
-        return losses_B, chosen_B, rejected_B
-
     @torch.no_grad()
     def _score_all(self, trainer: Trainer, model: Transformer, dataset: RecordDataset) -> torch.Tensor:
         """`[records, 2]` summed log-probs of every pair's chosen and rejected answer under `model`."""
         logps_N2 = torch.zeros(len(dataset), 2, dtype=torch.float64, device=trainer.device)
         for indices in _rank_batches(len(dataset), self.config.score_batch, trainer):
             with trainer.autocast():
-                logps_2B, _, _ = _score(trainer, model, dataset, indices, self.pad_id)
+                logps_2B, _, _ = score_pairs(model, dataset, indices, self.pad_id, trainer.device)
             if indices.size and indices[0] >= 0:
                 logps_N2[indices] = logps_2B.double().view(2, -1).T
             trainer.resilience.watchdog.touch()  # scoring a large set is progress, not a hang
@@ -200,15 +187,33 @@ class DPOObjective:
         }
 
 
-def _score(
-    trainer: Trainer, model: Transformer, dataset: RecordDataset, indices: np.ndarray, pad_id: int
+def pair_losses(
+    config: DPOConfig, logps_2B: torch.Tensor, tokens_2B: torch.Tensor, reference_B2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per pair: the DPO loss (with the chosen answer's NLL term) and the implicit rewards of both answers,
+    from the policy's summed log-probs (`score_pairs`) and the reference's (`[pairs, 2]`)."""
+    pairs = logps_2B.shape[0] // 2
+    reference_2B = reference_B2.to(logps_2B).T.reshape(-1)
+    chosen_nll_B = -logps_2B[:pairs] / tokens_2B[:pairs]
+    if config.loss == "length_normalized":
+        logps_2B, reference_2B = logps_2B / tokens_2B, reference_2B / tokens_2B
+    losses_B, chosen_B, rejected_B = dpo_losses(
+        logps_2B[:pairs], logps_2B[pairs:], reference_2B[:pairs], reference_2B[pairs:], config.beta, config.loss
+    )
+    if config.nll_weight:
+        losses_B = losses_B + config.nll_weight * chosen_nll_B
+    return losses_B, chosen_B, rejected_B
+
+
+def score_pairs(
+    model: Transformer, dataset: RecordDataset, indices: np.ndarray, pad_id: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, object]:
     """Summed answer log-probs and answer lengths, chosen answers first then rejected (`[2B]`), and the
     forward's output (for the router statistics)."""
     rows = [int(index) if index >= 0 else 0 for index in indices]  # -1: a filler row that keeps ranks in step
     prompts = [dataset.field(row, "prompt") for row in rows] * 2
     answers = [dataset.field(row, "chosen") for row in rows] + [dataset.field(row, "rejected") for row in rows]
-    batch = completion_batch(prompts, answers, pad_id).to(trainer.device)
+    batch = completion_batch(prompts, answers, pad_id).to(device)
     output = model(batch.inputs_BS, padding_BS=batch.padding_BS)
     targets_BS = batch.targets_BS
     logps_2B = token_logprobs(output.logits_BSV, targets_BS).sum(dim=1)

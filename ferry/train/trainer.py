@@ -94,6 +94,7 @@ class Trainer:
         self.evaluation = HeldOutEvaluation(
             token_eval, config.data.seq_len, config.eval.batch_size or train.global_batch, train.micro_batch,
             document_eos=self.loader.tokenizer["eos_id"] if config.data.document_masking else None,
+            loss_chunk=train.loss_chunk,
         )
         first = self.loader.datasets[0]
         if self.evaluation.sources:

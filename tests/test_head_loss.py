@@ -37,9 +37,30 @@ def test_loss_accuracy_and_gradients_equal_logits_then_cross_entropy(chunk):
     assert h_BSD.grad[2, 40:].abs().max() == 0, "untrained targets send no gradient"
 
 
+def _matmuls(run) -> int:
+    """How many matrix products `run()` performs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        run()
+    return Count.calls
+
+
 def test_without_gradients_it_computes_the_loss_alone():
+    """An evaluation (no_grad) makes each chunk's logits and nothing else: one product a chunk, not three."""
     h_BSD, weight_VD, targets_BS = _inputs()
+    chunks = -(-150 // 16)
+    assert _matmuls(lambda: chunked_head_loss(h_BSD, weight_VD, HeadTargets(targets_BS, 16))) == 3 * chunks
     with torch.no_grad():
+        assert _matmuls(lambda: chunked_head_loss(h_BSD, weight_VD, HeadTargets(targets_BS, 16))) == chunks
         loss = chunked_head_loss(h_BSD, weight_VD, HeadTargets(targets_BS, 16))
     expected = F.cross_entropy(
         F.linear(h_BSD, weight_VD).reshape(-1, 97), targets_BS.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"

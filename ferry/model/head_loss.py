@@ -43,14 +43,16 @@ def chunked_head_loss(h_BSD: torch.Tensor, weight_VD: torch.Tensor, targets: Hea
     Under autocast the GEMMs run in its dtype, as the head's `linear` would; the softmax is fp32.
     """
     h_TD, weight_VD = in_autocast_dtype(h_BSD.reshape(-1, h_BSD.shape[-1]), weight_VD)
-    lm_loss_sum, correct = _ChunkedHeadLoss.apply(h_TD, weight_VD, targets.targets_BS.reshape(-1), targets.chunk_tokens)
+    # a Function's forward sees grad mode off and its inputs' requires_grad whatever the caller's mode: ask here
+    with_grad = torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)
+    targets_T = targets.targets_BS.reshape(-1)
+    lm_loss_sum, correct = _ChunkedHeadLoss.apply(h_TD, weight_VD, targets_T, targets.chunk_tokens, with_grad)
     return HeadLoss(lm_loss_sum, correct)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TD, weight_VD, targets_T, chunk_tokens):
-        with_grad = any(ctx.needs_input_grad[:2])  # evaluation computes the loss alone
+    def forward(ctx, h_TD, weight_VD, targets_T, chunk_tokens, with_grad):
         grad_h_TD = torch.empty_like(h_TD) if with_grad else None
         grad_weight_VD = torch.zeros_like(weight_VD, dtype=torch.float32) if with_grad else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=h_TD.device)
@@ -90,4 +92,4 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_h = grad_h_TD.mul_(grad_loss) if ctx.needs_input_grad[0] else None
         grad_weight = grad_weight_VD.mul_(grad_loss).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
         del grad_h_TD, grad_weight_VD
-        return grad_h, grad_weight, None, None
+        return grad_h, grad_weight, None, None, None

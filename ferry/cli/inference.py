@@ -244,21 +244,12 @@ def _record_figures(args: argparse.Namespace, loaded, path: str, kind: str) -> d
 
 def _check_record_tokenizer(loaded, dataset) -> None:
     """The records must be tokenized as the model's data was, and fit its vocabulary."""
-    from ferry.data.tokenizer import encoding_digest, load_tokenizer
+    from ferry.data.tokenizer import encoding_digest
+    from ferry.inference.evaluation import check_dataset_tokenizer
 
-    tokenizer = dataset.tokenizer
-    if loaded.tokenizer is not None and encoding_digest(
-        load_tokenizer(dataset.path / tokenizer["file"])
-    ) != encoding_digest(loaded.tokenizer):
-        raise UserError(
-            f"{dataset.label} was tokenized with another tokenizer than the model's ({loaded.tokenizer_path}); "
-            "prepare it with the same one (ferry data prepare --tokenizer PATH)"
-        )
-    if tokenizer["vocab_size"] > loaded.model.config.vocab_size:
-        raise UserError(
-            f"{dataset.label}: its tokenizer has {tokenizer['vocab_size']} tokens, the model "
-            f"{loaded.model.config.vocab_size}"
-        )
+    digest = None if loaded.tokenizer is None else encoding_digest(loaded.tokenizer)
+    expected_from = f"the model's tokenizer ({loaded.tokenizer_path})"
+    check_dataset_tokenizer(dataset, digest, loaded.model.config.vocab_size, expected_from)
 
 
 def _token_figures(args: argparse.Namespace, loaded, paths: list[str]) -> tuple[dict[str, dict], dict]:

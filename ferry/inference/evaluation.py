@@ -61,6 +61,19 @@ class HeldOut:
         return split_windows(windows_BS1, trained_BS1)
 
 
+def check_dataset_tokenizer(dataset, digest: str | None, vocab_size: int, expected_from: str) -> None:
+    """Refuse a prepared dataset (token or record) tokenized otherwise than the model's data, or with more
+    tokens than the model has; `digest` is the model's tokenizer's `encoding_digest` (None: not known)."""
+    tokenizer = dataset.tokenizer
+    if digest is not None and encoding_digest(load_tokenizer(dataset.path / tokenizer["file"])) != digest:
+        raise UserError(
+            f"{dataset.label} was tokenized with another tokenizer than {expected_from}; "
+            "prepare it with the same one (ferry data prepare --tokenizer PATH)"
+        )
+    if tokenizer["vocab_size"] > vocab_size:
+        raise UserError(f"{dataset.label}: its tokenizer has {tokenizer['vocab_size']} tokens, the model {vocab_size}")
+
+
 def held_out_due(has_sources: bool, interval: int, step: int, last_step: int) -> bool:
     """The schedule of every held-out evaluation (loss, DPO rewards, GRPO solve rates): every `eval.interval`
     steps and after the last one."""
@@ -114,17 +127,7 @@ class HeldOutEvaluation:
         """Refuse a source tokenized otherwise than the model's data (its loss would mean nothing);
         `digest` is the model's tokenizer's `encoding_digest`."""
         for source in self.sources:
-            tokenizer = source.dataset.tokenizer
-            if encoding_digest(load_tokenizer(source.dataset.path / tokenizer["file"])) != digest:
-                raise UserError(
-                    f"{source.dataset.label} was tokenized with another tokenizer than {expected_from}; "
-                    "prepare it with the same one (ferry data prepare --tokenizer PATH)"
-                )
-            if tokenizer["vocab_size"] > vocab_size:
-                raise UserError(
-                    f"{source.dataset.label}: its tokenizer has {tokenizer['vocab_size']} tokens, the model "
-                    f"{vocab_size}"
-                )
+            check_dataset_tokenizer(source.dataset, digest, vocab_size, expected_from)
 
     def due(self, step: int, last_step: int) -> bool:
         return held_out_due(bool(self.sources), self.config.interval, step, last_step)

@@ -41,6 +41,9 @@ from ferry.train.config import RunConfig
 from ferry.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# How far the sides' first losses may differ: rounding of the compute dtype, summed in other orders.
+FIRST_LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 4e-3}
 
 
 def ferry_config(args: argparse.Namespace, run_dir: Path, compile_mode: str, extra: list[str] = ()) -> RunConfig:
@@ -69,6 +72,7 @@ def ferry_config(args: argparse.Namespace, run_dir: Path, compile_mode: str, ext
         "kernels.policy": args.policy,
         "train.compile": compile_mode,
         "run.host_allocator": args.host_allocator,
+        "precision.compute_dtype": args.dtype,
     }
     pins = [f'kernels.ops."{op}"={implementation}' for op, implementation in (pin.split("=", 1) for pin in args.op)]
     return load_config(
@@ -92,8 +96,9 @@ def transformers_model(trainer: Trainer):
 class TransformersSide:
     """What a transformers training loop runs a step with: forward with the loss, backward, clip, AdamW."""
 
-    def __init__(self, model, trainer: Trainer):
+    def __init__(self, model, trainer: Trainer, compute_dtype: torch.dtype):
         optim = trainer.config.optim
+        self.compute_dtype = compute_dtype
         self.model = model.train()
         decayed = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
         kept = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
@@ -106,7 +111,8 @@ class TransformersSide:
 
     def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        output = self.model(input_ids=inputs_BS)
+        with torch.autocast("cpu", dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            output = self.model(input_ids=inputs_BS)
         loss = F.cross_entropy(output.logits.float().view(-1, self.vocab), targets_BS.reshape(-1))
         total = loss + self.model.router_aux_loss_coef * output.aux_loss
         total.backward()
@@ -122,6 +128,7 @@ def gemm_limit_s(args: argparse.Namespace, repeats: int = 3) -> float:
     tokens = args.batch * args.seq
     expert_rows = tokens * args.top_k // args.experts
     generator = torch.Generator().manual_seed(0)
+    dtype = COMPUTE_DTYPES[args.dtype]
 
     def best(run) -> float:
         seconds = float("inf")
@@ -140,15 +147,15 @@ def gemm_limit_s(args: argparse.Namespace, repeats: int = 3) -> float:
         (tokens, args.dim, args.vocab, 1),  # output head
     ]
     for rows, width_in, width_out, count in projections:
-        x_MI = torch.randn(rows, width_in, generator=generator)
-        w_OI = torch.randn(width_out, width_in, generator=generator)
-        grad_MO = torch.randn(rows, width_out, generator=generator)
+        x_MI = torch.randn(rows, width_in, generator=generator).to(dtype)
+        w_OI = torch.randn(width_out, width_in, generator=generator).to(dtype)
+        grad_MO = torch.randn(rows, width_out, generator=generator).to(dtype)
         total += count * best(lambda: (F.linear(x_MI, w_OI), grad_MO @ w_OI, grad_MO.t() @ x_MI))
     head_dim = args.dim // args.heads
     q_XSC, k_XSC, v_XSC, grad_XSC = (
-        torch.randn(args.batch * args.heads, args.seq, head_dim, generator=generator) for _ in range(4)
+        torch.randn(args.batch * args.heads, args.seq, head_dim, generator=generator).to(dtype) for _ in range(4)
     )
-    p_XSS = torch.randn(args.batch * args.heads, args.seq, args.seq, generator=generator)
+    p_XSS = torch.randn(args.batch * args.heads, args.seq, args.seq, generator=generator).to(dtype)
 
     def attention_products():
         q_XSC @ k_XSC.transpose(1, 2), p_XSS @ v_XSC  # forward
@@ -233,6 +240,10 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16, help="sequences a step")
+    parser.add_argument(
+        "--dtype", choices=sorted(COMPUTE_DTYPES), default="fp32",
+        help="compute dtype of both sides (bf16: autocast over fp32 parameters) and of the GEMM limit",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--run-dir", default=str(REPO / "runs" / "bench-whole-step"))
     args = parser.parse_args()
@@ -246,7 +257,7 @@ def main() -> None:
     for variant in args.variant:
         ferry[f"ferry {variant}"] = Trainer(ferry_config(args, Path(args.run_dir), "none", variant.split(",")))
     reference = ferry["ferry"]
-    theirs = TransformersSide(transformers_model(reference), reference)
+    theirs = TransformersSide(transformers_model(reference), reference, COMPUTE_DTYPES[args.dtype])
     tokens = args.batch * args.seq
     flops_per_token = count_model(reference.config.model, args.seq).flops_per_token
 
@@ -267,7 +278,7 @@ def main() -> None:
         times["transformers"].append(time.perf_counter() - started)
         if index == 0:
             spread = max(first_losses.values()) - min(first_losses.values())
-            if spread > 1e-4 * first_losses["transformers"]:
+            if spread > FIRST_LOSS_TOLERANCE[args.dtype] * first_losses["transformers"]:
                 raise SystemExit(f"the first step's losses differ: {first_losses}")
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
     times = {side: seconds[2:] for side, seconds in times.items()}  # the first two steps warm up (and compile)
@@ -294,6 +305,7 @@ def main() -> None:
         "minor_faults_per_step": round(faults / (args.steps + 2)),
         "threads": args.threads,
         "tokens_per_step": tokens,
+        "compute_dtype": args.dtype,
     }
     if args.breakdown:
         result["ferry_breakdown_s"] = breakdown(reference)

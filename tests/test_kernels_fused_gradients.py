@@ -115,3 +115,62 @@ def test_autograd_grad_and_hooks_get_the_weight_gradients_through_autograd():
     hooked[0].register_hook(lambda grad: seen.append(grad.norm()) or grad * 0.0)
     _backward(cpu_fused_experts.routed_experts, hooked, seeds=(1,))
     assert len(seen) == 1 and seen[0] > 0 and torch.equal(hooked[0].grad, torch.zeros_like(hooked[0].grad))
+
+
+def _bf16_gradients(monkeypatch, quantum: int, poisoned: bool) -> list[torch.Tensor]:
+    """Output and every gradient of a bfloat16 forward and backward, blocks padded to `quantum` rows; `poisoned`:
+    every buffer the pool hands out starts as NaN, as stale rows of an earlier step might."""
+    monkeypatch.setattr(cpu_fused_experts, "REDUCED_ROW_QUANTUM", quantum)
+    if poisoned:
+        def nan_filled(shape, dtype):
+            return torch.full(shape, float("nan"), dtype=dtype)
+
+        monkeypatch.setattr(cpu_fused_experts._SPARE_ACTIVATIONS, "take", nan_filled)
+    x_TD, expert_ids_TK, weights_TK, counts_E = _problem(1)
+    x_TD = x_TD.to(torch.bfloat16).requires_grad_()
+    weights_TK = weights_TK.to(torch.bfloat16).requires_grad_()
+    experts = [w.detach().to(torch.bfloat16).requires_grad_() for w in _weights()]
+    out_TD = cpu_fused_experts.routed_experts(x_TD, expert_ids_TK, weights_TK, counts_E, *experts)
+    out_TD.float().square().sum().backward()
+    return [out_TD.detach(), x_TD.grad, weights_TK.grad, *(w.grad for w in experts)]
+
+
+def test_padded_blocks_in_bfloat16_give_the_exact_blocks_results(monkeypatch):
+    """Padding rows hold zeros or the next block's rows, never stale memory, and add nothing to any gradient: with
+    blocks of 3 rows padded to 4, and every pooled buffer starting as NaN, the results equal unpadded blocks'."""
+    exact = _bf16_gradients(monkeypatch, quantum=1, poisoned=False)
+    padded = _bf16_gradients(monkeypatch, quantum=4, poisoned=True)
+    for ours, theirs in zip(padded, exact, strict=True):
+        assert torch.isfinite(ours).all()
+        torch.testing.assert_close(ours, theirs, rtol=0.0, atol=0.0)
+
+
+def test_bfloat16_gemms_take_row_counts_in_multiples_of_the_quantum(monkeypatch):
+    """What keeps oneDNN's per-shape GEMMs cached: every expert GEMM's row count (the weight gradients' inner
+    dimension) is a multiple of the quantum, however ragged the experts' loads; float32 keeps exact rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RowCounts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket)
+            if name == "aten.mm":
+                self.rows.append(args[0].shape[0])
+            elif name == "aten.addmm_" and args[0].shape[0] == F:  # an expert's weight gradient: rows are inner
+                self.rows.append(args[1].shape[1])
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(cpu_fused_experts, "BLOCK_ROWS", 8)
+    for dtype, quantum in ((torch.bfloat16, cpu_fused_experts.REDUCED_ROW_QUANTUM), (torch.float32, 1)):
+        x_TD, expert_ids_TK, weights_TK, counts_E = _problem(2)
+        experts = [w.detach().to(dtype).requires_grad_() for w in _weights()]
+        inputs = (x_TD.to(dtype), expert_ids_TK, weights_TK.to(dtype), counts_E)
+        with RowCounts() as recorded:
+            out = cpu_fused_experts.routed_experts(*inputs, *experts)
+            out.float().sum().backward()
+        assert recorded.rows and all(rows % quantum == 0 for rows in recorded.rows), (dtype, recorded.rows)
+        if quantum == 1:
+            assert sorted(set(recorded.rows)) != [8], "float32 blocks keep their ragged sizes"

@@ -50,6 +50,13 @@ from ferry.kernels.vendor.cpu_gemm_layout import REDUCED_DTYPES, fast_right_oper
 # Large enough for full-speed matmuls, small enough that a block's temporaries stay in cache
 # and are recycled by the allocator instead of being mapped afresh.
 BLOCK_ROWS = 1024
+# In bfloat16/float16 a CPU matmul runs a oneDNN primitive made for its exact shape and cached by it, and making one
+# costs more than a 512-row product: ragged expert blocks, a new row count nearly every call, ran the experts'
+# GEMMs at 140 GFLOP/s where repeated shapes reach 330 (2 cores with AVX-512 BF16). Each block's GEMMs therefore
+# take its rows rounded up to a multiple of this, so a step's shapes repeat and stay cached; the padding rows are
+# zeros (or the next block's rows, whose results the next block overwrites) and add nothing to any gradient.
+# float32 runs MKL's GEMM, which makes nothing per shape: exact rows there.
+REDUCED_ROW_QUANTUM = 32
 
 
 @reads_group_sizes_on_host
@@ -74,20 +81,25 @@ class _FusedExperts(torch.autograd.Function):
         top_k = expert_ids_TK.shape[1]
         order_N = torch.argsort(expert_ids_TK.flatten(), stable=True)
         token_of_N = torch.div(order_N, top_k, rounding_mode="floor")
-        weight_N1 = weights_TK.flatten().index_select(0, order_N).unsqueeze(1)
+        rows, quantum = order_N.numel(), row_quantum(x_TD.dtype)
+        padded_rows = rows + quantum - 1  # room for the last block's padding
+        weight_N1 = weights_TK.new_zeros(padded_rows, 1)
+        weight_N1[:rows, 0] = weights_TK.flatten().index_select(0, order_N)
         sizes = tokens_per_expert_E.tolist()
-        _SPARE_ACTIVATIONS.serve_rows(order_N.numel())
-        activations_2NF = _SPARE_ACTIVATIONS.take((2, order_N.numel(), w_gate_EFD.shape[1]), x_TD.dtype)
+        _SPARE_ACTIVATIONS.serve_rows(rows)
+        activations_2NF = _SPARE_ACTIVATIONS.take((2, padded_rows, w_gate_EFD.shape[1]), x_TD.dtype)
         gate_NF, up_NF = activations_2NF
-        x_ND = _SPARE_ACTIVATIONS.take((order_N.numel(), x_TD.shape[1]), x_TD.dtype)
+        x_ND = _SPARE_ACTIVATIONS.take((padded_rows, x_TD.shape[1]), x_TD.dtype)
         out_TD = torch.zeros_like(x_TD)
-        for expert, _, rows in _blocks(sizes):
-            tokens_M = token_of_N[rows]
-            x_MD = torch.index_select(x_TD, 0, tokens_M, out=x_ND[rows])
-            gate_MF = torch.mm(x_MD, w_gate_EFD[expert].t(), out=gate_NF[rows])
-            up_MF = torch.mm(x_MD, w_up_EFD[expert].t(), out=up_NF[rows])
-            y_MD = torch.mm(F.silu(gate_MF).mul_(up_MF), w_down_EDF[expert].t())
-            out_TD.index_add_(0, tokens_M, y_MD.mul_(weight_N1[rows]))
+        for expert, _, block in _blocks(sizes):
+            tokens_M, padded = token_of_N[block], _padded(block, quantum)
+            torch.index_select(x_TD, 0, tokens_M, out=x_ND[block])
+            x_ND[block.stop : padded.stop].zero_()  # padding rows: the next block's, not gathered yet, or spare
+            x_PD = x_ND[padded]
+            gate_PF = torch.mm(x_PD, w_gate_EFD[expert].t(), out=gate_NF[padded])
+            up_PF = torch.mm(x_PD, w_up_EFD[expert].t(), out=up_NF[padded])
+            y_PD = torch.mm(F.silu(gate_PF).mul_(up_PF), w_down_EDF[expert].t())
+            out_TD.index_add_(0, tokens_M, y_PD[: len(tokens_M)].mul_(weight_N1[block]))
         ctx.save_for_backward(x_ND, order_N, token_of_N, weight_N1, activations_2NF, w_gate_EFD, w_up_EFD, w_down_EDF)
         ctx.x_shape = x_TD.shape
         ctx.sizes = sizes
@@ -98,9 +110,12 @@ class _FusedExperts(torch.autograd.Function):
     def backward(ctx, grad_TD):
         x_ND, order_N, token_of_N, weight_N1, activations_2NF, w_gate_EFD, w_up_EFD, w_down_EDF = ctx.saved_tensors
         gate_NF, up_NF = activations_2NF
+        quantum = row_quantum(x_ND.dtype)
         grad_TD = grad_TD.contiguous()
         grad_x_TD = grad_TD.new_zeros(ctx.x_shape)
-        grad_weight_N = weight_N1.new_empty(order_N.numel())
+        longest_block = _rounded(min(BLOCK_ROWS, order_N.numel()), quantum)
+        grad_out_buffer_PD = grad_TD.new_empty(longest_block, grad_TD.shape[1])
+        grad_weight_N = weight_N1.new_empty(x_ND.shape[0])
         targets = [_WeightGradient(weight) for weight in (w_gate_EFD, w_up_EFD, w_down_EDF)]
         grad_gate_EFD, grad_up_EFD, grad_down_EDF = (target.tensor for target in targets)
         for expert, size in enumerate(ctx.sizes):
@@ -108,30 +123,34 @@ class _FusedExperts(torch.autograd.Function):
                 for target in targets:
                     target.zero_expert(expert)
         column_major = w_down_EDF.dtype in REDUCED_DTYPES  # the input gradient's GEMMs want it (cpu_gemm_layout)
-        for expert, first, rows in _blocks(ctx.sizes):
+        for expert, first, block in _blocks(ctx.sizes):
             beta = 0.0 if first else 1.0  # an expert's first block writes its weight gradients, later ones add
-            tokens_M = token_of_N[rows]
-            x_MD = x_ND[rows]
-            grad_out_MD = grad_TD.index_select(0, tokens_M)
-            gate_MF, up_MF, weight_M1 = gate_NF[rows], up_NF[rows], weight_N1[rows]
-            silu_MF = F.silu(gate_MF)
-            hidden_MF = silu_MF * up_MF
+            tokens_M, padded = token_of_N[block], _padded(block, quantum)
+            rows = len(tokens_M)
+            x_PD = x_ND[padded]
+            # zero output gradients on the padding rows: every gradient computed from them is zero there
+            grad_out_PD = grad_out_buffer_PD[: padded.stop - padded.start]
+            torch.index_select(grad_TD, 0, tokens_M, out=grad_out_PD[:rows])
+            grad_out_PD[rows:].zero_()
+            gate_PF, up_PF, weight_P1 = gate_NF[padded], up_NF[padded], weight_N1[padded]
+            silu_PF = F.silu(gate_PF)
+            hidden_PF = silu_PF * up_PF
             w_down_DF, w_gate_FD, w_up_FD = w_down_EDF[expert], w_gate_EFD[expert], w_up_EFD[expert]
             if column_major:
                 w_down_DF, w_gate_FD, w_up_FD = map(fast_right_operand, (w_down_DF, w_gate_FD, w_up_FD))
             # the gradient at the hidden layer before the routing weight also yields the weight's gradient
-            grad_hidden_MF = torch.mm(grad_out_MD, w_down_DF)
-            torch.linalg.vecdot(grad_hidden_MF, hidden_MF, out=grad_weight_N[rows])
-            grad_down_EDF[expert].addmm_(grad_out_MD.t(), hidden_MF.mul_(weight_M1), beta=targets[2].beta(beta))
-            grad_hidden_MF.mul_(weight_M1)
-            grad_up_MF = grad_hidden_MF * silu_MF
-            grad_gate_MF = torch.ops.aten.silu_backward(grad_hidden_MF.mul_(up_MF), gate_MF)
-            grad_gate_EFD[expert].addmm_(grad_gate_MF.t(), x_MD, beta=targets[0].beta(beta))
-            grad_up_EFD[expert].addmm_(grad_up_MF.t(), x_MD, beta=targets[1].beta(beta))
-            grad_x_MD = torch.mm(grad_gate_MF, w_gate_FD)
-            grad_x_TD.index_add_(0, tokens_M, grad_x_MD.addmm_(grad_up_MF, w_up_FD))
-        grad_weights_TK = torch.empty_like(grad_weight_N)
-        grad_weights_TK[order_N] = grad_weight_N
+            grad_hidden_PF = torch.mm(grad_out_PD, w_down_DF)
+            torch.linalg.vecdot(grad_hidden_PF, hidden_PF, out=grad_weight_N[padded])
+            grad_down_EDF[expert].addmm_(grad_out_PD.t(), hidden_PF.mul_(weight_P1), beta=targets[2].beta(beta))
+            grad_hidden_PF.mul_(weight_P1)
+            grad_up_PF = grad_hidden_PF * silu_PF
+            grad_gate_PF = torch.ops.aten.silu_backward(grad_hidden_PF.mul_(up_PF), gate_PF)
+            grad_gate_EFD[expert].addmm_(grad_gate_PF.t(), x_PD, beta=targets[0].beta(beta))
+            grad_up_EFD[expert].addmm_(grad_up_PF.t(), x_PD, beta=targets[1].beta(beta))
+            grad_x_PD = torch.mm(grad_gate_PF, w_gate_FD).addmm_(grad_up_PF, w_up_FD)
+            grad_x_TD.index_add_(0, tokens_M, grad_x_PD[:rows])
+        grad_weights_TK = grad_weight_N.new_empty(order_N.numel())
+        grad_weights_TK[order_N] = grad_weight_N[: order_N.numel()]
         if not getattr(ctx, "handed_back", False):  # a retained graph's second backward must not hand back twice
             ctx.handed_back = True
             _SPARE_ACTIVATIONS.give_back(activations_2NF)
@@ -234,6 +253,20 @@ def _engine_accumulates(weight: torch.Tensor) -> bool:
 
 def _fits(gradient: torch.Tensor, weight: torch.Tensor) -> bool:
     return gradient.shape == weight.shape and gradient.dtype == weight.dtype and gradient.device == weight.device
+
+
+def row_quantum(dtype: torch.dtype) -> int:
+    """Rows a block's GEMMs are rounded up to in `dtype` (1: exact)."""
+    return REDUCED_ROW_QUANTUM if dtype in REDUCED_DTYPES else 1
+
+
+def _padded(block: slice, quantum: int) -> slice:
+    """`block` with its rows rounded up to a multiple of `quantum`: the rows after it are the next block's or spare."""
+    return slice(block.start, block.start + _rounded(block.stop - block.start, quantum))
+
+
+def _rounded(rows: int, quantum: int) -> int:
+    return -(-rows // quantum) * quantum
 
 
 def _blocks(sizes: list[int]) -> Iterator[tuple[int, bool, slice]]:

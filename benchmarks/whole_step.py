@@ -19,7 +19,7 @@ step's losses are checked to agree. Prints a table and, last, one JSON line: bot
 ratio, each side's fraction of the GEMM limit, and ferry's step split (forward, backward, optimizer).
 
     python benchmarks/whole_step.py [--data data/stdlib] [--steps 8] [--policy auto] [--compile] [--breakdown]
-        [--op OP=IMPL] [--variant KEY=VALUE[,KEY=VALUE]] [--host-allocator ...]
+        [--dtype fp32|bf16] [--op OP=IMPL] [--variant KEY=VALUE[,KEY=VALUE]] [--host-allocator ...]
 """
 
 from __future__ import annotations

@@ -127,6 +127,7 @@ def run_variant(name: str, overrides: dict, args: argparse.Namespace, root: Path
         "run.device": args.device,
         "run.dir": run_dir,
         "run.overwrite": "true",
+        "checkpoint.enabled": "false",  # OLMoE-1B-7B's train state: ~80 GB to write, near the disk's size
         "train.steps": args.steps,
         "train.log_every": args.steps,
     }
@@ -226,6 +227,8 @@ def main() -> None:
         parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps")
     if args.batch is not None and args.batch < 1:
         parser.error("--batch must be at least 1")
+    if args.dir is not None:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         results = {name: run_variant(name, VARIANTS[name], args, Path(root)) for name in args.variants}
     for name, result in results.items():

@@ -33,10 +33,10 @@ Each reports the medians over the steps after the warm-up of tokens/s, MFU (agai
 profile's peak for the compute dtype, bf16: FP8 expert GEMMs do not change it), the step and its
 split (forward, backward, optimizer, time blocked in collectives), the peak memory, and which kernels
 the run recorded. A variant that fails (out of memory, a kernel that is not available) is reported
-with its reason and the others still run. Prints a table and, last, one JSON line with the variants
-and the ratios `auto_vs_portable`, `compiled_vs_auto`, `fp8_native_vs_emulated`, `fp8_torchao_vs_native`
-(null where either side did not run). It exits 0 whenever it ran, whatever the variants did: a
-failure is an entry `{"failed": reason}` among the variants.
+with its reason and the others still run. Prints each variant's line as it finishes and, last, one
+JSON line with the variants and the ratios `auto_vs_portable`, `compiled_vs_auto`,
+`fp8_native_vs_emulated`, `fp8_torchao_vs_native` (null where either side did not run). It exits 0
+whenever it ran, whatever the variants did: a failure is an entry `{"failed": reason}` among the variants.
 
     python benchmarks/accelerator_training.py --data DIR [--shape mid|olmoe-1b-7b] [--steps 25]
         [--batch N] [--variants auto,compiled] [--device cuda] [--set KEY=VALUE ...]
@@ -229,10 +229,11 @@ def main() -> None:
         parser.error("--batch must be at least 1")
     if args.dir is not None:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
+    results = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
-        results = {name: run_variant(name, VARIANTS[name], args, Path(root)) for name in args.variants}
-    for name, result in results.items():
-        print(describe(name, result))
+        for name in args.variants:  # each line as soon as it is known: a call cut short keeps the finished variants
+            results[name] = run_variant(name, VARIANTS[name], args, Path(root))
+            print(describe(name, results[name]), flush=True)
     micro_batch, global_batch = batches(args)
     summary = {
         "benchmark": "accelerator_training",

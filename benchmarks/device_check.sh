@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks the CPU suite cannot make, in one run on a machine with a CUDA or ROCm GPU:
 #   1. the accelerator tests (vendor kernels against the portable ones, torchao's FP8/MXFP8 kernels where
-#      torchao is installed, CUDA timers),
+#      torchao is installed, CUDA timers, and the pinned initial-weights draw under the machine's torch),
 #   2. `ferry kernels bench` in bfloat16 (the ledger's missing measured gains),
 #   3. the rehearsal of a GPU-to-CPU move (`ferry rehearse start` on the GPU, `finish` on the CPU):
 #      trained on the GPU, resumed on the CPU from its checkpoint and trained there from scratch,
@@ -43,7 +43,8 @@ prepare_data() {
 
 stage_tests() {
     "$python" -m pytest -q -rs tests/test_kernels_agreement.py tests/test_kernels_low_precision.py \
-        tests/test_kernels_torchao.py tests/test_moe_host_syncs.py tests/test_metrics_step.py tests/test_head_loss.py 2>&1 \
+        tests/test_kernels_torchao.py tests/test_moe_host_syncs.py tests/test_metrics_step.py tests/test_head_loss.py \
+        tests/test_initialisation.py 2>&1 \
         | tee "$out/accelerator_tests.txt"
 }
 

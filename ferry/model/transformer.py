@@ -13,6 +13,7 @@ from ferry.model.attention import Attention
 from ferry.model.config import ModelConfig
 from ferry.model.feedforward import SwiGLU
 from ferry.model.head_loss import HeadLoss, HeadTargets, chunked_head_loss
+from ferry.model.initialisation import truncated_normal_
 from ferry.model.kv_cache import KVCache, LayerCache
 from ferry.model.linear import Linear
 from ferry.model.moe import MoELayer, MoEStats
@@ -86,9 +87,9 @@ class Transformer(nn.Module):
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(("wo.weight", "w_down.weight", "w_down_EDF")):
-                nn.init.trunc_normal_(param, std=residual_std, a=-3 * residual_std, b=3 * residual_std)
+                truncated_normal_(param, std=residual_std, bound=3 * residual_std)
             else:
-                nn.init.trunc_normal_(param, std=std, a=-3 * std, b=3 * std)
+                truncated_normal_(param, std=std, bound=3 * std)
         for module in self.modules():
             if hasattr(module, "expert_bias_E"):
                 module.expert_bias_E.zero_()

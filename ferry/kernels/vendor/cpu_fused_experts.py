@@ -81,12 +81,12 @@ class _FusedExperts(torch.autograd.Function):
         top_k = expert_ids_TK.shape[1]
         order_N = torch.argsort(expert_ids_TK.flatten(), stable=True)
         token_of_N = torch.div(order_N, top_k, rounding_mode="floor")
-        rows, quantum = order_N.numel(), row_quantum(x_TD.dtype)
-        padded_rows = rows + quantum - 1  # room for the last block's padding
+        assignments, quantum = order_N.numel(), _row_quantum(x_TD.dtype)
+        padded_rows = assignments + quantum - 1  # room for the last block's padding
         weight_N1 = weights_TK.new_zeros(padded_rows, 1)
-        weight_N1[:rows, 0] = weights_TK.flatten().index_select(0, order_N)
+        weight_N1[:assignments, 0] = weights_TK.flatten().index_select(0, order_N)
         sizes = tokens_per_expert_E.tolist()
-        _SPARE_ACTIVATIONS.serve_rows(rows)
+        _SPARE_ACTIVATIONS.serve_rows(assignments)
         activations_2NF = _SPARE_ACTIVATIONS.take((2, padded_rows, w_gate_EFD.shape[1]), x_TD.dtype)
         gate_NF, up_NF = activations_2NF
         x_ND = _SPARE_ACTIVATIONS.take((padded_rows, x_TD.shape[1]), x_TD.dtype)
@@ -110,7 +110,7 @@ class _FusedExperts(torch.autograd.Function):
     def backward(ctx, grad_TD):
         x_ND, order_N, token_of_N, weight_N1, activations_2NF, w_gate_EFD, w_up_EFD, w_down_EDF = ctx.saved_tensors
         gate_NF, up_NF = activations_2NF
-        quantum = row_quantum(x_ND.dtype)
+        quantum = _row_quantum(x_ND.dtype)
         grad_TD = grad_TD.contiguous()
         grad_x_TD = grad_TD.new_zeros(ctx.x_shape)
         longest_block = _rounded(min(BLOCK_ROWS, order_N.numel()), quantum)
@@ -255,7 +255,7 @@ def _fits(gradient: torch.Tensor, weight: torch.Tensor) -> bool:
     return gradient.shape == weight.shape and gradient.dtype == weight.dtype and gradient.device == weight.device
 
 
-def row_quantum(dtype: torch.dtype) -> int:
+def _row_quantum(dtype: torch.dtype) -> int:
     """Rows a block's GEMMs are rounded up to in `dtype` (1: exact)."""
     return REDUCED_ROW_QUANTUM if dtype in REDUCED_DTYPES else 1
 

@@ -31,7 +31,9 @@ REGISTRY = Registry(
         Op(
             name="norm.rms",
             summary="(x_XD, weight_D, eps) -> weight * x / sqrt(mean(x^2) + eps), statistics in fp32",
-            portable=_portable("norm.rms", norm.rms_norm, "fp32 statistics in plain tensor ops"),
+            portable=_portable(
+                "norm.rms", norm.rms_norm, "fp32 statistics in plain tensor ops, a closed-form backward"
+            ),
         ),
         Op(
             name="linear",

@@ -68,8 +68,8 @@ stage_training() {
 }
 
 # Each OLMoE-1B-7B variant is its own process that first initialises 6.9B parameters on the host (ferry
-# initialises on the CPU, so a seed gives the same weights on any hardware): ~390 s on 2 cores, about a
-# minute on 16 (the random draw itself is serial). Hence two stages, the acceptance pair first.
+# initialises on the CPU, so a seed gives the same weights on any hardware): ~190 s on 2 cores, under a
+# minute on 16 (the generator's uniforms are drawn serially). Hence two stages, the acceptance pair first.
 stage_olmoe() {
     prepare_data || return 1
     "$python" benchmarks/accelerator_training.py --data "$data" --shape olmoe-1b-7b --steps 12 \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ferry.model.initialisation import truncated_normal_
@@ -38,3 +39,30 @@ def test_the_spread_is_a_normals_cut_at_three_standard_deviations():
     values = _drawn(1_000_000)
     assert abs(values.mean().item()) < 1e-4
     assert abs(values.std().item() / STD - 0.9866) < 0.005  # a normal truncated at +-3 sd keeps 98.66% of its sd
+
+
+def _rejection_sampler_(tensor: torch.Tensor, std: float, bound: float) -> torch.Tensor:
+    """The sampler as torch 2.13's `trunc_normal_` runs it: whole-tensor rounds of compare, draw and select."""
+    values = tensor.normal_(0.0, std)
+    while True:
+        outside = (values < -bound) | (values > bound)
+        if not outside.any():
+            return tensor.copy_(values)
+        values = torch.where(outside, torch.empty_like(values).normal_(0.0, std), values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel", [1, 17, 4096, 65_537, 2_000_000])
+def test_redrawing_only_the_positions_outside_draws_what_the_whole_tensor_sampler_draws(numel, dtype):
+    """The same values, and the generator left where the sampler leaves it (the next weight's draws)."""
+    torch.manual_seed(numel)
+    expected = _rejection_sampler_(torch.empty(numel, dtype=dtype), STD, BOUND), torch.rand(4)
+    torch.manual_seed(numel)
+    drawn = truncated_normal_(torch.empty(numel, dtype=dtype), STD, BOUND), torch.rand(4)
+    assert torch.equal(drawn[0], expected[0]) and torch.equal(drawn[1], expected[1])
+
+
+def test_a_strided_view_is_filled_within_the_bounds():
+    base = torch.zeros(64, 48)
+    truncated_normal_(base.t(), STD, BOUND)
+    assert base.abs().max() <= BOUND and base.std() > STD / 2

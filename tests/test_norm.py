@@ -34,11 +34,14 @@ def gradients(norm, x, weight, grad):
         ((2, 5, 48), torch.bfloat16, 4e-3),  # an activation under autocast (bf16 rounding); the weight stays fp32
     ],
 )
-def test_forward_equals_the_formula_and_gradients_equal_autograds(shape, x_dtype, tolerance):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_forward_equals_the_formula_and_gradients_equal_autograds(shape, x_dtype, tolerance, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     generator = torch.Generator().manual_seed(0)
-    x = (3 * torch.randn(shape, generator=generator) + 0.5).to(x_dtype)
-    weight = 1 + 0.1 * torch.randn(shape[-1], generator=generator)
-    grad = torch.randn(shape, generator=generator)
+    x = (3 * torch.randn(shape, generator=generator) + 0.5).to(device, x_dtype)
+    weight = 1 + 0.1 * torch.randn(shape[-1], generator=generator).to(device)
+    grad = torch.randn(shape, generator=generator).to(device)
 
     out, grad_x, grad_weight = gradients(rms_norm, x, weight, grad)
     reference_out, reference_grad_x, reference_grad_weight = gradients(formula, x, weight, grad)

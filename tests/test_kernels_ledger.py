@@ -80,6 +80,8 @@ def test_kernels_bench_prints_ratios_verdicts_and_a_dispatch_cost_under_one_perc
     assert "within the 1% limit" in dispatch
     (_, record), = read_records(tmp_path, KERNEL_BENCH)
     assert record["dtype"] == "float32" and record["shape"]["experts"] == 4 and record["date"]
+    assert "host allocator: keep_freed" in lines  # the CPU profile's preset, as a CPU training run has it
+    assert record["host_allocator"]["preset"] == "keep_freed"
     routed = next(op for op in record["ops"] if op["op"] == "moe.routed_experts")
     assert routed["fastest_vendor"] == "fused_loop@cpu" and routed["portable_loss"] is not None
     assert lines[-1] == f"ferry: figures appended to {tmp_path / KERNEL_BENCH}"

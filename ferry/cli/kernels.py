@@ -33,6 +33,13 @@ def add_kernels_commands(subparsers: argparse._SubParsersAction) -> None:
         "--history", default="runs/portability", help="portability directory the figures are appended to, for "
         "`ferry report` (default runs/portability)"
     )
+    bench.add_argument(
+        "--host-allocator",
+        choices=["profile", "default", "keep_freed"],
+        default="profile",
+        help="the C allocator's preset while timing: the hardware profile's, as a training run on the device gets "
+        "(cpu: keep_freed), or another to see what it is worth",
+    )
     bench.set_defaults(handler=bench_kernels)
 
 
@@ -75,7 +82,9 @@ def bench_kernels(args: argparse.Namespace) -> int:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
     shape = BenchShape(tokens=args.tokens, dim=args.dim, ffn=args.ffn, experts=args.experts, top_k=args.top_k)
     device = resolve_device(args.device)
+    host_allocator = _host_allocator(args.host_allocator, device)
     report = run_bench(device, budget, shape, args.repeats, getattr(torch, args.dtype), _recipes(device))
+    print(f"host allocator: {host_allocator['preset']}" + ("" if host_allocator["applied"] else " (not applied)"))
     for line in report.lines():
         print(line)
     record = {
@@ -84,10 +93,21 @@ def bench_kernels(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "repeats": args.repeats,
         **report.as_record(),
+        "host_allocator": host_allocator,
         "environment": environment_fingerprint(device),
     }
     print(f"ferry: figures appended to {append_record(args.history, KERNEL_BENCH, record)}")
     return 0
+
+
+def _host_allocator(choice: str, device) -> dict:
+    """Apply the allocator preset the timings are taken under. A kernel's verdict must come from the conditions
+    a training run on the device has: a kernel that allocates large temporaries pays page faults under the C
+    library's default that a CPU run, under its profile's `keep_freed`, never pays (and the other way round)."""
+    from ferry.platform.allocator import apply_host_allocator
+    from ferry.platform.hardware import resolve_profile
+
+    return apply_host_allocator(resolve_profile("auto", device).host_allocator if choice == "profile" else choice)
 
 
 def _recipes(device) -> dict:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ferry.data.targets import IGNORE_INDEX
 from ferry.model.head_loss import HeadTargets, chunked_head_loss
 from ferry.platform.allocator import apply_host_allocator
+from ferry.train.cross_entropy import cross_entropy
 
 
 def run_variant(args: argparse.Namespace, chunk: int, allocator: str) -> dict:
@@ -52,7 +53,7 @@ def run_variant(args: argparse.Namespace, chunk: int, allocator: str) -> dict:
             if chunk:
                 loss = chunked_head_loss(h_TD[None], weight_VD, HeadTargets(targets_T[None], chunk)).lm_loss_sum
             else:
-                loss = F.cross_entropy(F.linear(h_TD, weight_VD).float(), targets_T, reduction="sum")
+                loss = cross_entropy(F.linear(h_TD, weight_VD).float(), targets_T, IGNORE_INDEX, "sum")
         (loss / args.tokens).backward()
         _synchronize(device)
         seconds.append(time.perf_counter() - started)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ferry.data.targets import IGNORE_INDEX
 from ferry.model import MoEConfig, ModelOutput
+from ferry.train.cross_entropy import cross_entropy
 
 
 @dataclass
@@ -38,7 +38,7 @@ def compute_loss(
     else:
         logits_TV = output.logits_BSV.reshape(-1, output.logits_BSV.shape[-1]).float()
         targets_T = targets_BS.reshape(-1)
-        lm_loss_sum = F.cross_entropy(logits_TV, targets_T, ignore_index=IGNORE_INDEX, reduction="sum")
+        lm_loss_sum = cross_entropy(logits_TV, targets_T, IGNORE_INDEX, "sum")
         correct = (logits_TV.detach().argmax(dim=-1) == targets_T).sum()
     aux_loss, z_loss = router_losses(output)
     objective = lm_loss_sum / max(trained_in_step, 1) + share_of_step * router_objective(moe, aux_loss, z_loss)

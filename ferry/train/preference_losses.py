@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.data.targets import IGNORE_INDEX
+from ferry.train.cross_entropy import cross_entropy
 
 DPOLoss = Literal["sigmoid", "length_normalized", "ipo"]
 
@@ -30,7 +31,7 @@ DPOLoss = Literal["sigmoid", "length_normalized", "ipo"]
 def token_logprobs(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
     """log p(target) at every position, in float32; 0 where the target is IGNORE_INDEX."""
     logits_TV = logits_BSV.reshape(-1, logits_BSV.shape[-1]).float()
-    losses_T = F.cross_entropy(logits_TV, targets_BS.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
+    losses_T = cross_entropy(logits_TV, targets_BS.reshape(-1), IGNORE_INDEX, "none")
     return -losses_T.view_as(targets_BS)
 
 

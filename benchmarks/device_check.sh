@@ -44,7 +44,7 @@ prepare_data() {
 stage_tests() {
     "$python" -m pytest -q -rs tests/test_kernels_agreement.py tests/test_kernels_low_precision.py \
         tests/test_kernels_torchao.py tests/test_moe_host_syncs.py tests/test_metrics_step.py tests/test_head_loss.py \
-        tests/test_initialisation.py tests/test_norm.py 2>&1 \
+        tests/test_initialisation.py tests/test_norm.py tests/test_cross_entropy.py 2>&1 \
         | tee "$out/accelerator_tests.txt"
 }
 

@@ -12,7 +12,8 @@ into the gradient where it lies:
 the exponential and the scale, and a scatter of one value a row. No tensor of the logits' size is
 allocated in the backward, so a step's peak holds one such tensor fewer, and the passes over it fall
 from four to two (docs/performance.md measures the step). The gradient equals torch's up to the last
-bit of the exponential (torch's softmax kernels use a faster, less exact one).
+bit of the exponential (torch's log-softmax backward computes it with another implementation than
+`Tensor.exp_`).
 
 The saved log-softmax is overwritten, so the graph's backward runs once: a second backward through a
 retained graph is refused by autograd's check on modified saved tensors. Under `torch.no_grad` nothing

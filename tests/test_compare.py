@@ -5,6 +5,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 
 from ferry.cli.metrics import add_metrics_commands
@@ -15,9 +16,9 @@ from ferry.portability.tolerances import TOLERANCES_FILE
 from ferry.train import train
 
 
-def write_run(run_dir, losses, first_step=1):
+def write_run(run_dir, losses, first_step=1, metric="loss"):
     run_dir.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"step": first_step + i, "loss": loss, "lr": 1e-3}) for i, loss in enumerate(losses)]
+    lines = [json.dumps({"step": first_step + i, metric: loss, "lr": 1e-3}) for i, loss in enumerate(losses)]
     (run_dir / METRICS_FILE).write_text("\n".join(lines) + "\n")
     return run_dir
 
@@ -32,17 +33,80 @@ def cli(*argv):
 CURVE = [6.0 - 0.02 * step for step in range(30)]
 
 
-def test_the_three_profiles_exist_and_every_number_has_its_reason():
-    assert list(tolerance_profiles()) == ["bitwise", "same-hardware", "cross-accelerator"]
+def test_the_four_profiles_exist_and_every_number_has_its_reason():
+    assert list(tolerance_profiles()) == ["bitwise", "same-hardware", "cross-accelerator", "sampled"]
     bitwise = tolerance_profile("bitwise")
     assert bitwise.rtol == bitwise.atol == 0.0 and bitwise.window == 1
+    assert bitwise.metric == "loss" and bitwise.seeds == 0
+    sampled = tolerance_profile("sampled")
+    assert sampled.metric == "reward" and sampled.seeds >= 2 and sampled.spread_z > 0
     numbers = [
         line
         for line in TOLERANCES_FILE.read_text().splitlines()
-        if re.match(r"\s+(steps|window|min_steps|rtol|atol):", line)
+        if re.match(r"\s+(metric|steps|window|min_steps|rtol|atol|seeds|spread_z):", line)
     ]
-    assert len(numbers) == 15
+    assert len(numbers) == 23
     assert all(re.search(r"#\s*\S", line) for line in numbers), "a tolerance without its reason"
+
+
+def test_a_band_in_seed_spreads_needs_seed_runs_and_the_reverse():
+    from ferry.portability.tolerances import ToleranceProfile
+
+    fixed = {"description": "x", "steps": 10, "window": 5, "min_steps": 5, "rtol": 0.0, "atol": 0.0}
+    assert ToleranceProfile(**fixed, seeds=2, spread_z=4.0).seeds == 2
+    for lopsided in ({"seeds": 2}, {"spread_z": 4.0}):
+        with pytest.raises(ValueError, match="seeds and spread_z go together"):
+            ToleranceProfile(**fixed, **lopsided)
+
+
+def noisy_rewards(seed, shift=0.0, steps=40):
+    """A rising reward with the per-step noise of 128 sampled completions (sd ~0.04), as a seed draws it."""
+    generator = np.random.default_rng(seed)
+    return [min(1.0, 0.6 + 0.008 * step + shift + generator.normal(0.0, 0.04)) for step in range(steps)]
+
+
+def test_a_sampled_run_is_judged_against_the_spread_between_seeds(tmp_path):
+    a = write_run(tmp_path / "a", noisy_rewards(0), metric="reward")
+    seeds = [str(write_run(tmp_path / f"seed{k}", noisy_rewards(k), metric="reward")) for k in (1, 2)]
+    other_draws = write_run(tmp_path / "b", noisy_rewards(3), metric="reward")
+    verdict = compare_runs(a, other_draws, profile="sampled", seed_runs=seeds)
+    assert verdict.passed and verdict.metric == "reward" and verdict.seed_runs == seeds
+    # three noise draws of sd 0.04 under a 10-step mean: pairs differ by about 0.04 * sqrt(2 / 10)
+    assert 0.01 < verdict.seed_spread < 0.04
+    assert "x the seed spread" in verdict.summary()
+    assert json.loads((other_draws / "compare-reward.json").read_text())["seed_spread"] == verdict.seed_spread
+    shifted = write_run(tmp_path / "shifted", noisy_rewards(3, shift=-0.15), metric="reward")
+    failed = compare_runs(a, shifted, profile="sampled", seed_runs=seeds)
+    assert not failed.passed and failed.first_failing_step <= 10
+    assert failed.seed_spread == verdict.seed_spread  # the band is A's and its seed runs', whatever B is
+    # the same difference judged step by step under a fixed band would fail the unshifted draw too
+    assert not compare_runs(a, other_draws, profile="cross-accelerator", metric="reward").passed
+
+
+@pytest.mark.parametrize(
+    "profile, seed_runs, message",
+    [
+        ("sampled", ["{s1}"], "needs 2 run(s) of run A's config with other seeds (--seed-run), got 1"),
+        ("same-hardware", ["{s1}", "{s2}"], "profile same-hardware has a fixed band and takes no seed runs"),
+        ("sampled", ["{s1}", "{short}"], "seed run {short} has no 'reward' at step(s) 21..40"),
+        ("sampled", ["{s1}", "{broken}"], "seed run {broken} has a non-finite 'reward' at step 4"),
+    ],
+)
+def test_bad_seed_runs_are_refused_naming_them(tmp_path, profile, seed_runs, message):
+    paths = {
+        "a": write_run(tmp_path / "a", noisy_rewards(0), metric="reward"),
+        "s1": write_run(tmp_path / "s1", noisy_rewards(1), metric="reward"),
+        "s2": write_run(tmp_path / "s2", noisy_rewards(2), metric="reward"),
+        "short": write_run(tmp_path / "short", noisy_rewards(3, steps=20), metric="reward"),
+        "broken": write_run(tmp_path / "broken", noisy_rewards(4)[:3] + [float("nan")] + noisy_rewards(4)[4:],
+                            metric="reward"),
+    }
+    argv = ["compare", str(paths["a"]), str(paths["s1"]), "--profile", profile, "--metric", "reward"]
+    for run in seed_runs:
+        argv += ["--seed-run", run.format(**paths)]
+    with pytest.raises(UserError, match=re.escape(message.format(**paths))) as caught:
+        cli(*argv)
+    assert caught.value.exit_code == 2
 
 
 def test_identical_runs_pass_bitwise_and_write_plot_and_verdict(tmp_path):

@@ -193,6 +193,43 @@ def test_grpo_trains_from_rollouts_and_resumes_with_the_same_draws(tmp_path, tas
     assert resumed.losses == whole.losses[2:]
 
 
+def test_a_grpo_move_is_judged_on_its_reward_against_the_spread_between_seeds(tmp_path, task, sft):
+    """`ferry rehearse` of a GRPO run: the source trains two seed runs beside its reference and the bundle
+    carries them; a target that draws as the source does passes, one that samples colder fails."""
+    from ferry.config import dump_yaml
+
+    config = _config(tmp_path, "grpo", [
+        "train.objective=grpo", f"init_from={sft}", f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
+        "eval.interval=0", "train.global_batch=8", "train.micro_batch=4", "grpo.group_size=4",
+        "grpo.max_new_tokens=3", "grpo.verifier=numeric", "optim.lr=1e-3",
+    ])
+    path = tmp_path / "grpo.yaml"
+    path.write_text(dump_yaml(config))
+    bundle, history = tmp_path / "bundle", str(tmp_path / "history")
+    assert main(["rehearse", "start", str(path), "--from", "cpu", "--out", str(bundle), "--steps", "12",
+                 "--switch-at", "10"]) == 0
+    described = json.loads((bundle / "bundle.json").read_text())["seed_runs"]
+    assert described == [{"seed": 1, "dir": "seeds/seed-1"}, {"seed": 2, "dir": "seeds/seed-2"}]
+    seed_rewards = [[json.loads(line)["reward"] for line in (bundle / run["dir"] / "metrics.jsonl").open()]
+                    for run in described]
+    assert len(seed_rewards[0]) == 12 and seed_rewards[0] != seed_rewards[1], "the seeds drew the same samples"
+
+    def finish(name: str, *overrides: str) -> tuple[int, dict]:
+        code = main(["rehearse", "finish", str(bundle), "--to", "cpu", *overrides, "--dir", str(tmp_path / name),
+                     "--history", history])
+        return code, json.loads((tmp_path / name / "verdict.json").read_text())
+
+    code, record = finish("same")
+    assert code == 0 and record["profile"] == "sampled" and "objective grpo" in record["profile_reason"]
+    assert record["conclusive"]
+    for comparison in record["comparisons"].values():
+        assert comparison["passed"] and comparison["metric"] == "reward" and comparison["seed_spread"] > 0
+    code, colder = finish("colder", "grpo.temperature=0.3")
+    assert code == 1 and colder["verdict"] == "FAIL"
+    assert not colder["comparisons"]["scratch"]["passed"]
+    assert colder["comparisons"]["scratch"]["seed_spread"] == record["comparisons"]["scratch"]["seed_spread"]
+
+
 def _exit_code(args: list[str], capsys) -> tuple[int, str]:
     code = main(args)
     return code, capsys.readouterr().err

@@ -327,3 +327,20 @@ def test_rehearse_help_and_options_before_the_config(capsys):
     assert main(["rehearse"]) == 2
     assert main(["rehearse", "--from", "cpu", "--to", "nowhere", str(REPO / "configs" / "tiny.yaml")]) == 2
     assert "'nowhere' is neither a file nor a known environment" in capsys.readouterr().err
+
+
+def test_a_profile_judged_against_seeds_is_refused_where_no_seed_runs_exist(bundle, space, tmp_path, capsys):
+    """The source trains seed runs only for an objective that samples its data: asking for `sampled` on the
+    next-token objective is refused before anything trains, and so is finishing a bundle without them."""
+    work = tmp_path / "work"
+    argv = [space["config"], "--from", "cpu", "--to", "cpu", "--profile", "sampled", *SHORT, "--dir", str(work)]
+    assert _rehearse(space, *argv) == 2
+    assert "which the source measures only for an objective that samples its data (grpo), not lm" in (
+        capsys.readouterr().err
+    )
+    assert not work.exists()
+    before = len(_history(space))
+    finish = ["rehearse", "finish", str(bundle), "--to", "cpu", "--profile", "sampled", "--dir", str(work)]
+    assert main([*finish, "--history", str(space["history"])]) == 2
+    assert "carries 0 seed run(s) of the 2 it needs" in capsys.readouterr().err
+    assert len(_history(space)) == before and not (work / "target-resumed").exists()

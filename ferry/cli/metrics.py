@@ -17,10 +17,17 @@ def add_metrics_commands(subparsers: argparse._SubParsersAction) -> None:
     compare.add_argument(
         "--profile",
         default=None,
-        help="bitwise | same-hardware | cross-accelerator (ferry/portability/tolerances.yaml); default same-hardware",
+        help="bitwise | same-hardware | cross-accelerator | sampled (ferry/portability/tolerances.yaml); "
+        "default same-hardware",
     )
     compare.add_argument("--steps", type=int, default=None, help="judge the first N steps (default: the profile's)")
-    compare.add_argument("--metric", default="loss", help="record key to compare (default loss)")
+    compare.add_argument("--metric", default=None, help="record key to compare (default: the profile's, e.g. loss)")
+    compare.add_argument(
+        "--seed-run",
+        action="append",
+        default=[],
+        help="a run of run A's config with another seed, for a profile judged against the seed spread (repeatable)",
+    )
     compare.add_argument("--output", default=None, help="where the PNG and JSON verdict go (default: run B's dir)")
     compare.set_defaults(handler=_compare)
 
@@ -40,6 +47,7 @@ def _compare(args: argparse.Namespace) -> int:
         steps=args.steps,
         metric=args.metric,
         output_dir=args.output,
+        seed_runs=args.seed_run,
     )
     print(f"ferry: {verdict.summary()}")
     return 0 if verdict.passed else 1

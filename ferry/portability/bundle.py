@@ -7,6 +7,8 @@
       checkpoint/step-N/   the switch checkpoint, in the source's own sharding
       reference/           the source's uninterrupted run: metrics.jsonl (the reference trajectory),
                            run.json (fingerprint, kernels, precision), config.yaml
+      seeds/seed-K/        for an objective that samples its data: the source's run with seed K
+                           (metrics.jsonl, config.yaml), the spread the `sampled` profile judges by
 
 A bundle is checked whole before the target half starts: a missing file makes it
 incomplete, a file whose bytes differ from its digest (or one no digest lists) makes
@@ -40,6 +42,7 @@ BUNDLE_FILE = "bundle.json"
 BUNDLE_FORMAT = "ferry-rehearsal-bundle"
 BUNDLE_VERSION = 1
 REFERENCE_DIR = "reference"
+SEEDS_DIR = "seeds"
 CHECKPOINT_DIR = "checkpoint"
 _REQUIRED = ("format", "version", "config", "source", "steps", "switch_at", "checkpoint", "data", "files")
 
@@ -77,6 +80,11 @@ class _Source(_Open):
     digest: str
 
 
+class _SeedRun(_Open):
+    seed: int
+    dir: str = Field(pattern=rf"^{SEEDS_DIR}/seed-\d+$")
+
+
 class BundleDescription(_Open):
     """What `bundle.json` must hold, with the types ferry relies on."""
 
@@ -89,6 +97,7 @@ class BundleDescription(_Open):
     checkpoint: str = Field(pattern=r"^checkpoint/step-\d{8}$")
     data: list[_DataSource]
     files: dict[str, _FileDigest]
+    seed_runs: list[_SeedRun] = []
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,11 @@ class Bundle:
         """The resolved run config the source ran, before its environment was laid over it."""
         return self.content["config"]["resolved"]
 
+    @property
+    def seed_runs(self) -> list[Path]:
+        """The source's runs with other seeds (for an objective that samples its data; else none)."""
+        return [self.path / run["dir"] for run in self.content.get("seed_runs", [])]
+
     def source(self) -> Environment:
         return Environment.model_validate(self.content["source"]["definition"])
 
@@ -142,6 +156,7 @@ def write_bundle(
     switch_at: int,
     source_leg: LegResult,
     checkpoint: Path,
+    seed_legs: dict[int, LegResult] | None = None,
 ) -> Bundle:
     """Assemble the bundle in a staging directory beside `out` and rename it into place."""
     if out.exists() and any(out.iterdir()):
@@ -152,6 +167,13 @@ def write_bundle(
     shutil.copytree(checkpoint, staging / CHECKPOINT_DIR / checkpoint.name)
     for name in (METRICS_NAME, RUN_RECORD_NAME, CONFIG_NAME):
         shutil.copy2(source_leg.run_dir / name, staging / REFERENCE_DIR / name)
+    seed_runs = []
+    for seed, leg in (seed_legs or {}).items():
+        seed_dir = f"{SEEDS_DIR}/seed-{seed}"
+        (staging / seed_dir).mkdir(parents=True)
+        for name in (METRICS_NAME, CONFIG_NAME):
+            shutil.copy2(leg.run_dir / name, staging / seed_dir / name)
+        seed_runs.append({"seed": seed, "dir": seed_dir})
     record = source_leg.record
     content = {
         "format": BUNDLE_FORMAT,
@@ -168,6 +190,7 @@ def write_bundle(
             "tokens_per_s": source_leg.median_tokens_per_s(),
         },
         "data": record.get("data_mix", []),
+        "seed_runs": seed_runs,
         "ferry": code_version(),
         "files": {},
     }
@@ -220,6 +243,7 @@ def _check_files(path: Path, description: BundleDescription) -> None:
     needed = [
         f"{description.checkpoint}/manifest.json",
         *(f"{REFERENCE_DIR}/{name}" for name in (METRICS_NAME, RUN_RECORD_NAME, CONFIG_NAME)),
+        *(f"{run.dir}/{name}" for run in description.seed_runs for name in (METRICS_NAME, CONFIG_NAME)),
     ]
     unlisted = [name for name in needed if name not in listed]
     if unlisted:

@@ -5,13 +5,22 @@ precision or layout). The judgement covers the first N steps because that is whe
 a divergence is cheapest to catch, and where a mismatch in data order, seeding or
 numerics shows before it drowns in training noise. Both inputs must have recorded
 the same steps; the verdict is written as JSON and drawn as a PNG next to run B.
+
+An objective that draws its own training data (GRPO's rollouts) cannot be judged step by
+step: one sampled token on the other side of a probability boundary sends two runs onto
+different rollouts for good. A profile with `seeds` judges such runs against runs that
+differ from A only in their seed: its band is `spread_z` times their spread, the RMS of the
+windowed differences between every pair of them, so a move passes when it changes the
+trajectory no more than drawing other samples does.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from itertools import combinations
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,6 +54,8 @@ class Verdict:
     first_failing_step: int | None
     plot: str
     verdict_file: str
+    seed_runs: list[str] = field(default_factory=list)
+    seed_spread: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -57,10 +68,17 @@ class Verdict:
         else:
             relative = f" (relative {self.max_rel_diff:.3g})" if self.max_rel_diff is not None else ""
             largest = f"max |diff| {self.max_abs_diff:.3g}{relative}"
+        spread = ""
+        if self.seed_runs:
+            measured = "not finite" if self.seed_spread is None else f"{self.seed_spread:.3g}"
+            spread = (
+                f", band {self.tolerance['spread_z']:g} x the seed spread {measured} "
+                f"({len(self.seed_runs)} seed run(s) beside A)"
+            )
         return (
             f"{outcome}: {self.metric} of {self.run_b} vs {self.run_a} under profile {self.profile} — "
             f"{self.steps_compared} steps{shortfall} (steps {self.first_step}..{self.last_step}), "
-            f"{largest} at step {self.worst_step}; plot {self.plot}"
+            f"{largest} at step {self.worst_step}{spread}; plot {self.plot}"
         )
 
 
@@ -69,18 +87,28 @@ def compare_runs(
     run_b: str | Path,
     profile: str = DEFAULT_PROFILE,
     steps: int | None = None,
-    metric: str = "loss",
+    metric: str | None = None,
     output_dir: str | Path | None = None,
+    seed_runs: Sequence[str | Path] = (),
 ) -> Verdict:
-    """Judge run B against run A on `metric` over their first `steps` common steps.
+    """Judge run B against run A on `metric` (default: the profile's) over their first `steps` common steps.
 
     `steps` defaults to the profile's; runs shorter than that are judged on what they
     have, and the verdict says how many steps that was. A non-finite value in
-    either run fails its step.
+    either run fails its step. A profile with `seeds` needs that many `seed_runs`: runs of
+    A's config with other seeds, covering every judged step.
     """
     tolerance = tolerance_profile(profile)
+    metric = metric or tolerance.metric
     if steps is not None and steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
+    if len(seed_runs) < tolerance.seeds:
+        raise UserError(
+            f"profile {profile} judges against the spread between seeds: it needs {tolerance.seeds} run(s) of run A's "
+            f"config with other seeds (--seed-run), got {len(seed_runs)}"
+        )
+    if seed_runs and not tolerance.seeds:
+        raise UserError(f"profile {profile} has a fixed band and takes no seed runs; a profile with seeds: sampled")
     requested = steps or tolerance.steps
     values_a = _metric_by_step(run_a, metric)
     values_b = _metric_by_step(run_b, metric)
@@ -89,7 +117,9 @@ def compare_runs(
         raise UserError(f"{run_a} and {run_b} have no step in common with a value of {metric!r}")
     a_S = np.array([values_a[step] for step in common], dtype=float)
     b_S = np.array([values_b[step] for step in common], dtype=float)
-    judged = _judge(a_S, b_S, tolerance)
+    seeds_RS = np.array([_seed_run_values(run, metric, common) for run in seed_runs], dtype=float)
+    spread = _seed_spread(a_S, seeds_RS, tolerance.window) if seed_runs else None
+    judged = _judge(a_S, b_S, tolerance, spread)
     steps_S = np.array(common)
     failing_S = steps_S[~judged.ok_S]
     magnitude_S = np.where(np.isfinite(judged.diff_S), np.abs(judged.diff_S), np.inf)
@@ -114,8 +144,10 @@ def compare_runs(
         first_failing_step=int(failing_S[0]) if len(failing_S) else None,
         plot=str(plot_path),
         verdict_file=str(verdict_path),
+        seed_runs=[str(run) for run in seed_runs],
+        seed_spread=None if spread is None else _finite_or_none(spread),
     )
-    _draw(steps_S, a_S, b_S, judged, verdict, tolerance, plot_path)
+    _draw(steps_S, a_S, b_S, seeds_RS, judged, verdict, tolerance, plot_path)
     output.mkdir(parents=True, exist_ok=True)
     verdict_path.write_text(json.dumps(verdict.as_dict(), indent=2) + "\n", encoding="utf-8")
     return verdict
@@ -128,6 +160,33 @@ def _metric_by_step(run: str | Path, metric: str) -> dict[int, float]:
         numeric = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
         raise UserError(f"{metrics_path(run)} has no metric {metric!r}; numeric metrics there: {', '.join(numeric)}")
     return values
+
+
+def _seed_run_values(run: str | Path, metric: str, steps: list[int]) -> list[float]:
+    """A seed run's values at the judged steps; it must have every one of them, finite."""
+    values = _metric_by_step(run, metric)
+    missing = [step for step in steps if step not in values]
+    if missing:
+        raise UserError(f"seed run {run} has no {metric!r} at step(s) {missing[0]}..{missing[-1]} of the judged steps")
+    broken = [step for step in steps if not math.isfinite(values[step])]
+    if broken:
+        raise UserError(f"seed run {run} has a non-finite {metric!r} at step {broken[0]}: it measures no spread")
+    return [values[step] for step in steps]
+
+
+def _full_window_scale(steps: int, window: int) -> np.ndarray:
+    """How much wider the noise of a trailing mean is at each step than over a full window: the first
+    `window - 1` means average fewer steps (sqrt(window / steps averaged), for independent steps)."""
+    return np.sqrt(window / np.minimum(np.arange(1, steps + 1), window))
+
+
+def _seed_spread(a_S: np.ndarray, seeds_RS: np.ndarray, window: int) -> float:
+    """The RMS over every pair of {run A, seed runs} and every step of their trailing means' difference,
+    each scaled to a full window's noise: how far apart runs that differ only in their draws lie."""
+    scale_S = _full_window_scale(len(a_S), window)
+    means = [_trailing_mean(values_S, window) for values_S in (a_S, *seeds_RS)]
+    scaled = [(first - second) / scale_S for first, second in combinations(means, 2)]
+    return float(np.sqrt(np.mean(np.square(scaled))))
 
 
 def _trailing_mean(values_S: np.ndarray, window: int) -> np.ndarray:
@@ -148,12 +207,14 @@ class _Judged(NamedTuple):
     ok_S: np.ndarray
 
 
-def _judge(a_S: np.ndarray, b_S: np.ndarray, tolerance: ToleranceProfile) -> _Judged:
+def _judge(a_S: np.ndarray, b_S: np.ndarray, tolerance: ToleranceProfile, spread: float | None) -> _Judged:
     mean_a_S = _trailing_mean(a_S, tolerance.window)
     mean_b_S = _trailing_mean(b_S, tolerance.window)
     with np.errstate(invalid="ignore", divide="ignore"):
         diff_S = mean_b_S - mean_a_S
         bound_S = tolerance.atol + tolerance.rtol * np.abs(mean_a_S)
+        if spread is not None:
+            bound_S = bound_S + tolerance.spread_z * spread * _full_window_scale(len(a_S), tolerance.window)
         rel_S = np.abs(diff_S) / np.abs(mean_a_S)
         ok_S = np.isfinite(mean_a_S) & np.isfinite(mean_b_S) & (np.abs(diff_S) <= bound_S)
     return _Judged(mean_a_S, mean_b_S, diff_S, bound_S, rel_S, ok_S)
@@ -164,8 +225,15 @@ def _finite_or_none(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _draw(steps_S, a_S, b_S, judged: _Judged, verdict: Verdict, tolerance: ToleranceProfile, path: Path) -> None:
+def _draw(
+    steps_S, a_S, b_S, seeds_RS, judged: _Judged, verdict: Verdict, tolerance: ToleranceProfile, path: Path
+) -> None:
     figure, (curves, difference) = new_figure(rows=2)
+    for index, seed_S in enumerate(seeds_RS):
+        curves.plot(
+            steps_S, _trailing_mean(seed_S, tolerance.window), color="tab:gray", alpha=0.6, linewidth=0.8,
+            label="A with other seeds" if index == 0 else None,
+        )
     curves.plot(steps_S, a_S, color="tab:blue", alpha=0.35, linewidth=0.8)
     curves.plot(steps_S, b_S, color="tab:orange", alpha=0.35, linewidth=0.8)
     curves.plot(steps_S, judged.mean_a_S, color="tab:blue", label=f"A: {verdict.run_a}")

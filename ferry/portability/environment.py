@@ -29,7 +29,9 @@ from pydantic import Field
 from ferry.config import ConfigError, Section, UserError, apply_override_mapping
 from ferry.config.loader import validate
 from ferry.config.named import named_files, read_named_yaml
+from ferry.portability.tolerances import SAMPLED_PROFILE, tolerance_profile
 from ferry.train.config import RunConfig
+from ferry.train.objective_config import SAMPLING_OBJECTIVES
 
 ENVIRONMENTS_DIR = Path("configs") / "environments"
 
@@ -105,10 +107,17 @@ def load_environment(spec: str) -> Environment:
 def judging_profile(source: RunConfig, source_nproc: int, target: RunConfig, target_nproc: int) -> tuple[str, str]:
     """The tolerance profile a move is judged under, chosen before it runs, and why.
 
-    Only the layout, kernels or collectives changed: the numbers differ by summation order,
-    `same-hardware`. Anything else (device, hardware profile, precision, seed, optimizer):
-    `cross-accelerator`. Where runs are written and where their datasets lie do not count.
+    An objective that draws its own training data (GRPO): `sampled`, whatever changed, since
+    no per-step yardstick holds once the runs' rollouts part. Otherwise, only the layout,
+    kernels or collectives changed: the numbers differ by summation order, `same-hardware`.
+    Anything else (device, hardware profile, precision, seed, optimizer): `cross-accelerator`.
+    Where runs are written and where their datasets lie do not count.
     """
+    if source.train.objective in SAMPLING_OBJECTIVES:
+        return SAMPLED_PROFILE, (
+            f"objective {source.train.objective} draws its own training data: judged on its "
+            f"{tolerance_profile(SAMPLED_PROFILE).metric} against the spread between seeds"
+        )
     differing = sorted(
         _differing_keys(
             without_locations(source.model_dump(mode="json")), without_locations(target.model_dump(mode="json"))

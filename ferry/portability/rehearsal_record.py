@@ -26,6 +26,8 @@ def comparison_record(verdict: Verdict | str) -> dict:
         "first_failing_step",
         "plot",
         "verdict_file",
+        "metric",
+        "seed_spread",
     )
     return {name: getattr(verdict, name) for name in fields}
 
@@ -106,14 +108,20 @@ def summary_lines(record: dict) -> list[str]:
             lines.append(f"  {titles[name]}: FAIL, {comparison['failure']}")
             continue
         outcome = "pass" if comparison["passed"] else f"FAIL from step {comparison['first_failing_step']}"
+        metric = comparison.get("metric", "loss")
         deviation = (
-            "a non-finite loss"
+            f"a non-finite {metric}"
             if comparison["max_abs_diff"] is None
             else f"max |diff| {comparison['max_abs_diff']:.3g} (relative {comparison['max_rel_diff']:.3g})"
         )
+        spread = comparison.get("seed_spread")
+        band = ""
+        if record["tolerance"].get("seeds"):
+            measured = "not finite" if spread is None else f"{spread:.3g}"
+            band = f"; {metric} judged within {record['tolerance']['spread_z']:g} x the seed spread {measured}"
         lines.append(
             f"  {titles[name]}: {outcome}, steps {comparison['first_step']}..{comparison['last_step']}, "
-            f"{deviation} at step {comparison['worst_step']}"
+            f"{deviation} at step {comparison['worst_step']}{band}"
         )
     carried = record["carried"]
     if carried:

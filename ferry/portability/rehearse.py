@@ -12,6 +12,10 @@ The drill, on one machine or split over two (`start` on the source, `finish` on 
               scratch against the reference before it (same seed, same data), both under one
               tolerance profile chosen before anything runs
 
+An objective that draws its own training data (GRPO) is judged under `sampled`, against the
+spread between seeds: the source also trains the config with other seeds (`seeds` of that
+profile, as many steps as the reference), and the bundle carries their trajectories.
+
 The verdict is PASS only when both comparisons pass; it is appended to the rehearsal
 history with the switching lead time, whatever it says.
 """
@@ -42,8 +46,9 @@ from ferry.portability.rehearsal_record import (
     summary_lines,
     worst_comparison,
 )
-from ferry.portability.tolerances import tolerance_profile
+from ferry.portability.tolerances import SAMPLED_PROFILE, tolerance_profile
 from ferry.train.config import RunConfig, load_run_config
+from ferry.train.objective_config import SAMPLING_OBJECTIVES
 from ferry.train.run_record import CONFIG_NAME
 
 Say = Callable[[str], None]
@@ -81,8 +86,13 @@ def rehearse(
     work = _work_dir(work_dir, base, source, target)
     for leg in _leg_overrides(work, steps, switch_at, resume="checkpoint").values():
         target.run_config(base, leg)  # the target's configs are checked before the source trains
-    if profile is not None:
-        tolerance_profile(profile)
+    samples = base["train"]["objective"] in SAMPLING_OBJECTIVES
+    if profile is not None and tolerance_profile(profile).seeds and not samples:
+        raise UserError(
+            f"profile {profile} judges against the spread between seeds, which the source measures only for an "
+            f"objective that samples its data ({', '.join(sorted(SAMPLING_OBJECTIVES))}), not "
+            f"{base['train']['objective']}; choose another --profile"
+        )
     bundle = _start(base, source, steps, switch_at, work, work / "bundle", say)
     started = time.time()
     return _finish(read_bundle(bundle.path), target, [], work, profile, history_dir, say, started)
@@ -187,6 +197,40 @@ def _leg_overrides(work: Path, steps: int, switch_at: int, resume: str) -> dict[
     }
 
 
+def _seed_leg_overrides(work: Path, steps: int, seed: int) -> dict:
+    """A seed run of the source: the reference's config and steps with another seed, nothing saved."""
+    return {
+        "run.overwrite": True,
+        "train.steps": steps,
+        "checkpoint.dir": None,
+        "run.dir": str(work / f"source-seed-{seed}"),
+        "run.seed": seed,
+        "resume": None,
+        "train.stop_at": None,
+        "checkpoint.interval": 0,
+    }
+
+
+def _seed_runs(base: dict, source: Environment, steps: int, work: Path, say: Say) -> dict[int, LegResult]:
+    """For an objective that samples its data: the source's runs with the next seeds, which measure how far
+    runs part by their draws alone (the `sampled` profile's band)."""
+    if base["train"]["objective"] not in SAMPLING_OBJECTIVES:
+        return {}
+    count = tolerance_profile(SAMPLED_PROFILE).seeds
+    say(
+        f"ferry: rehearse: objective {base['train']['objective']} samples its training data: {count} seed run(s) "
+        "on the source measure the spread it is judged against"
+    )
+    legs = {}
+    for seed in range(base["run"]["seed"] + 1, base["run"]["seed"] + 1 + count):
+        config = source.run_config(base, _seed_leg_overrides(work, steps, seed))
+        leg = run_leg(f"source-seed-{seed}", source, config, work, say, steps=steps)
+        if not leg.ok:
+            raise RehearsalError(f"the source's seed run {seed} on {source.label} failed:\n    {leg.failure()}")
+        legs[seed] = leg
+    return legs
+
+
 def _start(base: dict, source: Environment, steps: int, switch_at: int, work: Path, out: Path, say: Say) -> Bundle:
     config = source.run_config(base, _leg_overrides(work, steps, switch_at, resume="")["source"])
     say(f"ferry: rehearse: source {source.name}: {steps} steps from scratch, switch checkpoint at step {switch_at}")
@@ -198,6 +242,7 @@ def _start(base: dict, source: Environment, steps: int, switch_at: int, work: Pa
     checkpoint = config.checkpoint.path(config.run.path) / f"step-{switch_at:08d}"
     if not checkpoint.is_dir():
         raise RehearsalError(f"the source run finished without its switch checkpoint {checkpoint}")
+    seed_legs = _seed_runs(base, source, steps, work, say)
     bundle = write_bundle(
         out,
         config_name=base["run"]["name"],
@@ -207,6 +252,7 @@ def _start(base: dict, source: Environment, steps: int, switch_at: int, work: Pa
         switch_at=switch_at,
         source_leg=leg,
         checkpoint=checkpoint,
+        seed_legs=seed_legs,
     )
     say(f"ferry: rehearse: bundle written to {bundle.path} (switch checkpoint step {switch_at}, reference trajectory)")
     return bundle
@@ -236,6 +282,12 @@ def _finish(
     if profile is not None:
         chosen, reason = profile, f"given with --profile (ferry would have chosen {chosen}: {reason})"
     tolerance = tolerance_profile(chosen)
+    if len(bundle.seed_runs) < tolerance.seeds:
+        raise UserError(
+            f"profile {chosen} judges against the spread between seeds, and bundle {str(bundle.path)!r} carries "
+            f"{len(bundle.seed_runs)} seed run(s) of the {tolerance.seeds} it needs (the source trains them for "
+            "objectives that sample their data); choose another --profile"
+        )
     conclusive = bundle.switch_at >= tolerance.min_steps
     checked = time.time()
     say(f"ferry: rehearse: {source.name} -> {target.name}, judged under {chosen} ({reason})")
@@ -331,7 +383,10 @@ def _judge(bundle: Bundle, leg: LegResult, profile: str, steps: int, output: Pat
     """The leg's trajectory against the reference, or why there is none to judge."""
     if not leg.ok:
         return f"the {leg.name} run failed (exit code {leg.returncode}): {leg.failure()}"
-    return compare_runs(bundle.reference, leg.run_dir, profile=profile, steps=steps, output_dir=output)
+    seed_runs = bundle.seed_runs if tolerance_profile(profile).seeds else []
+    return compare_runs(
+        bundle.reference, leg.run_dir, profile=profile, steps=steps, output_dir=output, seed_runs=seed_runs
+    )
 
 
 def _json(record: dict) -> str:

@@ -10,24 +10,37 @@ from functools import lru_cache
 from pathlib import Path
 
 import yaml
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ferry.config import Section, UserError
 from ferry.config.loader import validate
 
 TOLERANCES_FILE = Path(__file__).parent / "tolerances.yaml"
+# The profile a run of an objective that samples its own training data is judged under (`judging_profile`).
+SAMPLED_PROFILE = "sampled"
 
 
 class ToleranceProfile(Section):
     """Two runs agree when, at each of the first `steps` steps, the trailing means over
-    `window` steps differ by at most `atol + rtol * |mean of run A|`."""
+    `window` steps differ by at most `atol + rtol * |mean of run A|`, plus, for a profile that
+    judges against seed runs (`seeds` > 0), `spread_z` times the spread measured between runs
+    that differ from run A only in their seed (`ferry.portability.compare`)."""
 
     description: str = Field(min_length=1)
+    metric: str = Field(default="loss", min_length=1, description="the metrics.jsonl key the profile judges")
     steps: int = Field(ge=1, description="how many early steps are judged by default")
     window: int = Field(ge=1, description="trailing moving-average window, in steps (1 = raw values)")
     min_steps: int = Field(ge=1, description="the shortest from-scratch window a rehearsal proves a move with")
     rtol: float = Field(ge=0.0)
     atol: float = Field(ge=0.0)
+    seeds: int = Field(default=0, ge=0, description="seed runs the reference needs beside it (0: none)")
+    spread_z: float = Field(default=0.0, ge=0.0, description="the band, in seed spreads (with seeds > 0)")
+
+    @model_validator(mode="after")
+    def _spread_needs_seeds(self) -> "ToleranceProfile":
+        if (self.seeds > 0) != (self.spread_z > 0):
+            raise ValueError("seeds and spread_z go together: a band in seed spreads needs seed runs to measure it")
+        return self
 
 
 @lru_cache(maxsize=1)

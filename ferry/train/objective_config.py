@@ -57,3 +57,6 @@ class GRPOConfig(Section):
 
 
 Objective = Literal["lm", "dpo", "grpo"]
+# Objectives that draw their own training data (GRPO samples its rollouts from the policy): two runs of one
+# of them part for good at the first sampled token that falls on the other side of a probability boundary.
+SAMPLING_OBJECTIVES = frozenset({"grpo"})

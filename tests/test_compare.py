@@ -79,6 +79,7 @@ def test_a_sampled_run_is_judged_against_the_spread_between_seeds(tmp_path):
     failed = compare_runs(a, shifted, profile="sampled", seed_runs=seeds)
     assert not failed.passed and failed.first_failing_step <= 10
     assert failed.seed_spread == verdict.seed_spread  # the band is A's and its seed runs', whatever B is
+    assert verdict.max_bound_fraction <= 1 < failed.max_bound_fraction
     # the same difference judged step by step under a fixed band would fail the unshifted draw too
     assert not compare_runs(a, other_draws, profile="cross-accelerator", metric="reward").passed
 
@@ -135,6 +136,15 @@ def test_a_systematic_shift_fails_at_the_step_it_leaves_the_band(tmp_path):
     assert not verdict.passed
     assert 15 <= verdict.first_failing_step <= 17
     assert compare_runs(a, b, profile="same-hardware", steps=14).passed
+
+
+def test_the_share_of_its_bound_a_comparison_used_is_recorded(tmp_path):
+    a = write_run(tmp_path / "a", CURVE)
+    within = compare_runs(a, write_run(tmp_path / "b", [loss * 1.003 for loss in CURVE]), profile="same-hardware")
+    assert within.passed and within.max_bound_fraction == pytest.approx(0.5, rel=1e-9)  # 3e-3 of rtol 6e-3
+    outside = compare_runs(a, write_run(tmp_path / "c", [loss * 1.009 for loss in CURVE]), profile="same-hardware")
+    assert not outside.passed and outside.max_bound_fraction == pytest.approx(1.5, rel=1e-9)
+    assert compare_runs(a, a, profile="bitwise", output_dir=tmp_path / "v").max_bound_fraction is None  # zero bound
 
 
 def test_a_nan_fails_and_the_verdict_stays_valid_json(tmp_path):

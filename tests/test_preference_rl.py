@@ -227,6 +227,7 @@ def test_a_grpo_move_is_judged_on_its_reward_against_the_spread_between_seeds(tm
     code, colder = finish("colder", "grpo.temperature=0.3")
     assert code == 1 and colder["verdict"] == "FAIL"
     assert not colder["comparisons"]["scratch"]["passed"]
+    assert colder["worst"]["comparison"] == "scratch" and colder["worst"]["max_bound_fraction"] > 1
     assert colder["comparisons"]["scratch"]["seed_spread"] == record["comparisons"]["scratch"]["seed_spread"]
 
 

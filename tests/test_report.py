@@ -217,3 +217,16 @@ def test_names_from_the_history_cannot_put_markup_into_the_page(tmp_path):
     write_report(folder, tmp_path / "out", today=TODAY)
     page = (tmp_path / "out" / "report.html").read_text()
     assert '<img src="http' not in page and "&lt;img" in page
+
+
+def test_the_history_chart_plots_the_share_of_the_bound_a_verdict_used():
+    """A verdict records the share of its bound it used, which a profile without a relative tolerance (sampled:
+    a band in seed spreads) needs; a record from before that is read through its relative tolerance."""
+    from ferry.portability.report_charts import _bound_used
+
+    older = rehearsal("cpu-ep2", "cpu", rel=5e-3)
+    assert _bound_used(older) == pytest.approx(0.5)
+    sampled = {**older, "tolerance": {"rtol": 0.0, "seeds": 2, "spread_z": 4.0}}
+    assert _bound_used(sampled) is None
+    sampled["worst"] = {**older["worst"], "max_bound_fraction": 0.37}
+    assert _bound_used(sampled) == 0.37

@@ -56,6 +56,7 @@ class Verdict:
     verdict_file: str
     seed_runs: list[str] = field(default_factory=list)
     seed_spread: float | None = None
+    max_bound_fraction: float | None = None  # largest |diff| / bound over the steps (> 1 fails; None: a zero bound)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -146,6 +147,7 @@ def compare_runs(
         verdict_file=str(verdict_path),
         seed_runs=[str(run) for run in seed_runs],
         seed_spread=None if spread is None else _finite_or_none(spread),
+        max_bound_fraction=_bound_fraction(judged),
     )
     _draw(steps_S, a_S, b_S, seeds_RS, judged, verdict, tolerance, plot_path)
     output.mkdir(parents=True, exist_ok=True)
@@ -218,6 +220,19 @@ def _judge(a_S: np.ndarray, b_S: np.ndarray, tolerance: ToleranceProfile, spread
         rel_S = np.abs(diff_S) / np.abs(mean_a_S)
         ok_S = np.isfinite(mean_a_S) & np.isfinite(mean_b_S) & (np.abs(diff_S) <= bound_S)
     return _Judged(mean_a_S, mean_b_S, diff_S, bound_S, rel_S, ok_S)
+
+
+def _bound_fraction(judged: _Judged) -> float | None:
+    """The largest share of its bound a step's difference used, over steps with a bound above zero (a zero
+    bound, as bitwise's, has no share to give); the yardstick common to every profile."""
+    bounded_S = judged.bound_S > 0
+    if not bounded_S.any():
+        return None
+    with np.errstate(invalid="ignore"):
+        fraction_S = np.where(np.isfinite(judged.diff_S), np.abs(judged.diff_S), np.inf)[bounded_S] / judged.bound_S[
+            bounded_S
+        ]
+    return _finite_or_none(float(fraction_S.max()))
 
 
 def _finite_or_none(value: float) -> float | None:

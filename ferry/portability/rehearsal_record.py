@@ -28,25 +28,33 @@ def comparison_record(verdict: Verdict | str) -> dict:
         "verdict_file",
         "metric",
         "seed_spread",
+        "max_bound_fraction",
     )
     return {name: getattr(verdict, name) for name in fields}
 
 
 def worst_comparison(comparisons: dict[str, Verdict | str]) -> dict:
-    """The comparison that came closest to (or went furthest past) its bound, by relative deviation."""
+    """The comparison that came closest to (or went furthest past) its bound: by the share of the bound used,
+    or by relative deviation where a bound is zero (bitwise)."""
     failed = {name: verdict for name, verdict in comparisons.items() if isinstance(verdict, str)}
     if failed:
         name, reason = next(iter(failed.items()))
         return {"comparison": name, "failure": reason}
-    name, verdict = max(
-        comparisons.items(),
-        key=lambda item: float("inf") if item[1].max_rel_diff is None else item[1].max_rel_diff,
-    )
+    by_bound = all(verdict.max_bound_fraction is not None for verdict in comparisons.values())
+
+    def closeness(verdict: Verdict) -> float:
+        if verdict.max_abs_diff is None:
+            return float("inf")
+        measure = verdict.max_bound_fraction if by_bound else verdict.max_rel_diff
+        return float("inf") if measure is None else measure
+
+    name, verdict = max(comparisons.items(), key=lambda item: closeness(item[1]))
     return {
         "comparison": name,
         "max_abs_diff": verdict.max_abs_diff,
         "max_rel_diff": verdict.max_rel_diff,
         "max_abs_diff_step": verdict.worst_step,
+        "max_bound_fraction": verdict.max_bound_fraction,
     }
 
 

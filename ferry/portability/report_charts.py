@@ -79,8 +79,11 @@ def overhead_chart(benches: list[dict], path: Path) -> Path:
 
 
 def _bound_used(record: dict) -> float | None:
-    """The worst comparison's relative deviation over the profile's relative tolerance (>1 is outside)."""
+    """The worst comparison's deviation over its bound (>1 is outside): as the verdict measured it, or, in a
+    record from before verdicts did, its relative deviation over the profile's relative tolerance."""
     worst = record.get("worst", {})
+    if worst.get("max_bound_fraction") is not None:
+        return worst["max_bound_fraction"]
     rtol = record.get("tolerance", {}).get("rtol")
     relative = worst.get("max_rel_diff")
     if relative is None or not rtol:

@@ -89,20 +89,26 @@ def test_a_sampled_run_is_judged_against_the_spread_between_seeds(tmp_path):
     [
         ("sampled", ["{s1}"], "needs 2 run(s) of run A's config with other seeds (--seed-run), got 1"),
         ("same-hardware", ["{s1}", "{s2}"], "profile same-hardware has a fixed band and takes no seed runs"),
-        ("sampled", ["{s1}", "{short}"], "seed run {short} has no 'reward' at step(s) 21..40"),
+        ("sampled", ["{s1}", "{short}"], "seed run {short} has no 'reward' at 20 of the judged steps (first 21, last 40)"),
         ("sampled", ["{s1}", "{broken}"], "seed run {broken} has a non-finite 'reward' at step 4"),
+        ("sampled", ["{s1}", "{s1}"], "seed run {s1} is another seed run again"),
+        ("sampled", ["{s1}", "{a}"], "seed run {a} is run A again"),
+        ("sampled", ["{same_as_a}", "{same_as_a_too}"], "drew the same 'reward' as {a} at every step of 1..40"),
     ],
 )
 def test_bad_seed_runs_are_refused_naming_them(tmp_path, profile, seed_runs, message):
     paths = {
         "a": write_run(tmp_path / "a", noisy_rewards(0), metric="reward"),
+        "b": write_run(tmp_path / "b", noisy_rewards(5), metric="reward"),
+        "same_as_a": write_run(tmp_path / "same_as_a", noisy_rewards(0), metric="reward"),
+        "same_as_a_too": write_run(tmp_path / "same_as_a_too", noisy_rewards(0), metric="reward"),
         "s1": write_run(tmp_path / "s1", noisy_rewards(1), metric="reward"),
         "s2": write_run(tmp_path / "s2", noisy_rewards(2), metric="reward"),
         "short": write_run(tmp_path / "short", noisy_rewards(3, steps=20), metric="reward"),
         "broken": write_run(tmp_path / "broken", noisy_rewards(4)[:3] + [float("nan")] + noisy_rewards(4)[4:],
                             metric="reward"),
     }
-    argv = ["compare", str(paths["a"]), str(paths["s1"]), "--profile", profile, "--metric", "reward"]
+    argv = ["compare", str(paths["a"]), str(paths["b"]), "--profile", profile, "--metric", "reward"]
     for run in seed_runs:
         argv += ["--seed-run", run.format(**paths)]
     with pytest.raises(UserError, match=re.escape(message.format(**paths))) as caught:
@@ -183,6 +189,27 @@ def test_bad_input_is_a_user_error_naming_the_culprit(tmp_path, argv, message):
     with pytest.raises(UserError, match=re.escape(message)) as caught:
         cli(*[part.format(**paths) for part in argv])
     assert caught.value.exit_code == 2
+
+
+
+def test_a_non_finite_reference_measures_no_spread_and_a_zero_reward_is_judged(tmp_path):
+    a_rewards = noisy_rewards(0)
+    broken = write_run(tmp_path / "broken", a_rewards[:29] + [float("nan")] + a_rewards[30:], metric="reward")
+    seeds = [str(write_run(tmp_path / f"seed{k}", noisy_rewards(k), metric="reward")) for k in (1, 2)]
+    b = write_run(tmp_path / "b", noisy_rewards(3), metric="reward")
+    with pytest.raises(UserError, match="run A .*broken has a non-finite 'reward' at step 30: it measures no spread"):
+        compare_runs(broken, b, profile="sampled", seed_runs=seeds)
+    # a policy that solves nothing yet: A's windowed reward is 0, and the verdict and its summary still stand
+    zeros = [0.0] * 5
+    a = write_run(tmp_path / "a", zeros + a_rewards[5:], metric="reward")
+    seeds = [str(write_run(tmp_path / f"z{k}", zeros + noisy_rewards(k)[5:], metric="reward")) for k in (1, 2)]
+    verdict = compare_runs(a, write_run(tmp_path / "b0", zeros + noisy_rewards(3)[5:], metric="reward"),
+                           profile="sampled", seed_runs=seeds)
+    assert verdict.passed and verdict.max_rel_diff is not None and "PASS" in verdict.summary()
+    early = compare_runs(a, write_run(tmp_path / "b1", [0.5] + zeros[1:] + a_rewards[5:], metric="reward"),
+                         profile="sampled", seed_runs=seeds)
+    assert not early.passed and early.first_failing_step == 1 and early.max_rel_diff is None  # 0.5 against 0
+    assert early.max_bound_fraction > 1 and "relative" not in early.summary().split("max |diff|")[1].split(",")[0]
 
 
 def test_exit_codes_pass_and_fail(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -193,10 +194,11 @@ def test_grpo_trains_from_rollouts_and_resumes_with_the_same_draws(tmp_path, tas
     assert resumed.losses == whole.losses[2:]
 
 
-def test_a_grpo_move_is_judged_on_its_reward_against_the_spread_between_seeds(tmp_path, task, sft):
+def test_a_grpo_move_is_judged_on_its_reward_against_the_spread_between_seeds(tmp_path, task, sft, capsys):
     """`ferry rehearse` of a GRPO run: the source trains two seed runs beside its reference and the bundle
     carries them; a target that draws as the source does passes, one that samples colder fails."""
     from ferry.config import dump_yaml
+    from ferry.portability.bundle import _file_digest
 
     config = _config(tmp_path, "grpo", [
         "train.objective=grpo", f"init_from={sft}", f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
@@ -213,6 +215,36 @@ def test_a_grpo_move_is_judged_on_its_reward_against_the_spread_between_seeds(tm
     seed_rewards = [[json.loads(line)["reward"] for line in (bundle / run["dir"] / "metrics.jsonl").open()]
                     for run in described]
     assert len(seed_rewards[0]) == 12 and seed_rewards[0] != seed_rewards[1], "the seeds drew the same samples"
+
+    def refused(name: str, change) -> str:
+        """A copy of the bundle, changed, finished: refused before anything trains."""
+        copy = tmp_path / f"bundle-{name}"
+        shutil.copytree(bundle, copy)
+        description = json.loads((copy / "bundle.json").read_text())
+        change(copy, description)
+        (copy / "bundle.json").write_text(json.dumps(description))
+        capsys.readouterr()
+        code = main(["rehearse", "finish", str(copy), "--to", "cpu", "--dir", str(tmp_path / f"work-{name}"),
+                     "--history", history])
+        assert code == 2 and not (tmp_path / f"work-{name}").exists(), name
+        return capsys.readouterr().err
+
+    def other_learning_rate(copy, description):
+        seed_config = copy / "seeds" / "seed-1" / "config.yaml"
+        seed_config.write_text(seed_config.read_text().replace("lr: 0.001", "lr: 0.002"))
+        description["files"]["seeds/seed-1/config.yaml"] = _file_digest(seed_config)
+
+    assert "seed 1 is listed twice" in refused("twice", lambda _, d: d["seed_runs"].append(d["seed_runs"][0]))
+    moved = refused("moved", lambda _, description: description["seed_runs"][0].update(dir="seeds/seed-2"))
+    assert "seed run 1 lies in seeds/seed-2" in moved
+    def linked_to_the_reference(copy, description):
+        shutil.rmtree(copy / "seeds" / "seed-1")
+        (copy / "seeds" / "seed-1").symlink_to("../reference", target_is_directory=True)
+
+    assert "lies under a symbolic link" in refused("linked", linked_to_the_reference)
+    assert "seed run seed-1 is not the source's config with seed 1 (they differ in optim)" in refused(
+        "lr", other_learning_rate
+    )
 
     def finish(name: str, *overrides: str) -> tuple[int, dict]:
         code = main(["rehearse", "finish", str(bundle), "--to", "cpu", *overrides, "--dir", str(tmp_path / name),

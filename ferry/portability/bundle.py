@@ -40,7 +40,8 @@ from ferry.train.run_record import CONFIG_NAME, METRICS_NAME, RUN_RECORD_NAME
 
 BUNDLE_FILE = "bundle.json"
 BUNDLE_FORMAT = "ferry-rehearsal-bundle"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2  # 2: seed runs (seeds/seed-K) for objectives that sample their data; 1 has none
+READABLE_VERSIONS = (1, 2)
 REFERENCE_DIR = "reference"
 SEEDS_DIR = "seeds"
 CHECKPOINT_DIR = "checkpoint"
@@ -220,9 +221,10 @@ def read_bundle(path: str | Path) -> Bundle:
         raise UserError(f"bundle {str(path)!r}: {BUNDLE_FILE} is not readable JSON ({exc})") from None
     if not isinstance(content, dict) or content.get("format") != BUNDLE_FORMAT:
         raise UserError(f"bundle {str(path)!r}: {BUNDLE_FILE} is not a {BUNDLE_FORMAT} description")
-    if content.get("version") != BUNDLE_VERSION:
+    if content.get("version") not in READABLE_VERSIONS:
         raise UserError(
-            f"bundle {str(path)!r} is version {content.get('version')!r}; this ferry reads version {BUNDLE_VERSION}"
+            f"bundle {str(path)!r} is version {content.get('version')!r}; this ferry reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
     missing_keys = [key for key in _REQUIRED if key not in content]
     if missing_keys:
@@ -253,6 +255,9 @@ def _check_files(path: Path, description: BundleDescription) -> None:
         file = path / name
         if not file.resolve().is_relative_to(root):
             raise UserError(f"bundle {str(path)!r} was tampered with: it lists {name!r}, outside the bundle")
+        linked = [part for part in (file, *file.relative_to(path).parents) if (path / part).is_symlink()]
+        if linked:
+            raise UserError(f"bundle {str(path)!r} was tampered with: {name} lies under a symbolic link")
         if not file.is_file():
             raise UserError(f"bundle {str(path)!r} is incomplete: {name} is missing")
         if _file_digest(file) != expected.model_dump(include={"sha256", "bytes"}):
@@ -283,12 +288,26 @@ def _check_consistent(path: Path, description: BundleDescription) -> None:
         raise UserError(
             f"bundle {str(path)!r}: switch step {description.switch_at} is not before step {description.steps}"
         )
+    _check_seed_entries(path, description)
     step = read_manifest(path / description.checkpoint).step
     if step != description.switch_at:
         raise UserError(
             f"bundle {str(path)!r} was tampered with: its checkpoint is of step {step}, the switch step says "
             f"{description.switch_at}"
         )
+
+
+def _check_seed_entries(path: Path, description: BundleDescription) -> None:
+    """Seed runs are runs of their own: each under the directory of its seed, no seed twice, none the reference's."""
+    reference_seed = description.config.resolved.get("run", {}).get("seed")
+    seeds = [run.seed for run in description.seed_runs]
+    for run in description.seed_runs:
+        if run.dir != f"{SEEDS_DIR}/seed-{run.seed}":
+            raise UserError(f"bundle {str(path)!r} was tampered with: its seed run {run.seed} lies in {run.dir}")
+        if run.seed == reference_seed or seeds.count(run.seed) > 1:
+            raise UserError(
+                f"bundle {str(path)!r} was tampered with: seed {run.seed} is listed twice or is the reference's own"
+            )
 
 
 def check_compatible(bundle: Bundle, config: RunConfig) -> None:

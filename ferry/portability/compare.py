@@ -56,7 +56,7 @@ class Verdict:
     verdict_file: str
     seed_runs: list[str] = field(default_factory=list)
     seed_spread: float | None = None
-    max_bound_fraction: float | None = None  # largest |diff| / bound over the steps (> 1 fails; None: a zero bound)
+    max_bound_fraction: float | None = None  # largest |diff| / bound over the steps (> 1 fails; None: not finite)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -71,9 +71,8 @@ class Verdict:
             largest = f"max |diff| {self.max_abs_diff:.3g}{relative}"
         spread = ""
         if self.seed_runs:
-            measured = "not finite" if self.seed_spread is None else f"{self.seed_spread:.3g}"
             spread = (
-                f", band {self.tolerance['spread_z']:g} x the seed spread {measured} "
+                f", band {self.tolerance['spread_z']:g} x the seed spread {self.seed_spread:.3g} "
                 f"({len(self.seed_runs)} seed run(s) beside A)"
             )
         return (
@@ -118,8 +117,11 @@ def compare_runs(
         raise UserError(f"{run_a} and {run_b} have no step in common with a value of {metric!r}")
     a_S = np.array([values_a[step] for step in common], dtype=float)
     b_S = np.array([values_b[step] for step in common], dtype=float)
-    seeds_RS = np.array([_seed_run_values(run, metric, common) for run in seed_runs], dtype=float)
-    spread = _seed_spread(a_S, seeds_RS, tolerance.window) if seed_runs else None
+    spread = None
+    seeds_RS = np.empty((0, len(common)))
+    if seed_runs:
+        _check_distinct(run_a, run_b, seed_runs)
+        seeds_RS, spread = measured_spread(run_a, seed_runs, metric, common, tolerance.window)
     judged = _judge(a_S, b_S, tolerance, spread)
     steps_S = np.array(common)
     failing_S = steps_S[~judged.ok_S]
@@ -146,7 +148,7 @@ def compare_runs(
         plot=str(plot_path),
         verdict_file=str(verdict_path),
         seed_runs=[str(run) for run in seed_runs],
-        seed_spread=None if spread is None else _finite_or_none(spread),
+        seed_spread=spread,
         max_bound_fraction=_bound_fraction(judged),
     )
     _draw(steps_S, a_S, b_S, seeds_RS, judged, verdict, tolerance, plot_path)
@@ -164,16 +166,47 @@ def _metric_by_step(run: str | Path, metric: str) -> dict[int, float]:
     return values
 
 
-def _seed_run_values(run: str | Path, metric: str, steps: list[int]) -> list[float]:
-    """A seed run's values at the judged steps; it must have every one of them, finite."""
+def measured_spread(
+    run_a: str | Path, seed_runs: Sequence[str | Path], metric: str, steps: list[int], window: int
+) -> tuple[np.ndarray, float]:
+    """The seed runs' values at `steps` and the spread between them and run A (`_seed_spread`).
+
+    Refused, naming the run: one without a finite value at every step (A included: the band is measured on
+    its values too), and runs that drew exactly what A drew, which measure no spread."""
+    a_S = np.array(_spread_values(run_a, "run A", metric, steps))
+    seeds_RS = np.array([_spread_values(run, "seed run", metric, steps) for run in seed_runs])
+    spread = _seed_spread(a_S, seeds_RS, window)
+    if spread == 0.0:
+        raise UserError(
+            f"the seed runs {', '.join(str(run) for run in seed_runs)} drew the same {metric!r} as {run_a} at every "
+            f"step of {steps[0]}..{steps[-1]}: they measure no spread to judge against"
+        )
+    return seeds_RS, spread
+
+
+def _spread_values(run: str | Path, role: str, metric: str, steps: list[int]) -> list[float]:
     values = _metric_by_step(run, metric)
     missing = [step for step in steps if step not in values]
     if missing:
-        raise UserError(f"seed run {run} has no {metric!r} at step(s) {missing[0]}..{missing[-1]} of the judged steps")
+        raise UserError(
+            f"{role} {run} has no {metric!r} at {len(missing)} of the judged steps (first {missing[0]}, last "
+            f"{missing[-1]})"
+        )
     broken = [step for step in steps if not math.isfinite(values[step])]
     if broken:
-        raise UserError(f"seed run {run} has a non-finite {metric!r} at step {broken[0]}: it measures no spread")
+        raise UserError(f"{role} {run} has a non-finite {metric!r} at step {broken[0]}: it measures no spread")
     return [values[step] for step in steps]
+
+
+def _check_distinct(run_a: str | Path, run_b: str | Path, seed_runs: Sequence[str | Path]) -> None:
+    """Seed runs are other runs: a repeated one would add a pair that differs by nothing, and A or B among
+    them would judge a run against itself."""
+    seen = {metrics_path(run_a).resolve(): "run A", metrics_path(run_b).resolve(): "run B"}
+    for run in seed_runs:
+        path = metrics_path(run).resolve()
+        if path in seen:
+            raise UserError(f"seed run {run} is {seen[path]} again: a seed run must be a run of its own")
+        seen[path] = "another seed run"
 
 
 def _full_window_scale(steps: int, window: int) -> np.ndarray:
@@ -217,22 +250,20 @@ def _judge(a_S: np.ndarray, b_S: np.ndarray, tolerance: ToleranceProfile, spread
         bound_S = tolerance.atol + tolerance.rtol * np.abs(mean_a_S)
         if spread is not None:
             bound_S = bound_S + tolerance.spread_z * spread * _full_window_scale(len(a_S), tolerance.window)
-        rel_S = np.abs(diff_S) / np.abs(mean_a_S)
+        rel_S = np.where(mean_a_S != 0, np.abs(diff_S) / np.abs(mean_a_S), np.where(diff_S == 0, 0.0, np.inf))
         ok_S = np.isfinite(mean_a_S) & np.isfinite(mean_b_S) & (np.abs(diff_S) <= bound_S)
     return _Judged(mean_a_S, mean_b_S, diff_S, bound_S, rel_S, ok_S)
 
 
 def _bound_fraction(judged: _Judged) -> float | None:
-    """The largest share of its bound a step's difference used, over steps with a bound above zero (a zero
-    bound, as bitwise's, has no share to give); the yardstick common to every profile."""
-    bounded_S = judged.bound_S > 0
-    if not bounded_S.any():
+    """The largest share of its bound a step's difference used: the yardstick common to every profile. None
+    where it is no finite number: a non-finite value, or a difference against a zero bound (bitwise's)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fraction_S = np.abs(judged.diff_S) / judged.bound_S
+    fraction_S = np.where((judged.diff_S == 0) & (judged.bound_S == 0), 0.0, fraction_S)
+    if not np.isfinite(fraction_S).all() or not (judged.bound_S > 0).any():
         return None
-    with np.errstate(invalid="ignore"):
-        fraction_S = np.where(np.isfinite(judged.diff_S), np.abs(judged.diff_S), np.inf)[bounded_S] / judged.bound_S[
-            bounded_S
-        ]
-    return _finite_or_none(float(fraction_S.max()))
+    return float(fraction_S.max())
 
 
 def _finite_or_none(value: float) -> float | None:

@@ -117,16 +117,19 @@ def summary_lines(record: dict) -> list[str]:
             continue
         outcome = "pass" if comparison["passed"] else f"FAIL from step {comparison['first_failing_step']}"
         metric = comparison.get("metric", "loss")
-        deviation = (
-            f"a non-finite {metric}"
-            if comparison["max_abs_diff"] is None
-            else f"max |diff| {comparison['max_abs_diff']:.3g} (relative {comparison['max_rel_diff']:.3g})"
-        )
+        if comparison["max_abs_diff"] is None:
+            deviation = f"a non-finite {metric}"
+        else:
+            relative = comparison["max_rel_diff"]
+            deviation = f"max |diff| {comparison['max_abs_diff']:.3g}" + (
+                "" if relative is None else f" (relative {relative:.3g})"
+            )
         spread = comparison.get("seed_spread")
-        band = ""
-        if record["tolerance"].get("seeds"):
-            measured = "not finite" if spread is None else f"{spread:.3g}"
-            band = f"; {metric} judged within {record['tolerance']['spread_z']:g} x the seed spread {measured}"
+        band = (
+            ""
+            if spread is None
+            else f"; {metric} judged within {record['tolerance']['spread_z']:g} x the seed spread {spread:.3g}"
+        )
         lines.append(
             f"  {titles[name]}: {outcome}, steps {comparison['first_step']}..{comparison['last_step']}, "
             f"{deviation} at step {comparison['worst_step']}{band}"

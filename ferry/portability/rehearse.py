@@ -36,7 +36,7 @@ from ferry.config import UserError, apply_overrides
 from ferry.config.loader import validate
 from ferry.platform.fingerprint import code_version
 from ferry.portability.bundle import Bundle, check_compatible, config_digest, read_bundle, write_bundle
-from ferry.portability.compare import Verdict, compare_runs
+from ferry.portability.compare import Verdict, compare_runs, measured_spread
 from ferry.portability.environment import Environment, judging_profile, load_environment, without_locations
 from ferry.portability.history import HISTORY_DIR, REHEARSALS, append_record
 from ferry.portability.legs import LegResult, run_leg
@@ -93,7 +93,8 @@ def rehearse(
             f"objective that samples its data ({', '.join(sorted(SAMPLING_OBJECTIVES))}), not "
             f"{base['train']['objective']}; choose another --profile"
         )
-    bundle = _start(base, source, steps, switch_at, work, work / "bundle", say)
+    seed_runs = profile is None or tolerance_profile(profile).seeds > 0
+    bundle = _start(base, source, steps, switch_at, work, work / "bundle", say, seed_runs=seed_runs)
     started = time.time()
     return _finish(read_bundle(bundle.path), target, [], work, profile, history_dir, say, started)
 
@@ -198,7 +199,7 @@ def _leg_overrides(work: Path, steps: int, switch_at: int, resume: str) -> dict[
 
 
 def _seed_leg_overrides(work: Path, steps: int, seed: int) -> dict:
-    """A seed run of the source: the reference's config and steps with another seed, nothing saved."""
+    """A seed run of the source: the reference's config and steps with another seed, no checkpoint."""
     return {
         "run.overwrite": True,
         "train.steps": steps,
@@ -208,6 +209,7 @@ def _seed_leg_overrides(work: Path, steps: int, seed: int) -> dict:
         "resume": None,
         "train.stop_at": None,
         "checkpoint.interval": 0,
+        "checkpoint.enabled": False,
     }
 
 
@@ -231,7 +233,10 @@ def _seed_runs(base: dict, source: Environment, steps: int, work: Path, say: Say
     return legs
 
 
-def _start(base: dict, source: Environment, steps: int, switch_at: int, work: Path, out: Path, say: Say) -> Bundle:
+def _start(
+    base: dict, source: Environment, steps: int, switch_at: int, work: Path, out: Path, say: Say, seed_runs: bool = True
+) -> Bundle:
+    """The source half; `seed_runs` False skips the seed runs when the judging profile is known not to need them."""
     config = source.run_config(base, _leg_overrides(work, steps, switch_at, resume="")["source"])
     say(f"ferry: rehearse: source {source.name}: {steps} steps from scratch, switch checkpoint at step {switch_at}")
     leg = run_leg("source", source, config, work, say, steps=steps)
@@ -242,7 +247,7 @@ def _start(base: dict, source: Environment, steps: int, switch_at: int, work: Pa
     checkpoint = config.checkpoint.path(config.run.path) / f"step-{switch_at:08d}"
     if not checkpoint.is_dir():
         raise RehearsalError(f"the source run finished without its switch checkpoint {checkpoint}")
-    seed_legs = _seed_runs(base, source, steps, work, say)
+    seed_legs = _seed_runs(base, source, steps, work, say) if seed_runs else {}
     bundle = write_bundle(
         out,
         config_name=base["run"]["name"],
@@ -254,7 +259,11 @@ def _start(base: dict, source: Environment, steps: int, switch_at: int, work: Pa
         checkpoint=checkpoint,
         seed_legs=seed_legs,
     )
-    say(f"ferry: rehearse: bundle written to {bundle.path} (switch checkpoint step {switch_at}, reference trajectory)")
+    seeds = f", {len(seed_legs)} seed run(s)" if seed_legs else ""
+    say(
+        f"ferry: rehearse: bundle written to {bundle.path} (switch checkpoint step {switch_at}, reference "
+        f"trajectory{seeds})"
+    )
     return bundle
 
 
@@ -275,6 +284,7 @@ def _finish(
     resumed_config = target.run_config(base, legs["target-resumed"])
     scratch_config = target.run_config(base, legs["target-scratch"])
     _check_reference(bundle, source, legs["source"])
+    _check_seed_runs(bundle, source)
     check_compatible(bundle, resumed_config)
     chosen, reason = judging_profile(
         source.run_config(bundle.base_config), source.nproc, target.run_config(base), target.nproc
@@ -288,6 +298,9 @@ def _finish(
             f"{len(bundle.seed_runs)} seed run(s) of the {tolerance.seeds} it needs (the source trains them for "
             "objectives that sample their data); choose another --profile"
         )
+    if tolerance.seeds:
+        steps = list(range(1, bundle.steps + 1))
+        measured_spread(bundle.reference, bundle.seed_runs, tolerance.metric, steps, tolerance.window)
     conclusive = bundle.switch_at >= tolerance.min_steps
     checked = time.time()
     say(f"ferry: rehearse: {source.name} -> {target.name}, judged under {chosen} ({reason})")
@@ -373,6 +386,23 @@ def _check_reference(bundle: Bundle, source: Environment, source_leg: dict) -> N
             f"bundle {str(bundle.path)!r} was tampered with: its bundle.json does not describe the run its reference "
             f"config records (they differ in {', '.join(differing)})"
         )
+
+
+def _check_seed_runs(bundle: Bundle, source: Environment) -> None:
+    """Each seed run the bundle carries must be the source's config with its seed and nothing else changed: one
+    trained otherwise (another learning rate, say) would widen the band it measures."""
+    for run in bundle.seed_runs:
+        seed = int(run.name.removeprefix("seed-"))
+        recorded = validate(RunConfig, yaml.safe_load((run / CONFIG_NAME).read_text(encoding="utf-8")))
+        expected = source.run_config(bundle.base_config, _seed_leg_overrides(run, bundle.steps, seed))
+        ours = without_locations(expected.model_dump(mode="json"))
+        theirs = without_locations(recorded.model_dump(mode="json"))
+        differing = [key for key in ours if ours[key] != theirs.get(key)]
+        if differing:
+            raise UserError(
+                f"bundle {str(bundle.path)!r}: its seed run {run.name} is not the source's config with seed {seed} "
+                f"(they differ in {', '.join(differing)})"
+            )
 
 
 class RehearsalError(Exception):

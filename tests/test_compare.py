@@ -236,3 +236,20 @@ def test_real_runs_identical_pass_changed_learning_rate_fails(make_config, tmp_p
     changed = compare_runs(reference, faster, profile="same-hardware")
     assert not changed.passed and changed.steps_compared == 8
     assert (faster / "compare-loss.png").is_file() and (faster / "compare-loss.json").is_file()
+
+
+def test_the_worst_comparison_is_the_one_that_used_most_of_its_bound(tmp_path):
+    """Under a band in seed spreads a relative deviation says nothing of the bound: the pick follows the share."""
+    from ferry.portability.rehearsal_record import worst_comparison
+
+    rewards = noisy_rewards(0)
+    a = write_run(tmp_path / "a", rewards, metric="reward")
+    seeds = [str(write_run(tmp_path / f"seed{k}", noisy_rewards(k), metric="reward")) for k in (1, 2)]
+    # one far-off first step (a band four times wider there) against a small shift that lasts
+    first_step_off = write_run(tmp_path / "first", [rewards[0] + 0.15, *rewards[1:]], metric="reward")
+    shifted = write_run(tmp_path / "shifted", [reward + 0.06 for reward in rewards], metric="reward")
+    early = compare_runs(a, first_step_off, profile="sampled", seed_runs=seeds, output_dir=tmp_path / "v1")
+    lasting = compare_runs(a, shifted, profile="sampled", seed_runs=seeds, output_dir=tmp_path / "v2")
+    assert early.max_rel_diff > lasting.max_rel_diff and early.max_bound_fraction < lasting.max_bound_fraction
+    worst = worst_comparison({"scratch": early, "resumed": lasting})
+    assert worst["comparison"] == "resumed" and worst["max_bound_fraction"] == lasting.max_bound_fraction

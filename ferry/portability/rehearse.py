@@ -373,14 +373,7 @@ def _finish(
 def _check_reference(bundle: Bundle, source: Environment, source_leg: dict) -> None:
     """The bundle's config and source environment must be what the source actually ran: its reference
     config (a digest-checked file) must equal them laid over each other, wherever the runs were written."""
-    reference = validate(RunConfig, yaml.safe_load((bundle.reference / CONFIG_NAME).read_text(encoding="utf-8")))
-    expected = source.run_config(bundle.base_config, source_leg)
-    differing = [
-        key
-        for key in without_locations(expected.model_dump(mode="json"))
-        if without_locations(expected.model_dump(mode="json"))[key]
-        != without_locations(reference.model_dump(mode="json")).get(key)
-    ]
+    differing = _recorded_differences(source.run_config(bundle.base_config, source_leg), bundle.reference)
     if differing:
         raise UserError(
             f"bundle {str(bundle.path)!r} was tampered with: its bundle.json does not describe the run its reference "
@@ -393,16 +386,21 @@ def _check_seed_runs(bundle: Bundle, source: Environment) -> None:
     trained otherwise (another learning rate, say) would widen the band it measures."""
     for run in bundle.seed_runs:
         seed = int(run.name.removeprefix("seed-"))
-        recorded = validate(RunConfig, yaml.safe_load((run / CONFIG_NAME).read_text(encoding="utf-8")))
         expected = source.run_config(bundle.base_config, _seed_leg_overrides(run, bundle.steps, seed))
-        ours = without_locations(expected.model_dump(mode="json"))
-        theirs = without_locations(recorded.model_dump(mode="json"))
-        differing = [key for key in ours if ours[key] != theirs.get(key)]
+        differing = _recorded_differences(expected, run)
         if differing:
             raise UserError(
                 f"bundle {str(bundle.path)!r}: its seed run {run.name} is not the source's config with seed {seed} "
                 f"(they differ in {', '.join(differing)})"
             )
+
+
+def _recorded_differences(expected: RunConfig, run_dir: Path) -> list[str]:
+    """The config sections in which the config a run recorded differs from `expected`, locations aside."""
+    recorded = validate(RunConfig, yaml.safe_load((run_dir / CONFIG_NAME).read_text(encoding="utf-8")))
+    ours = without_locations(expected.model_dump(mode="json"))
+    theirs = without_locations(recorded.model_dump(mode="json"))
+    return [key for key in ours if ours[key] != theirs.get(key)]
 
 
 class RehearsalError(Exception):

@@ -344,3 +344,12 @@ def test_a_profile_judged_against_seeds_is_refused_where_no_seed_runs_exist(bund
     assert main([*finish, "--history", str(space["history"])]) == 2
     assert "carries 0 seed run(s) of the 2 it needs" in capsys.readouterr().err
     assert len(_history(space)) == before and not (work / "target-resumed").exists()
+
+
+def test_a_bundle_reached_through_a_symbolic_link_is_read(bundle, tmp_path):
+    """Links inside a bundle are refused (a seed run linked to the reference); the bundle's own path may be one."""
+    from ferry.portability.bundle import read_bundle
+
+    link = tmp_path / "bundle-link"
+    link.symlink_to(bundle, target_is_directory=True)
+    assert read_bundle(link).steps == read_bundle(bundle).steps

@@ -255,8 +255,8 @@ def _check_files(path: Path, description: BundleDescription) -> None:
         file = path / name
         if not file.resolve().is_relative_to(root):
             raise UserError(f"bundle {str(path)!r} was tampered with: it lists {name!r}, outside the bundle")
-        linked = [part for part in (file, *file.relative_to(path).parents) if (path / part).is_symlink()]
-        if linked:
+        inside = [file, *(path / parent for parent in file.relative_to(path).parents[:-1])]  # not the bundle itself
+        if any(part.is_symlink() for part in inside):
             raise UserError(f"bundle {str(path)!r} was tampered with: {name} lies under a symbolic link")
         if not file.is_file():
             raise UserError(f"bundle {str(path)!r} is incomplete: {name} is missing")

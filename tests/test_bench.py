@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import yaml
 
 from ferry.cli.main import main
 from ferry.config import UserError
@@ -23,19 +24,30 @@ def bench(tmp_path, name, *argv):
     return code, (json.loads(out.read_text()) if out.exists() else None)
 
 
+def short_suite(folder, name):
+    """The standard suite `name` as a file of its own that measures 4 steps after 1 warm-up step instead of 12
+    after 3: the same model, batch, tokens and initial weights, a third of the steps."""
+    raw = yaml.safe_load((suites.SUITES_DIR / f"{name}.yaml").read_text())
+    raw.update(warmup_steps=1, measured_steps=4)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     """moe-tiny on one rank (auto kernels), on two ranks with experts split, with portable kernels, and
-    moe-tiny-ep2 (cuda too when a GPU is here)."""
+    moe-tiny-ep2 (cuda too when a GPU is here), each as a short suite."""
     root = tmp_path_factory.mktemp("bench")
+    tiny, tiny_ep2 = short_suite(root, "moe-tiny"), short_suite(root, "moe-tiny-ep2")
     runs = {
-        "single": ("moe-tiny",),
-        "ep2-layout": ("moe-tiny", "--nproc", "2", "parallel.ep=2"),
-        "portable": ("moe-tiny", "kernels.policy=portable"),
-        "ep2-suite": ("moe-tiny-ep2",),
+        "single": (tiny,),
+        "ep2-layout": (tiny, "--nproc", "2", "parallel.ep=2"),
+        "portable": (tiny, "kernels.policy=portable"),
+        "ep2-suite": (tiny_ep2,),
     }
     if torch.cuda.is_available():
-        runs["cuda"] = ("moe-tiny", "--device", "cuda")
+        runs["cuda"] = (tiny, "--device", "cuda")
     found = {}
     for name, argv in runs.items():
         code, record = bench(root, name, *argv)
@@ -85,7 +97,7 @@ def test_a_record_holds_the_figures_medians_spread_and_where_it_ran(records):
     _, found = records
     record = found["single"]
     assert KEYS <= set(record)
-    assert record["measured_steps"] == 12 and record["warmup_steps"] == 3
+    assert record["measured_steps"] == 4 and record["warmup_steps"] == 1
     spread = record["spread"]["tokens_per_s"]
     assert spread["min"] <= record["tokens_per_s"] == spread["median"] <= spread["max"]
     assert 0 < record["mfu"] < 1 and record["tokens_per_s_per_device"] == record["tokens_per_s"]
@@ -234,8 +246,8 @@ def test_a_bench_dir_that_is_a_file_or_an_out_under_a_file_is_refused_before_run
 
 
 def test_a_model_override_changes_the_workload_digest(records, tmp_path):
-    _, found = records
-    code, record = bench(tmp_path, "top1", "moe-tiny", "model.moe.top_k=1")
+    root, found = records
+    code, record = bench(tmp_path, "top1", str(root / "moe-tiny.yaml"), "model.moe.top_k=1")
     assert code == 0 and record["input_digest"] == found["single"]["input_digest"]
     assert record["workload_digest"] != found["single"]["workload_digest"]
     assert found["ep2-layout"]["workload_digest"] == found["portable"]["workload_digest"] == found["single"][

@@ -40,28 +40,37 @@ def _records(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_stages_run_from_their_parents_and_the_lineage_records_it(stdlib_dataset, tmp_path, capsys):
-    path = _write_pipeline(tmp_path, stdlib_dataset)
-    lineage = run_pipeline(path, tmp_path / "out")
+@pytest.fixture(scope="module")
+def finished(stdlib_dataset, tmp_path_factory):
+    """The two-stage pipeline run once, uninterrupted: its file and its directory (tests only read them)."""
+    root = tmp_path_factory.mktemp("pipeline")
+    path = _write_pipeline(root, stdlib_dataset)
+    run_pipeline(path, root / "out")
+    return path, root / "out"
+
+
+def test_stages_run_from_their_parents_and_the_lineage_records_it(finished, capsys):
+    path, out_dir = finished
+    lineage = run_pipeline(path, out_dir)
     pretrain, midtrain = lineage.stages["pretrain"], lineage.stages["midtrain"]
     assert pretrain["status"] == midtrain["status"] == "finished"
-    parent_checkpoint = tmp_path / "out" / "pretrain" / "checkpoints" / "step-00000004"
+    parent_checkpoint = out_dir / "pretrain" / "checkpoints" / "step-00000004"
     assert midtrain["parent"]["checkpoint"] == str(parent_checkpoint)
     assert midtrain["parent"]["digest"] == checkpoint_digest(parent_checkpoint) == pretrain["result"]["digest"]
     assert midtrain["data"][0]["manifest_sha256"] and midtrain["seed"] == 1 and midtrain["code"]["ferry"]
-    midtrain_records = _records(tmp_path / "out" / "midtrain")
+    midtrain_records = _records(out_dir / "midtrain")
     assert [r["step"] for r in midtrain_records] == [1, 2, 3, 4], "the step counter starts again"
-    assert midtrain_records[0]["lr"] == pytest.approx(_records(tmp_path / "out" / "pretrain")[-1]["lr"])
+    assert midtrain_records[0]["lr"] == pytest.approx(_records(out_dir / "pretrain")[-1]["lr"])
     assert midtrain_records[-1]["lr"] == 0.0, "linear decay to zero"
     stored = verify_checkpoint(parent_checkpoint)
-    run = json.loads((tmp_path / "out" / "midtrain" / "run.json").read_text())
+    run = json.loads((out_dir / "midtrain" / "run.json").read_text())
     assert run["config"]["init_optimizer"] is True and run["config"]["init_from"] == str(parent_checkpoint)
     assert stored.step == 4
     capsys.readouterr()
-    run_pipeline(path, tmp_path / "out")
+    run_pipeline(path, out_dir)
     out = capsys.readouterr().out
     assert "stage pretrain: finished earlier" in out and "stage midtrain: finished earlier" in out
-    assert main(["pipeline", "show", str(tmp_path / "out")]) == 0
+    assert main(["pipeline", "show", str(out_dir)]) == 0
     shown = capsys.readouterr().out
     assert "pretrain @ step 4" in shown and "weights+optimizer, lr from parent" in shown
 
@@ -79,17 +88,15 @@ def test_a_changed_parent_is_refused_until_rerun(stdlib_dataset, tmp_path, capsy
     assert lineage.stages["midtrain"]["parent"]["digest"] == lineage.stages["pretrain"]["result"]["digest"]
 
 
-def test_a_finished_stage_whose_config_changed_is_refused(stdlib_dataset, tmp_path):
-    path = _write_pipeline(tmp_path, stdlib_dataset)
-    run_pipeline(path, tmp_path / "out")
+def test_a_finished_stage_whose_config_changed_is_refused(finished, stdlib_dataset, tmp_path):
+    _, out = finished
     path = _write_pipeline(tmp_path, stdlib_dataset, midtrain_overrides={"optim.weight_decay": 0.0})
     with pytest.raises(UserError, match=r"stage midtrain finished with another config .*optim.weight_decay"):
-        run_pipeline(path, tmp_path / "out")
+        run_pipeline(path, out)
 
 
-def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(stdlib_dataset, tmp_path):
-    straight = run_pipeline(_write_pipeline(tmp_path / "a", stdlib_dataset) if (tmp_path / "a").mkdir() is None else None,
-                            tmp_path / "straight")
+def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(finished, stdlib_dataset, tmp_path):
+    straight = run_pipeline(*finished)  # finished earlier: its lineage as recorded
     killed = _write_pipeline(tmp_path, stdlib_dataset, {"checkpoint.interval": 2, "fault.inject": [{"step": 4, "kind": "kill"}]})
     lineage = run_pipeline(killed, tmp_path / "resumed")
     assert lineage.stages["midtrain"]["status"] == "failed"

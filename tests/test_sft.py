@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -265,7 +263,7 @@ def _ids(encoded) -> list[int]:
     return list(encoded["input_ids"]) if hasattr(encoded, "keys") else list(encoded)
 
 
-def test_prepare_chat_errors_exit_2_and_name_the_culprit(tmp_path, stdlib_dataset):
+def test_prepare_chat_errors_exit_2_and_name_the_culprit(tmp_path, stdlib_dataset, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": CONVERSATION}) + "\n" + json.dumps({"messages": [{"role": "x"}]}) + "\n")
     tokenizer = str(stdlib_dataset / "tokenizer.json")
@@ -281,12 +279,10 @@ def test_prepare_chat_errors_exit_2_and_name_the_culprit(tmp_path, stdlib_datase
     ]
     for arguments, message in cases:
         output = tmp_path / "out"
-        done = subprocess.run(
-            [sys.executable, "-m", "ferry", "data", "prepare", *arguments, "--output", str(output)],
-            capture_output=True, text=True,
-        )
-        assert done.returncode == 2, done.stderr
-        assert message in done.stderr
+        code = main(["data", "prepare", *arguments, "--output", str(output)])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert message in err
         assert not output.exists()
 
 

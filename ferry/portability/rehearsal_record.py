@@ -58,6 +58,23 @@ def worst_comparison(comparisons: dict[str, Verdict | str]) -> dict:
     }
 
 
+def worst_bound_share(record: dict) -> float | None:
+    """How much of its tolerance bound a recorded rehearsal's worst comparison used (above 1 is outside): the
+    one figure that reads the same under every profile, a band in seed spreads included, where a relative
+    deviation means little (a reward near zero). A record from before verdicts measured it is read through its
+    relative deviation over the profile's relative tolerance; an exact match uses none of any bound."""
+    worst = record.get("worst", {})
+    if worst.get("max_bound_fraction") is not None:
+        return worst["max_bound_fraction"]
+    if worst.get("max_abs_diff") == 0:
+        return 0.0
+    rtol = record.get("tolerance", {}).get("rtol")
+    relative = worst.get("max_rel_diff")
+    if relative is None or not rtol:
+        return None
+    return relative / rtol
+
+
 def portable_on_target(source_ops: dict, target_ops: dict) -> list[dict]:
     """Ops that run their portable implementation on the target where a vendor one ran on the source,
     or where a vendor implementation available on the target is held back because its ledger entry is

@@ -20,6 +20,7 @@ from ferry.kernels.ledger import LEDGER_PATH, load_ledger
 from ferry.platform.fingerprint import code_version
 from ferry.portability.environment import known_environments, load_environment
 from ferry.portability.history import KERNEL_BENCH, REHEARSALS, read_records
+from ferry.portability.rehearsal_record import worst_bound_share
 from ferry.portability.report_charts import history_chart, lead_time_chart, overhead_chart
 from ferry.portability.report_render import render_html, render_markdown
 
@@ -122,6 +123,7 @@ def alternatives(rehearsals: list[tuple[int, dict]], today: datetime.date, fresh
                 "profile": record["profile"],
                 "profile_given": str(record.get("profile_reason", "")).startswith("given with --profile"),
                 "worst_rel_diff": record.get("worst", {}).get("max_rel_diff"),
+                "worst_bound_share": worst_bound_share(record),
                 "reasons": reasons,
                 "evidence": f"{REHEARSALS} line {line}",
             }
@@ -138,6 +140,7 @@ def alternatives(rehearsals: list[tuple[int, dict]], today: datetime.date, fresh
                 "profile": None,
                 "profile_given": False,
                 "worst_rel_diff": None,
+                "worst_bound_share": None,
                 "reasons": ["never rehearsed as a target"],
                 "evidence": f"{current[name][1]} (no rehearsal)",
             }
@@ -251,6 +254,7 @@ def _history_row(line: int, record: dict) -> dict:
         "verdict": record["verdict"],
         "profile": record["profile"],
         "worst_rel_diff": record.get("worst", {}).get("max_rel_diff"),
+        "worst_bound_share": worst_bound_share(record),
         "first_step_s": record["lead_time"].get("first_step_s"),
         "judged_s": record["lead_time"].get("judged_s"),
         "target_over_source": record["throughput"].get("target_over_source"),

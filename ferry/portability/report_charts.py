@@ -8,6 +8,7 @@ from pathlib import Path
 from matplotlib.ticker import PercentFormatter
 
 from ferry.metrics.plots import new_figure, save_figure
+from ferry.portability.rehearsal_record import worst_bound_share
 
 
 def lead_time_chart(rows: list[dict], path: Path) -> Path:
@@ -42,7 +43,7 @@ def history_chart(records: list[dict], path: Path) -> Path:
         by_path.setdefault(record["path"], []).append(record)
     for name, runs in by_path.items():
         dates = [datetime.datetime.fromisoformat(run["date"]) for run in runs]
-        used = [_bound_used(run) for run in runs]
+        used = [worst_bound_share(run) for run in runs]
         markers = ["o" if run["passed"] else "x" for run in runs]
         line = deviation.plot(dates, used, linewidth=1.0, label=name)[0]
         for date, value, marker in zip(dates, used, markers):
@@ -76,16 +77,3 @@ def overhead_chart(benches: list[dict], path: Path) -> Path:
         axes.legend(fontsize="small")
         axes.grid(axis="x", alpha=0.3)
     return save_figure(figure, path)
-
-
-def _bound_used(record: dict) -> float | None:
-    """The worst comparison's deviation over its bound (>1 is outside): as the verdict measured it, or, in a
-    record from before verdicts did, its relative deviation over the profile's relative tolerance."""
-    worst = record.get("worst", {})
-    if worst.get("max_bound_fraction") is not None:
-        return worst["max_bound_fraction"]
-    rtol = record.get("tolerance", {}).get("rtol")
-    relative = worst.get("max_rel_diff")
-    if relative is None or not rtol:
-        return None
-    return relative / rtol

@@ -45,7 +45,7 @@ def render_markdown(data: dict, history_dir: Path) -> str:
         "optimizer state, and continued within a tolerance fixed before it ran. Anything else is not an "
         "alternative, whatever its documentation says.",
         "",
-        "| source | target | status | last rehearsed | verdict | worst relative deviation | why not | evidence |",
+        "| source | target | status | last rehearsed | verdict | worst deviation / bound | why not | evidence |",
         "| --- | --- | --- | --- | --- | ---: | --- | --- |",
     ]
     for row in data["alternatives"]:
@@ -53,7 +53,7 @@ def render_markdown(data: dict, history_dir: Path) -> str:
         verdict = f"{row['verdict']} under {row['profile']}{given}" if row["verdict"] else "-"
         out.append(
             f"| {_cell(row['source'] or 'any')} | {_cell(row['target'])} | **{row['status']}** | "
-            f"{_date(row['last_rehearsed'])} | {verdict} | {_number(row['worst_rel_diff'])} | "
+            f"{_date(row['last_rehearsed'])} | {verdict} | {_number(row['worst_bound_share'], '.2g')} | "
             f"{_cell('; '.join(row['reasons']) or '-')} | {_cell(row['evidence'])} |"
         )
     if not data["alternatives"]:
@@ -158,7 +158,7 @@ def render_markdown(data: dict, history_dir: Path) -> str:
             "",
             f"![Rehearsal history]({data['charts']['history']})",
             "",
-            "| date | path | config | steps (switch) | verdict | profile | worst relative deviation | "
+            "| date | path | config | steps (switch) | verdict | profile | worst deviation / bound | "
             "first step | judged | target/source | evidence |",
             "| --- | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
         ]
@@ -166,7 +166,7 @@ def render_markdown(data: dict, history_dir: Path) -> str:
             out.append(
                 f"| {_date(row['date'])} | {_cell(row['path'])} | {_cell(row['config'])} | "
                 f"{row['steps']} ({row['switch_at']}) | "
-                f"**{row['verdict']}** | {row['profile']} | {_number(row['worst_rel_diff'])} | "
+                f"**{row['verdict']}** | {row['profile']} | {_number(row['worst_bound_share'], '.2g')} | "
                 f"{_seconds(row['first_step_s'])} | {_seconds(row['judged_s'])} | "
                 f"{_number(row['target_over_source'], '.2f')} | {row['evidence']} |"
             )

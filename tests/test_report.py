@@ -219,14 +219,29 @@ def test_names_from_the_history_cannot_put_markup_into_the_page(tmp_path):
     assert '<img src="http' not in page and "&lt;img" in page
 
 
-def test_the_history_chart_plots_the_share_of_the_bound_a_verdict_used():
+def test_the_tables_and_the_chart_show_the_share_of_the_bound_a_verdict_used(tmp_path):
     """A verdict records the share of its bound it used, which a profile without a relative tolerance (sampled:
-    a band in seed spreads) needs; a record from before that is read through its relative tolerance."""
-    from ferry.portability.report_charts import _bound_used
+    a band in seed spreads) needs; a record from before that is read through its relative tolerance, and an
+    exact match used none of a zero (bitwise) bound."""
+    from ferry.portability.rehearsal_record import worst_bound_share
 
     older = rehearsal("cpu-ep2", "cpu", rel=5e-3)
-    assert _bound_used(older) == pytest.approx(0.5)
-    sampled = {**older, "tolerance": {"rtol": 0.0, "seeds": 2, "spread_z": 4.0}}
-    assert _bound_used(sampled) is None
-    sampled["worst"] = {**older["worst"], "max_bound_fraction": 0.37}
-    assert _bound_used(sampled) == 0.37
+    assert worst_bound_share(older) == pytest.approx(0.5)
+    sampled = {**older, "path": "cpu -> cpu-ep2", "source": older["target"], "target": older["source"],
+               "tolerance": {"rtol": 0.0, "seeds": 2, "spread_z": 4.0}}
+    assert worst_bound_share(sampled) is None
+    sampled["worst"] = {**older["worst"], "max_rel_diff": 0.9, "max_bound_fraction": 0.37}
+    assert worst_bound_share(sampled) == 0.37
+    exact = {**older, "tolerance": {"rtol": 0.0}, "worst": {**older["worst"], "max_abs_diff": 0.0, "max_rel_diff": 0.0}}
+    assert worst_bound_share(exact) == 0.0
+
+    folder = tmp_path / "history"
+    append_record(folder, REHEARSALS, older)
+    append_record(folder, REHEARSALS, sampled)
+    write_report(folder, tmp_path / "out", today=TODAY)
+    rows = {row["target"]: row for row in json.loads((tmp_path / "out" / "report.json").read_text())["alternatives"]}
+    assert rows["cpu"]["worst_bound_share"] == pytest.approx(0.5) and rows["cpu-ep2"]["worst_bound_share"] == 0.37
+    assert rows["cpu-ep2"]["worst_rel_diff"] == 0.9
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "| worst deviation / bound |" in text and "relative deviation" not in text
+    assert "| PASS under cross-accelerator | 0.37 |" in text and "| PASS under cross-accelerator | 0.5 |" in text

@@ -67,9 +67,11 @@ stage_training() {
     "$python" benchmarks/accelerator_training.py --data "$data" 2>&1 | tee "$out/accelerator_training.txt"
 }
 
-# Each OLMoE-1B-7B variant is its own process that first initialises 6.9B parameters on the host (ferry
-# initialises on the CPU, so a seed gives the same weights on any hardware): ~190 s on 2 cores, under a
-# minute on 16 (the generator's uniforms are drawn serially). Hence two stages, the acceptance pair first.
+# Each OLMoE-1B-7B variant is its own process; accelerator_training.py has the GPU draw its initial weights
+# (run.init_device: run), where the host's draw (ferry's default, the same weights on any hardware) would take
+# ~3.5 min a variant: it is serial, ~31 ns a parameter whatever the core count. `ferry bench olmoe-1b-7b`
+# (stage suites) keeps the host's draw, its inputs being the suite's on every device. Two stages, the
+# acceptance pair first.
 stage_olmoe() {
     prepare_data || return 1
     "$python" benchmarks/accelerator_training.py --data "$data" --shape olmoe-1b-7b --steps 12 \

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -66,3 +68,38 @@ def test_a_strided_view_is_filled_within_the_bounds():
     base = torch.zeros(64, 48)
     truncated_normal_(base.t(), STD, BOUND)
     assert base.abs().max() <= BOUND and base.std() > STD / 2
+
+
+def test_weights_drawn_on_the_runs_device_are_the_hosts_on_a_cpu_and_recorded(make_config, tmp_path):
+    """`run.init_device: run` draws the weights after the move, by the run's device: on a CPU that is the
+    host's generator, so the run starts from the same weights (digest and losses) and says how it drew them."""
+    from ferry.train import Trainer
+
+    host = Trainer(make_config("train.steps=3", run_dir=tmp_path / "host"))
+    drawn = Trainer(make_config("train.steps=3", "run.init_device=run", run_dir=tmp_path / "drawn"))
+    assert drawn.initial_weights == host.initial_weights
+    for name, tensor in host.model.state_dict().items():
+        assert torch.equal(drawn.model.state_dict()[name], tensor), name
+    assert drawn.fit().losses == host.fit().losses
+    record = json.loads((tmp_path / "drawn" / "run.json").read_text())
+    assert record["config"]["run"]["init_device"] == "run"
+    assert record["initial_weights_xxh3"] == host.initial_weights
+
+
+def test_weights_drawn_on_a_gpu_keep_the_bounds_and_the_spread(make_config, tmp_path):
+    """On a GPU the device's generator draws them (the point: seconds, not the host's serial minutes for
+    billions of parameters): still within three standard deviations, norms at one, the expert bias at zero."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from ferry.train import Trainer
+
+    config = make_config("run.device=cuda", "run.init_device=run", "model.init_std=0.02")
+    model = Trainer(config).model
+    for name, param in model.named_parameters():
+        assert param.device.type == "cuda", name
+        if name.endswith("norm.weight"):
+            assert torch.all(param == 1.0), name
+        else:
+            assert param.abs().max().item() <= 3 * 0.02 + 1e-7, name
+    expert = next(param for name, param in model.named_parameters() if "w_up" in name or "w_gate" in name)
+    assert 0.015 < expert.float().std().item() < 0.02

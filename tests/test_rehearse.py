@@ -353,3 +353,19 @@ def test_a_bundle_reached_through_a_symbolic_link_is_read(bundle, tmp_path):
     link = tmp_path / "bundle-link"
     link.symlink_to(bundle, target_is_directory=True)
     assert read_bundle(link).steps == read_bundle(bundle).steps
+
+
+@pytest.mark.parametrize("form", ["rehearse", "start"])
+def test_weights_drawn_on_each_device_are_refused_before_anything_trains(form, space, tmp_path, capsys):
+    """With `run.init_device: run` each environment draws its own initial weights, so the target's run from
+    scratch would not start where the source's did: both forms that train a source refuse it."""
+    work = tmp_path / "work"
+    if form == "rehearse":
+        argv = ["rehearse", space["config"], "run.init_device=run", "--from", "cpu", "--to", "cpu", *SHORT,
+                "--dir", str(work), "--history", str(space["history"])]
+    else:
+        argv = ["rehearse", "start", space["config"], "run.init_device=run", "--from", "cpu", "--out",
+                str(tmp_path / "bundle"), *SHORT, "--dir", str(work)]
+    assert main(argv) == 2
+    assert "run.init_device is run" in capsys.readouterr().err
+    assert not work.exists() and not (tmp_path / "bundle").exists()

@@ -63,7 +63,7 @@ class Transformer(nn.Module):
     (chosen for the device it will run on); without one, every op is portable.
     """
 
-    def __init__(self, config: ModelConfig, kernels: KernelSelection | None = None):
+    def __init__(self, config: ModelConfig, kernels: KernelSelection | None = None, initialise: bool = True):
         super().__init__()
         self.config = config
         self.kernels = kernels or portable_kernels()
@@ -76,7 +76,8 @@ class Transformer(nn.Module):
         self.output = Linear(config.dim, config.vocab_size, self.kernels)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.reset_parameters()
+        if initialise:
+            self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

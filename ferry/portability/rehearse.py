@@ -146,6 +146,11 @@ def _base_config(
     config_path: str | Path, overrides: list[str], steps: int | None, switch_at: int | None
 ) -> tuple[dict, int, int]:
     config = load_run_config(config_path, list(overrides))
+    if config.run.init_device != "host":
+        raise UserError(
+            f"run.init_device is {config.run.init_device}: the weights would be drawn by each environment's own "
+            "device, and the target's run from scratch would not start where the source's did; use host"
+        )
     steps = config.train.steps if steps is None else steps
     switch_at = steps // 2 if switch_at is None else switch_at
     if steps < 2:

@@ -34,6 +34,13 @@ class RunSection(Section):
     seed: int = Field(0, ge=0)
     device: Literal["auto", "cpu", "cuda", "xpu", "mps"] = "auto"
     overwrite: bool = Field(False, description="replace the records of an earlier run in the same dir")
+    init_device: Literal["host", "run"] = Field(
+        "host",
+        description="where the initial weights are drawn. host: by the CPU's generator, so a seed gives the same "
+        "weights on any hardware (serial: ~30 ns a parameter, minutes for billions); run: on the run's device, "
+        "after the move, in the parameters' dtype (seconds on an accelerator; the weights then depend on the "
+        "device, so a rehearsal refuses it)",
+    )
     host_allocator: Literal["profile", "default", "keep_freed"] = Field(
         "profile",
         description="profile: the hardware profile's preset (cpu: keep_freed, freed memory reused instead of "

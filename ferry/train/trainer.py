@@ -106,9 +106,14 @@ class Trainer:
             low = self.kernels.choices[low_precision_op(self.precision.recipe)].implementation
             self.precision.record_experts_kernel(low.key, native=not low.portable)
         torch.manual_seed(config.run.seed)
-        model = config.model.build(self.kernels)
-        self.initial_weights = weights_digest(model) if self.is_main else None
+        on_host = config.run.init_device == "host"
+        model = config.model.build(self.kernels, initialise=on_host)
+        if on_host:
+            self.initial_weights = weights_digest(model) if self.is_main else None
         self.model: Transformer = model.to(self.device, dtype=self.precision.torch_param_dtype)
+        if not on_host:
+            self.model.reset_parameters()
+            self.initial_weights = weights_digest(self.model) if self.is_main else None
         self.decayed = decayed_parameter_names(self.model)
         expert_parallel = config.parallel.mode == "ep" and config.parallel.ep > 1
         self.compiled = compile_blocks(self.model, train.compile, expert_parallel)

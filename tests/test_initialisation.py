@@ -103,3 +103,24 @@ def test_weights_drawn_on_a_gpu_keep_the_bounds_and_the_spread(make_config, tmp_
             assert param.abs().max().item() <= 3 * 0.02 + 1e-7, name
     expert = next(param for name, param in model.named_parameters() if "w_up" in name or "w_gate" in name)
     assert 0.015 < expert.float().std().item() < 0.02
+
+
+def test_a_run_started_from_a_checkpoints_weights_draws_none_first(make_config, tmp_path, monkeypatch):
+    """`init_from` loads every weight, strictly, so the trainer draws none first (minutes for billions of
+    parameters on the host) and records no digest of a random start; the loaded weights are the parent's."""
+    import ferry.model.transformer as transformer
+    from ferry.train import Trainer
+    from ferry.train.train_state import initialize_from
+
+    parent = Trainer(make_config("train.steps=2", "checkpoint.interval=2", run_dir=tmp_path / "parent"))
+    parent.fit()
+    checkpoint = tmp_path / "parent" / "checkpoints" / "step-00000002"
+    draws = []
+    monkeypatch.setattr(transformer, "truncated_normal_", lambda *args, **kwargs: draws.append(args[0].shape))
+    child = Trainer(make_config("train.steps=2", f"init_from={checkpoint}", run_dir=tmp_path / "child"))
+    assert draws == [] and child.initial_weights is None
+    initialize_from(child, checkpoint)
+    for name, tensor in parent.model.state_dict().items():
+        assert torch.equal(child.model.state_dict()[name], tensor), name
+    Trainer(make_config("train.steps=2", run_dir=tmp_path / "drawn"))
+    assert len(draws) > 0, "a run from scratch draws its weights"

@@ -122,7 +122,6 @@ def initialize_from(trainer: Trainer, path: Path) -> list[str]:
     optimizer = f"from {checkpoint.path}" if with_optimizer else "fresh"
     weights = f"from {checkpoint.path} (step {checkpoint.step})"
     trainer.carried = {"weights": weights, "optimizer": optimizer, "schedule": "fresh"}
-    trainer.initial_weights = None  # the digest of the random initialisation no longer describes the start
     state = "weights and optimizer state" if with_optimizer else "weights"
     fresh = "data position and schedule" if with_optimizer else "optimizer, data position and schedule"
     return [f"{state} initialised from {checkpoint.path} (step {checkpoint.step}); {fresh} start fresh"]

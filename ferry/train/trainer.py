@@ -106,12 +106,14 @@ class Trainer:
             low = self.kernels.choices[low_precision_op(self.precision.recipe)].implementation
             self.precision.record_experts_kernel(low.key, native=not low.portable)
         torch.manual_seed(config.run.seed)
+        # A run started from a checkpoint's weights (`init_from`, or its own checkpoint when it resumes) loads
+        # every one of them, strictly: drawing them first would only cost time (minutes for billions).
+        drawn = config.init_from is None
         on_host = config.run.init_device == "host"
-        model = config.model.build(self.kernels, initialise=on_host)
-        if on_host:
-            self.initial_weights = weights_digest(model) if self.is_main else None
+        model = config.model.build(self.kernels, initialise=drawn and on_host)
+        self.initial_weights = weights_digest(model) if drawn and on_host and self.is_main else None
         self.model: Transformer = model.to(self.device, dtype=self.precision.torch_param_dtype)
-        if not on_host:
+        if drawn and not on_host:
             self.model.reset_parameters()
             self.initial_weights = weights_digest(self.model) if self.is_main else None
         self.decayed = decayed_parameter_names(self.model)

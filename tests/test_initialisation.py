@@ -88,7 +88,7 @@ def test_weights_drawn_on_the_runs_device_are_the_hosts_on_a_cpu_and_recorded(ma
 
 def test_weights_drawn_on_a_gpu_keep_the_bounds_and_the_spread(make_config, tmp_path):
     """On a GPU the device's generator draws them (the point: seconds, not the host's serial minutes for
-    billions of parameters): still within three standard deviations, norms at one, the expert bias at zero."""
+    billions of parameters): still within three standard deviations, with the norms at one."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from ferry.train import Trainer

@@ -90,6 +90,18 @@ def test_an_ep2_checkpoint_resumes_in_another_2_rank_layout(reference, stdlib_da
     assert _relative(continued, reference["single"][5:]) < LAYOUT_TOLERANCE
 
 
+@pytest.mark.parametrize("layout", [("parallel.ep=2",), ("parallel.mode=fsdp",)], ids=["ep2", "fsdp"])
+def test_a_resume_that_finds_nothing_gives_each_rank_its_piece_of_the_seeds_weights(
+    reference, stdlib_dataset, tmp_path, layout
+):
+    """A run asked to resume draws its weights only when it finds no checkpoint, after they were laid out over
+    the ranks: each rank's experts (EP) or shards (FSDP) are its piece of what a run from scratch draws."""
+    run = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path), "resume=latest", *layout)
+    assert _relative(run[0]["losses"], reference["single"]) < LAYOUT_TOLERANCE
+    resumed, single = (json.loads((path / "run.json").read_text()) for path in (tmp_path, reference["single_dir"]))
+    assert resumed["initial_weights_xxh3"] == single["initial_weights_xxh3"] is not None
+
+
 @pytest.mark.parametrize("layout", [(), ("parallel.mode=fsdp",)], ids=["one-process", "fsdp"])
 def test_the_chunked_head_loss_trains_as_logits_then_loss(reference, stdlib_dataset, tmp_path, layout):
     """`train.loss_chunk` (here 40 tokens, not a divisor of the micro-batch's 128) changes where the head's

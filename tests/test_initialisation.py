@@ -124,3 +124,48 @@ def test_a_run_started_from_a_checkpoints_weights_draws_none_first(make_config, 
         assert torch.equal(child.model.state_dict()[name], tensor), name
     Trainer(make_config("train.steps=2", run_dir=tmp_path / "drawn"))
     assert len(draws) > 0, "a run from scratch draws its weights"
+
+
+def test_a_resume_that_finds_nothing_draws_what_a_run_from_scratch_draws(make_config, tmp_path, monkeypatch):
+    """A run asked to resume builds its model undrawn and draws the seed's weights only once it finds no
+    checkpoint: the same weights, digest, generator state after them, and so the same losses."""
+    import ferry.model.transformer as transformer
+    from ferry.train import Trainer
+    from ferry.train.train_state import draw_deferred_weights
+
+    scratch = Trainer(make_config("train.steps=3", run_dir=tmp_path / "scratch"))
+    generator_after_draw = torch.get_rng_state()
+    drawn = []
+    real_draw = transformer.truncated_normal_
+
+    def counted_draw(tensor: torch.Tensor, std: float, bound: float) -> torch.Tensor:
+        drawn.append(tensor.shape)
+        return real_draw(tensor, std, bound)
+
+    monkeypatch.setattr(transformer, "truncated_normal_", counted_draw)
+    resumed = Trainer(make_config("train.steps=3", "resume=latest", run_dir=tmp_path / "resumed"))
+    assert drawn == [] and resumed.initial_weights is None
+    assert draw_deferred_weights(resumed) == scratch.initial_weights and len(drawn) > 0
+    assert torch.equal(torch.get_rng_state(), generator_after_draw)
+    for name, tensor in scratch.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+    restarted = Trainer(make_config("train.steps=3", "resume=latest", run_dir=tmp_path / "restarted"))
+    assert restarted.fit().losses == scratch.fit().losses
+    record = json.loads((tmp_path / "restarted" / "run.json").read_text())
+    assert record["initial_weights_xxh3"] == scratch.initial_weights
+
+
+def test_a_resume_that_finds_its_checkpoint_draws_nothing(make_config, tmp_path, monkeypatch):
+    """The checkpoint replaces every weight, so nothing is drawn first, and the run continues as the
+    uninterrupted one does."""
+    import ferry.model.transformer as transformer
+    from ferry.train import Trainer
+
+    straight = Trainer(make_config("train.steps=4", run_dir=tmp_path / "straight")).fit().losses
+    stopped = make_config("train.steps=4", "train.stop_at=2", "checkpoint.interval=2", run_dir=tmp_path / "stopped")
+    assert Trainer(stopped).fit().losses == straight[:2]
+    drawn = []
+    monkeypatch.setattr(transformer, "truncated_normal_", lambda *args, **kwargs: drawn.append(args[0].shape))
+    resumed = make_config("train.steps=4", "resume=latest", "checkpoint.interval=2", run_dir=tmp_path / "stopped")
+    assert Trainer(resumed).fit().losses == straight[2:]
+    assert drawn == []

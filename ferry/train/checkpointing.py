@@ -246,6 +246,15 @@ def restore_rng(checkpoint: Checkpoint, device: torch.device, rank: int, world_s
     return []
 
 
+def copy_into_piece(targets: dict[str, torch.Tensor], name: str, whole: torch.Tensor, plan: ParallelPlan) -> None:
+    """Copy this rank's piece of `whole`, the logical tensor of state-dict entry `name`, into the entry in
+    `targets` (the model's state dict), whatever the layout: an FSDP shard, an EP rank's experts, or all of it."""
+    piece = _piece(name, targets[name], plan)
+    window = tuple(slice(start, start + size) for start, size in zip(piece.offset, piece.local.shape, strict=True))
+    with torch.no_grad():
+        piece.local.copy_(whole[window])
+
+
 def _piece(name: str, tensor: torch.Tensor, plan: ParallelPlan) -> TensorPiece:
     """Where this rank's `tensor` (of parameter/buffer `name`) sits in the logical global tensor."""
     if isinstance(tensor, DTensor):

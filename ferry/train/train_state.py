@@ -1,6 +1,7 @@
 """The trainer's state in and out of checkpoints: what a save holds beside the tensors, resuming a run
-where its checkpoint left it (in this run's layout), and starting from another run's weights
-(`init_from`). The tensors themselves go by logical names (`ferry.train.checkpointing`)."""
+where its checkpoint left it (in this run's layout), starting from another run's weights (`init_from`),
+and the seed's weights for a resume that finds nothing to resume from. The tensors themselves go by
+logical names (`ferry.train.checkpointing`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from ferry.checkpoint import (
@@ -21,8 +23,10 @@ from ferry.checkpoint import (
 )
 from ferry.config import UserError
 from ferry.data import DataCursor
+from ferry.model.digest import weights_digest
 from ferry.train.checkpointing import (
     check_config,
+    copy_into_piece,
     optimizer_prefetch,
     optimizer_record,
     restore_model,
@@ -161,3 +165,23 @@ def shared_verification(trainer: Trainer) -> SharedVerification | None:
         return payloads
 
     return SharedVerification(trainer.rank, trainer.world_size, agree)
+
+
+def draw_deferred_weights(trainer: Trainer) -> str | None:
+    """Give a run that resumed from nothing the weights a run from scratch starts from; return their digest
+    (main rank only, else None).
+
+    A run asked to resume builds its model without drawing it: a checkpoint, once found, replaces every
+    weight, and at billions of parameters the host's draw takes minutes, paid on every restart. Only when
+    no checkpoint is found are the weights drawn, here, after the model was laid out over the ranks: the
+    whole model on the host from the run's seed, exactly as a run from scratch builds it (the generator
+    ends where that run's does), and each rank copies its piece of every tensor (the layout-neutral load
+    path of a checkpoint).
+    """
+    config = trainer.config
+    torch.default_generator.manual_seed(config.run.seed)
+    drawn = config.model.build(trainer.kernels)
+    targets = trainer.model.state_dict()
+    for name, whole in drawn.state_dict().items():
+        copy_into_piece(targets, name, whole, trainer.plan)
+    return weights_digest(drawn) if trainer.is_main else None

@@ -55,7 +55,7 @@ from ferry.train.optimizer import decayed_parameter_names, learning_rate
 from ferry.train.resilience import Resilience, restarted_by_torchrun
 from ferry.train.run_record import RunRecord, prepare_run_dir
 from ferry.train.step_statistics import StepStatistics
-from ferry.train.train_state import checkpoint_state, initialize_from, resume_from
+from ferry.train.train_state import checkpoint_state, draw_deferred_weights, initialize_from, resume_from
 
 
 @dataclass
@@ -107,11 +107,14 @@ class Trainer:
             self.precision.record_experts_kernel(low.key, native=not low.portable)
         torch.manual_seed(config.run.seed)
         # A run started from a checkpoint's weights (`init_from`, or its own checkpoint when it resumes) loads
-        # every one of them, strictly: drawing them first would only cost time (minutes for billions).
+        # every one of them, strictly: drawing them first would only cost time (minutes for billions). A run
+        # asked to resume draws on the host only if it finds nothing to resume from (`draw_deferred_weights`).
         drawn = config.init_from is None
         on_host = config.run.init_device == "host"
-        model = config.model.build(self.kernels, initialise=drawn and on_host)
-        self.initial_weights = weights_digest(model) if drawn and on_host and self.is_main else None
+        self.draw_deferred = drawn and on_host and (config.resume is not None or restarted_by_torchrun())
+        drawn_now = drawn and on_host and not self.draw_deferred
+        model = config.model.build(self.kernels, initialise=drawn_now)
+        self.initial_weights = weights_digest(model) if drawn_now and self.is_main else None
         self.model: Transformer = model.to(self.device, dtype=self.precision.torch_param_dtype)
         if drawn and not on_host:
             self.model.reset_parameters()
@@ -167,6 +170,8 @@ class Trainer:
             resume = "latest"  # restarted by torchrun's agent: the run's own newest checkpoint, or step 0
         self.resilience.note_agent_restart()
         found, notes, resume_times = resume_from(self, resume)
+        if self.draw_deferred and not (found and found.checkpoint):
+            self.initial_weights = draw_deferred_weights(self)
         if config.init_from is not None and not (found and found.checkpoint):
             notes += initialize_from(self, Path(config.init_from))
         notes += self.objective.prepare(self)

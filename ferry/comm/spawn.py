@@ -2,6 +2,12 @@
 
 Used by tests and benchmarks: every rank's exception comes back with its rank
 and traceback, and a job that does not finish in time is killed, never left hanging.
+
+The ranks are forked from a server process started once per calling process, which has imported torch
+and ferry's trainer: a fresh interpreter spends ~5 s importing them (torch, and torch's compiler stack,
+which every optimizer imports), far more than a tiny job's work. A forked rank starts with nothing else
+from its caller: the job's variables are set by `_entry`, and no process group or device exists in the
+server to be inherited.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
+PRELOADED = ["torch", "torch.distributed", "ferry.train"]
+
+
 class RankFailure(RuntimeError):
     """One or more ranks raised; the message holds each failing rank's traceback."""
 
@@ -28,7 +37,8 @@ def free_port() -> int:
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
     """Call `fn(*args)` on `world_size` spawned processes; return each rank's result, in rank order."""
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)  # read when the server starts, on the first call
     results = context.Queue()
     port = free_port()
     processes = [

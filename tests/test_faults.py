@@ -515,3 +515,30 @@ def test_a_hang_while_loading_a_checkpoint_is_caught_and_named(stdlib_dataset, t
     assert "stuck in checkpoint load" in result.stderr
     causes = collect_causes(tmp_path / "run")
     assert any("checkpoint load" in str(cause) for cause in causes), causes
+
+
+def test_a_long_initial_draw_after_a_resume_from_nothing_is_not_taken_for_a_hang(stdlib_dataset, tmp_path):
+    """A run asked to resume draws its weights only once it has found no checkpoint, inside the window the
+    watchdog gives the load: the draw tells it after each parameter that it is moving (a real process: a
+    watchdog that fired would end it). Here each of the 17 draws takes 0.2 s against a 2 s limit, 3.4 s in all."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "slow_draw.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        "import ferry.model.transformer as transformer\n"
+        "from ferry.train import Trainer\n"
+        "from conftest import tiny_config\n"
+        "draw = transformer.truncated_normal_\n"
+        "transformer.truncated_normal_ = lambda *args, **kwargs: (time.sleep(0.2), draw(*args, **kwargs))[1]\n"
+        f"config = tiny_config({str(stdlib_dataset)!r}, {str(tmp_path / 'run')!r}, 'resume=latest', 'train.steps=2',\n"
+        "    'fault.hang_timeout_s=2', 'fault.hang_first_step_s=0', 'fault.hang_checkpoint_s=0')\n"
+        "Trainer(config).fit()\n",
+        encoding="utf-8",
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["status"] == "completed" and record["initial_weights_xxh3"] is not None

@@ -145,7 +145,10 @@ def test_a_resume_that_finds_nothing_draws_what_a_run_from_scratch_draws(make_co
     monkeypatch.setattr(transformer, "truncated_normal_", counted_draw)
     resumed = Trainer(make_config("train.steps=3", "resume=latest", run_dir=tmp_path / "resumed"))
     assert drawn == [] and resumed.initial_weights is None
-    assert draw_deferred_weights(resumed) == scratch.initial_weights and len(drawn) > 0
+    progress = []
+    assert draw_deferred_weights(resumed, lambda: progress.append(len(drawn))) == scratch.initial_weights
+    parameters = len(list(resumed.model.parameters()))
+    assert len(drawn) > 0 and len(progress) == parameters + 1, "told after each parameter and at the end"
     assert torch.equal(torch.get_rng_state(), generator_after_draw)
     for name, tensor in scratch.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +81,12 @@ class Transformer(nn.Module):
             self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 * n_layers)."""
+    def reset_parameters(self, progress: Callable[[], None] = lambda: None) -> None:
+        """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 * n_layers).
+
+        `progress` is called after each parameter: a draw of billions takes minutes on the host, and
+        whoever watches for hangs can tell it is still moving.
+        """
         std = self.config.init_std
         residual_std = std / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
@@ -91,6 +96,7 @@ class Transformer(nn.Module):
                 truncated_normal_(param, std=residual_std, bound=3 * residual_std)
             else:
                 truncated_normal_(param, std=std, bound=3 * std)
+            progress()
         for module in self.modules():
             if hasattr(module, "expert_bias_E"):
                 module.expert_bias_E.zero_()

@@ -6,6 +6,7 @@ logical names (`ferry.train.checkpointing`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -167,7 +168,7 @@ def shared_verification(trainer: Trainer) -> SharedVerification | None:
     return SharedVerification(trainer.rank, trainer.world_size, agree)
 
 
-def draw_deferred_weights(trainer: Trainer) -> str | None:
+def draw_deferred_weights(trainer: Trainer, progress: Callable[[], None]) -> str | None:
     """Give a run that resumed from nothing the weights a run from scratch starts from; return their digest
     (main rank only, else None).
 
@@ -176,12 +177,14 @@ def draw_deferred_weights(trainer: Trainer) -> str | None:
     no checkpoint is found are the weights drawn, here, after the model was laid out over the ranks: the
     whole model on the host from the run's seed, exactly as a run from scratch builds it (the generator
     ends where that run's does), and each rank copies its piece of every tensor (the layout-neutral load
-    path of a checkpoint).
+    path of a checkpoint). `progress` is called as each parameter is drawn and once they are all in place.
     """
     config = trainer.config
     torch.default_generator.manual_seed(config.run.seed)
-    drawn = config.model.build(trainer.kernels)
+    drawn = config.model.build(trainer.kernels, initialise=False)  # the constructors draw too, as in any build
+    drawn.reset_parameters(progress)
     targets = trainer.model.state_dict()
     for name, whole in drawn.state_dict().items():
         copy_into_piece(targets, name, whole, trainer.plan)
+    progress()
     return weights_digest(drawn) if trainer.is_main else None

@@ -171,7 +171,10 @@ class Trainer:
         self.resilience.note_agent_restart()
         found, notes, resume_times = resume_from(self, resume)
         if self.draw_deferred and not (found and found.checkpoint):
-            self.initial_weights = draw_deferred_weights(self)
+            self.resilience.watchdog.phase("initial weights draw")
+            self.initial_weights = draw_deferred_weights(self, self.resilience.watchdog.touch)
+            self.resilience.watchdog.phase("checkpoint load")
+        self.draw_deferred = False  # the weights are the checkpoint's or the seed's from here on
         if config.init_from is not None and not (found and found.checkpoint):
             notes += initialize_from(self, Path(config.init_from))
         notes += self.objective.prepare(self)

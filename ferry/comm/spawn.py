@@ -5,9 +5,11 @@ and traceback, and a job that does not finish in time is killed, never left hang
 
 The ranks are forked from a server process started once per calling process, which has imported torch
 and ferry's trainer: a fresh interpreter spends ~5 s importing them (torch, and torch's compiler stack,
-which every optimizer imports), far more than a tiny job's work. A forked rank starts with nothing else
-from its caller: the job's variables are set by `_entry`, and no process group or device exists in the
-server to be inherited.
+which every optimizer imports), far more than a tiny job's work. No process group or device exists in
+the server to be inherited. A rank gets its caller's environment as it is at the call (the server's is
+the one of its start), with the job's variables on top. Its output goes where the server's went when it
+started, which under a test runner's capture is not the calling test's: what a rank has to say comes
+back as its result or, when it raises, as its traceback in `RankFailure`.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ def free_port() -> int:
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
-    """Call `fn(*args)` on `world_size` spawned processes; return each rank's result, in rank order."""
+    """Call `fn(*args)` on `world_size` local processes; return each rank's result, in rank order."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOADED)  # read when the server starts, on the first call
     results = context.Queue()
     port = free_port()
+    environment = dict(os.environ)
     processes = [
-        context.Process(target=_entry, args=(fn, rank, world_size, port, args, results), daemon=True)
+        context.Process(target=_entry, args=(fn, rank, world_size, port, args, results, environment), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:
@@ -68,7 +71,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
     return [outcomes[rank][1] for rank in range(world_size)]
 
 
-def _entry(fn, rank, world_size, port, args, results) -> None:
+def _entry(fn, rank, world_size, port, args, results, environment: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(
         {
             "RANK": str(rank),

@@ -1,8 +1,9 @@
 """A digest of a model's weights: two runs (or two machines) started from the same values, or not.
 
-Initial weights are drawn on the CPU from `run.seed` before the model moves to its
-device or is split over ranks, so the same seed gives the same values everywhere;
-this digest is how a benchmark or a rehearsal shows it rather than assumes it.
+Initial weights are drawn whole on the CPU from `run.seed` (before the model moves to its
+device or is split over ranks; for a run that resumed from nothing, after, each rank taking
+its piece), so the same seed gives the same values everywhere; this digest is how a
+benchmark or a rehearsal shows it rather than assumes it.
 """
 
 from __future__ import annotations

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from ferry.checkpoint.format import MANIFEST_DIGEST, MANIFEST_NAME, seal_manifest
 from ferry.config.loader import apply_overrides, validate
 from ferry.data import PrepareSpec, prepare_dataset
 from ferry.train import RunConfig
@@ -29,6 +32,16 @@ TINY_RUN = {
     "train": {"steps": 6, "global_batch": 8, "micro_batch": 4, "log_every": 1},
     "optim": {"lr": 3e-3, "warmup_steps": 2},
 }
+
+
+def rewrite_manifest(checkpoint: Path, edit: Callable[[dict], None]) -> None:
+    """Apply `edit` to a checkpoint's manifest and seal it again, as a writer of that content would have: the
+    checks a test aims at see a manifest whose own digest matches. An edit that removes `manifest_sha256` (a
+    manifest of an older format version) leaves it unsealed."""
+    path = Path(checkpoint) / MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(seal_manifest(manifest) if MANIFEST_DIGEST in manifest else manifest))
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """The checkpoint format on its own: pieces from several ranks, resharded reads, tiling, atomicity, no pickle."""
 
 import hashlib
-import json
 import pickle
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from ferry.checkpoint import (
     write_rank_files,
 )
 
-from conftest import REPO
+from conftest import REPO, rewrite_manifest
 
 
 def _meta(step: int, world_size: int = 1, ep_degree: int = 1) -> CheckpointMeta:
@@ -79,9 +78,7 @@ def test_pieces_must_cover_each_tensor_exactly_once(tmp_path):
 
 def test_a_manifest_whose_pieces_leave_a_gap_is_invalid(tmp_path):
     path = save_checkpoint(tmp_path, {"model.w": TensorPiece.whole(torch.zeros(4, 2))}, _meta(1))
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["tensors"]["model.w"]["shape"] = [5, 2]
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(path, lambda manifest: manifest["tensors"]["model.w"].update(shape=[5, 2]))
     with pytest.raises(CheckpointError, match="cover 8 of 10"):
         verify_checkpoint(path)
 
@@ -135,13 +132,12 @@ def test_a_planted_pickle_is_refused_and_never_runs(tmp_path):
 
     swapped = save_checkpoint(tmp_path / "b", pieces, _meta(1))
     (swapped / "optim-rank00000-part0000.safetensors").write_bytes(payload)
-    manifest = json.loads((swapped / "manifest.json").read_text())
-    manifest["files"]["optim-rank00000-part0000.safetensors"] = {
+    record = {
         "bytes": len(payload),
         "sha256": hashlib.sha256(payload).hexdigest(),
         "xxh3_128": xxhash.xxh3_128(payload).hexdigest(),
     }
-    (swapped / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(swapped, lambda manifest: manifest["files"].update({"optim-rank00000-part0000.safetensors": record}))
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
         verify_checkpoint(swapped)
     assert not marker.exists()

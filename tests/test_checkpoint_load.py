@@ -35,6 +35,7 @@ from ferry.train.checkpointing import (
 from ferry.train.optimizer import decayed_parameter_names
 
 import distributed_cases
+from conftest import rewrite_manifest
 
 
 def _meta(step: int = 1, train_state: dict | None = None) -> CheckpointMeta:
@@ -69,14 +70,15 @@ def test_a_group_is_split_into_parts_of_bounded_size_that_read_back_whole(tmp_pa
 
 
 def _rename_files(path, renames: dict[str, str]) -> None:
-    manifest = json.loads((path / "manifest.json").read_text())
-    for old, new in renames.items():
-        (path / old).rename(path / new)
-        manifest["files"][new] = manifest["files"].pop(old)
-        for record in manifest["tensors"].values():
-            for piece in record["pieces"]:
-                piece["file"] = new if piece["file"] == old else piece["file"]
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    def renamed(manifest):
+        for old, new in renames.items():
+            (path / old).rename(path / new)
+            manifest["files"][new] = manifest["files"].pop(old)
+            for record in manifest["tensors"].values():
+                for piece in record["pieces"]:
+                    piece["file"] = new if piece["file"] == old else piece["file"]
+
+    rewrite_manifest(path, renamed)
 
 
 def test_checkpoints_named_before_parts_still_verify_and_read(tmp_path):

@@ -1,4 +1,4 @@
-"""(b) A checkpoint is readable by `safetensors` + `json` alone: no ferry, no torch."""
+"""(b) A checkpoint is readable and verifiable by `safetensors`, `json` and `hashlib` alone: no ferry, no torch."""
 
 import hashlib
 import json
@@ -17,6 +17,11 @@ from safetensors.numpy import load_file
 
 checkpoint, expected_path = Path(sys.argv[1]), Path(sys.argv[2])
 manifest = json.loads((checkpoint / "manifest.json").read_text())
+body = {key: value for key, value in manifest.items() if key != "manifest_sha256"}
+canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+assert hashlib.sha256(canonical).hexdigest() == manifest["manifest_sha256"], "the manifest's own digest"
+for file, record in manifest["files"].items():
+    assert hashlib.sha256((checkpoint / file).read_bytes()).hexdigest() == record["sha256"], file
 files = {}
 
 def logical(name):

@@ -98,6 +98,40 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one_with_a_war
     verify_checkpoint(newest)
 
 
+def test_a_rollback_sets_the_abandoned_branch_aside_and_latest_follows_the_new_one(make_config, tmp_path, capsys):
+    """Resuming at step 2 of a run that saved up to step 6: the checkpoints of steps 4 and 6 are moved out of
+    the way (kept), so the new branch's saves are what `resume=latest` and pruning see."""
+    run_dir = tmp_path / "run"
+    saving = ("train.steps=8", "checkpoint.interval=2", "checkpoint.keep=2")
+    Trainer(make_config(*saving, run_dir=run_dir)).fit(stop_at=6)
+    checkpoints = run_dir / "checkpoints"
+    assert [p.name for p in list_checkpoints(checkpoints)] == ["step-00000004", "step-00000006"]
+    Trainer(make_config(*saving, run_dir=tmp_path / "short")).fit(stop_at=2)
+    branch_point = tmp_path / "short" / "checkpoints" / "step-00000002"
+    capsys.readouterr()
+
+    changed = ("optim.lr=1e-3", "checkpoint.interval=1")
+    Trainer(make_config(*saving, *changed, f"resume={branch_point}", run_dir=run_dir)).fit(stop_at=3)
+    out = capsys.readouterr().out
+    assert "goes on from step 2; the checkpoints it leaves behind (step-00000004, step-00000006)" in out
+    (folder,) = (checkpoints / "abandoned").iterdir()
+    assert folder.name.startswith("resumed-at-step-00000002-")
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000004", "step-00000006"]
+    verify_checkpoint(folder / "step-00000006")  # kept whole
+    assert [p.name for p in list_checkpoints(checkpoints)] == ["step-00000003"]
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["abandoned_checkpoints"] == {
+        str(checkpoints / name): str(folder / name) for name in ("step-00000004", "step-00000006")
+    }
+
+    straight = Trainer(make_config(*saving, *changed, f"resume={branch_point}", run_dir=tmp_path / "b")).fit()
+    resumed = Trainer(make_config(*saving, *changed, "resume=latest", run_dir=run_dir)).fit()
+    assert "resuming from" in capsys.readouterr().out
+    assert resumed.losses == straight.losses[1:]
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, 9))
+    assert [p.name for p in list_checkpoints(checkpoints)] == ["step-00000007", "step-00000008"]
+
+
 def test_a_pickle_planted_in_the_newest_checkpoint_makes_resume_fall_back_without_running_it(
     make_config, tmp_path, capsys
 ):
@@ -197,6 +231,25 @@ def test_a_checkpoint_from_before_a_model_field_existed_resumes_with_its_default
     assert check_config(old, config) == []
     with pytest.raises(ConfigError, match="model.qk_norm_scope: checkpoint 'projection', this run 'head'"):
         check_config(old, make_config("model.qk_norm=true", "model.qk_norm_scope=head"))
+
+
+def test_how_a_model_is_trained_may_change_what_it_computes_may_not(make_config, tmp_path):
+    """The routers' loss weights, the bias balancing's step and the initial draw's scale are notes, as is the
+    width of dense layers when neither side has one; the width of a dense layer that exists is refused."""
+    from types import SimpleNamespace
+
+    from ferry.train.checkpointing import check_config
+
+    saved = make_config("model.dense_layers=0").model_dump(mode="json")
+    old = SimpleNamespace(path=tmp_path, manifest=SimpleNamespace(model=saved["model"], run_config=saved))
+    training = ("model.moe.z_loss_coef=0.01", "model.moe.aux_loss_coef=0.1", "model.init_std=0.01",
+                "model.moe.bias_balancing.update_rate=0.01")
+    notes = check_config(old, make_config("model.dense_layers=0", "model.dense_ffn_dim=48", *training))
+    assert sorted(note.split(":")[0] for note in notes) == sorted(item.split("=")[0] for item in training)
+    dense = make_config("model.dense_layers=1").model_dump(mode="json")
+    old = SimpleNamespace(path=tmp_path, manifest=SimpleNamespace(model=dense["model"], run_config=dense))
+    with pytest.raises(ConfigError, match="model.dense_ffn_dim: checkpoint 64, this run 48"):
+        check_config(old, make_config("model.dense_layers=1", "model.dense_ffn_dim=48"))
 
 
 def test_other_config_changes_are_reported_on_resume(make_config, tmp_path, capsys):

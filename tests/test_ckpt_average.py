@@ -82,3 +82,19 @@ def test_init_optimizer_starts_from_the_checkpoints_adamw_state(two_checkpoints,
     weights_only = Trainer(make_config("train.steps=1", f"init_from={tmp_path / 'soup'}", "init_optimizer=true"))
     with pytest.raises(UserError, match="holds no optimizer state"):
         weights_only.fit()
+
+
+@pytest.mark.parametrize("optimizer", ["drop", "average"])
+def test_an_average_is_refused_as_a_resume_and_the_message_says_how_to_start_from_it(
+    two_checkpoints, make_config, tmp_path, optimizer
+):
+    from ferry.config import UserError
+
+    early, late = two_checkpoints
+    assert main(["ckpt", "average", str(early), str(late), "--out", str(tmp_path / "soup"), "--optimizer", optimizer]) == 0
+    soup = tmp_path / "soup" / "step-00000004"
+    missing = "data position, RNG state" if optimizer == "average" else "AdamW state, data position, RNG state"
+    start = f"init_from={soup} init_optimizer=true" if optimizer == "average" else f"init_from={soup}"
+    trainer = Trainer(make_config("train.steps=6", f"resume={soup}", run_dir=tmp_path / "run"))
+    with pytest.raises(UserError, match=f"holds no {missing}: .* start from it with {start}$"):
+        trainer.fit()

@@ -68,6 +68,37 @@ def test_a_run_records_held_out_loss_at_its_interval_and_ferry_eval_agrees(
     assert "loss.png" in {path.name for path in plot_run(config.run.path).written}
 
 
+def test_an_export_of_a_document_masked_run_is_evaluated_as_the_run_was_when_asked(
+    make_config, stdlib_dataset, tmp_path, capsys
+):
+    """An export records no run, so `ferry eval` of it attends across documents unless `--document-masking on`
+    says what the run did; with it, the figure is the run's."""
+    qwen3_shaped = ("model.qk_norm=true", "model.qk_norm_scope=head")
+    config = make_config(
+        "train.steps=2", "data.document_masking=true", *qwen3_shaped, _sources(("held_out", stdlib_dataset)),
+        *HELD_OUT,
+    )
+    Trainer(config).fit()
+    recorded = [json.loads(line) for line in (config.run.path / "metrics.jsonl").read_text().splitlines()][-1]
+    assert main(["export", str(config.run.path / "checkpoints" / "step-00000002"), str(tmp_path / "hf")]) == 0
+    exported = ["eval", str(tmp_path / "hf"), "--seq-len", "32", "--batches", "2", "--batch-size", "8", "--json"]
+    losses = {}
+    for masking in ("run", "on", "off"):
+        capsys.readouterr()
+        assert main([*exported, "--data", str(stdlib_dataset), "--document-masking", masking]) == 0
+        losses[masking] = json.loads(capsys.readouterr().out)["datasets"][str(stdlib_dataset)]["loss"]
+    assert losses["on"] == pytest.approx(recorded["eval.loss"]["held_out"], rel=1e-5)
+    short = tmp_path / "short.jsonl"  # documents of a few tokens: every window holds several
+    short.write_text("".join(json.dumps({"text": f"x = {n} + {n * 7}"}) + "\n" for n in range(400)))
+    tokenizer = str(stdlib_dataset / "tokenizer.json")
+    prepare_dataset(PrepareSpec(inputs=[str(short)], tokenizer=tokenizer), tmp_path / "short")
+    for masking in ("run", "on", "off"):
+        capsys.readouterr()
+        assert main([*exported, "--data", str(tmp_path / "short"), "--document-masking", masking]) == 0
+        losses[masking] = json.loads(capsys.readouterr().out)["datasets"][str(tmp_path / "short")]["loss"]
+    assert losses["run"] == losses["off"] != losses["on"]
+
+
 def test_the_windows_and_the_figure_do_not_depend_on_the_micro_batch(make_config, stdlib_dataset):
     trainer = Trainer(make_config("train.steps=1"))
     config = EvalConfig.model_validate({"sources": [{"name": "a", "path": str(stdlib_dataset)}], "batches": 3})

@@ -6,12 +6,14 @@ end a completion, and `ferry generate` works on a trained checkpoint and refuses
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from ferry.cli.main import main
+from ferry.config import UserError
 from ferry.inference import GenerationConfig, generate
 from ferry.inference.sampling import filter_scores, next_tokens
 from ferry.interop.architectures import hf_config, to_hf_state
@@ -115,8 +117,11 @@ def test_eos_and_stop_strings_end_a_completion():
     prompt = [[3, 4, 5]]
     free = generate(model, prompt, GREEDY).completions[0].tokens
     eos = free[4]
-    ended = generate(model, prompt, GREEDY, eos_id=eos).completions[0]
+    ended = generate(model, prompt, GREEDY, end_ids=[eos]).completions[0]
     assert ended.tokens == free[: free.index(eos) + 1] and ended.finish_reason == "eos"
+    first, second = free[4], free[2]  # either of two end tokens ends it, whichever comes first
+    ended = generate(model, prompt, GREEDY, end_ids=[first, second]).completions[0]
+    assert ended.tokens == free[: min(free.index(first), free.index(second)) + 1] and ended.finish_reason == "eos"
 
     def decode(ids: list[int]) -> str:
         return "".join(chr(ord("a") + token % 26) for token in ids)
@@ -133,6 +138,10 @@ def test_generation_stops_at_max_seq_len():
     model = _random_model(config)
     completion = generate(model, [[1] * 10], GenerationConfig(max_new_tokens=50, temperature=0.0)).completions[0]
     assert len(completion.tokens) == 7 and completion.finish_reason == "length"
+    full = generate(model, [[1] * 16], GREEDY).completions[0]  # a prompt that fills the model still predicts one
+    assert len(full.tokens) == 1 and full.finish_reason == "length"
+    with pytest.raises(UserError, match="a prompt of 17 tokens exceeds model.max_seq_len"):
+        generate(model, [[1] * 17], GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +213,35 @@ def test_bad_generate_input_exits_2_naming_it(trained_run, argv, named, capsys):
 def test_generate_refuses_a_missing_source(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     assert "nothing" in capsys.readouterr().err
+
+
+def test_a_tokenizer_that_encodes_otherwise_than_the_runs_is_refused_wherever_it_is_found(
+    trained_run, tmp_path, capsys
+):
+    """The run's data directory is looked up by its recorded path, which may hold another tokenizer by now: the
+    checkpoint's encoding digest decides, for a given `--tokenizer` as for the found one, in generate and export."""
+    import shutil
+
+    from ferry.data.tokenizer import BPETokenizer
+
+    from conftest import rewrite_manifest
+
+    checkpoint = trained_run / "checkpoints" / "step-00000002"
+    other = tmp_path / "other" / "tokenizer.json"
+    other.parent.mkdir()
+    other.write_text(BPETokenizer.train(["while True:\n    pass\n" * 50, "import sys\n" * 50], 500).to_json())
+    assert main(["generate", str(checkpoint), "--prompt", "x", "--tokenizer", str(other)]) == 2
+    assert f"tokenizer {other} encodes text otherwise than the one {checkpoint} was trained with" in (
+        capsys.readouterr().err
+    )
+    moved = tmp_path / "moved" / "step-00000002"
+    shutil.copytree(checkpoint, moved)
+    rewrite_manifest(moved, lambda manifest: manifest["run_config"]["data"]["sources"][0].update(path=str(other.parent)))
+    for command in (["generate", str(moved), "--prompt", "x"], ["export", str(moved), str(tmp_path / "hf")]):
+        assert main(command) == 2
+        assert f"tokenizer {other} encodes text otherwise" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+    right = tmp_path / "right-tokenizer.json"
+    data = json.loads((checkpoint / "manifest.json").read_text())["run_config"]["data"]["sources"][0]["path"]
+    shutil.copyfile(Path(data) / "tokenizer.json", right)
+    assert main(["generate", str(moved), "--prompt", "x", "--tokenizer", str(right), "--max-new-tokens", "2"]) == 0

@@ -205,10 +205,12 @@ def test_an_olmoe_round_trip_is_bitwise_too(tmp_path):
     path = save_checkpoint(tmp_path / "ckpt", {f"model.{n}": TensorPiece.whole(t.contiguous()) for n, t in state.items()}, meta)
     tokenizer = tmp_path / "tokenizer.json"
     _write_tokenizer(tokenizer, config.vocab_size)
-    export_checkpoint(path, tmp_path / "hf", arch, tokenizer=tokenizer)
+    exported = export_checkpoint(path, tmp_path / "hf", arch, tokenizer=tokenizer)
     result = import_hf(tmp_path / "hf", tmp_path / "back")
     back = _model_tensors(result.checkpoint)
     assert result.arch == "olmoe" and sorted(back) == sorted(state)
+    unique = sum(param.numel() for param in _random_model(config).parameters())  # the tied matrix counted once
+    assert result.parameters == exported.parameters == unique
     for name, tensor in state.items():
         assert torch.equal(back[name], tensor), name
 

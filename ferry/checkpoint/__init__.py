@@ -6,7 +6,7 @@ The format and why it is not torch.distributed.checkpoint: docs/checkpoint-forma
 from ferry.checkpoint.config import CheckpointConfig
 from ferry.checkpoint.diff import Difference, config_differences
 from ferry.checkpoint.format import CheckpointError, Layout, Manifest, TensorPiece
-from ferry.checkpoint.manager import CheckpointManager, clear_checkpoints
+from ferry.checkpoint.manager import CheckpointManager, clear_checkpoints, set_aside_abandoned
 from ferry.checkpoint.reader import (
     Checkpoint,
     Found,
@@ -40,6 +40,7 @@ __all__ = [
     "TensorPiece",
     "CheckpointManager",
     "clear_checkpoints",
+    "set_aside_abandoned",
     "Checkpoint",
     "Found",
     "Prefetch",

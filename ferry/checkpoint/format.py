@@ -9,6 +9,8 @@ assemble any slice it needs whatever layout wrote it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -21,7 +23,9 @@ from ferry.config.errors import UserError
 
 CHECKPOINT_FORMAT = "ferry-checkpoint"
 # 2: every file also records its xxh3-128 (ferry/checkpoint/digests.py); version 1 manifests still load.
-FORMAT_VERSION = 2
+# 3: the manifest records the sha256 of its own content (`manifest_sha256`); versions 1 and 2 still load.
+FORMAT_VERSION = 3
+MANIFEST_DIGEST = "manifest_sha256"
 MANIFEST_NAME = "manifest.json"
 TENSOR_SUFFIX = ".safetensors"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -162,9 +166,12 @@ class Manifest(_Record):
     train_state: dict
     files: dict[str, FileRecord]
     tensors: dict[str, TensorRecord]
+    manifest_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")  # absent before format version 3
 
     def to_json(self) -> str:
-        return self.model_dump_json(indent=1, by_alias=True)
+        """The manifest's text, sealed with the digest of its content (`manifest_digest`)."""
+        content = json.loads(self.model_dump_json(by_alias=True, exclude={MANIFEST_DIGEST}))
+        return json.dumps(seal_manifest(content), indent=1)
 
     @classmethod
     def parse(cls, text: str, source: Path) -> "Manifest":
@@ -181,6 +188,14 @@ class Manifest(_Record):
             raise CheckpointError(
                 f"{source} has format_version {manifest.format_version}; this ferry reads up to {FORMAT_VERSION}"
             )
+        if manifest.manifest_sha256 is not None:
+            if manifest_digest(json.loads(text)) != manifest.manifest_sha256:
+                raise CheckpointError(
+                    f"{source} does not match its {MANIFEST_DIGEST}: its content was changed after the save "
+                    "(corrupt or edited)"
+                )
+        elif manifest.format_version >= 3:
+            raise CheckpointError(f"{source} has no {MANIFEST_DIGEST}, which format version 3 records")
         manifest.check(source)
         return manifest
 
@@ -200,6 +215,20 @@ class Manifest(_Record):
             problem = coverage_problem(tensor.shape, [(p.offset, p.shape) for p in tensor.pieces])
             if problem:
                 raise CheckpointError(f"{source}: {name}: {problem}")
+
+
+def manifest_digest(content: dict) -> str:
+    """The sha256 of a manifest's content without its own digest, as canonical JSON (keys sorted, no spaces,
+    UTF-8): a changed value is found wherever it sits (a data cursor, a step, a file's digest), and any
+    tool that parses JSON can check it (docs/checkpoint-format.md, "Reading without ferry")."""
+    body = {key: value for key, value in content.items() if key != MANIFEST_DIGEST}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def seal_manifest(content: dict) -> dict:
+    """`content` (a parsed manifest) with its `manifest_sha256` set to the digest of the rest."""
+    return {**content, MANIFEST_DIGEST: manifest_digest(content)}
 
 
 def coverage_problem(shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> str | None:

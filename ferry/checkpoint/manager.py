@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from ferry.checkpoint.config import CheckpointConfig
-from ferry.checkpoint.format import TensorPiece
+from ferry.checkpoint.format import TensorPiece, parse_step, step_dir_name
 from ferry.checkpoint.reader import list_checkpoints
 from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
 
 _LEFTOVERS = (".step-*.partial", ".step-*.replaced")
+# Where a resume moves the checkpoints of the branch it leaves (no `step-*` name: no reader lists it).
+ABANDONED_DIR = "abandoned"
 
 
 class CheckpointManager:
@@ -112,8 +116,37 @@ def remove_leftovers(root: Path) -> list[Path]:
     return removed
 
 
+def set_aside_abandoned(root: Path, step: int, resumed: Path) -> list[tuple[Path, Path]]:
+    """Move out of `root` the checkpoints that a run resuming from `resumed` (of `step`) leaves behind: those of
+    later steps (a rollback, or newer ones found invalid) and one of the same step that is not `resumed`.
+    Returns each (old path, new path).
+
+    Left in place, `resume=latest` would take the abandoned branch back after the next failure, and the
+    newest `checkpoint.keep` would count them, pruning the checkpoint this run went on from. They are
+    kept, not deleted, under `abandoned/resumed-at-step-NNNNNNNN-<time>/`.
+    """
+    leaving = [
+        path
+        for path in list_checkpoints(root)
+        if parse_step(path) > step or (parse_step(path) == step and path.resolve() != Path(resumed).resolve())
+    ]
+    if not leaving:
+        return []
+    folder = root / ABANDONED_DIR / f"resumed-at-{step_dir_name(step)}-{time.strftime('%Y%m%dT%H%M%S')}"
+    while folder.exists():
+        folder = folder.with_name(folder.name + "-again")
+    folder.mkdir(parents=True)
+    moved = []
+    for path in leaving:
+        os.rename(path, folder / path.name)
+        moved.append((path, folder / path.name))
+    return moved
+
+
 def clear_checkpoints(root: Path) -> None:
-    """Delete every checkpoint of `root`: what `run.overwrite` does to an earlier run's checkpoints."""
+    """Delete every checkpoint of `root`, those set aside by a resume too: what `run.overwrite` does to an
+    earlier run's checkpoints."""
     remove_leftovers(root)
     for path in list_checkpoints(root):
         shutil.rmtree(path)
+    shutil.rmtree(root / ABANDONED_DIR, ignore_errors=True)

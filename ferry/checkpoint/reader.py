@@ -196,7 +196,14 @@ def read_manifest(path: Path) -> Manifest:
         text = manifest_path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{manifest_path} cannot be read: {exc}") from None
-    return Manifest.parse(text, manifest_path)
+    manifest = Manifest.parse(text, manifest_path)
+    named = parse_step(path)
+    if named is not None and named != manifest.step:
+        raise CheckpointError(
+            f"{path} holds the checkpoint of step {manifest.step}, not of step {named} as its name says "
+            "(a renamed directory: `resume=latest` orders checkpoints by that name)"
+        )
+    return manifest
 
 
 def verify_checkpoint(

@@ -52,6 +52,11 @@ def add_inference_commands(commands) -> None:
     )
     evaluate.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (default: the batch)")
     evaluate.add_argument(
+        "--document-masking", choices=["run", "on", "off"], default="run",
+        help="token datasets: attend within each document of a window (default: as the run that saved the "
+        "checkpoint trained; off for an export or import, which record no run)",
+    )
+    evaluate.add_argument(
         "--verifier", default=None, help="prompts: how a completion is scored (default: the run's grpo.verifier)"
     )
     evaluate.add_argument(
@@ -104,17 +109,18 @@ def run_generate(args: argparse.Namespace) -> int:
     if loaded.tokenizer is None:
         raise UserError(f"generate: no tokenizer found for {args.source}; pass --tokenizer")
     tokenizer = loaded.tokenizer
-    if args.chat:
-        from ferry.data.chat import ChatEncoder, Message
+    from ferry.data.chat import IM_END, ChatEncoder, Message
 
+    if args.chat:
         encoder = ChatEncoder(tokenizer)
         system = [Message("system", args.system)] if args.system is not None else []
         tokens = [encoder.prompt([*system, Message("user", prompt)]).tolist() for prompt in prompts]
-        end_id = encoder.im_end_id
     else:
         tokens = [tokenizer.encode(prompt).tolist() for prompt in prompts]
-        end_id = tokenizer.eos_id
-    result = generate(loaded.model, tokens, config, end_id, tokenizer.decode)
+    # a text ends at end-of-text and a chat answer at <|im_end|>; either ends any completion, as the export's
+    # generation config says to transformers
+    end_ids = [tokenizer.eos_id, *([] if tokenizer.token_id(IM_END) is None else [tokenizer.token_id(IM_END)])]
+    result = generate(loaded.model, tokens, config, end_ids, tokenizer.decode)
     for prompt, completion in zip(prompts, result.completions):
         if args.json:
             print(
@@ -287,7 +293,10 @@ def _token_figures(args: argparse.Namespace, loaded, paths: list[str]) -> tuple[
     micro_batch = args.micro_batch if args.micro_batch is not None else batch_size
     if micro_batch < 1 or batch_size % micro_batch:
         raise UserError(f"--micro-batch {micro_batch} must divide --batch-size {batch_size}")
-    masking = (run.get("data") or {}).get("document_masking", False)
+    if args.document_masking == "run":
+        masking = (run.get("data") or {}).get("document_masking", False)
+    else:
+        masking = args.document_masking == "on"
     evaluation = HeldOutEvaluation(
         config, seq_len, batch_size, micro_batch,
         document_eos=loaded.tokenizer.eos_id if masking else None,

@@ -34,6 +34,10 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a special token: end-of-text only (a byte tokenizer has no chat tokens)."""
+        return self.eos_id if token == END_OF_TEXT else None
+
     def to_json(self) -> str:
         return json.dumps({"kind": BYTE_TOKENIZER_KIND, "vocab_size": self.vocab_size, "eos_id": self.eos_id})
 

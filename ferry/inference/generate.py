@@ -4,7 +4,7 @@ stages (sampling completions for RL) call on a batch of prompts."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -20,8 +20,9 @@ FinishReason = Literal["eos", "stop", "length"]
 
 @dataclass
 class Completion:
-    """One prompt's continuation: its tokens (EOS included when it ended there), the log-probability of each
-    under the model, why it ended, and, with a tokenizer, its text (up to a stop string, without EOS)."""
+    """One prompt's continuation: its tokens (the end token included when it ended at one), the log-probability
+    of each under the model, why it ended, and, with a tokenizer, its text (up to a stop string, without the end
+    token)."""
 
     prompt_tokens: list[int]
     tokens: list[int] = field(default_factory=list)
@@ -63,17 +64,19 @@ def generate(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
     config: GenerationConfig,
-    eos_id: int | None = None,
+    end_ids: Collection[int] = (),
     decode: Callable[[list[int]], str] | None = None,
     row_seeds: Sequence[int] | None = None,
     sync: GenerationSync | None = None,
 ) -> GenerationResult:
-    """Continue every prompt until EOS, a stop string (needs `decode`) or `max_new_tokens`.
+    """Continue every prompt until one of `end_ids`, a stop string (needs `decode`) or `max_new_tokens`.
 
     The prompts are left-padded into one batch and run once (prefill); then each step
     feeds every row's newest token. A row that has finished keeps being fed (its
     outputs are ignored) so the batch stays rectangular. The cache holds the longest
-    prompt plus the new tokens, within `model.config.max_seq_len`. `row_seeds` gives each
+    prompt plus the new tokens, within `model.config.max_seq_len` (a prompt of that length gets one
+    token). `end_ids` are the tokens that end a completion (finish reason "eos"), as a transformers
+    generation config's `eos_token_id` lists them. `row_seeds` gives each
     row its own sampling generator (default: one generator seeded with `config.seed`).
     """
     if not prompts or any(len(prompt) == 0 for prompt in prompts):
@@ -84,8 +87,8 @@ def generate(
     longest = max(len(prompt) for prompt in prompts)
     if sync is not None:
         longest = sync.longest(longest)
-    if longest >= max_len:
-        raise UserError(f"generate: a prompt of {longest} tokens leaves no room in model.max_seq_len ({max_len})")
+    if longest > max_len:
+        raise UserError(f"generate: a prompt of {longest} tokens exceeds model.max_seq_len ({max_len})")
     parameter = next(model.parameters())
     device = parameter.device
     lengths_B = torch.tensor([len(prompt) for prompt in prompts])
@@ -103,15 +106,16 @@ def generate(
         else [torch.Generator().manual_seed(seed) for seed in row_seeds]
     )
     completions = [Completion(prompt_tokens=list(prompt)) for prompt in prompts]
+    end_ids = frozenset(end_ids)
     was_training = model.training
     model.eval()
     try:
-        timings = _decode(model, tokens_BS.to(device), cache, config, generator, completions, eos_id, decode, sync)
+        timings = _decode(model, tokens_BS.to(device), cache, config, generator, completions, end_ids, decode, sync)
     finally:
         model.train(was_training)
     if decode is not None:
         for completion in completions:
-            completion.text = _text(completion, eos_id, config.stop, decode)
+            completion.text = _text(completion, config.stop, decode)
     return GenerationResult(
         completions,
         prefill_tokens=int(lengths_B.sum()),
@@ -128,7 +132,7 @@ def _decode(
     config: GenerationConfig,
     generator: torch.Generator | list[torch.Generator],
     completions: list[Completion],
-    eos_id: int | None,
+    end_ids: frozenset[int],
     decode: Callable[[list[int]], str] | None,
     sync: GenerationSync | None = None,
 ) -> tuple[float, float]:
@@ -146,7 +150,7 @@ def _decode(
             if completion.finish_reason is None:
                 completion.tokens.append(token)
                 completion.logprobs.append(logprob)
-                completion.finish_reason = _finished(completion, token, eos_id, config, decode, cache)
+                completion.finish_reason = _finished(completion, token, end_ids, config, decode, cache)
         finished = all(completion.finish_reason is not None for completion in completions)
         if sync.all_finished(finished) if sync is not None else finished:
             break
@@ -158,12 +162,12 @@ def _decode(
 def _finished(
     completion: Completion,
     token: int,
-    eos_id: int | None,
+    end_ids: frozenset[int],
     config: GenerationConfig,
     decode: Callable[[list[int]], str] | None,
     cache: KVCache,
 ) -> FinishReason | None:
-    if token == eos_id:
+    if token in end_ids:
         return "eos"
     if config.stop and any(stop in decode(completion.tokens) for stop in config.stop):
         return "stop"
@@ -172,7 +176,7 @@ def _finished(
     return None
 
 
-def _text(completion: Completion, eos_id: int | None, stop: list[str], decode: Callable[[list[int]], str]) -> str:
+def _text(completion: Completion, stop: list[str], decode: Callable[[list[int]], str]) -> str:
     tokens = completion.tokens[:-1] if completion.finish_reason == "eos" else completion.tokens
     text = decode(tokens)
     if completion.finish_reason == "stop":

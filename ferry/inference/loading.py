@@ -60,7 +60,8 @@ def load_model(
     else:
         checkpoint = find_resume_point(str(path), path).checkpoint
         config, state = checkpoint_model_config(checkpoint), read_model_state(checkpoint)
-        origin, step, found_tokenizer = str(checkpoint.path), checkpoint.step, checkpoint_tokenizer_path(checkpoint)
+        origin, step = str(checkpoint.path), checkpoint.step
+        found_tokenizer = checkpoint_tokenizer_path(checkpoint, tokenizer)
         run_config = checkpoint.manifest.run_config
     tokenizer_path = Path(tokenizer) if tokenizer is not None else found_tokenizer
     if tokenizer_path is not None and not tokenizer_path.is_file():

@@ -87,9 +87,9 @@ def export_checkpoint(
 
 def _tokenizer_path(checkpoint, tokenizer: str | Path | None) -> Path:
     """`--tokenizer`, else the run's (its first dataset's, or the one `ferry import` wrote)."""
-    if tokenizer is not None:
-        return Path(tokenizer)
-    found = checkpoint_tokenizer_path(checkpoint)
+    if tokenizer is not None and not Path(tokenizer).is_file():
+        raise UserError(f"--tokenizer {str(tokenizer)!r} does not exist")
+    found = checkpoint_tokenizer_path(checkpoint, tokenizer)
     if found is None:
         raise UserError(f"export: no tokenizer found for {checkpoint.path}; pass --tokenizer")
     return found

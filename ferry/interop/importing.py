@@ -18,6 +18,7 @@ import yaml
 from ferry.checkpoint import Layout, TensorPiece
 from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
 from ferry.config import UserError
+from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.interop.architectures import from_hf_state, model_config_from_hf
 from ferry.interop.weights import MODEL
 from ferry.model import ModelConfig
@@ -72,6 +73,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None 
     if out.exists() and any(out.iterdir()):
         raise UserError(f"import: {out} exists and is not empty")
     config, arch, state = read_hf_dir(hf_dir)
+    source_tokenizer = Path(tokenizer) if tokenizer else hf_dir / "tokenizer.json"
+    if tokenizer and not source_tokenizer.is_file():
+        raise UserError(f"--tokenizer {str(tokenizer)!r} does not exist")
+    digest = _encoding_digest(source_tokenizer) if source_tokenizer.is_file() else None
     model_config = config.model_dump(mode="json")
     meta = CheckpointMeta(
         step=0,
@@ -80,22 +85,33 @@ def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None 
         model_config=model_config,
         run_config={"model": model_config},
         environment={**environment_fingerprint(torch.device("cpu")), "imported_from": str(hf_dir.resolve()), "arch": arch},
-        train_state={"imported": True, "optimizer": "none: training starts AdamW afresh"},
+        train_state={
+            "imported": True,
+            "optimizer": "none: training starts AdamW afresh",
+            **({"tokenizer": {"encoding_sha256": digest}} if digest else {}),
+        },
     )
     pieces = {MODEL + name: TensorPiece.whole(tensor.detach().contiguous()) for name, tensor in state.items()}
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = save_checkpoint(out / CHECKPOINTS, pieces, meta)
     model_file = out / MODEL_FILE
     model_file.write_text(yaml.safe_dump({"model": model_config}, sort_keys=False))
-    source_tokenizer = Path(tokenizer) if tokenizer else hf_dir / "tokenizer.json"
     copied = None
     if source_tokenizer.is_file():
         copied = out / "tokenizer.json"
         shutil.copyfile(source_tokenizer, copied)
-    elif tokenizer:
-        raise UserError(f"--tokenizer {str(tokenizer)!r} does not exist")
-    weights = sum(t.numel() for name, t in state.items() if not name.endswith("expert_bias_E"))
+    tied = {"output.weight"} if config.tie_embeddings else set()  # the embedding's matrix, under a second name
+    weights = sum(t.numel() for name, t in state.items() if not name.endswith("expert_bias_E") and name not in tied)
     return ImportResult(checkpoint, model_file, copied, arch, weights)
+
+
+def _encoding_digest(path: Path) -> str | None:
+    """The tokenizer's `encoding_digest`, recorded so that generation and export find this one and no other;
+    None for one ferry cannot read (copied all the same, for `ferry data prepare --tokenizer` to say why)."""
+    try:
+        return encoding_digest(load_tokenizer(path))
+    except UserError:
+        return None
 
 
 def _first_line(exc: Exception) -> str:

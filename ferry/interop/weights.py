@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from ferry.checkpoint import Checkpoint
 from ferry.config import UserError
 from ferry.data.manifest import TOKENIZER_NAME
+from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.model import ModelConfig
 
 MODEL = "model."
@@ -27,10 +28,39 @@ def read_model_state(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
     return {name.removeprefix(MODEL): checkpoint.read(name) for name in checkpoint.names(MODEL)}
 
 
-def checkpoint_tokenizer_path(checkpoint: Checkpoint) -> Path | None:
-    """The tokenizer of the first dataset the run trained on, else the one `ferry import` put beside the
-    checkpoints; None when neither exists."""
+def checkpoint_tokenizer_path(checkpoint: Checkpoint, given: str | Path | None = None) -> Path | None:
+    """`given` (a `--tokenizer`), else the tokenizer of the first dataset the run trained on, else the one
+    `ferry import` put beside the checkpoints; None when none exists.
+
+    The data path is the run's, relative to where it ran: in another directory or clone it may hold
+    another tokenizer (the demo's is trained on the Python version's own library), which would decode
+    the model's ids into other text. So where the checkpoint records its tokenizer's `encoding_digest`,
+    only a tokenizer that encodes the same way is taken, and a given one that does not is refused.
+    """
+    recorded = (checkpoint.manifest.train_state.get("tokenizer") or {}).get("encoding_sha256")
+    if given is not None:
+        _check_tokenizer(Path(given), recorded, checkpoint)
+        return Path(given)
     sources = checkpoint.manifest.run_config.get("data", {}).get("sources") or []
     candidates = [Path(sources[0]["path"]) / TOKENIZER_NAME] if sources else []
     candidates.append(checkpoint.path.parent.parent / TOKENIZER_NAME)
-    return next((path for path in candidates if path.is_file()), None)
+    found = [path for path in candidates if path.is_file()]
+    matching = [path for path in found if recorded is None or _encoding_digest(path) == recorded]
+    if found and not matching:
+        _check_tokenizer(found[0], recorded, checkpoint)
+    return matching[0] if matching else None
+
+
+def _check_tokenizer(path: Path, recorded: str | None, checkpoint: Checkpoint) -> None:
+    if recorded is None or not path.is_file():
+        return
+    digest = _encoding_digest(path)
+    if digest != recorded:
+        raise UserError(
+            f"tokenizer {path} encodes text otherwise than the one {checkpoint.path} was trained with (encoding "
+            f"digest {digest[:12]}, the checkpoint's {recorded[:12]}); pass --tokenizer with the run's tokenizer.json"
+        )
+
+
+def _encoding_digest(path: Path) -> str:
+    return encoding_digest(load_tokenizer(path))

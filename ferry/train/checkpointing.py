@@ -123,19 +123,33 @@ def optimizer_record(model: nn.Module, optimizer) -> dict:
 
 # Model fields that change no weight: a long-context stage sets them over its parent's checkpoint.
 POSITIONAL_FIELDS = ("model.max_seq_len", "model.rope_theta", "model.rope_scaling.")
+# How a model is trained, not what it computes: the initial draw (which a checkpoint replaces) and the weights
+# of the routers' losses and the bias balancing's step (a transformers config has no place for them, so a
+# model imported from one comes back with the defaults).
+TRAINING_FIELDS = (
+    "model.init_std",
+    "model.moe.aux_loss_coef",
+    "model.moe.z_loss_coef",
+    "model.moe.bias_balancing.update_rate",
+)
 
 
 def check_config(checkpoint: Checkpoint, config: RunConfig) -> list[str]:
     """Refuse a checkpoint of another model, naming each differing field; list the other differences.
 
     A different model would not fit the stored tensors or would silently compute
-    something else. Other sections (optimizer, schedule, data, device, layout) and the
-    positional fields of the model (length, RoPE base and scaling) may change on
-    purpose, as in a migration or a new stage; they are reported, not refused.
+    something else. Other sections (optimizer, schedule, data, device, layout), the
+    positional fields of the model (length, RoPE base and scaling) and the fields that only say how it
+    is trained may change on purpose, as in a migration or a new stage; they are reported, not refused,
+    as is the width of dense layers that neither side has.
     """
     current = config.model_dump(mode="json")
-    model = config_differences(_with_defaults(checkpoint.manifest.model), current["model"], "model.")
-    refused = [difference for difference in model if not difference.key.startswith(POSITIONAL_FIELDS)]
+    saved = _with_defaults(checkpoint.manifest.model)
+    model = config_differences(saved, current["model"], "model.")
+    if saved.get("dense_layers") == current["model"]["dense_layers"] == 0:
+        model = [difference for difference in model if difference.key != "model.dense_ffn_dim"]
+    kept = POSITIONAL_FIELDS + TRAINING_FIELDS
+    refused = [difference for difference in model if not difference.key.startswith(kept)]
     if refused:
         raise ConfigError(
             f"checkpoint {checkpoint.path} was saved from another model; differing fields:\n  "

@@ -209,7 +209,7 @@ class GRPOObjective:
         seeds = [_seed(self.seed, _SEED_STREAM, step, index, sample) for index in indices for sample in range(group)]
         sampling = GenerationConfig(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature)
         result = generate(
-            trainer.model, prompts, sampling, eos_id=self.stop_id, row_seeds=seeds, sync=self._sync(trainer)
+            trainer.model, prompts, sampling, end_ids=[self.stop_id], row_seeds=seeds, sync=self._sync(trainer)
         )
         completions = [np.asarray(completion.tokens, dtype=np.int64) for completion in result.completions]
         rewards = [
@@ -321,7 +321,7 @@ def solved_prompts(
     seeds = [_seed(seed, _EVAL_STREAM, index, sample) for index in mine for sample in range(samples)] or [0]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
     result = generate(
-        model, [dataset.field(row, "prompt") for row in rows], config, eos_id=stop_id, row_seeds=seeds, sync=sync
+        model, [dataset.field(row, "prompt") for row in rows], config, end_ids=[stop_id], row_seeds=seeds, sync=sync
     )
     if not mine:
         return 0.0

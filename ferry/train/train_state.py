@@ -26,6 +26,8 @@ from ferry.config import UserError
 from ferry.data import DataCursor
 from ferry.model.digest import weights_digest
 from ferry.train.checkpointing import (
+    OPTIM,
+    RNG,
     check_config,
     copy_into_piece,
     optimizer_prefetch,
@@ -61,6 +63,7 @@ def checkpoint_state(trainer: Trainer) -> tuple[dict[str, TensorPiece], Checkpoi
         "precision": trainer.precision.as_dict(),
         "tokens_seen": trainer.tokens_seen,
         "objective": trainer.objective.state(),
+        **({"tokenizer": {"encoding_sha256": trainer.tokenizer_digest}} if trainer.tokenizer_digest else {}),
     }
     meta = CheckpointMeta(
         step=step,
@@ -81,6 +84,7 @@ def restore(trainer: Trainer, checkpoint: Checkpoint) -> list[str]:
     (a different model is refused) and states that could not be carried over.
     """
     notes = [f"config differs from the checkpoint's: {line}" for line in check_config(checkpoint, trainer.config)]
+    check_resumable(checkpoint)
     with checkpoint:
         restore_model(checkpoint, trainer.model, trainer.plan)
         restore_optimizer(checkpoint, trainer.model, trainer.optimizer, trainer.plan)
@@ -109,6 +113,28 @@ def restore(trainer: Trainer, checkpoint: Checkpoint) -> list[str]:
     trainer.tokens_seen = int(state.get("tokens_seen", trainer.cursor.step * trainer.tokens_per_step))
     trainer.objective.load_state(state.get("objective"))
     return notes
+
+
+def check_resumable(checkpoint: Checkpoint) -> None:
+    """A resume continues a run, so it needs a run's whole state; weights alone (what `ferry import` and
+    `ferry ckpt average` write) start a run instead, and the message says how."""
+    state = checkpoint.manifest.train_state
+    has_optimizer = isinstance(state.get("optimizer"), dict) and bool(checkpoint.names(OPTIM))
+    missing = [
+        what
+        for what, present in (
+            ("AdamW state", has_optimizer),
+            ("data position", isinstance(state.get("data_cursor"), dict)),
+            ("RNG state", RNG + "cpu" in checkpoint.manifest.tensors),
+        )
+        if not present
+    ]
+    if missing:
+        start = f"init_from={checkpoint.path}" + (" init_optimizer=true" if has_optimizer else "")
+        raise UserError(
+            f"resume: {checkpoint.path} holds no {', '.join(missing)}: it holds weights to start a run from, not "
+            f"a run to continue (as `ferry import` and `ferry ckpt average` write them); start from it with {start}"
+        )
 
 
 def initialize_from(trainer: Trainer, path: Path) -> list[str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ferry.checkpoint import CheckpointManager, list_checkpoints
+from ferry.checkpoint import CheckpointManager, list_checkpoints, set_aside_abandoned
 from ferry.comm import init_distributed, launcher_ranks
 from ferry.comm.process_group import shutdown
 from ferry.config import UserError
@@ -97,9 +97,12 @@ class Trainer:
             loss_chunk=train.loss_chunk,
         )
         first = self.loader.datasets[0]
+        # what decides the ids of the run's text (None for synthetic ids): recorded in every checkpoint
+        self.tokenizer_digest = (
+            encoding_digest(load_tokenizer(first.path / first.tokenizer["file"])) if first.tokenizer["file"] else None
+        )
         if self.evaluation.sources:
-            digest = encoding_digest(load_tokenizer(first.path / first.tokenizer["file"]))
-            self.evaluation.check_tokenizer(digest, config.model.vocab_size, first.label)
+            self.evaluation.check_tokenizer(self.tokenizer_digest, config.model.vocab_size, first.label)
         self.kernels = select_kernels(config.kernels, self.device, self.precision.torch_compute_dtype)
         if self.precision.recipe is not None:
             self.kernels = with_low_precision_experts(self.kernels, self.precision.recipe)
@@ -182,8 +185,11 @@ class Trainer:
         resumed_step = found.checkpoint.step if found and found.checkpoint else (0 if resume == "latest" else None)
         run_dir = config.run.path
         record = None
+        abandoned: list[tuple[Path, Path]] = []
         if self.is_main:
             prepare_run_dir(config, resume_step=resumed_step)
+            if found and found.checkpoint:
+                abandoned = set_aside_abandoned(config.checkpoint.path(run_dir), resumed_step, found.checkpoint.path)
             resumed_from = resume_record(found, self.carried, resume_times)
             record = RunRecord(run_dir, {**describe(self), "resumed_from": resumed_from})
         self._barrier()
@@ -208,8 +214,17 @@ class Trainer:
         announce(self, run_dir, found, notes)
         for leftover in checkpoints.removed_leftovers:
             self.hub.message(f"ferry: warning: removed the unfinished save {leftover} (its process died mid-save)")
+        if abandoned:
+            names = ", ".join(old.name for old, _ in abandoned)
+            self.hub.message(
+                f"ferry: warning: this run goes on from step {resumed_step}; the checkpoints it leaves behind "
+                f"({names}) are set aside in {abandoned[0][1].parent}, where resume=latest does not look"
+            )
         if record is not None:
-            record.update(removed_unfinished_saves=[str(path) for path in checkpoints.removed_leftovers])
+            record.update(
+                removed_unfinished_saves=[str(path) for path in checkpoints.removed_leftovers],
+                abandoned_checkpoints={str(old): str(new) for old, new in abandoned},
+            )
         resilience = self.resilience
         save_state = partial(checkpoint_state, self)
         resume_info = {

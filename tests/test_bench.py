@@ -243,6 +243,8 @@ def test_a_bench_dir_that_is_a_file_or_an_out_under_a_file_is_refused_before_run
     assert "is not an empty directory" in capsys.readouterr().err
     assert main(["bench", "moe-tiny", "--out", str(taken / "r.json"), "--dir", str(tmp_path / "w")]) == 2
     assert "cannot be written" in capsys.readouterr().err and not (tmp_path / "w").exists()
+    assert main(["bench", "moe-tiny", "--out", str(taken), "--dir", str(tmp_path / "w")]) == 2
+    assert "already holds a record" in capsys.readouterr().err and taken.read_text() == "x"
 
 
 def test_a_model_override_changes_the_workload_digest(records, tmp_path):

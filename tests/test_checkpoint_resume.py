@@ -273,3 +273,36 @@ def test_resume_latest_without_a_checkpoint_starts_fresh_and_a_fresh_start_keeps
         Trainer(make_config("train.steps=1", run_dir=run_dir)).fit()
     Trainer(make_config("train.steps=2", "run.overwrite=true", run_dir=run_dir)).fit()
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-00000002"]
+
+
+def test_run_overwrite_replaces_its_own_checkpoint_dir_and_not_another_runs(make_config, tmp_path):
+    shared = tmp_path / "elsewhere"
+    first = make_config("train.steps=1", f"checkpoint.dir={shared}", run_dir=tmp_path / "first")
+    Trainer(first).fit()
+    assert [p.name for p in list_checkpoints(shared)] == ["step-00000001"]
+    again = make_config("train.steps=2", f"checkpoint.dir={shared}", "run.overwrite=true", run_dir=tmp_path / "first")
+    Trainer(again).fit()
+    assert [p.name for p in list_checkpoints(shared)] == ["step-00000002"], "its own earlier run's are replaced"
+    other = make_config("train.steps=1", f"checkpoint.dir={shared}", "run.overwrite=true", run_dir=tmp_path / "other")
+    with pytest.raises(UserError, match="holds the checkpoints of a run other than the one in run.dir"):
+        Trainer(other).fit()
+    assert [p.name for p in list_checkpoints(shared)] == ["step-00000002"]
+
+
+def test_init_from_a_missing_path_names_init_from(make_config, tmp_path):
+    with pytest.raises(UserError, match=f"init_from: '{tmp_path / 'nothing'}' does not exist"):
+        Trainer(make_config("train.steps=1", f"init_from={tmp_path / 'nothing'}")).fit()
+
+
+def test_a_resume_onto_data_of_another_tokenizer_is_refused(make_config, stdlib_dataset, tmp_path):
+    """The same vocabulary size, other ids for the same text: the run would go on training on noise."""
+    from ferry.data import PrepareSpec, prepare_dataset
+
+    run_dir = tmp_path / "run"
+    Trainer(make_config("train.steps=2", run_dir=run_dir)).fit(stop_at=1)
+    text = tmp_path / "text.txt"
+    text.write_text("def other(corpus):\n    return corpus * 2\n" * 400)
+    other = prepare_dataset(PrepareSpec(inputs=[str(text)], vocab_size=512), tmp_path / "other").output
+    resumed = make_config("train.steps=2", "resume=latest", f"data.sources.0.path={other}", run_dir=run_dir)
+    with pytest.raises(UserError, match="was trained on text tokenized otherwise than this run's data"):
+        Trainer(resumed).fit()

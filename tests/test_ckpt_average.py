@@ -63,6 +63,8 @@ def test_another_model_and_bad_weights_exit_2(two_checkpoints, make_config, tmp_
     assert "--weights" in capsys.readouterr().err
     assert main(["ckpt", "average", str(early), "--out", str(tmp_path / "z")]) == 2
     assert "at least two" in capsys.readouterr().err
+    assert main(["ckpt", "average", str(early), str(late), "--out", str(tmp_path / "n"), "--weights", "nan,1"]) == 2
+    assert "--weights" in capsys.readouterr().err and not (tmp_path / "n").exists()
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 

@@ -35,6 +35,8 @@ CASES = {
     "heads do not divide dim": lambda t: ([TINY, "model.n_heads=3"], "model.n_heads"),
     "index past a list": lambda t: ([TINY, "data.sources.3.weight=1"], "data.sources.3"),
     "bad device name": lambda t: ([TINY, "run.device=tpu"], "run.device"),
+    "infinite learning rate": lambda t: ([TINY, "optim.lr=.inf"], "optim.lr"),
+    "not-a-number loss weight": lambda t: ([TINY, "model.moe.aux_loss_coef=.nan"], "model.moe.aux_loss_coef"),
 }
 
 
@@ -76,3 +78,21 @@ def test_widths_the_selected_grouped_gemm_cannot_take_exit_2_naming_them(stdlib_
     assert code == 2, err
     assert "got in 128 and out 190 (model.dim, model.moe.expert_ffn_dim)" in err
     assert "Traceback" not in err
+
+
+def test_a_file_where_an_output_directory_goes_exits_2_naming_it(stdlib_dataset, tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("kept")
+    text = tmp_path / "a.txt"
+    text.write_text("some text to prepare\n" * 20)
+    commands = [
+        ["data", "prepare", str(text), "--output", str(taken / "ds"), "--tokenizer", "byte"],
+        ["train", TINY, f"data.sources.0.path={stdlib_dataset}", "model.vocab_size=512", f"run.dir={taken / 'run'}"],
+        ["kernels", "boundary", "--out", str(taken / "boundary.md")],
+    ]
+    for argv in commands:
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2, (argv, err)
+        assert str(taken) in err and "Traceback" not in err
+    assert taken.read_text() == "kept"

@@ -49,6 +49,33 @@ def test_prepare_is_idempotent_and_never_overwrites_silently(text_sources, tmp_p
     assert prepare_dataset(other, tmp_path / "ds", overwrite=True).manifest["documents"] == 40
 
 
+def test_overwrite_replaces_a_dataset_and_nothing_else(text_sources, tmp_path):
+    """Not a run directory, not the directory of the inputs, not a file."""
+    txt, _ = text_sources
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000001").mkdir(parents=True)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(txt.read_text())
+    (tmp_path / "file").write_text("kept")
+    cases = {
+        run: (PrepareSpec(inputs=[str(txt)], tokenizer="byte"), "is not a ferry dataset"),
+        corpus: (PrepareSpec(inputs=[str(corpus)], tokenizer="byte"), "is not a ferry dataset"),
+        tmp_path / "file": (PrepareSpec(inputs=[str(txt)], tokenizer="byte"), "is a file"),
+    }
+    for output, (spec, message) in cases.items():
+        with pytest.raises(UserError, match=message):
+            prepare_dataset(spec, output, overwrite=True)
+    assert (run / "checkpoints" / "step-00000001").is_dir() and (corpus / "a.txt").is_file()
+    assert (tmp_path / "file").read_text() == "kept"
+    inside = PrepareSpec(inputs=[str(tmp_path / "ds" / "more.txt")], tokenizer="byte")
+    prepare_dataset(PrepareSpec(inputs=[str(txt)], tokenizer="byte"), tmp_path / "ds")
+    (tmp_path / "ds" / "more.txt").write_text("more text\n" * 20)
+    with pytest.raises(UserError, match="holds the input"):
+        prepare_dataset(inside, tmp_path / "ds", overwrite=True)
+    assert (tmp_path / "ds" / "more.txt").is_file()
+
+
 def test_bpe_is_trained_locally_and_round_trips_text(text_sources, tmp_path):
     txt, _ = text_sources
     result = prepare_dataset(PrepareSpec(inputs=[str(txt)], tokenizer="bpe", vocab_size=300), tmp_path / "ds")

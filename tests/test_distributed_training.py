@@ -126,6 +126,32 @@ def test_a_bad_layout_fails_on_every_rank_without_hanging(stdlib_dataset, tmp_pa
     assert str(caught.value).count("parallel.ep: 3 does not divide the world size 2") == 2
 
 
+def test_an_error_only_the_main_rank_meets_is_reported_by_every_rank(stdlib_dataset, tmp_path):
+    """A busy Prometheus port (only rank 0 serves one): rank 1 says why it stops too, and nothing of the earlier
+    run is replaced."""
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    base = [sys.executable, "-m", "ferry", "train", str(REPO / "configs" / "tiny.yaml"),
+            f"data.sources.0.path={stdlib_dataset}", "model.vocab_size=512", f"run.dir={tmp_path}", "train.steps=1",
+            "eval.sources=[]"]
+    assert subprocess.run(base, capture_output=True, text=True, timeout=300).returncode == 0
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        served = ["metrics.sinks.prometheus.enabled=true", f"metrics.sinks.prometheus.port={taken.getsockname()[1]}"]
+        result = subprocess.run([*base, "--nproc", "2", *served], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "ferry: rank 0: error: metrics.sinks.prometheus: cannot listen on" in result.stderr
+    assert "ferry: rank 1: error: rank 0: metrics.sinks.prometheus: cannot listen on" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
 def test_nproc_launch_reports_each_ranks_error_and_exits_2(stdlib_dataset, tmp_path):
     import subprocess
     import sys

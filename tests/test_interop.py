@@ -233,3 +233,28 @@ def test_import_refuses_what_ferry_cannot_compute(tmp_path, capsys):
     assert "clip_qkv" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     assert main(["import", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+
+
+def test_export_overwrite_replaces_an_earlier_export_only(tmp_path, capsys):
+    """Never the run directory that holds the checkpoint, never a directory that is not a transformers one."""
+    from ferry.checkpoint import Layout, TensorPiece
+    from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
+
+    arch, overrides = CASES["olmoe-top3-renorm-tied"]
+    config = ModelConfig.model_validate({**BASE, **overrides})
+    state = _random_model(config).state_dict()
+    meta = CheckpointMeta(0, 0, Layout(world_size=1, ep_degree=1, mode="ep"), config.model_dump(mode="json"), {}, {}, {})
+    run = tmp_path / "run"
+    pieces = {f"model.{n}": TensorPiece.whole(t.contiguous()) for n, t in state.items()}
+    path = save_checkpoint(run / "checkpoints", pieces, meta)
+    tokenizer = tmp_path / "tokenizer.json"
+    _write_tokenizer(tokenizer, config.vocab_size)
+    export = ["export", str(path), "--tokenizer", str(tokenizer), "--arch", arch, "--overwrite"]
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("kept")
+    for out in (run, tmp_path / "notes"):
+        assert main([*export[:2], str(out), *export[2:]]) == 2
+        assert "is not an earlier export" in capsys.readouterr().err
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "kept" and (path / "manifest.json").is_file()
+    assert main([*export[:2], str(tmp_path / "hf"), *export[2:]]) == 0
+    assert main([*export[:2], str(tmp_path / "hf"), *export[2:]]) == 0, "an earlier export is replaced"

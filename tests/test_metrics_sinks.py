@@ -126,6 +126,23 @@ def test_a_busy_prometheus_port_names_the_key():
             PrometheusSink(PrometheusConfig(enabled=True, port=port), run_name="demo")
 
 
+def test_a_busy_prometheus_port_is_refused_before_the_earlier_run_is_replaced(make_config, tmp_path):
+    from ferry.train import Trainer
+
+    run_dir = tmp_path / "run"
+    Trainer(make_config("train.steps=1", run_dir=run_dir)).fit()
+    before = {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        served = ("run.overwrite=true", "metrics.sinks.prometheus.enabled=true", f"metrics.sinks.prometheus.port={port}")
+        with pytest.raises(UserError, match="metrics.sinks.prometheus.port"):
+            Trainer(make_config("train.steps=1", *served, run_dir=run_dir)).fit()
+    assert {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()} == before
+    assert (run_dir / "checkpoints" / "step-00000001").is_dir()
+
+
 def test_dashboard_panels_query_only_exported_names():
     dashboard = json.loads((REPO / "dashboards" / "ferry.json").read_text())
     exported = prometheus_names()

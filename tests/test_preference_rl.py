@@ -17,7 +17,7 @@ from ferry.data.records import RecordDataset
 from ferry.data.tasks import task_documents
 from ferry.metrics.names import objective_keys
 from ferry.train.preference_losses import clipped_policy_loss, dpo_losses, group_advantages, k3_kl
-from ferry.train.trainer import train
+from ferry.train.trainer import Trainer, train
 from ferry.train.verifiers import exact_match, numeric_match
 
 
@@ -266,7 +266,7 @@ def _exit_code(args: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def test_bad_preference_and_rl_input_exits_2_naming_it(tmp_path, task, sft, chat_tokenizer, capsys):
+def test_bad_preference_and_rl_input_exits_2_naming_it(tmp_path, task, sft, chat_tokenizer, make_config, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "hi", "chosen": "a"}) + "\n", encoding="utf-8")
     args = ["data", "prepare", str(bad), "--preferences", "--tokenizer", str(chat_tokenizer), "--output"]
@@ -292,6 +292,9 @@ def test_bad_preference_and_rl_input_exits_2_naming_it(tmp_path, task, sft, chat
     assert code == 2 and "--verifier" in err and "fuzzy" in err
     code, err = _exit_code([*evaluate, str(task["pairs-held-out"]), "--reference", str(tmp_path / "nope")], capsys)
     assert code == 2 and "--reference" in err and "does not exist" in err
+    Trainer(make_config("train.steps=1", run_dir=tmp_path / "other-model")).fit()
+    code, err = _exit_code([*evaluate, str(task["pairs-held-out"]), "--reference", str(tmp_path / "other-model")], capsys)
+    assert code == 2 and "--reference" in err and "has a vocabulary of 512 tokens, the model 576" in err
 
 
 @pytest.mark.parametrize("objective", ["dpo", "grpo"])

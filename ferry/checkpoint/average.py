@@ -7,6 +7,7 @@ a checkpoint like any other, so a later stage starts from it with `init_from`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -43,7 +44,7 @@ def average_checkpoints(
     if len(paths) < 2:
         raise UserError("ckpt average: give at least two checkpoints")
     weights = weights if weights is not None else [1.0] * len(paths)
-    if len(weights) != len(paths) or any(weight <= 0 for weight in weights):
+    if len(weights) != len(paths) or any(not math.isfinite(weight) or weight <= 0 for weight in weights):
         raise UserError(f"--weights: {len(paths)} positive numbers, one per checkpoint (got {weights})")
     total = sum(weights)
     weights = [weight / total for weight in weights]

@@ -245,6 +245,11 @@ def _record_figures(args: argparse.Namespace, loaded, path: str, kind: str) -> d
             reference = load_model(reference_path, args.device, args.dtype, args.tokenizer).model
         except UserError as exc:
             raise UserError(f"{flag}: {exc}") from None
+        if reference.config.vocab_size != loaded.model.config.vocab_size:
+            raise UserError(
+                f"{flag}: {reference_path} has a vocabulary of {reference.config.vocab_size} tokens, the model "
+                f"{loaded.model.config.vocab_size}: a reference scores the same token ids, so it is of the same model"
+            )
     return preference_figures(loaded.model, dataset, config, reference)
 
 

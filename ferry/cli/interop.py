@@ -15,7 +15,7 @@ def add_interop_commands(commands) -> None:
     )
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights dtype (default fp32)")
     export.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's first dataset's)")
-    export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    export.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     export.set_defaults(handler=run_export)
     imported = commands.add_parser("import", help="convert an OLMoE or Qwen3-MoE transformers directory to a ferry checkpoint")
     imported.add_argument("hf_dir", help="a transformers model directory (config.json and weights)")

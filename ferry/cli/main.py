@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"ferry: {_rank_prefix()}error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except (FileExistsError, NotADirectoryError, IsADirectoryError) as exc:
+        # a path given where a directory is made or a file written is taken by the other kind: the user's path
+        print(f"ferry: {_rank_prefix()}error: {exc.filename!r}: {exc.strerror.lower()}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("ferry: interrupted", file=sys.stderr)
         return 130

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ferry.config import UserError
 
@@ -221,6 +222,12 @@ def _report(args: argparse.Namespace) -> int:
 
     if args.fresh_days < 1:
         raise UserError(f"--fresh-days must be at least 1, got {args.fresh_days}")
+    if not Path(args.history).is_dir():
+        print(
+            f"ferry: note: no rehearsal history at {args.history} (no rehearsal has written there): every "
+            "environment is reported as not proven",
+            file=sys.stderr,
+        )
     result = write_report(args.history, args.out, fresh_days=args.fresh_days)
     for line in result.lines:
         print(line)

@@ -1,7 +1,8 @@
 """Base class of every config section.
 
-Sections are strict: an unknown key or a value of the wrong type is an error,
-never silently coerced, so a typo in a 10,000-GPU-hour run fails at start-up.
+Sections are strict: an unknown key, a value of the wrong type or a number that is not finite
+(YAML's `.inf`, `.nan`) is an error, never silently coerced, so a typo in a 10,000-GPU-hour run
+fails at start-up.
 """
 
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 class Section(BaseModel):
     """A typed, validated block of configuration (pure data; components `build()` from it)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, frozen=True, allow_inf_nan=False)
 
 
 def check_unique_names(items: Sequence, what: str) -> None:

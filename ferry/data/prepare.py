@@ -79,8 +79,13 @@ def prepare_dataset(spec: PrepareSpec, output: str | Path, overwrite: bool = Fal
                 f"output {str(output)!r} already holds a dataset prepared from other inputs or settings; "
                 "pass --overwrite to replace it"
             )
-    elif output.exists() and any(output.iterdir()) and not overwrite:
+    elif output.exists() and not output.is_dir():
+        raise UserError(f"output {str(output)!r} is a file, not a directory")
+    elif output.exists() and any(output.iterdir()):  # --overwrite replaces a dataset, never anything else
         raise UserError(f"output {str(output)!r} exists and is not a ferry dataset; choose another directory")
+    inside = [path for path in spec.inputs if Path(path).resolve().is_relative_to(output.resolve())]
+    if inside:
+        raise UserError(f"output {str(output)!r} holds the input {inside[0]!r}, which replacing it would delete")
 
     staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)

@@ -54,8 +54,16 @@ def export_checkpoint(
     if problems:
         raise UserError(f"cannot export {checkpoint.path} as {arch}: " + "; ".join(problems))
     fast_tokenizer = _fast_tokenizer(_tokenizer_path(checkpoint, tokenizer))
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"export: {out} exists and is not empty; pass --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"export: {out} is a file, not a directory")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"export: {out} exists and is not empty; pass --overwrite to replace it")
+        if not (out / "config.json").is_file() or checkpoint.path.resolve().is_relative_to(out.resolve()):
+            raise UserError(
+                f"export: {out} is not an earlier export (a transformers directory without the checkpoint): "
+                "--overwrite replaces only such a directory; choose another OUT"
+            )
     from transformers import AutoModelForCausalLM
 
     hf = hf_config(config, arch, fast_tokenizer.eos_token_id, _DTYPE_NAMES[dtype])

@@ -6,7 +6,7 @@ so a training process does not pay for it.
 
 from ferry.metrics.config import MetricsConfig, ProfileConfig, PrometheusConfig, SinksConfig, TensorBoardConfig
 from ferry.metrics.console import ConsoleProgress
-from ferry.metrics.hub import MetricsHub, build_sinks
+from ferry.metrics.hub import MetricsHub, build_sinks, start_prometheus
 from ferry.metrics.jsonl import JsonlSink, metrics_path, read_metrics
 from ferry.metrics.moe import dropped_tokens, moe_diagnostics, router_entropy
 from ferry.metrics.names import METRICS, METRICS_FILE, Metric, prometheus_names
@@ -31,6 +31,7 @@ __all__ = [
     "TensorBoardConfig",
     "TorchTrace",
     "build_sinks",
+    "start_prometheus",
     "dropped_tokens",
     "memory_peak_mib",
     "metrics_path",

@@ -54,6 +54,12 @@ class MetricsHub:
             self.console.close()
 
 
+def start_prometheus(config: MetricsConfig, rank: int, run_name: str) -> PrometheusSink | None:
+    """Rank 0's Prometheus endpoint, if configured: opened before the run directory is touched, so that a port
+    that cannot be had is refused with the earlier run still in place."""
+    return PrometheusSink(config.sinks.prometheus, run_name) if rank == 0 and config.sinks.prometheus.enabled else None
+
+
 def build_sinks(
     config: MetricsConfig,
     run_dir: Path,
@@ -63,19 +69,21 @@ def build_sinks(
     total_steps: int,
     log_every: int,
     first_step: int = 0,
+    prometheus: PrometheusSink | None = None,
 ) -> MetricsHub:
     """The hub of rank `rank`; ranks other than 0 get one that discards everything.
 
     Losses and expert loads are reduced over ranks before a record is built, so rank
     0's record stands for the step; several writers would fight over files and ports.
+    `prometheus` is the endpoint `start_prometheus` opened, when it was opened before.
     """
     if rank != 0:
         return MetricsHub([], speaks=False)
     sinks = [JsonlSink(run_dir / METRICS_FILE)]
-    prometheus = None
     try:
-        if config.sinks.prometheus.enabled:
+        if prometheus is None and config.sinks.prometheus.enabled:
             prometheus = PrometheusSink(config.sinks.prometheus, run_name)
+        if prometheus is not None:
             sinks.append(prometheus)
         if config.sinks.tensorboard.enabled:
             sinks.append(TensorBoardSink(run_dir))

@@ -8,6 +8,8 @@ import shutil
 import time
 from pathlib import Path
 
+import yaml
+
 from ferry.checkpoint import clear_checkpoints, list_checkpoints
 from ferry.config import UserError, dump_yaml
 from ferry.train.config import RunConfig
@@ -39,6 +41,11 @@ def prepare_run_dir(config: RunConfig, resume_step: int | None = None) -> Path:
                 f"run.dir {str(run_dir)!r} already holds a run ({', '.join(earlier)}); choose another run.dir, "
                 "set resume=latest to continue it, or set run.overwrite=true to replace it"
             )
+        if list_checkpoints(checkpoints) and not _owned_checkpoints(run_dir, checkpoints):
+            raise UserError(
+                f"checkpoint.dir {str(checkpoints)!r} holds the checkpoints of a run other than the one in run.dir "
+                f"{str(run_dir)!r}, which run.overwrite does not replace; choose another checkpoint.dir"
+            )
         for name in _RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
         shutil.rmtree(run_dir / FAULTS_DIR, ignore_errors=True)  # fired faults and causes belong to the old run
@@ -48,6 +55,18 @@ def prepare_run_dir(config: RunConfig, resume_step: int | None = None) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_NAME).write_text(dump_yaml(config), encoding="utf-8")
     return run_dir
+
+
+def _owned_checkpoints(run_dir: Path, checkpoints: Path) -> bool:
+    """Whether `checkpoints` belong to the run in `run_dir`: they lie inside it, or its config names them."""
+    if checkpoints.resolve().is_relative_to(run_dir.resolve()):
+        return True
+    try:
+        earlier = yaml.safe_load((run_dir / CONFIG_NAME).read_text(encoding="utf-8"))
+        named = earlier["checkpoint"]["dir"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return False
+    return named is not None and Path(named).resolve() == checkpoints.resolve()
 
 
 def _drop_metrics_after(path: Path, step: int) -> None:

@@ -85,6 +85,13 @@ def restore(trainer: Trainer, checkpoint: Checkpoint) -> list[str]:
     """
     notes = [f"config differs from the checkpoint's: {line}" for line in check_config(checkpoint, trainer.config)]
     check_resumable(checkpoint)
+    recorded = (checkpoint.manifest.train_state.get("tokenizer") or {}).get("encoding_sha256")
+    if recorded and trainer.tokenizer_digest and recorded != trainer.tokenizer_digest:
+        raise UserError(
+            f"resume: {checkpoint.path} was trained on text tokenized otherwise than this run's data "
+            f"({trainer.loader.datasets[0].label}: encoding digest {trainer.tokenizer_digest[:12]}, the checkpoint's "
+            f"{recorded[:12]}); prepare the data with the run's tokenizer (ferry data prepare --tokenizer)"
+        )
     with checkpoint:
         restore_model(checkpoint, trainer.model, trainer.plan)
         restore_optimizer(checkpoint, trainer.model, trainer.optimizer, trainer.plan)
@@ -141,6 +148,8 @@ def initialize_from(trainer: Trainer, path: Path) -> list[str]:
     """Start from the weights of the checkpoint at `path` (of the same model), and its AdamW state with
     `init_optimizer`; data position, step counter and schedule start fresh."""
     digests = (trainer.config.checkpoint.verify,)
+    if not path.exists():
+        raise UserError(f"init_from: {str(path)!r} does not exist")
     checkpoint = find_resume_point(str(path), path, share=shared_verification(trainer), digests=digests).checkpoint
     check_config(checkpoint, trainer.config)
     with_optimizer = trainer.config.init_optimizer

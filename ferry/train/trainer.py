@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from typing import TypeVar
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -31,6 +32,7 @@ from ferry.metrics import (
     StepMetrics,
     TorchTrace,
     build_sinks,
+    start_prometheus,
     moe_diagnostics,
 )
 from ferry.model import Transformer, count_model
@@ -56,6 +58,9 @@ from ferry.train.resilience import Resilience, restarted_by_torchrun
 from ferry.train.run_record import RunRecord, prepare_run_dir
 from ferry.train.step_statistics import StepStatistics
 from ferry.train.train_state import checkpoint_state, draw_deferred_weights, initialize_from, resume_from
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -184,15 +189,36 @@ class Trainer:
         # `latest` with nothing to resume from is a run resumed at step 0: its records are its own
         resumed_step = found.checkpoint.step if found and found.checkpoint else (0 if resume == "latest" else None)
         run_dir = config.run.path
-        record = None
-        abandoned: list[tuple[Path, Path]] = []
-        if self.is_main:
-            prepare_run_dir(config, resume_step=resumed_step)
-            if found and found.checkpoint:
-                abandoned = set_aside_abandoned(config.checkpoint.path(run_dir), resumed_step, found.checkpoint.path)
-            resumed_from = resume_record(found, self.carried, resume_times)
-            record = RunRecord(run_dir, {**describe(self), "resumed_from": resumed_from})
-        self._barrier()
+
+        def set_up_run_dir() -> tuple[RunRecord | None, list[tuple[Path, Path]], MetricsHub]:
+            """The run directory's records and the metrics sinks (the main rank's; the others' discard)."""
+            prometheus = start_prometheus(config.metrics, self.rank, config.run.name)
+            try:
+                record, abandoned = None, []
+                if self.is_main:
+                    prepare_run_dir(config, resume_step=resumed_step)
+                    if found and found.checkpoint:
+                        checkpoint_dir = config.checkpoint.path(run_dir)
+                        abandoned = set_aside_abandoned(checkpoint_dir, resumed_step, found.checkpoint.path)
+                    resumed_from = resume_record(found, self.carried, resume_times)
+                    record = RunRecord(run_dir, {**describe(self), "resumed_from": resumed_from})
+                hub = build_sinks(
+                    config.metrics,
+                    run_dir,
+                    self.rank,
+                    run_name=config.run.name,
+                    total_steps=config.train.steps,
+                    log_every=config.train.log_every,
+                    first_step=self.cursor.step,
+                    prometheus=prometheus,
+                )
+            except BaseException:
+                if prometheus is not None:
+                    prometheus.close()
+                raise
+            return record, abandoned, hub
+
+        record, abandoned, self.hub = self._on_every_rank_or_none(set_up_run_dir)
         writes = {"write": partial(save_on_all_ranks, plan=self.plan)} if self.context.is_distributed else {}
         checkpoints = CheckpointManager(
             config.checkpoint,
@@ -200,15 +226,6 @@ class Trainer:
             last_step=resumed_step,
             is_main=self.is_main,
             **writes,
-        )
-        self.hub = build_sinks(
-            config.metrics,
-            run_dir,
-            self.rank,
-            run_name=config.run.name,
-            total_steps=config.train.steps,
-            log_every=config.train.log_every,
-            first_step=self.cursor.step,
         )
         trace = TorchTrace(config.profile, run_dir, self.device, self.rank)
         announce(self, run_dir, found, notes)
@@ -417,6 +434,24 @@ class Trainer:
     def _barrier(self) -> None:
         if self.context.is_distributed:
             dist.barrier()
+
+    def _on_every_rank_or_none(self, work: Callable[[], T]) -> T:
+        """Run `work` on every rank, and raise a user error that one rank met on all of them: the others would
+        wait at their next collective and end on a closed connection, with no word of why."""
+        try:
+            result, message = work(), None
+        except UserError as exc:
+            failure, message = exc, str(exc)
+        if self.context.is_distributed:
+            messages: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(messages, message)
+            failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
+            if failed and message is None:
+                rank, text = failed[0]
+                raise UserError(f"rank {rank}: {text}")
+        if message is not None:
+            raise failure
+        return result
 
     def _sequence_length(self) -> int:
         """The sequence length FLOPs are counted at: the windows of token data; for DPO and GRPO, whose records

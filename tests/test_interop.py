@@ -258,3 +258,17 @@ def test_export_overwrite_replaces_an_earlier_export_only(tmp_path, capsys):
     assert (tmp_path / "notes" / "keep.txt").read_text() == "kept" and (path / "manifest.json").is_file()
     assert main([*export[:2], str(tmp_path / "hf"), *export[2:]]) == 0
     assert main([*export[:2], str(tmp_path / "hf"), *export[2:]]) == 0, "an earlier export is replaced"
+
+
+def test_import_of_a_truncated_weights_file_exits_2_naming_the_directory(tmp_path, capsys):
+    from transformers import OlmoeConfig
+
+    hf_dir = tmp_path / "hf"
+    config = OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+                         num_experts=4, num_experts_per_tok=2, eos_token_id=0, pad_token_id=0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
+    weights = hf_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert main(["import", str(hf_dir), str(tmp_path / "out")]) == 2
+    assert f"{hf_dir}: transformers cannot load its weights" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

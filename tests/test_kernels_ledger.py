@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import re
 
 import pytest
 import torch
@@ -103,6 +104,34 @@ def test_kernels_bench_rejects_a_budget_outside_zero_to_one():
 
     with pytest.raises(UserError, match="--budget"):
         _cli("kernels", "bench", "--device", "cpu", "--budget", "1.5")
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--tokens", "0"], "--tokens must be at least 1"),
+        (["--experts", "0"], "--experts must be at least 1"),
+        (["--dim", "-4"], "--dim must be at least 1"),
+        (["--experts", "4", "--top-k", "8"], "--top-k (8) cannot exceed --experts (4)"),
+    ],
+)
+def test_kernels_bench_refuses_a_shape_it_cannot_build_before_timing_anything(argv, named):
+    from ferry.config import UserError
+
+    with pytest.raises(UserError, match=re.escape(named)):
+        _cli("kernels", "bench", "--device", "cpu", *argv)
+
+
+def test_a_history_that_is_a_file_is_refused_before_any_work(tmp_path, capsys):
+    from ferry.cli.main import main
+
+    taken = tmp_path / "taken"
+    taken.write_text("kept")
+    assert main(["kernels", "bench", "--device", "cpu", "--history", str(taken / "portability")]) == 2
+    assert f"{taken} is a file, not a directory" in capsys.readouterr().err
+    assert main(["rehearse", "configs/tiny.yaml", "--from", "cpu", "--to", "cpu", "--history", str(taken)]) == 2
+    assert f"{taken} is a file, not a directory" in capsys.readouterr().err
+    assert taken.read_text() == "kept"
 
 
 def test_kernels_bench_lists_an_implementation_that_refuses_the_recipe_as_unavailable(monkeypatch):

@@ -73,13 +73,20 @@ def bench_kernels(args: argparse.Namespace) -> int:
     from ferry.kernels import KernelsConfig
     from ferry.kernels.bench import BenchShape, run_bench
     from ferry.platform import environment_fingerprint, resolve_device
-    from ferry.portability.history import KERNEL_BENCH, append_record
+    from ferry.portability.history import KERNEL_BENCH, append_record, check_history_dir
 
+    check_history_dir(args.history)
     budget = KernelsConfig().overhead_budget if args.budget is None else args.budget
     if not 0.0 <= budget < 1.0:
         raise UserError(f"--budget must lie in [0, 1), got {budget}")
     if args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+    sizes = {"--tokens": args.tokens, "--dim": args.dim, "--ffn": args.ffn, "--experts": args.experts, "--top-k": args.top_k}
+    for flag, value in sizes.items():
+        if value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
+    if args.top_k > args.experts:
+        raise UserError(f"--top-k ({args.top_k}) cannot exceed --experts ({args.experts})")
     shape = BenchShape(tokens=args.tokens, dim=args.dim, ffn=args.ffn, experts=args.experts, top_k=args.top_k)
     device = resolve_device(args.device)
     host_allocator = _host_allocator(args.host_allocator, device)

@@ -115,6 +115,10 @@ def _rehearse(args: argparse.Namespace) -> int:
     unknown = [item for item in overrides if "=" not in item]
     if unknown:
         raise UserError(f"{parser.prog}: unrecognized arguments: {' '.join(unknown)}")
+    if form != "start":
+        from ferry.portability.history import check_history_dir
+
+        check_history_dir(options.history)
     try:
         if form == "start":
             start(

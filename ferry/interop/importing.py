@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors import SafetensorError
 
 from ferry.checkpoint import Layout, TensorPiece
 from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
@@ -57,7 +58,7 @@ def read_hf_dir(hf_dir: Path) -> tuple[ModelConfig, str, dict[str, torch.Tensor]
     config, arch = model_config_from_hf(hf_config)
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:  # a truncated weights file is the last of these
         raise UserError(f"{hf_dir}: transformers cannot load its weights: {_first_line(exc)}") from None
     state = from_hf_state(hf_model.state_dict(), config)
     expected = set(config.build().state_dict())

@@ -13,10 +13,21 @@ import json
 import os
 from pathlib import Path
 
+from ferry.config import UserError
 
 HISTORY_DIR = Path("runs") / "portability"
 REHEARSALS = "rehearsals.jsonl"
 KERNEL_BENCH = "kernel-bench.jsonl"
+
+
+def check_history_dir(history_dir: str | Path) -> None:
+    """Refuse a history path that cannot become a directory, before a command spends minutes on a verdict
+    it could not append."""
+    for path in (Path(history_dir), *Path(history_dir).parents):
+        if path.exists():
+            if not path.is_dir():
+                raise UserError(f"--history {str(history_dir)!r}: {path} is a file, not a directory")
+            return
 
 
 def append_record(history_dir: str | Path, name: str, record: dict) -> Path:

@@ -25,6 +25,7 @@ CASES = {
     "top_k above num_experts": lambda t: ([TINY, "model.moe.top_k=12"], "model.moe.top_k"),
     "override without =": lambda t: ([TINY, "train.steps"], "train.steps"),
     "missing config file": lambda t: ([str(t / "nope.yaml")], "nope.yaml"),
+    "a directory as the config": lambda t: ([str(t)], "is a directory; give the YAML file"),
     "unreadable YAML": lambda t: ([_write(t, "bad.yaml", "model: [dim: 3\n")], "bad.yaml"),
     "YAML that is not a mapping": lambda t: ([_write(t, "list.yaml", "- 1\n- 2\n")], "list.yaml"),
     "missing data path": lambda t: (

@@ -107,6 +107,8 @@ def _merge(into: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     """A YAML file's mapping (`{}` for an empty file); a missing or unreadable file is a `ConfigError` naming it."""
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; give the YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:

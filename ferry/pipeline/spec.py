@@ -81,6 +81,8 @@ class PipelineSpec(Section):
 
 def load_pipeline(path: str | Path) -> PipelineSpec:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"pipeline file {str(path)!r} is a directory; give the YAML file")
     if not path.is_file():
         raise ConfigError(f"pipeline file {str(path)!r} does not exist")
     raw = read_yaml(path)

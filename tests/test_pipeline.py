@@ -125,3 +125,12 @@ def test_bad_pipeline_files_exit_2_naming_the_problem(stdlib_dataset, tmp_path, 
     path.write_text(yaml.safe_dump({"name": "bad", "stages": stages}))
     assert main(["pipeline", "run", str(path), "--dir", str(tmp_path / "out")]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_a_stage_that_refuses_its_input_is_recorded_as_refused(stdlib_dataset, tmp_path, capsys):
+    path = _write_pipeline(tmp_path, stdlib_dataset, midtrain_overrides={"data.sources.0.path": str(tmp_path / "gone")})
+    assert main(["pipeline", "run", str(path), "--dir", str(tmp_path / "out")]) == 2
+    assert "stage midtrain refused its input (exit 2" in capsys.readouterr().err
+    stages = {stage["name"]: stage for stage in json.loads((tmp_path / "out" / "lineage.json").read_text())["stages"]}
+    assert stages["pretrain"]["status"] == "finished"
+    assert stages["midtrain"]["status"] == "refused" and stages["midtrain"]["returncode"] == 2

@@ -99,6 +99,9 @@ def run_pipeline(
         returncode = _train(config, directory, stage.nproc or nproc, stage.name, say)
         record.update(_outcome(config, returncode))
         lineage.put(record)
+        if record["status"] == "refused":
+            config_path = directory / CONFIGS_DIR / f"{stage.name}.yaml"
+            raise UserError(f"stage {stage.name} refused its input (exit 2, the reason is above); config {config_path}")
         if record["status"] != "finished":
             say(f"ferry: stage {stage.name} {record['status']}; run the pipeline again to resume it")
             return lineage
@@ -218,10 +221,7 @@ def _train(config: RunConfig, directory: Path, nproc: int, name: str, say: Calla
     if nproc > 1:
         command += ["--nproc", str(nproc)]
     say(f"ferry: stage {name}: {' '.join(command[2:])}")
-    returncode = subprocess.run(command).returncode
-    if returncode == 2:
-        raise UserError(f"stage {name} refused its input (exit 2, the reason is above); config {config_path}")
-    return returncode
+    return subprocess.run(command).returncode
 
 
 def _outcome(config: RunConfig, returncode: int) -> dict[str, Any]:
@@ -230,7 +230,7 @@ def _outcome(config: RunConfig, returncode: int) -> dict[str, Any]:
     status = run_record.get("status")
     outcome: dict[str, Any] = {"finished_at": time.time(), "returncode": returncode}
     if returncode != 0 or status != "completed":
-        outcome["status"] = "failed" if returncode != 0 else "stopped"
+        outcome["status"] = {0: "stopped", 2: "refused"}.get(returncode, "failed")
         return outcome
     final = find_resume_point("latest", config.checkpoint.path(config.run.path)).checkpoint
     last = run_record.get("last_step") or {}

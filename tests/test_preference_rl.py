@@ -275,6 +275,9 @@ def test_bad_preference_and_rl_input_exits_2_naming_it(tmp_path, task, sft, chat
     bad.write_text(json.dumps({"prompt": "hi", "chosen": "a", "rejected": "  "}) + "\n", encoding="utf-8")
     code, err = _exit_code([*args, str(tmp_path / "p2")], capsys)
     assert code == 2 and "'rejected' is empty" in err
+    bad.write_text(json.dumps({"prompt": "hi", "chosen": 1, "rejected": "b"}) + "\n", encoding="utf-8")
+    code, err = _exit_code([*args, str(tmp_path / "p3")], capsys)
+    assert code == 2 and "'chosen' must be text or one assistant message, not int" in err
     train_args = ["train", "configs/tiny.yaml", f"run.dir={tmp_path / 'r'}", "model.vocab_size=4160",
                   "model.max_seq_len=64", "data.seq_len=64", "train.objective=grpo", f"init_from={sft}",
                   f"data.sources=[{{name: prompts, path: {task['prompts']}}}]"]

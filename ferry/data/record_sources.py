@@ -89,7 +89,9 @@ def _completion(encoder: ChatEncoder, value: object, where: str, name: str) -> n
         if len(value) != 1 or not isinstance(value[0], dict) or value[0].get("role") != "assistant":
             raise UserError(f"{where}: {name!r} must be text or one assistant message")
         value = value[0].get("content")
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str):
+        raise UserError(f"{where}: {name!r} must be text or one assistant message, not {type(value).__name__}")
+    if not value.strip():
         raise UserError(f"{where}: {name!r} is empty: a completion needs text")
     return np.concatenate([encoder.tokenizer.encode(value), [encoder.im_end_id]]).astype(np.int64)
 

@@ -272,19 +272,3 @@ def test_import_of_a_truncated_weights_file_exits_2_naming_the_directory(tmp_pat
     assert main(["import", str(hf_dir), str(tmp_path / "out")]) == 2
     assert f"{hf_dir}: transformers cannot load its weights" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-
-
-def test_export_refuses_a_tokenizer_larger_than_the_models_vocabulary(tmp_path, capsys):
-    from ferry.checkpoint import Layout, TensorPiece
-    from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
-
-    arch, overrides = CASES["olmoe-top3-renorm-tied"]
-    config = ModelConfig.model_validate({**BASE, **overrides})
-    state = _random_model(config).state_dict()
-    meta = CheckpointMeta(0, 0, Layout(world_size=1, ep_degree=1, mode="ep"), config.model_dump(mode="json"), {}, {}, {})
-    path = save_checkpoint(tmp_path / "ckpt", {f"model.{n}": TensorPiece.whole(t.contiguous()) for n, t in state.items()}, meta)
-    tokenizer = tmp_path / "tokenizer.json"
-    _write_tokenizer(tokenizer, config.vocab_size + 2)
-    assert main(["export", str(path), str(tmp_path / "hf"), "--tokenizer", str(tokenizer), "--arch", arch]) == 2
-    assert f"do not fit the model's vocabulary ({config.vocab_size})" in capsys.readouterr().err
-    assert not (tmp_path / "hf").exists()

@@ -54,11 +54,6 @@ def export_checkpoint(
     if problems:
         raise UserError(f"cannot export {checkpoint.path} as {arch}: " + "; ".join(problems))
     fast_tokenizer = _fast_tokenizer(_tokenizer_path(checkpoint, tokenizer))
-    if len(fast_tokenizer) > config.vocab_size:
-        raise UserError(
-            f"export: the tokenizer's {len(fast_tokenizer)} tokens do not fit the model's vocabulary "
-            f"({config.vocab_size})"
-        )
     if out.exists() and not out.is_dir():
         raise UserError(f"export: {out} is a file, not a directory")
     if out.exists() and any(out.iterdir()):

@@ -1,5 +1,6 @@
 """Collectives: process groups and the device mesh from config, and one timed collectives interface."""
 
+from ferry.comm.agreement import gather_objects, raise_on_every_rank
 from ferry.comm.collectives import Collectives
 from ferry.comm.config import CommConfig
 from ferry.comm.process_group import DistContext, build_mesh, init_distributed, launcher_ranks, resolve_backend, shutdown
@@ -10,8 +11,10 @@ __all__ = [
     "CommConfig",
     "DistContext",
     "build_mesh",
+    "gather_objects",
     "init_distributed",
     "launcher_ranks",
+    "raise_on_every_rank",
     "resolve_backend",
     "shutdown",
     "CommStats",

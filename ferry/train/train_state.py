@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from ferry.checkpoint import (
     Checkpoint,
@@ -22,6 +22,7 @@ from ferry.checkpoint import (
     TensorPiece,
     find_resume_point,
 )
+from ferry.comm import gather_objects
 from ferry.config import UserError
 from ferry.data import DataCursor
 from ferry.model.digest import weights_digest
@@ -195,12 +196,7 @@ def shared_verification(trainer: Trainer) -> SharedVerification | None:
     if not trainer.context.is_distributed:
         return None
 
-    def agree(payload: tuple) -> list[tuple]:
-        payloads: list = [None] * trainer.world_size
-        dist.all_gather_object(payloads, payload)
-        return payloads
-
-    return SharedVerification(trainer.rank, trainer.world_size, agree)
+    return SharedVerification(trainer.rank, trainer.world_size, partial(gather_objects, trainer.context))
 
 
 def draw_deferred_weights(trainer: Trainer, progress: Callable[[], None]) -> str | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TypeVar
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ferry.checkpoint import CheckpointManager, list_checkpoints, set_aside_abandoned
+from ferry.checkpoint import CheckpointManager, list_checkpoints
 from ferry.comm import init_distributed, launcher_ranks
 from ferry.comm.process_group import shutdown
 from ferry.config import UserError
@@ -27,14 +26,7 @@ from ferry.data import DataCursor, document_ids
 from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.inference import HeldOutEvaluation, eval_record
 from ferry.kernels import select_kernels
-from ferry.metrics import (
-    MetricsHub,
-    StepMetrics,
-    TorchTrace,
-    build_sinks,
-    start_prometheus,
-    moe_diagnostics,
-)
+from ferry.metrics import MetricsHub, StepMetrics, TorchTrace, moe_diagnostics
 from ferry.model import Transformer, count_model
 from ferry.model.compilation import compile_blocks
 from ferry.model.digest import weights_digest
@@ -50,17 +42,15 @@ from ferry.platform.hardware import (
 from ferry.precision import resolve_precision
 from ferry.precision.kernels import low_precision_op, with_low_precision_experts
 from ferry.train.checkpointing import save_on_all_ranks
-from ferry.train.announcements import announce, describe, eval_line, resume_record
+from ferry.train.announcements import announce, eval_line
 from ferry.train.config import RunConfig
 from ferry.train.objectives import build_loader, build_objective
 from ferry.train.optimizer import decayed_parameter_names, learning_rate
 from ferry.train.resilience import Resilience, restarted_by_torchrun
-from ferry.train.run_record import RunRecord, prepare_run_dir
+from ferry.train.run_opening import open_run, report_set_aside
 from ferry.train.step_statistics import StepStatistics
 from ferry.train.train_state import checkpoint_state, draw_deferred_weights, initialize_from, resume_from
 
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -189,36 +179,8 @@ class Trainer:
         # `latest` with nothing to resume from is a run resumed at step 0: its records are its own
         resumed_step = found.checkpoint.step if found and found.checkpoint else (0 if resume == "latest" else None)
         run_dir = config.run.path
-
-        def set_up_run_dir() -> tuple[RunRecord | None, list[tuple[Path, Path]], MetricsHub]:
-            """The run directory's records and the metrics sinks (the main rank's; the others' discard)."""
-            prometheus = start_prometheus(config.metrics, self.rank, config.run.name)
-            try:
-                record, abandoned = None, []
-                if self.is_main:
-                    prepare_run_dir(config, resume_step=resumed_step)
-                    if found and found.checkpoint:
-                        checkpoint_dir = config.checkpoint.path(run_dir)
-                        abandoned = set_aside_abandoned(checkpoint_dir, resumed_step, found.checkpoint.path)
-                    resumed_from = resume_record(found, self.carried, resume_times)
-                    record = RunRecord(run_dir, {**describe(self), "resumed_from": resumed_from})
-                hub = build_sinks(
-                    config.metrics,
-                    run_dir,
-                    self.rank,
-                    run_name=config.run.name,
-                    total_steps=config.train.steps,
-                    log_every=config.train.log_every,
-                    first_step=self.cursor.step,
-                    prometheus=prometheus,
-                )
-            except BaseException:
-                if prometheus is not None:
-                    prometheus.close()
-                raise
-            return record, abandoned, hub
-
-        record, abandoned, self.hub = self._on_every_rank_or_none(set_up_run_dir)
+        opened = open_run(self, found, resumed_step, resume_times)
+        record, self.hub = opened.record, opened.hub
         writes = {"write": partial(save_on_all_ranks, plan=self.plan)} if self.context.is_distributed else {}
         checkpoints = CheckpointManager(
             config.checkpoint,
@@ -229,19 +191,7 @@ class Trainer:
         )
         trace = TorchTrace(config.profile, run_dir, self.device, self.rank)
         announce(self, run_dir, found, notes)
-        for leftover in checkpoints.removed_leftovers:
-            self.hub.message(f"ferry: warning: removed the unfinished save {leftover} (its process died mid-save)")
-        if abandoned:
-            names = ", ".join(old.name for old, _ in abandoned)
-            self.hub.message(
-                f"ferry: warning: this run goes on from step {resumed_step}; the checkpoints it leaves behind "
-                f"({names}) are set aside in {abandoned[0][1].parent}, where resume=latest does not look"
-            )
-        if record is not None:
-            record.update(
-                removed_unfinished_saves=[str(path) for path in checkpoints.removed_leftovers],
-                abandoned_checkpoints={str(old): str(new) for old, new in abandoned},
-            )
+        report_set_aside(opened, checkpoints, resumed_step)
         resilience = self.resilience
         save_state = partial(checkpoint_state, self)
         resume_info = {
@@ -434,24 +384,6 @@ class Trainer:
     def _barrier(self) -> None:
         if self.context.is_distributed:
             dist.barrier()
-
-    def _on_every_rank_or_none(self, work: Callable[[], T]) -> T:
-        """Run `work` on every rank, and raise a user error that one rank met on all of them: the others would
-        wait at their next collective and end on a closed connection, with no word of why."""
-        try:
-            result, message = work(), None
-        except UserError as exc:
-            failure, message = exc, str(exc)
-        if self.context.is_distributed:
-            messages: list[str | None] = [None] * self.world_size
-            dist.all_gather_object(messages, message)
-            failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
-            if failed and message is None:
-                rank, text = failed[0]
-                raise UserError(f"rank {rank}: {text}")
-        if message is not None:
-            raise failure
-        return result
 
     def _sequence_length(self) -> int:
         """The sequence length FLOPs are counted at: the windows of token data; for DPO and GRPO, whose records

@@ -1,0 +1,83 @@
+"""Opening a run's directory and sinks on every rank, and saying what it set aside there.
+
+The main rank writes the directory (its config, `run.json`, the checkpoints a resume leaves behind moved
+aside); every rank builds its metrics sinks (the others' discard). A user error any rank meets doing so
+stops every rank with the same message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ferry.checkpoint import CheckpointManager, set_aside_abandoned
+from ferry.comm import raise_on_every_rank
+from ferry.metrics import MetricsHub, build_sinks, start_prometheus
+from ferry.train.announcements import describe, resume_record
+from ferry.train.run_record import RunRecord, prepare_run_dir
+
+if TYPE_CHECKING:
+    from ferry.checkpoint.reader import Found
+    from ferry.train.trainer import Trainer
+
+
+@dataclass
+class OpenedRun:
+    """The run directory's record (main rank only), the sinks, and the checkpoints moved aside (old, new)."""
+
+    record: RunRecord | None
+    hub: MetricsHub
+    abandoned: list[tuple[Path, Path]] = field(default_factory=list)
+
+
+def open_run(trainer: Trainer, found: Found | None, resumed_step: int | None, resume_times: dict) -> OpenedRun:
+    """Prepare the run directory and the sinks of `trainer`'s run, resumed at `resumed_step` (None: fresh)."""
+    config = trainer.config
+    run_dir = config.run.path
+
+    def on_this_rank() -> OpenedRun:
+        prometheus = start_prometheus(config.metrics, trainer.rank, config.run.name)
+        try:
+            record, abandoned = None, []
+            if trainer.is_main:
+                prepare_run_dir(config, resume_step=resumed_step)
+                if found and found.checkpoint:
+                    checkpoint_dir = config.checkpoint.path(run_dir)
+                    abandoned = set_aside_abandoned(checkpoint_dir, resumed_step, found.checkpoint.path)
+                resumed_from = resume_record(found, trainer.carried, resume_times)
+                record = RunRecord(run_dir, {**describe(trainer), "resumed_from": resumed_from})
+            hub = build_sinks(
+                config.metrics,
+                run_dir,
+                trainer.rank,
+                run_name=config.run.name,
+                total_steps=config.train.steps,
+                log_every=config.train.log_every,
+                first_step=trainer.cursor.step,
+                prometheus=prometheus,
+            )
+        except BaseException:
+            if prometheus is not None:
+                prometheus.close()
+            raise
+        return OpenedRun(record, hub, abandoned)
+
+    return raise_on_every_rank(trainer.context, on_this_rank)
+
+
+def report_set_aside(opened: OpenedRun, checkpoints: CheckpointManager, resumed_step: int | None) -> None:
+    """Warn of the unfinished saves removed and the checkpoints set aside, and record both in `run.json`."""
+    for leftover in checkpoints.removed_leftovers:
+        opened.hub.message(f"ferry: warning: removed the unfinished save {leftover} (its process died mid-save)")
+    if opened.abandoned:
+        names = ", ".join(old.name for old, _ in opened.abandoned)
+        opened.hub.message(
+            f"ferry: warning: this run goes on from step {resumed_step}; the checkpoints it leaves behind "
+            f"({names}) are set aside in {opened.abandoned[0][1].parent}, where resume=latest does not look"
+        )
+    if opened.record is not None:
+        opened.record.update(
+            removed_unfinished_saves=[str(path) for path in checkpoints.removed_leftovers],
+            abandoned_checkpoints={str(old): str(new) for old, new in opened.abandoned},
+        )

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ferry.cli.main import main
+from ferry.config import UserError
 from ferry.data import PrepareSpec, prepare_dataset
 from ferry.data.records import RecordDataset
 from ferry.data.tasks import task_documents
@@ -107,6 +108,15 @@ def test_the_task_views_speak_of_the_same_problems_and_never_of_held_out_ones(ta
     shared = range(min(len(pairs), len(prompts)))
     assert all((pairs.field(i, "prompt") == prompts.field(i, "prompt")).all() for i in shared)
     assert (pairs.field(0, "chosen") != pairs.field(0, "rejected")).any()
+
+
+def test_a_record_file_that_changed_is_refused_before_it_is_read(tmp_path, task):
+    answers = Path(shutil.copytree(task["prompts"], tmp_path / "prompts")) / "answers.json"
+    assert RecordDataset(answers.parent, "intact", "prompts").verified == "xxh3_128"
+    answers.write_text(answers.read_text() + "\n")  # the same answers: only the digest tells
+    with pytest.raises(UserError, match=r"answers\.json' is not the file its manifest names"):
+        RecordDataset(answers.parent, "changed", "prompts")
+    assert RecordDataset(answers.parent, "unchecked", "prompts", verify="none").verified is None
 
 
 def test_dpo_reuses_its_reference_cache_and_recomputes_it_for_new_data(tmp_path, task, sft, capsys):

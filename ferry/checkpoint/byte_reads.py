@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ferry.checkpoint.digests import Digests
-from ferry.checkpoint.files import digest_file
+from ferry.platform.digests import Digests, digest_file
 from ferry.checkpoint.format import CheckpointError
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from ferry.cli import ckpt
 from ferry.cli.hardware import add_hardware_commands
@@ -94,6 +95,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument("--overwrite", action="store_true", help="replace a dataset prepared from other inputs")
     prepare.set_defaults(handler=_data_prepare)
+    verify = data_commands.add_parser(
+        "verify", help="check every file of prepared datasets against every digest its manifest records; "
+        "exit 0 valid, 1 invalid",
+    )
+    verify.add_argument("datasets", nargs="+", metavar="DIR", help="prepared dataset directories")
+    verify.set_defaults(handler=_data_verify)
 
     ckpt.register(commands)
     add_metrics_commands(commands)
@@ -132,6 +139,20 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_verify(args: argparse.Namespace) -> int:
+    """Invalid is an answer, not a usage error: exit 1 naming the file (a path that is no dataset exits 2)."""
+    from ferry.data.verification import DatasetMismatch, verify_dataset
+
+    invalid = 0
+    for path in args.datasets:
+        try:
+            print(verify_dataset(Path(path)))
+        except DatasetMismatch as exc:
+            print(f"ferry: invalid {exc}")
+            invalid += 1
+    return 1 if invalid else 0
+
+
 def _rank_prefix() -> str:
     """In a multi-process job every rank reports its own failure, named by rank."""
     return f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
@@ -163,6 +184,8 @@ def _data_prepare(args: argparse.Namespace) -> int:
     )
     result = prepare_dataset(spec, args.output, overwrite=args.overwrite)
     manifest = result.manifest
+    if result.repaired:
+        print(f"ferry: warning: {result.repaired} no longer matched its manifest; written again from the same inputs")
     state = "prepared" if result.rebuilt else "up to date"
     tokenizer = f"{manifest['tokenizer']['kind']} tokenizer with {manifest['tokenizer']['vocab_size']:,} tokens"
     records = manifest.get("records")

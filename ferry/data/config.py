@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from ferry.config.section import Section, check_unique_names
+from ferry.data.verification import DataVerification
 
 
 class SourceConfig(Section):
@@ -24,6 +25,12 @@ class DataConfig(Section):
     seq_len: int = Field(256, ge=1)
     document_masking: bool = Field(
         False, description="attend only within each document of a packed window (documents end with end-of-text)"
+    )
+    verify: DataVerification = Field(
+        "xxh3_128",
+        description="the digest of every file of the sources checked against their manifests before the run reads "
+        "them (xxh3_128: ~8 GB/s a core; sha256 where the manifests are kept out of a forger's reach; none for a "
+        "mix so large that hashing it on every start costs more than it saves); held-out sources are always checked",
     )
 
     @field_validator("sources")

@@ -9,6 +9,8 @@ import numpy as np
 
 from ferry.config.errors import UserError
 from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, refuse_records
+from ferry.data.verification import DataVerification, verify_files
+from ferry.platform.digests import FAST
 
 
 class TokenDataset:
@@ -17,10 +19,11 @@ class TokenDataset:
     Window i covers tokens [i * seq_len, (i + 1) * seq_len] inclusive, so consecutive
     windows share one token: the last target of one is the first input of the next.
     A dataset of packed conversations also holds a loss mask (1 where a token is
-    trained) and can be read only with the row length it was packed for.
+    trained) and can be read only with the row length it was packed for. Every file is checked
+    against the manifest's `verify` digest before it is opened (`verified` says which).
     """
 
-    def __init__(self, path: str | Path, label: str):
+    def __init__(self, path: str | Path, label: str, verify: DataVerification = FAST):
         self.path = Path(path)
         self.label = label
         manifest_path = self.path / MANIFEST_NAME
@@ -38,6 +41,7 @@ class TokenDataset:
                 f"{label}: {str(manifest_path)!r} is not a {DATASET_FORMAT} v{DATASET_VERSION} manifest"
             )
         refuse_records(self.manifest, label, "a token-window reader (train.objective: lm, eval.loss)")
+        self.verified = verify_files(self.path, self.manifest, label, verify)
         self.tokenizer = self.manifest["tokenizer"]
         self._shards = [self._open_shard(entry) for entry in self.manifest["shards"]]
         lengths = np.array([len(shard) for shard in self._shards], dtype=np.int64)

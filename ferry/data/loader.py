@@ -21,6 +21,7 @@ from ferry.config.errors import UserError
 from ferry.data.config import DataConfig
 from ferry.data.dataset import TokenDataset
 from ferry.data.targets import Batch, packing_padding, split_windows
+from ferry.platform.digests import RECORDED
 
 _ROW_SHUFFLE_STREAM = 0x5EED
 
@@ -57,7 +58,7 @@ class MixedLoader:
         self.seed = seed
         self.global_batch = global_batch
         self.datasets = [
-            TokenDataset(source.path, label=f"data.sources.{index} ({source.name})")
+            TokenDataset(source.path, label=f"data.sources.{index} ({source.name})", verify=config.verify)
             for index, source in enumerate(config.sources)
         ]
         self.names = [source.name for source in config.sources]
@@ -93,8 +94,9 @@ class MixedLoader:
                 "weight": rows / self.global_batch,
                 "tokens": dataset.num_tokens,
                 "tokenizer_sha256": dataset.tokenizer["sha256"],
+                "verified": dataset.verified,
                 "shards": [
-                    {"file": s["file"], "sha256": s["sha256"]}
+                    {key: value for key, value in s.items() if key in ("file", *RECORDED)}
                     for s in dataset.manifest["shards"] + dataset.manifest.get("loss_mask", {}).get("shards", [])
                 ],
                 "sources": dataset.manifest.get("source_hashes", []),

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from ferry.config.errors import UserError
+from ferry.platform.digests import digest_file
 
 DATASET_FORMAT = "ferry-token-dataset"
 DATASET_VERSION = 1
@@ -13,12 +13,13 @@ MANIFEST_NAME = "manifest.json"
 TOKENIZER_NAME = "tokenizer.json"
 
 
-def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
+def sha256_file(path: Path) -> str:
+    return digest_file(path, ("sha256",))["sha256"]
+
+
+def file_entry(path: Path, **fields) -> dict:
+    """What a manifest records of a file it names: its name, `fields`, and its sha256 and xxh3-128."""
+    return {"file": path.name, **fields, **digest_file(path)}
 
 
 _READERS = {"preferences": "train.objective: dpo", "prompts": "train.objective: grpo"}

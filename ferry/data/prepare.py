@@ -8,7 +8,8 @@ parallel `mask-NNNNN.npy` stream: 1 where a token is trained (assistant text). P
 (`--preferences`) and prompts with answers (`--prompts`) are kept as whole records
 (`ferry.data.records`). Everything is written to a temporary
 directory and renamed into place, so an interrupted prepare never leaves a
-half-written dataset behind, and an up-to-date dataset is not rebuilt.
+half-written dataset behind, and an up-to-date dataset (the same inputs and settings, every file still
+matching its manifest) is not rebuilt.
 """
 
 from __future__ import annotations
@@ -27,12 +28,21 @@ from ferry.config.errors import UserError
 from ferry.data.chat import CHAT_TEMPLATE, ChatEncoder, parse_messages, with_chat_tokens
 from ferry.data.conversations import EMBEDDED_CONVERSATIONS, embedded_conversations, read_conversations
 from ferry.data.corpus import EMBEDDED_CORPORA, Document, embedded_documents, jsonl_records, within_budget
-from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, TOKENIZER_NAME, sha256_file
+from ferry.data.manifest import (
+    DATASET_FORMAT,
+    DATASET_VERSION,
+    MANIFEST_NAME,
+    TOKENIZER_NAME,
+    file_entry,
+    sha256_file,
+)
 from ferry.data.packing import RowPacker
 from ferry.data.record_sources import read_record_rows, write_records
 from ferry.data.records import RECORD_FIELDS
 from ferry.data.tasks import EMBEDDED_TASKS, task_documents
 from ferry.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, encode_documents, load_tokenizer
+from ferry.data.verification import DatasetMismatch, verify_files
+from ferry.platform.digests import FAST
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 _ENCODE_BATCH = 256
@@ -60,6 +70,7 @@ class PrepareResult:
     output: Path
     manifest: dict
     rebuilt: bool
+    repaired: Path | None = None  # the file that no longer matched its manifest, why the same inputs were written again
 
 
 def prepare_dataset(spec: PrepareSpec, output: str | Path, overwrite: bool = False) -> PrepareResult:
@@ -70,11 +81,16 @@ def prepare_dataset(spec: PrepareSpec, output: str | Path, overwrite: bool = Fal
     source_hashes = _hash_sources(documents())
     settings = _settings(spec)
     existing = output / MANIFEST_NAME
+    repaired = None
     if existing.is_file():
         manifest = _read_json(existing)
         if manifest.get("settings") == settings and manifest.get("source_hashes") == source_hashes:
-            return PrepareResult(output, manifest, rebuilt=False)
-        if not overwrite:
+            try:
+                verify_files(output, manifest, f"output {str(output)!r}", FAST)
+                return PrepareResult(output, manifest, rebuilt=False)
+            except DatasetMismatch as exc:  # the same inputs: writing it again replaces only what it was
+                repaired = exc.path
+        elif not overwrite:
             raise UserError(
                 f"output {str(output)!r} already holds a dataset prepared from other inputs or settings; "
                 "pass --overwrite to replace it"
@@ -98,7 +114,7 @@ def prepare_dataset(spec: PrepareSpec, output: str | Path, overwrite: bool = Fal
         _replace_directory(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return PrepareResult(output, manifest, rebuilt=True)
+    return PrepareResult(output, manifest, rebuilt=True, repaired=repaired)
 
 
 def _check_spec(spec: PrepareSpec) -> None:
@@ -304,7 +320,7 @@ def _write_record_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Do
     tokenizer = with_chat_tokens(load_tokenizer(spec.tokenizer))
     records = write_records(documents(), spec.records, ChatEncoder(tokenizer), staging)
     (staging / TOKENIZER_NAME).write_text(tokenizer.to_json(), encoding="utf-8")
-    records["files"] = [{"file": name, "sha256": sha256_file(staging / name)} for name in records["files"]]
+    records["files"] = [file_entry(staging / name) for name in records["files"]]
     return {
         "format": DATASET_FORMAT,
         "version": DATASET_VERSION,
@@ -339,8 +355,7 @@ def _tokenizer_record(tokenizer: Tokenizer, staging: Path) -> dict:
         "kind": tokenizer.kind,
         "vocab_size": tokenizer.vocab_size,
         "eos_id": tokenizer.eos_id,
-        "file": TOKENIZER_NAME,
-        "sha256": sha256_file(staging / TOKENIZER_NAME),
+        **file_entry(staging / TOKENIZER_NAME),
     }
 
 
@@ -384,7 +399,7 @@ class _ShardWriter:
         name = f"{self.prefix}-{len(self.shards):05d}.npy"
         path = self.directory / name
         np.save(path, tokens)
-        self.shards.append({"file": name, "tokens": int(len(tokens)), "sha256": sha256_file(path)})
+        self.shards.append(file_entry(path, tokens=int(len(tokens))))
         self.total_tokens += int(len(tokens))
 
 

@@ -22,15 +22,18 @@ from ferry.config.errors import UserError
 from ferry.data.config import DataConfig
 from ferry.data.loader import DataCursor
 from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, record_kind
+from ferry.data.verification import DataVerification, verify_files
+from ferry.platform.digests import FAST
 
 RECORD_FIELDS = {"preferences": ("prompt", "chosen", "rejected"), "prompts": ("prompt",)}
 TOKENS_NAME = "tokens.npy"
 SPANS_NAME = "spans.npy"
 ANSWERS_NAME = "answers.json"
 class RecordDataset:
-    """The records of one prepared dataset of `kind`, memory-mapped."""
+    """The records of one prepared dataset of `kind`, memory-mapped, its files checked against the manifest's
+    `verify` digest first."""
 
-    def __init__(self, path: str | Path, label: str, kind: str):
+    def __init__(self, path: str | Path, label: str, kind: str, verify: DataVerification = FAST):
         self.path = Path(path)
         self.label = label
         manifest_path = self.path / MANIFEST_NAME
@@ -51,6 +54,7 @@ class RecordDataset:
             raise UserError(
                 f"{label}: {str(self.path)!r} holds {what}; this run reads {kind} (ferry data prepare --{kind})"
             )
+        self.verified = verify_files(self.path, self.manifest, label, verify)
         self.kind = kind
         self.fields = RECORD_FIELDS[kind]
         self.tokenizer = self.manifest["tokenizer"]
@@ -112,7 +116,7 @@ class RecordLoader:
             )
         source = config.sources[0]
         self.name = source.name
-        self.dataset = RecordDataset(source.path, f"data.sources.0 ({source.name})", kind)
+        self.dataset = RecordDataset(source.path, f"data.sources.0 ({source.name})", kind, verify=config.verify)
         self.datasets = [self.dataset]
         self.seed = seed
         self.global_batch = global_batch
@@ -131,6 +135,7 @@ class RecordLoader:
                 "kind": self.dataset.kind,
                 "rows_per_step": self.global_batch,
                 "tokenizer_sha256": self.tokenizer["sha256"],
+                "verified": self.dataset.verified,
                 "shards": self.dataset.file_hashes(),  # the record files, in the shape of a token dataset's shards
                 "sources": self.dataset.manifest.get("source_hashes", []),
             }

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, sha256_file
+from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, file_entry
 
 SYNTHETIC_KIND = "synthetic-zipf"
 
@@ -53,7 +53,7 @@ def write_synthetic_dataset(path: Path, seed: int, vocab_size: int, count: int, 
         "dtype": np.dtype(dtype).name,
         "documents": 1,
         "total_tokens": count,
-        "shards": [{"file": shard.name, "tokens": count, "sha256": sha256_file(shard)}],
+        "shards": [file_entry(shard, tokens=count)],
         "settings": {"synthetic": generator},
     }
     (path / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1), encoding="utf-8")

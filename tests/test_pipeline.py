@@ -134,3 +134,25 @@ def test_a_stage_that_refuses_its_input_is_recorded_as_refused(stdlib_dataset, t
     stages = {stage["name"]: stage for stage in json.loads((tmp_path / "out" / "lineage.json").read_text())["stages"]}
     assert stages["pretrain"]["status"] == "finished"
     assert stages["midtrain"]["status"] == "refused" and stages["midtrain"]["returncode"] == 2
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        (lambda lineage: lineage["stages"][0].pop("status"), "stages.0.status: Field required"),
+        (lambda lineage: lineage["stages"][1]["result"].update(step="four"), "stages.1.result.step"),
+        (lambda lineage: lineage.update(stages={}), "stages: Input should be a valid list"),
+        (lambda lineage: lineage["stages"][0].update(result=None), "a finished stage has no result"),
+    ],
+)
+def test_a_lineage_of_the_wrong_shape_is_refused_naming_the_field(finished, tmp_path, edit, named, capsys):
+    path, out_dir = finished
+    lineage = json.loads((out_dir / "lineage.json").read_text())
+    edit(lineage)
+    (tmp_path / "lineage.json").write_text(json.dumps(lineage))
+    assert main(["pipeline", "show", str(tmp_path)]) == 2
+    assert named in capsys.readouterr().err
+    assert main(["pipeline", "run", str(path), "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'lineage.json'} is not a lineage as ferry writes it" in err and named in err
+    assert json.loads((tmp_path / "lineage.json").read_text()) == lineage  # refused, not rewritten

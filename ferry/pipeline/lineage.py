@@ -17,6 +17,7 @@ from typing import Any
 from ferry.checkpoint.format import MANIFEST_NAME
 from ferry.config import UserError
 from ferry.data.manifest import sha256_file
+from ferry.pipeline.lineage_shape import check_lineage_shape
 
 LINEAGE_FILE = "lineage.json"
 LINEAGE_FORMAT = "ferry-lineage"
@@ -43,8 +44,9 @@ class Lineage:
                 data = json.loads(self.path.read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError) as exc:
                 raise UserError(f"{self.path} is unreadable: {exc}") from None
-            if data.get("format") != LINEAGE_FORMAT:
+            if not isinstance(data, dict) or data.get("format") != LINEAGE_FORMAT:
                 raise UserError(f"{self.path} is not a {LINEAGE_FORMAT} file")
+            check_lineage_shape(data, self.path)
             if data["pipeline"]["name"] != pipeline["name"]:
                 raise UserError(
                     f"{directory} holds the stages of pipeline {data['pipeline']['name']!r}, not {pipeline['name']!r}; "
@@ -58,9 +60,12 @@ class Lineage:
         if not path.is_file():
             raise UserError(f"{directory} holds no pipeline ({LINEAGE_FILE} is missing)")
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
             raise UserError(f"{path} is unreadable: {exc}") from None
+        if not isinstance(data, dict) or data.get("format") != LINEAGE_FORMAT:
+            raise UserError(f"{path} is not a {LINEAGE_FORMAT} file")
+        return check_lineage_shape(data, path)
 
     def put(self, record: dict[str, Any]) -> None:
         self.stages[record["name"]] = record

@@ -97,3 +97,20 @@ def test_a_file_where_an_output_directory_goes_exits_2_naming_it(stdlib_dataset,
         assert code == 2, (argv, err)
         assert str(taken) in err and "Traceback" not in err
     assert taken.read_text() == "kept"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "runs/none", "--prompt", "a", "--device", "banana"],
+        ["eval", "runs/none", "--device", "banana"],
+        ["kernels", "list", "--device", "banana"],
+        ["hardware", "show", "--device", "banana"],
+    ],
+)
+def test_a_device_that_is_not_here_is_named_as_the_flag_given(argv, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert "argument --device: 'banana' is not available on this machine" in err and "run.device" not in err

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ferry.cli.options import device_option
 from ferry.config import UserError
 
 SOURCE_HELP = "a checkpoint, a run (or `ferry import`) directory, or a transformers model directory"
@@ -69,7 +70,7 @@ def add_inference_commands(commands) -> None:
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ... (default auto)")
+    parser.add_argument("--device", default="auto", type=device_option, help="auto, cpu, cuda, ... (default auto)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's, or SOURCE's)")
 

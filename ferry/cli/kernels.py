@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ferry.cli.options import device_option
+
 
 def add_kernels_commands(subparsers: argparse._SubParsersAction) -> None:
     """Register `kernels` and its actions on the `ferry` command's sub-parsers."""
@@ -12,7 +14,7 @@ def add_kernels_commands(subparsers: argparse._SubParsersAction) -> None:
     actions = kernels.add_subparsers(dest="kernels_command", required=True, metavar="ACTION")
 
     listing = actions.add_parser("list", help="every op's implementations, availability here and ledger status")
-    listing.add_argument("--device", default="auto", help="judge availability on this device (default: auto)")
+    listing.add_argument("--device", default="auto", type=device_option, help="judge availability on this device (default: auto)")
     listing.set_defaults(handler=list_kernels)
 
     boundary = actions.add_parser("boundary", help="write the boundary document (abstracted, vendor-specific, cost)")
@@ -20,7 +22,7 @@ def add_kernels_commands(subparsers: argparse._SubParsersAction) -> None:
     boundary.set_defaults(handler=write_boundary_doc)
 
     bench = actions.add_parser("bench", help="time every available implementation on fixed inputs; budget verdicts")
-    bench.add_argument("--device", default="auto")
+    bench.add_argument("--device", default="auto", type=device_option)
     bench.add_argument("--budget", type=float, default=None, help="throughput loss allowed (default: kernels config's)")
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (median)")
     bench.add_argument("--tokens", type=int, default=4096)

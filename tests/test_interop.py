@@ -20,7 +20,8 @@ from ferry.interop.architectures import hf_config, refusals, to_hf_state
 from ferry.model import ModelConfig
 from ferry.train import Trainer
 
-BASE = dict(vocab_size=96, dim=32, n_layers=3, n_heads=4, max_seq_len=64, dense_ffn_dim=40, qk_norm=True)
+# vocab_size fits the byte-level BPE tokenizers of these tests (257 tokens before their first merge, 280 at most)
+BASE = dict(vocab_size=288, dim=32, n_layers=3, n_heads=4, max_seq_len=64, dense_ffn_dim=40, qk_norm=True)
 CASES = {
     "olmoe-gqa-top1": ("olmoe", dict(n_kv_heads=2, moe=dict(num_experts=4, top_k=1, expert_ffn_dim=24))),
     "olmoe-top3-renorm-tied": (
@@ -272,3 +273,28 @@ def test_import_of_a_truncated_weights_file_exits_2_naming_the_directory(tmp_pat
     assert main(["import", str(hf_dir), str(tmp_path / "out")]) == 2
     assert f"{hf_dir}: transformers cannot load its weights" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_both_ways(tmp_path, capsys):
+    from ferry.checkpoint import Layout, TensorPiece
+    from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
+    from ferry.data.tokenizer import load_tokenizer
+
+    arch, overrides = CASES["olmoe-top3-renorm-tied"]
+    config = ModelConfig.model_validate({**BASE, **overrides, "vocab_size": 272})
+    state = _random_model(config).state_dict()
+    meta = CheckpointMeta(0, 0, Layout(world_size=1, ep_degree=1, mode="ep"), config.model_dump(mode="json"), {}, {}, {})
+    path = save_checkpoint(tmp_path / "ckpt", {f"model.{n}": TensorPiece.whole(t.contiguous()) for n, t in state.items()}, meta)
+    larger = tmp_path / "larger.json"
+    _write_tokenizer(larger, BASE["vocab_size"])
+    tokens = load_tokenizer(larger).vocab_size
+    assert tokens > config.vocab_size
+    assert main(["export", str(path), str(tmp_path / "hf"), "--tokenizer", str(larger), "--arch", arch]) == 2
+    assert f"has {tokens} tokens, more than the model's vocabulary ({config.vocab_size})" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+    fitting = tmp_path / "tokenizer.json"
+    _write_tokenizer(fitting, config.vocab_size)
+    assert main(["export", str(path), str(tmp_path / "hf"), "--tokenizer", str(fitting), "--arch", arch]) == 0
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "back"), "--tokenizer", str(larger)]) == 2
+    assert f"has {tokens} tokens, more than the model's vocabulary ({config.vocab_size})" in capsys.readouterr().err
+    assert not (tmp_path / "back").exists()

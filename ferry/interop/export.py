@@ -53,7 +53,13 @@ def export_checkpoint(
     problems = refusals(config, arch, expert_bias_nonzero=biased)
     if problems:
         raise UserError(f"cannot export {checkpoint.path} as {arch}: " + "; ".join(problems))
-    fast_tokenizer = _fast_tokenizer(_tokenizer_path(checkpoint, tokenizer))
+    tokenizer_path = _tokenizer_path(checkpoint, tokenizer)
+    fast_tokenizer = _fast_tokenizer(tokenizer_path)
+    if len(fast_tokenizer) > config.vocab_size:
+        raise UserError(
+            f"export: the tokenizer {str(tokenizer_path)!r} has {len(fast_tokenizer)} tokens, more than the model's "
+            f"vocabulary ({config.vocab_size}): its last ids have no embedding row; give the run's (--tokenizer PATH)"
+        )
     if out.exists() and not out.is_dir():
         raise UserError(f"export: {out} is a file, not a directory")
     if out.exists() and any(out.iterdir()):

@@ -77,7 +77,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None 
     source_tokenizer = Path(tokenizer) if tokenizer else hf_dir / "tokenizer.json"
     if tokenizer and not source_tokenizer.is_file():
         raise UserError(f"--tokenizer {str(tokenizer)!r} does not exist")
-    digest = _encoding_digest(source_tokenizer) if source_tokenizer.is_file() else None
+    digest = _encoding_digest(source_tokenizer, config.vocab_size) if source_tokenizer.is_file() else None
     model_config = config.model_dump(mode="json")
     meta = CheckpointMeta(
         step=0,
@@ -106,13 +106,20 @@ def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None 
     return ImportResult(checkpoint, model_file, copied, arch, weights)
 
 
-def _encoding_digest(path: Path) -> str | None:
+def _encoding_digest(path: Path, vocab_size: int) -> str | None:
     """The tokenizer's `encoding_digest`, recorded so that generation and export find this one and no other;
-    None for one ferry cannot read (copied all the same, for `ferry data prepare --tokenizer` to say why)."""
+    None for one ferry cannot read (copied all the same, for `ferry data prepare --tokenizer` to say why).
+    A tokenizer with more tokens than the model's vocabulary is refused: its last ids have no embedding row."""
     try:
-        return encoding_digest(load_tokenizer(path))
+        loaded = load_tokenizer(path)
     except UserError:
         return None
+    if loaded.vocab_size > vocab_size:
+        raise UserError(
+            f"import: the tokenizer {str(path)!r} has {loaded.vocab_size} tokens, more than the model's vocabulary "
+            f"({vocab_size}): give the one it was trained with (--tokenizer PATH)"
+        )
+    return encoding_digest(loaded)
 
 
 def _first_line(exc: Exception) -> str:

@@ -284,3 +284,31 @@ def regenerate() -> None:
 
 if __name__ == "__main__":
     regenerate()
+
+
+def test_a_render_of_fewer_forms_removes_the_other_forms_files_only_when_asked(tmp_path, capsys):
+    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--platform", "p5.48xlarge", "--nodes", "2",
+            "--master-addr", "10.0.0.1", "--out", str(tmp_path), *LAYOUT]
+    assert main(argv) == 0
+    every_form = sorted(path.name for path in tmp_path.iterdir() if path.is_file())
+    assert {"torchrun-node0.sh", "trainjob.yaml", "ferry.sbatch"} <= set(every_form)
+    slurm_only = [arg for arg in argv if arg not in ("--master-addr", "10.0.0.1")] + ["--scheduler", "slurm"]
+    assert main(slurm_only) == 2
+    err = capsys.readouterr().err
+    assert "belongs to an earlier render (another --scheduler or more nodes)" in err
+    assert sorted(path.name for path in tmp_path.iterdir() if path.is_file()) == every_form  # nothing touched
+    assert main([*slurm_only, "--overwrite"]) == 0
+    assert sorted(path.name for path in tmp_path.iterdir() if path.is_file()) == ["ferry.sbatch", "run.yaml"]
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "option"),
+    [("slurm", ["--image", "registry.example.com/ferry:0.2"]), ("k8s", ["--partition", "gpu"]),
+     ("torchrun", ["--runs-claim", "shared"]), ("slurm", ["--master-addr", "10.0.0.1"]),
+     ("k8s", ["--rendezvous", "c10d"]), ("torchrun", ["--time", "1:00:00"])],
+)
+def test_an_option_of_a_form_that_is_not_rendered_is_refused_not_ignored(tmp_path, scheduler, option, capsys):
+    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--platform", "p5.48xlarge", "--nodes", "1",
+            "--scheduler", scheduler, "--out", str(tmp_path / "out"), *option, *LAYOUT[:1], "parallel.ep=8"]
+    assert main(argv) == 2
+    assert f"{option[0]} sets the" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -15,7 +15,7 @@ import yaml
 
 from ferry.config import UserError
 from ferry.config.loader import dump_yaml
-from ferry.launch.kubernetes import manifests, run_dir
+from ferry.launch.kubernetes import PYTORCHJOB_NAME, TRAINJOB_NAME, manifests, run_dir
 from ferry.launch.slurm import SBATCH_NAME, sbatch_script
 from ferry.launch.spec import LaunchSpec
 from ferry.launch.torchrun_form import CONFIG_NAME, torchrun_scripts
@@ -42,14 +42,18 @@ def render_launch(spec: LaunchSpec, out: Path) -> dict[str, str]:
 
 
 def write_launch(spec: LaunchSpec, out: Path, overwrite: bool = False) -> dict[str, str]:
-    """Render and write; refuses (naming the file) to replace a file that holds something else."""
+    """Render and write; refuses (naming the file) to replace a file that holds something else, or to leave
+    beside the new files one of an earlier render that this one does not write (another form, more nodes)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out: {out} is a file, not a directory")
     files = render_launch(spec, out)
-    stale = sorted(path for path in out.glob("torchrun-node*.sh") if path.name not in files) if out.is_dir() else []
+    stale = [path for path in _launch_files(out) if path.name not in files]
     if not overwrite:
         if stale:
-            raise UserError(f"--out: {stale[0]} belongs to an earlier render with more nodes; pass --overwrite to remove it")
+            raise UserError(
+                f"--out: {stale[0]} belongs to an earlier render (another --scheduler or more nodes), which this "
+                "one would leave beside its own files; pass --overwrite to remove it, or choose another --out"
+            )
         for name, text in files.items():
             existing = out / name
             if existing.is_file() and existing.read_text(encoding="utf-8") != text:
@@ -67,3 +71,11 @@ def write_launch(spec: LaunchSpec, out: Path, overwrite: bool = False) -> dict[s
             staging.chmod(0o755)
         os.replace(staging, target)
     return files
+
+
+def _launch_files(out: Path) -> list[Path]:
+    """The files in `out` that some render writes (a job's logs and anything else are left alone)."""
+    if not out.is_dir():
+        return []
+    named = (CONFIG_NAME, SBATCH_NAME, TRAINJOB_NAME, PYTORCHJOB_NAME)
+    return sorted([*(out / name for name in named if (out / name).is_file()), *out.glob("torchrun-node*.sh")])

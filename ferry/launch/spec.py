@@ -17,6 +17,13 @@ from ferry.launch.platform import Platform, load_platform
 from ferry.train.config import RunConfig, load_run_config
 
 SCHEDULERS = ("torchrun", "slurm", "k8s")
+DEFAULT_IMAGE = "ferry:latest"
+DEFAULT_RUNS_CLAIM = "ferry-runs"
+# the options that only one form reads
+FORM_OF_OPTION = {
+    "--rendezvous": "torchrun", "--master-addr": "torchrun", "--image": "k8s", "--runs-claim": "k8s",
+    "--partition": "slurm", "--time": "slurm",
+}
 Rendezvous = Literal["c10d", "static"]
 
 # What every launched run adds below the user's overrides (which win): a run on a cluster resumes
@@ -43,8 +50,8 @@ class LaunchSpec:
     master_addr: str | None = None
     port: int = 29500
     max_restarts: int = 3
-    image: str = "ferry:latest"
-    runs_claim: str = "ferry-runs"
+    image: str = DEFAULT_IMAGE
+    runs_claim: str = DEFAULT_RUNS_CLAIM
     slurm_partition: str | None = None
     slurm_time: str | None = None
     user_overrides: tuple[str, ...] = ()
@@ -83,17 +90,18 @@ def build_launch_spec(
     nproc_per_node: int | None = None,
     scheduler: str | None = None,
     job_name: str | None = None,
-    rendezvous: str = "c10d",
+    rendezvous: str | None = None,
     master_addr: str | None = None,
     port: int = 29500,
     max_restarts: int = 3,
-    image: str = "ferry:latest",
-    runs_claim: str = "ferry-runs",
+    image: str | None = None,
+    runs_claim: str | None = None,
     slurm_partition: str | None = None,
     slurm_time: str | None = None,
     workdir: str | Path | None = None,
 ) -> LaunchSpec:
-    """Check the job's shape against the platform and the config; every refusal names the option."""
+    """Check the job's shape against the platform and the config; every refusal names the option. An option
+    left None takes its default; one given for a form that is not rendered is refused, not ignored."""
     chosen = load_platform(platform)
     if nodes < 1:
         raise UserError(f"--nodes must be at least 1, got {nodes}")
@@ -107,13 +115,26 @@ def build_launch_spec(
         )
     if scheduler is not None and scheduler not in SCHEDULERS:
         raise UserError(f"--scheduler {scheduler!r}: choose one of {', '.join(SCHEDULERS)}")
-    if rendezvous not in ("c10d", "static"):
+    if rendezvous is not None and rendezvous not in ("c10d", "static"):
         raise UserError(f"--rendezvous {rendezvous!r}: choose c10d or static")
     if not 1 <= port <= 65535:
         raise UserError(f"--port {port} is not a TCP port")
     if max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more, got {max_restarts}")
     schedulers = SCHEDULERS if scheduler is None else (scheduler,)
+    given = {
+        "--rendezvous": rendezvous, "--master-addr": master_addr, "--image": image, "--runs-claim": runs_claim,
+        "--partition": slurm_partition, "--time": slurm_time,
+    }
+    for option, value in given.items():
+        if value is not None and FORM_OF_OPTION[option] not in schedulers:
+            raise UserError(
+                f"{option} sets the {FORM_OF_OPTION[option]} form, which --scheduler {scheduler} does not render; "
+                "leave it out, or render that form too"
+            )
+    rendezvous = "c10d" if rendezvous is None else rendezvous
+    image = DEFAULT_IMAGE if image is None else image
+    runs_claim = DEFAULT_RUNS_CLAIM if runs_claim is None else runs_claim
     if "torchrun" in schedulers and master_addr is None:
         if nodes > 1:
             raise UserError("--master-addr: the torchrun form needs the address of the first node when --nodes > 1")

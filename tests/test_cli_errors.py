@@ -114,3 +114,14 @@ def test_a_device_that_is_not_here_is_named_as_the_flag_given(argv, capsys):
     err = capsys.readouterr().err
     assert stopped.value.code == 2
     assert "argument --device: 'banana' is not available on this machine" in err and "run.device" not in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(["--max-bytes", "3"], "--max-bytes is the text budget of an embedded corpus"),
+     (["--prompts", "--shard-tokens", "5"], "--shard-tokens: --prompts writes its records whole")],
+)
+def test_a_prepare_option_that_would_be_ignored_is_refused(tmp_path, flags, named, capsys):
+    rows = _write(tmp_path, "rows.jsonl", '{"text": "hello", "prompt": "2+2=", "answer": "4"}\n')
+    assert main(["data", "prepare", rows, *flags, "--tokenizer", "byte", "--output", str(tmp_path / "out")]) == 2
+    assert named in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -17,6 +17,7 @@ from ferry.cli.metrics import add_metrics_commands
 from ferry.cli.pipeline import add_pipeline_commands
 from ferry.cli.portability import add_portability_commands
 from ferry.config import UserError
+from ferry.platform.process import Stopped, die_with_parent, stop_on_sigterm
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ferry: {_rank_prefix()}error: {exc.filename!r}: {exc.strerror.lower()}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("ferry: interrupted", file=sys.stderr)
+        print(f"ferry: {_rank_prefix()}interrupted", file=sys.stderr)
         return 130
+    except Stopped as exc:
+        print(f"ferry: {_rank_prefix()}stopped by {exc}", file=sys.stderr)
+        exc.end_process()
+        return exc.exit_code
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -73,8 +78,10 @@ def _build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--tokenizer", default="bpe", help="bpe (train one here), byte, or a tokenizer.json path")
     prepare.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default 4096)")
     prepare.add_argument("--text-field", default=None, help="JSONL field holding the text (default text)")
-    prepare.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard file")
-    prepare.add_argument("--max-bytes", type=int, default=6_000_000, help="text budget of the embedded corpus")
+    prepare.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard file (default 16,777,216)")
+    prepare.add_argument(
+        "--max-bytes", type=int, default=None, help="text budget of the embedded corpus (default 6,000,000)"
+    )
     prepare.add_argument(
         "--skip-bytes", type=int, default=0,
         help="pass over the documents this budget of the embedded corpus holds first (a held-out set)",
@@ -135,6 +142,9 @@ def _train(args: argparse.Namespace) -> int:
         from ferry.launch import launch_local
 
         return launch_local(args.nproc, ["train", args.config, *args.overrides])
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank started by an elastic agent (torchrun, --nproc): dies with it
+        die_with_parent()
+    stop_on_sigterm()
     train(config)
     return 0
 
@@ -161,6 +171,10 @@ def _rank_prefix() -> str:
 def _data_prepare(args: argparse.Namespace) -> int:
     from ferry.data import PrepareSpec, prepare_dataset
 
+    if args.max_bytes is not None and not args.embedded:
+        raise UserError("--max-bytes is the text budget of an embedded corpus; it needs --embedded NAME")
+    if args.shard_tokens is not None and args.records:
+        raise UserError(f"--shard-tokens: --{args.records} writes its records whole, in one file; leave it out")
     if args.chat or args.records:
         given = (("--vocab-size", args.vocab_size), ("--text-field", args.text_field))
         ignored = [flag for flag, value in given if value is not None]
@@ -172,12 +186,12 @@ def _data_prepare(args: argparse.Namespace) -> int:
     spec = PrepareSpec(
         inputs=list(args.inputs),
         embedded=args.embedded,
-        embedded_max_bytes=args.max_bytes,
+        embedded_max_bytes=6_000_000 if args.max_bytes is None else args.max_bytes,
         embedded_skip_bytes=args.skip_bytes,
         tokenizer=args.tokenizer,
         vocab_size=4096 if args.vocab_size is None else args.vocab_size,
         text_field="text" if args.text_field is None else args.text_field,
-        shard_tokens=args.shard_tokens,
+        shard_tokens=1 << 24 if args.shard_tokens is None else args.shard_tokens,
         chat=args.chat,
         seq_len=args.seq_len,
         records=args.records,

@@ -3,6 +3,8 @@
 Each rank runs `python -m ferry <command> ...` exactly as under
 `torchrun --nproc-per-node N -m ferry ...`; a rank that fails is reported with its
 rank and exit code, and the launcher stops the others instead of letting them hang.
+A launcher told to stop (SIGTERM, Ctrl-C) stops its ranks and ends by the same signal;
+a launcher that dies takes its ranks with it (`ferry.platform.process.die_with_parent`).
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ferry.comm.spawn import free_port
+from ferry.platform.process import Stopped
 
 
 @dataclass
@@ -57,6 +61,8 @@ def run_ranks(nproc: int, argv: list[str], report: bool = True) -> Outcome:
     )
     try:
         elastic_launch(config, sys.executable)("-m", "ferry", *argv)
+    except SignalException as exc:  # the launcher was told to stop; the agent has stopped the ranks with SIGTERM
+        raise Stopped(exc.sigval) from None
     except ChildFailedError as exc:
         outcome = Outcome()
         for rank, failure in sorted(exc.failures.items()):

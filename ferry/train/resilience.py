@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ferry.checkpoint import CheckpointManager
+from ferry.platform.process import Stopped
 from ferry.train.config import RunConfig
 from ferry.train.faults import MARKERS_DIR, FaultInjector
 from ferry.train.restarts import (
@@ -310,7 +311,7 @@ class Resilience:
 
     def failed(self, exc: BaseException) -> None:
         """Leave this rank's account of the failure in the run directory."""
-        if isinstance(exc, KeyboardInterrupt):
+        if isinstance(exc, (KeyboardInterrupt, Stopped)):  # stopped from outside: nothing of this rank's to tell
             return
         write_cause(self.run_dir, self.rank, self.step + 1, self.watchdog.current_phase, f"{type(exc).__name__}: {exc}")
 

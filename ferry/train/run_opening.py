@@ -1,7 +1,8 @@
 """Opening a run's directory and sinks on every rank, and saying what it set aside there.
 
-The main rank writes the directory (its config, `run.json`, the checkpoints a resume leaves behind moved
-aside); every rank builds its metrics sinks (the others' discard). A user error any rank meets doing so
+The main rank locks the directory against a second live run (`run_lock.py`) and writes it (its config,
+`run.json`, the checkpoints a resume leaves behind moved aside); every rank builds its metrics sinks (the
+others' discard). A user error any rank meets doing so
 stops every rank with the same message.
 """
 
@@ -15,6 +16,7 @@ from ferry.checkpoint import CheckpointManager, set_aside_abandoned
 from ferry.comm import raise_on_every_rank
 from ferry.metrics import MetricsHub, build_sinks, start_prometheus
 from ferry.train.announcements import describe, resume_record
+from ferry.train.run_lock import RunDirLock
 from ferry.train.run_record import RunRecord, prepare_run_dir
 
 if TYPE_CHECKING:
@@ -24,11 +26,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class OpenedRun:
-    """The run directory's record (main rank only), the sinks, and the checkpoints moved aside (old, new)."""
+    """The run directory's record and lock (main rank only), the sinks, and the checkpoints moved aside
+    (old, new)."""
 
     record: RunRecord | None
     hub: MetricsHub
     abandoned: list[tuple[Path, Path]] = field(default_factory=list)
+    lock: RunDirLock | None = None
 
 
 def open_run(trainer: Trainer, found: Found | None, resumed_step: int | None, resume_times: dict) -> OpenedRun:
@@ -38,9 +42,11 @@ def open_run(trainer: Trainer, found: Found | None, resumed_step: int | None, re
 
     def on_this_rank() -> OpenedRun:
         prometheus = start_prometheus(config.metrics, trainer.rank, config.run.name)
+        lock = None
         try:
             record, abandoned = None, []
             if trainer.is_main:
+                lock = RunDirLock.acquire(run_dir)
                 prepare_run_dir(config, resume_step=resumed_step)
                 if found and found.checkpoint:
                     checkpoint_dir = config.checkpoint.path(run_dir)
@@ -60,8 +66,10 @@ def open_run(trainer: Trainer, found: Found | None, resumed_step: int | None, re
         except BaseException:
             if prometheus is not None:
                 prometheus.close()
+            if lock is not None:
+                lock.release()
             raise
-        return OpenedRun(record, hub, abandoned)
+        return OpenedRun(record, hub, abandoned, lock)
 
     return raise_on_every_rank(trainer.context, on_this_rank)
 

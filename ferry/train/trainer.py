@@ -34,6 +34,7 @@ from ferry.parallel import build_plan
 from ferry.parallel.zero import optimizer_state_bytes
 from ferry.platform import environment_fingerprint, resolve_device
 from ferry.platform.allocator import apply_host_allocator
+from ferry.platform.process import Stopped
 from ferry.platform.hardware import (
     HardwareProfile,
     measured_cpu_profile,
@@ -47,6 +48,7 @@ from ferry.train.config import RunConfig
 from ferry.train.objectives import build_loader, build_objective
 from ferry.train.optimizer import decayed_parameter_names, learning_rate
 from ferry.train.resilience import Resilience, restarted_by_torchrun
+from ferry.train.run_lock import RunDirLock
 from ferry.train.run_opening import open_run, report_set_aside
 from ferry.train.step_statistics import StepStatistics
 from ferry.train.train_state import checkpoint_state, draw_deferred_weights, initialize_from, resume_from
@@ -137,6 +139,7 @@ class Trainer:
         )
         self.plan.attach_timer(self.metrics.timer)
         self.hub: MetricsHub | None = None
+        self.run_lock: RunDirLock | None = None
         self.carried: dict[str, str] = {}
         self.tokens_seen = 0
         self.objective = build_objective(self)
@@ -157,6 +160,8 @@ class Trainer:
             return self._fit(stop_at)
         finally:
             self.resilience.watchdog.stop()
+            if self.run_lock is not None:
+                self.run_lock.release()
 
     def _fit(self, stop_at: int | None) -> TrainResult:
         config = self.config
@@ -180,7 +185,7 @@ class Trainer:
         resumed_step = found.checkpoint.step if found and found.checkpoint else (0 if resume == "latest" else None)
         run_dir = config.run.path
         opened = open_run(self, found, resumed_step, resume_times)
-        record, self.hub = opened.record, opened.hub
+        record, self.hub, self.run_lock = opened.record, opened.hub, opened.lock
         writes = {"write": partial(save_on_all_ranks, plan=self.plan)} if self.context.is_distributed else {}
         checkpoints = CheckpointManager(
             config.checkpoint,
@@ -227,7 +232,11 @@ class Trainer:
             with contextlib.suppress(Exception):
                 checkpoints.wait()
             if record is not None:
-                record.finish("failed", error=f"{type(exc).__name__}: {exc}", last_step=last, **resilience.finish())
+                if isinstance(exc, (KeyboardInterrupt, Stopped)):  # stopped from outside: no failure of the run
+                    stopped_by = exc.args[0] if isinstance(exc, Stopped) else "SIGINT"
+                    record.finish("interrupted", signal=stopped_by, last_step=last, **resilience.finish())
+                else:
+                    record.finish("failed", error=f"{type(exc).__name__}: {exc}", last_step=last, **resilience.finish())
             raise
         finally:
             resilience.watchdog.stop()

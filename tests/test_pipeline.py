@@ -4,12 +4,14 @@ changed parent; a stage killed mid-way resumes and ends exactly as an uninterrup
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from ferry.checkpoint import verify_checkpoint
+from ferry.checkpoint import list_checkpoints, verify_checkpoint
 from ferry.cli.main import main
 from ferry.config import UserError
 from ferry.pipeline import run_pipeline
@@ -88,11 +90,54 @@ def test_a_changed_parent_is_refused_until_rerun(stdlib_dataset, tmp_path, capsy
     assert lineage.stages["midtrain"]["parent"]["digest"] == lineage.stages["pretrain"]["result"]["digest"]
 
 
+def test_a_rerun_whose_stage_refuses_its_input_puts_every_stage_back(finished, stdlib_dataset, tmp_path, capsys):
+    path, original = finished
+    out = Path(shutil.copytree(original, tmp_path / "out"))
+    cache = out / "midtrain" / "reference-cache"
+    cache.mkdir()
+    (cache / "entry").write_text("kept")
+    before = (out / "lineage.json").read_text()
+    typo = {"data.sources": [{"name": "stdlib", "path": str(tmp_path / "no-such-data")}]}
+    broken = _write_pipeline(tmp_path, stdlib_dataset, midtrain_overrides=typo)
+    with pytest.raises(UserError, match=r"stage midtrain refused its input .* set aside for --rerun midtrain are back"):
+        run_pipeline(broken, out, rerun="midtrain")
+    assert (out / "lineage.json").read_text() == before  # the same records, in the file's order
+    assert list_checkpoints(out / "midtrain" / "checkpoints") and (cache / "entry").read_text() == "kept"
+    assert not (out / ".replaced").exists()
+    lineage = run_pipeline(path, out, rerun="midtrain")
+    assert [stage["name"] for stage in json.loads((out / "lineage.json").read_text())["stages"]] == ["pretrain",
+                                                                                                      "midtrain"]
+    assert lineage.stages["midtrain"]["status"] == "finished" and (cache / "entry").read_text() == "kept"
+    assert not (out / ".replaced").exists()
+
+
 def test_a_finished_stage_whose_config_changed_is_refused(finished, stdlib_dataset, tmp_path):
     _, out = finished
     path = _write_pipeline(tmp_path, stdlib_dataset, midtrain_overrides={"optim.weight_decay": 0.0})
     with pytest.raises(UserError, match=r"stage midtrain finished with another config .*optim.weight_decay"):
         run_pipeline(path, out)
+
+
+def test_a_finished_stage_whose_seed_or_start_changed_is_refused(finished, stdlib_dataset, tmp_path):
+    path, out = finished
+    before = (out / "lineage.json").read_text()
+    with pytest.raises(UserError, match=r"stage pretrain finished with another config .*run.seed"):
+        run_pipeline(path, out, overrides=["run.seed=7"])
+    spec = yaml.safe_load(path.read_text())
+    spec["stages"][1]["carry"] = "weights"
+    (tmp_path / "carry.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    (tmp_path / "tiny.yaml").write_text((path.parent / "tiny.yaml").read_text())
+    changed = r"stage midtrain finished .*carry: it ran with weights\+optimizer, this run weights"
+    with pytest.raises(UserError, match=changed):
+        run_pipeline(tmp_path / "carry.yaml", out)
+    assert (out / "lineage.json").read_text() == before
+
+
+@pytest.mark.parametrize("override", ["init_from=/some/checkpoint", "resume=latest", "run.dir=/elsewhere"])
+def test_a_key_the_pipeline_sets_per_stage_is_refused_on_the_command_line(finished, override):
+    path, out = finished
+    with pytest.raises(UserError, match=rf"{override.split('=')[0]}: the pipeline sets it for each stage"):
+        run_pipeline(path, out, overrides=[override])
 
 
 def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(finished, stdlib_dataset, tmp_path):

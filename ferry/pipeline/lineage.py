@@ -35,9 +35,11 @@ def dataset_record(name: str, path: str, weight: float | None = None) -> dict[st
 class Lineage:
     """The lineage file of one pipeline directory, rewritten atomically after every change."""
 
-    def __init__(self, directory: Path, pipeline: dict[str, Any]):
+    def __init__(self, directory: Path, pipeline: dict[str, Any], order: list[str] = ()):
         self.path = directory / LINEAGE_FILE
         self.pipeline = pipeline
+        self.order = list(order)  # the stages' order in the pipeline file, which the file keeps
+        self.recorded_pipeline = pipeline  # the pipeline the file named before this run (the same, when new)
         self.stages: dict[str, dict[str, Any]] = {}
         if self.path.is_file():
             try:
@@ -53,6 +55,7 @@ class Lineage:
                     "choose another --dir"
                 )
             self.stages = {stage["name"]: stage for stage in data["stages"]}
+            self.recorded_pipeline = data["pipeline"]
 
     @classmethod
     def read(cls, directory: Path) -> dict[str, Any]:
@@ -75,13 +78,16 @@ class Lineage:
         self.stages.pop(name, None)
         self.save()
 
+    def _position(self, record: dict[str, Any]) -> int:
+        return self.order.index(record["name"]) if record["name"] in self.order else len(self.order)
+
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {
             "format": LINEAGE_FORMAT,
             "version": LINEAGE_VERSION,
             "pipeline": self.pipeline,
-            "stages": list(self.stages.values()),
+            "stages": sorted(self.stages.values(), key=self._position),
         }
         staging = self.path.with_suffix(".json.partial")
         staging.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

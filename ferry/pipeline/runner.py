@@ -27,9 +27,11 @@ from ferry.config import UserError, dump_yaml
 from ferry.config.loader import validate
 from ferry.data.manifest import sha256_file
 from ferry.pipeline.lineage import Lineage, dataset_record
+from ferry.pipeline.rerun import IMPORTS_DIR, SetAside
 from ferry.pipeline.spec import (
     HF_PREFIX,
     PREVIOUS,
+    STAGE_KEYS,
     PipelineSpec,
     StageSpec,
     load_pipeline,
@@ -40,11 +42,11 @@ from ferry.train.config import RunConfig
 from ferry.train.run_record import RUN_RECORD_NAME
 
 CONFIGS_DIR = "configs"
-IMPORTS_DIR = "imports"
 # the held-out figures a stage's lineage keeps: the LM loss, DPO's reward accuracy, GRPO's solve rates
 HELD_OUT_FIGURES = ("eval.loss", "eval/rewards/accuracy", "eval/solve_rate", "eval/greedy_solve_rate")
-# keys the runner sets for each stage: not part of what a user changes between runs
-_RUNNER_KEYS = ("resume", "init_from", "init_optimizer", "run.")
+# keys not compared when a finished stage is met again: the runner's for each stage (what it starts from is
+# compared as the stage's `start`), and settings that decide where and how far a run goes, not what it computes
+_UNCOMPARED_KEYS = (*STAGE_KEYS, "run.overwrite", "run.host_allocator", "train.stop_at")
 
 
 @dataclass(frozen=True)
@@ -79,40 +81,53 @@ def run_pipeline(
     names = [stage.name for stage in spec.stages]
     if rerun is not None and rerun not in names:
         raise UserError(f"--rerun {rerun!r}: the pipeline's stages are {', '.join(names)}")
-    lineage = Lineage(directory, {"name": spec.name, "file": str(path), "sha256": sha256_file(Path(path))})
+    pipeline = {"name": spec.name, "file": str(path), "sha256": sha256_file(Path(path))}
+    lineage = Lineage(directory, pipeline, order=names)
     first_rerun = names.index(rerun) if rerun is not None else len(names)
-    for index, (stage, raw) in enumerate(zip(spec.stages, configs)):
-        if index >= first_rerun:
-            _clear(directory, stage.name, lineage)
-        parent = _parent(spec, index, directory, lineage)
-        config = _stage_config(raw, stage, directory / stage.name, parent)
-        record = lineage.stages.get(stage.name)
-        if record is not None:
-            _check_parent(stage.name, record, parent)
-            if record["status"] == "finished":
-                _check_unchanged(stage.name, record, config)
-                say(f"ferry: stage {stage.name}: finished earlier (step {record['result']['step']}); skipped")
-                continue
-        started = {"attempts": (record or {}).get("attempts", 0) + 1, "started_at": time.time()}
-        record = _stage_record(stage, config, parent, status="running", **started)
-        lineage.put(record)
-        returncode = _train(config, directory, stage.nproc or nproc, stage.name, say)
-        record.update(_outcome(config, returncode))
-        lineage.put(record)
-        if record["status"] == "refused":
-            config_path = directory / CONFIGS_DIR / f"{stage.name}.yaml"
-            raise UserError(f"stage {stage.name} refused its input (exit 2, the reason is above); config {config_path}")
-        if record["status"] != "finished":
-            say(f"ferry: stage {stage.name} {record['status']}; run the pipeline again to resume it")
-            return lineage
+    pending: SetAside | None = None
+    try:
+        for index, (stage, raw) in enumerate(zip(spec.stages, configs)):
+            if index == first_rerun:
+                pending = SetAside.stages(directory, names[first_rerun:], lineage)
+            parent = _parent(spec, index, directory, lineage)
+            config = _stage_config(raw, stage, directory / stage.name, parent)
+            record = lineage.stages.get(stage.name)
+            if record is not None:
+                _check_parent(stage.name, record, parent)
+                if record["status"] == "finished":
+                    _check_unchanged(stage, record, config)
+                    say(f"ferry: stage {stage.name}: finished earlier (step {record['result']['step']}); skipped")
+                    continue
+            started = {"attempts": (record or {}).get("attempts", 0) + 1, "started_at": time.time()}
+            record = _stage_record(stage, config, parent, status="running", **started)
+            lineage.put(record)
+            returncode = _train(config, directory, stage.nproc or nproc, stage.name, say)
+            record.update(_outcome(config, returncode))
+            lineage.put(record)
+            if record["status"] == "refused":
+                config_path = directory / CONFIGS_DIR / f"{stage.name}.yaml"
+                kept = f"; the stages set aside for --rerun {rerun} are back as they were" if pending else ""
+                raise UserError(
+                    f"stage {stage.name} refused its input (exit 2, the reason is above); config {config_path}{kept}"
+                )
+            if pending is not None:  # the rerun got going: what it replaces is gone for good
+                pending.discard()
+                pending = None
+            if record["status"] != "finished":
+                stop_at = config.train.stop_at
+                how = (
+                    f"run the pipeline again with train.stop_at=null (or a later step than {stop_at}) to go on"
+                    if record["status"] == "stopped" and stop_at is not None
+                    else "run the pipeline again to resume it"
+                )
+                say(f"ferry: stage {stage.name} {record['status']}; {how}")
+                return lineage
+    except BaseException:
+        if pending is not None:
+            pending.restore(lineage)
+        raise
     say(f"ferry: pipeline {spec.name}: every stage finished; lineage in {lineage.path}")
     return lineage
-
-
-def _clear(directory: Path, name: str, lineage: Lineage) -> None:
-    shutil.rmtree(directory / name, ignore_errors=True)
-    shutil.rmtree(directory / IMPORTS_DIR / name, ignore_errors=True)
-    lineage.forget(name)
 
 
 def _parent(spec: PipelineSpec, index: int, directory: Path, lineage: Lineage) -> Parent | None:
@@ -183,11 +198,18 @@ def _check_parent(name: str, record: dict[str, Any], parent: Parent | None) -> N
         )
 
 
-def _check_unchanged(name: str, record: dict[str, Any], config: RunConfig) -> None:
+def _check_unchanged(stage: StageSpec, record: dict[str, Any], config: RunConfig) -> None:
+    name = stage.name
     differences = [
         str(difference)
         for difference in config_differences(record["config"], config.model_dump(mode="json"))
-        if not difference.key.startswith(_RUNNER_KEYS)
+        if not difference.key.startswith(_UNCOMPARED_KEYS)
+    ]
+    start = _start(stage)
+    differences += [
+        f"{key}: it ran with {record['start'].get(key)}, this run {value}"
+        for key, value in start.items()
+        if record["start"].get(key) != value
     ]
     if differences:
         raise UserError(
@@ -203,7 +225,7 @@ def _stage_record(stage: StageSpec, config: RunConfig, parent: Parent | None, **
         "name": stage.name,
         **fields,
         "run_dir": str(config.run.path),
-        "start": {"init_from": stage.init_from, "carry": stage.carry, "steps": stage.steps, "lr": stage.lr},
+        "start": _start(stage),
         "parent": parent.as_record() if parent is not None else None,
         "config": config.model_dump(mode="json"),
         "data": data,
@@ -211,6 +233,10 @@ def _stage_record(stage: StageSpec, config: RunConfig, parent: Parent | None, **
         "seed": config.run.seed,
         "code": code_version(),
     }
+
+
+def _start(stage: StageSpec) -> dict[str, Any]:
+    return {"init_from": stage.init_from, "carry": stage.carry, "steps": stage.steps, "lr": stage.lr}
 
 
 def _train(config: RunConfig, directory: Path, nproc: int, name: str, say: Callable[[str], None]) -> int:

@@ -25,6 +25,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ferry.config import (
     ConfigError,
+    UserError,
     Section,
     apply_override_mapping,
     apply_overrides,
@@ -91,15 +92,29 @@ def load_pipeline(path: str | Path) -> PipelineSpec:
     return validate(PipelineSpec, {**raw, "path": str(path)})
 
 
+# what the runner sets for every stage: a value given for one would be overwritten without a word
+STAGE_KEYS = ("resume", "init_from", "init_optimizer", "run.dir", "run.name")
+
+
 def stage_configs(spec: PipelineSpec, overrides: list[str] = ()) -> list[dict[str, Any]]:
     """Every stage's run config as plain data: its file (or the previous stage's config), its overrides,
     then `overrides` (the command line's, for every stage). Validated, so a bad key names its stage."""
     base_dir = Path(spec.path).parent
+    for override in overrides:
+        key = override.split("=", 1)[0].strip()
+        if key.startswith(STAGE_KEYS):
+            raise UserError(
+                f"{key}: the pipeline sets it for each stage (where the stage runs and what it starts from: a "
+                "stage's init_from, carry and steps in the pipeline file); leave it out of the command line"
+            )
     resolved: list[dict[str, Any]] = []
     previous: dict[str, Any] = {}
     for stage in spec.stages:
         origin = f"stage {stage.name} of {spec.path}"
         raw = read_yaml(base_dir / stage.config) if stage.config is not None else copy.deepcopy(previous)
+        for key in stage.overrides:
+            if key.startswith(STAGE_KEYS):
+                raise UserError(f"{origin}: {key}: the pipeline sets it for each stage; use the stage's init_from")
         raw = apply_override_mapping(raw, stage.overrides, origin)
         previous = raw
         raw = apply_overrides(raw, list(overrides))

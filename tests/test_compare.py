@@ -161,6 +161,24 @@ def test_a_nan_fails_and_the_verdict_stays_valid_json(tmp_path):
     json.loads((b / "compare-loss.json").read_text(), parse_constant=pytest.fail)
 
 
+@pytest.mark.parametrize("damage", ["line missing", "null", "text"])
+def test_a_step_one_run_lacks_or_holds_as_a_non_number_fails_even_bitwise(tmp_path, damage):
+    a = write_run(tmp_path / "a", CURVE)
+    b = write_run(tmp_path / "b", CURVE)
+    path = b / METRICS_FILE
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    if damage == "line missing":
+        del records[14]
+    else:
+        records[14]["loss"] = None if damage == "null" else "x"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    verdict = compare_runs(a, b, profile="bitwise", steps=20)
+    assert not verdict.passed and verdict.first_failing_step == 15 and verdict.steps_compared == 20
+    if damage == "line missing":
+        assert verdict.missing_steps == {"15": ["B"]}
+        assert "1 step(s) recorded by one run only (first: step 15, missing from run B)" in verdict.summary()
+
+
 def test_only_common_steps_are_judged(tmp_path):
     a = write_run(tmp_path / "a", CURVE)
     b = write_run(tmp_path / "b", CURVE[:12])

@@ -4,7 +4,8 @@ Run A is the reference, run B the candidate (another device, kernel, backend,
 precision or layout). The judgement covers the first N steps because that is where
 a divergence is cheapest to catch, and where a mismatch in data order, seeding or
 numerics shows before it drowns in training noise. Both inputs must have recorded
-the same steps; the verdict is written as JSON and drawn as a PNG next to run B.
+the same steps: a step that one run recorded the metric at and the other did not fails, as a
+non-finite or non-numeric value does. The verdict is written as JSON and drawn as a PNG next to run B.
 
 An objective that draws its own training data (GRPO's rollouts) cannot be judged step by
 step: one sampled token on the other side of a probability boundary sends two runs onto
@@ -57,6 +58,7 @@ class Verdict:
     seed_runs: list[str] = field(default_factory=list)
     seed_spread: float | None = None
     max_bound_fraction: float | None = None  # largest |diff| / bound over the steps (> 1 fails; None: not finite)
+    missing_steps: dict[str, list[str]] = field(default_factory=dict)  # step -> the runs (A, B) without a value there
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -75,10 +77,17 @@ class Verdict:
                 f", band {self.tolerance['spread_z']:g} x the seed spread {self.seed_spread:.3g} "
                 f"({len(self.seed_runs)} seed run(s) beside A)"
             )
+        gaps = ""
+        if self.missing_steps:
+            first_gap, roles = next(iter(self.missing_steps.items()))
+            gaps = (
+                f"; {len(self.missing_steps)} step(s) recorded by one run only (first: step {first_gap}, missing "
+                f"from run {' and '.join(roles)}), each failing"
+            )
         return (
             f"{outcome}: {self.metric} of {self.run_b} vs {self.run_a} under profile {self.profile} — "
             f"{self.steps_compared} steps{shortfall} (steps {self.first_step}..{self.last_step}), "
-            f"{largest} at step {self.worst_step}{spread}; plot {self.plot}"
+            f"{largest} at step {self.worst_step}{spread}{gaps}; plot {self.plot}"
         )
 
 
@@ -112,11 +121,18 @@ def compare_runs(
     requested = steps or tolerance.steps
     values_a = _metric_by_step(run_a, metric)
     values_b = _metric_by_step(run_b, metric)
-    common = sorted(set(values_a) & set(values_b))[:requested]
+    first, last = max(min(values_a), min(values_b)), min(max(values_a), max(values_b))
+    # every step either run recorded the metric at, within both runs' span: one the other run lacks fails
+    common = sorted(step for step in set(values_a) | set(values_b) if first <= step <= last)[:requested]
     if not common:
         raise UserError(f"{run_a} and {run_b} have no step in common with a value of {metric!r}")
-    a_S = np.array([values_a[step] for step in common], dtype=float)
-    b_S = np.array([values_b[step] for step in common], dtype=float)
+    missing = {
+        step: [role for role, values in (("A", values_a), ("B", values_b)) if step not in values]
+        for step in common
+        if step not in values_a or step not in values_b
+    }
+    a_S = np.array([values_a.get(step, math.nan) for step in common], dtype=float)
+    b_S = np.array([values_b.get(step, math.nan) for step in common], dtype=float)
     spread = None
     seeds_RS = np.empty((0, len(common)))
     if seed_runs:
@@ -150,6 +166,7 @@ def compare_runs(
         seed_runs=[str(run) for run in seed_runs],
         seed_spread=spread,
         max_bound_fraction=_bound_fraction(judged),
+        missing_steps={str(step): roles for step, roles in missing.items()},
     )
     _draw(steps_S, a_S, b_S, seeds_RS, judged, verdict, tolerance, plot_path)
     output.mkdir(parents=True, exist_ok=True)
@@ -157,10 +174,18 @@ def compare_runs(
     return verdict
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _metric_by_step(run: str | Path, metric: str) -> dict[int, float]:
     records = read_metrics(run)
-    values = {r["step"]: r[metric] for r in records if isinstance(r.get(metric), (int, float))}
-    if not values:
+    values = {
+        r["step"]: float(r[metric]) if _is_number(r[metric]) else math.nan  # a recorded non-number fails its step
+        for r in records
+        if metric in r and _is_number(r.get("step"))
+    }
+    if not any(_is_number(r.get(metric)) for r in records):
         numeric = sorted({k for r in records for k, v in r.items() if isinstance(v, (int, float)) and k != "step"})
         raise UserError(f"{metrics_path(run)} has no metric {metric!r}; numeric metrics there: {', '.join(numeric)}")
     return values

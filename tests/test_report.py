@@ -245,3 +245,36 @@ def test_the_tables_and_the_chart_show_the_share_of_the_bound_a_verdict_used(tmp
     text = (tmp_path / "out" / "report.md").read_text()
     assert "| worst deviation / bound |" in text and "relative deviation" not in text
     assert "| PASS under cross-accelerator | 0.37 |" in text and "| PASS under cross-accelerator | 0.5 |" in text
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"passed": "false", "verdict": "FAIL"},  # a truthy string: it would read as proof
+        {"passed": True, "verdict": "FAIL"},
+        {"source": None},
+        {"lead_time": "x"},
+        {"throughput": None},
+        {"worst": None},
+        {"config": "tiny"},
+        {"steps": "20"},
+        {"date": "yesterday"},
+    ],
+)
+def test_a_history_line_of_the_wrong_shape_is_left_out_named_never_counted(tmp_path, damage, capsys):
+    folder = tmp_path / "portability"
+    append_record(folder, REHEARSALS, rehearsal("cpu-ep2", "cpu", passed=True))
+    append_record(folder, REHEARSALS, {**rehearsal("cpu", "cpu-bf16-portable", passed=True), **damage})
+    assert main(["report", "--history", str(folder), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert f"ferry: warning: left out line(s) 2 of {folder / REHEARSALS}" in out
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["damaged_lines"] == {REHEARSALS: [2]}
+    proven = {(row["source"], row["target"]) for row in report["alternatives"] if row["status"] == "proven"}
+    assert proven == {("cpu-ep2", "cpu")}
+
+
+def test_a_history_that_is_a_file_is_refused(history, tmp_path, capsys):
+    assert main(["report", "--history", str(history / REHEARSALS), "--out", str(tmp_path / "out")]) == 2
+    assert "is a file; give the directory that holds rehearsals.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

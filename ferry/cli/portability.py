@@ -226,6 +226,8 @@ def _report(args: argparse.Namespace) -> int:
 
     if args.fresh_days < 1:
         raise UserError(f"--fresh-days must be at least 1, got {args.fresh_days}")
+    if Path(args.history).is_file():
+        raise UserError(f"--history {args.history!r} is a file; give the directory that holds rehearsals.jsonl")
     if not Path(args.history).is_dir():
         print(
             f"ferry: note: no rehearsal history at {args.history} (no rehearsal has written there): every "

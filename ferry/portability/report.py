@@ -20,6 +20,7 @@ from ferry.kernels.ledger import LEDGER_PATH, load_ledger
 from ferry.platform.fingerprint import code_version
 from ferry.portability.environment import known_environments, load_environment
 from ferry.portability.history import KERNEL_BENCH, REHEARSALS, read_records
+from ferry.portability.history_shape import KernelBenchShape, RehearsalShape, well_formed
 from ferry.portability.rehearsal_record import worst_bound_share
 from ferry.portability.report_charts import history_chart, lead_time_chart, overhead_chart
 from ferry.portability.report_render import render_html, render_markdown
@@ -42,10 +43,10 @@ def write_report(
     today = today or datetime.date.today()
     damaged: dict[str, list[int]] = {REHEARSALS: [], KERNEL_BENCH: []}
     rehearsals = _usable(
-        read_records(history_dir, REHEARSALS, damaged[REHEARSALS]), _REHEARSAL_KEYS, damaged[REHEARSALS]
+        read_records(history_dir, REHEARSALS, damaged[REHEARSALS]), RehearsalShape, damaged[REHEARSALS]
     )
     benches = _usable(
-        read_records(history_dir, KERNEL_BENCH, damaged[KERNEL_BENCH]), _BENCH_KEYS, damaged[KERNEL_BENCH]
+        read_records(history_dir, KERNEL_BENCH, damaged[KERNEL_BENCH]), KernelBenchShape, damaged[KERNEL_BENCH]
     )
     out.mkdir(parents=True, exist_ok=True)
     data = {
@@ -82,6 +83,11 @@ def write_report(
     result.lines = [
         f"ferry: report of {len(rehearsals)} rehearsal(s) in {history_dir}: {len(proven)} proven alternative(s)"
         + (": " + ", ".join(f"{row['source']} -> {row['target']}" for row in proven) if proven else ""),
+        *(
+            f"ferry: warning: left out line(s) {', '.join(map(str, lines))} of {history_dir / name}: not JSON, or "
+            "not of the shape a rehearsal or kernel bench writes (report.md names them too)"
+            for name, lines in data["damaged_lines"].items()
+        ),
         *(f"ferry: wrote {path}" for path in result.written),
     ]
     return result
@@ -210,36 +216,14 @@ def overhead(benches: list[tuple[int, dict]]) -> list[dict]:
     return [{**record, "evidence": f"{KERNEL_BENCH} line {line}"} for line, record in latest.values()]
 
 
-_REHEARSAL_KEYS = (
-    "date",
-    "path",
-    "source",
-    "target",
-    "config",
-    "steps",
-    "switch_at",
-    "profile",
-    "verdict",
-    "passed",
-    "comparisons",
-    "lead_time",
-    "throughput",
-)
-_BENCH_KEYS = ("date", "device", "budget", "ops")
-
-
-def _usable(records: list[tuple[int, dict]], keys: tuple[str, ...], damaged: list[int]) -> list[tuple[int, dict]]:
-    """The records that hold what the report reads, oldest first by date; the others join `damaged`."""
+def _usable(records: list[tuple[int, dict]], shape: type, damaged: list[int]) -> list[tuple[int, dict]]:
+    """The records of the shape the report reads, oldest first by date; the others join `damaged`."""
     kept = []
     for line, record in records:
-        try:
-            date = datetime.datetime.fromisoformat(record["date"])
-        except (KeyError, TypeError, ValueError):
-            date = None
-        if date is None or any(key not in record for key in keys):
+        if not well_formed(record, shape):
             damaged.append(line)
             continue
-        kept.append((date.timestamp(), line, record))
+        kept.append((datetime.datetime.fromisoformat(record["date"]).timestamp(), line, record))
     damaged.sort()
     return [(line, record) for _, line, record in sorted(kept, key=lambda item: item[:2])]
 

@@ -218,6 +218,9 @@ def test_records_of_another_workload_are_refused(tmp_path, capsys):
         (lambda r: r.pop("weights_digest"), "weights_digest"),
         (lambda r: r.update(weights_digest=None), "weights_digest"),  # an init_from run: not the suite's weights
         (lambda r: r.update(weights_digest=""), "weights_digest"),
+        (lambda r: r.update(tokens_per_s_per_device="366"), "tokens_per_s_per_device"),  # not converted
+        (lambda r: r.update(tokens_per_s_per_device=True), "tokens_per_s_per_device"),
+        (lambda r: r.update(nproc=1.0), "nproc"),
     ],
 )
 def test_a_hand_edited_record_is_refused_naming_the_field(change, culprit, tmp_path, capsys):
@@ -248,3 +251,17 @@ def test_the_scaling_view_never_mixes_two_vendors_of_one_device_type(tmp_path):
     scaling = json.loads((tmp_path / "out" / "cost.json").read_text())["scaling"]
     eight = next(row for row in scaling if row["world_size"] == 8)
     assert eight["device"].startswith("mi300x") and eight["per_device_vs_smallest"] == pytest.approx(0.9)
+
+
+def test_a_record_without_a_recorded_price_is_costed_at_its_profiles(tmp_path, capsys):
+    unpriced = record()
+    unpriced["hardware"]["price_per_device_hour_usd"] = None
+    assert cost(tmp_path, write(tmp_path, "unpriced", unpriced)) == 0
+    row = json.loads((tmp_path / "out" / "cost.json").read_text())["records"][0]
+    assert row["rent_usd_per_device_hour"] == load_profile(unpriced["hardware"]["profile"]).price_per_device_hour_usd
+
+
+@pytest.mark.parametrize("argv", [["--price", "h100=1"], ["--own", "purchase_price_usd.mi300x=1"]])
+def test_an_override_for_a_profile_no_record_used_is_refused(argv, tmp_path, capsys):
+    assert cost(tmp_path, write(tmp_path, "a", record()), *argv) == 2
+    assert "no record was measured on profile" in capsys.readouterr().err

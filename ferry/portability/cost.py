@@ -108,16 +108,17 @@ def cost_inputs(
 
 
 class _Hardware(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     profile: str
     price_per_device_hour_usd: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 
 class _Record(BaseModel):
-    """The fields of a bench record the cost arithmetic reads, with their types."""
+    """The fields of a bench record the cost arithmetic reads, with their types: strict, as the arithmetic
+    reads the record's own values (a "366" or a true there is an edit, not a throughput)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     suite: str
     suite_digest: str
@@ -177,6 +178,19 @@ def check_comparable(records: list[tuple[Path, dict]]) -> None:
                 )
 
 
+def check_overrides_used(records: list[tuple[Path, dict]], inputs: CostInputs) -> None:
+    """Refuse a price or hardware figure given for a profile no record was measured on (a typo, h100 for h200):
+    it would change nothing and say nothing."""
+    measured = sorted({record["hardware"]["profile"] for _, record in records})
+    for option, overrides in (("--price", inputs.prices), ("--own", {**inputs.purchase, **inputs.power})):
+        unused = sorted(set(overrides) - set(measured))
+        if unused:
+            raise UserError(
+                f"{option}: no record was measured on profile {unused[0]!r}; the records' profiles: "
+                f"{', '.join(measured)}"
+            )
+
+
 def cost_record(path: Path, record: dict, inputs: CostInputs) -> dict:
     """Every figure of one record, with the prices it used."""
     assumptions = inputs.assumptions
@@ -186,7 +200,9 @@ def cost_record(path: Path, record: dict, inputs: CostInputs) -> dict:
     if not per_device or per_device <= 0:
         raise UserError(f"record {path} has no positive tokens_per_s_per_device")
     tokens_per_hour = per_device * 3600.0
-    recorded_rent = record["hardware"].get("price_per_device_hour_usd", profile.price_per_device_hour_usd)
+    recorded_rent = record["hardware"].get("price_per_device_hour_usd")
+    if recorded_rent is None:  # measured where no price was known: the profile's
+        recorded_rent = profile.price_per_device_hour_usd
     rent = inputs.prices.get(profile_name, recorded_rent)
     purchase = inputs.purchase.get(profile_name, profile.purchase_price_usd)
     power = inputs.power.get(profile_name, profile.power_kw)

@@ -19,6 +19,7 @@ from ferry.portability.cost import (
     DEFAULTS_FILE,
     CostInputs,
     check_comparable,
+    check_overrides_used,
     cost_inputs,
     cost_record,
     owned_usd_per_million_tokens,
@@ -52,6 +53,7 @@ def write_cost(
             console = Console(highlight=False, width=200)
     inputs = cost_inputs(tokens, devices, list(prices), list(own))
     records = read_records(paths)
+    check_overrides_used(records, inputs)
     check_comparable(records)
     costed = [cost_record(path, record, inputs) for path, record in records]
     scaling = scaling_view(records)

@@ -230,6 +230,16 @@ def test_plot_writes_every_png(tmp_path):
     assert not result.skipped
 
 
+def test_plot_skips_with_the_reason_a_plot_whose_values_are_malformed(tmp_path):
+    records = [full_record(step) for step in range(1, 9)]
+    records[4]["moe.tokens_per_expert"] = records[4]["moe.tokens_per_expert"][:-1]  # a ragged row
+    records[5]["loss"] = "x"
+    result = plot_run(write_run(tmp_path / "run", records))
+    assert [path.name for path in result.written] == ["throughput.png", "time_split.png"]
+    assert set(result.skipped) == {"loss", "expert_load"}
+    assert all("holds a value this plot cannot draw" in reason for reason in result.skipped.values())
+
+
 def test_plot_skips_what_an_older_run_did_not_record(tmp_path, capsys):
     records = [
         {"step": s, "loss": 5.0 - s / 10, "lm_loss": 5.0, "lr": 1e-3, "tokens_per_s": 900.0, "step_s": 0.2}

@@ -40,8 +40,9 @@ def save_figure(figure: Figure, path: Path) -> Path:
 def plot_run(run: str | Path, output_dir: str | Path | None = None) -> PlotResult:
     """Write every plot the run's records allow into `output_dir` (default `<run>/plots`).
 
-    A plot whose metrics the run did not record (an older run, a dense model) is
-    skipped with the reason, rather than drawn empty.
+    A plot whose metrics the run did not record (an older run, a dense model), or recorded
+    with a value it cannot draw (a string, a ragged expert-load row), is skipped with the
+    reason, rather than drawn empty or wrong.
     """
     records = read_metrics(run)
     output = Path(output_dir) if output_dir is not None else metrics_path(run).parent / PLOT_DIR
@@ -56,7 +57,12 @@ def plot_run(run: str | Path, output_dir: str | Path | None = None) -> PlotResul
         if not having:
             result.skipped[name] = f"no step of {metrics_path(run)} records {needs!r}"
             continue
-        result.written.append(save_figure(draw(having), output / f"{name}.png"))
+        try:
+            figure = draw(having)
+        except (ValueError, TypeError) as exc:  # a value of the wrong type or shape: edited, or torn by a crash
+            result.skipped[name] = f"{metrics_path(run)} holds a value this plot cannot draw ({exc})"
+            continue
+        result.written.append(save_figure(figure, output / f"{name}.png"))
     return result
 
 

@@ -47,6 +47,7 @@ class FaultInjector:
                 )
         self.run_dir = run_dir
         self.rank = rank
+        self.specs = list(specs)
         self.mine = [(index, spec) for index, spec in enumerate(specs) if spec.rank == rank]
 
     def at_step_start(self, step: int, on_hang: Callable[[], None]) -> None:
@@ -106,6 +107,10 @@ class FaultInjector:
             for index, spec in due:
                 self._mark(index, spec)
         return due
+
+    def spent(self, index: int) -> bool:
+        """Whether fault `index` fires once per run directory and already has."""
+        return self.specs[index].once and self._fired(index)
 
     def _fired(self, index: int) -> bool:
         return (self.run_dir / MARKERS_DIR / f"fault-{index}").exists()

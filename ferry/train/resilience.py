@@ -163,7 +163,7 @@ class Resilience:
         if self.auto is None:
             return
         for index, spec in enumerate(self.config.fault.inject):
-            if spec.kind in CHECKPOINT_FAULTS:
+            if spec.kind in CHECKPOINT_FAULTS and not self.injector.spent(index):
                 self._say(
                     f"ferry: note: fault.inject.{index} ({spec.kind} at step {spec.step} on rank {spec.rank}) fires at "
                     f"the first checkpoint save at or after step {spec.step}: with checkpoint.interval auto, Daly's "

@@ -125,3 +125,11 @@ def test_a_prepare_option_that_would_be_ignored_is_refused(tmp_path, flags, name
     rows = _write(tmp_path, "rows.jsonl", '{"text": "hello", "prompt": "2+2=", "answer": "4"}\n')
     assert main(["data", "prepare", rows, *flags, "--tokenizer", "byte", "--output", str(tmp_path / "out")]) == 2
     assert named in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_blank_prompt_line_and_a_dataset_given_twice_are_refused(tmp_path, capsys):
+    prompts = _write(tmp_path, "prompts.txt", "def f(x):\n\nclass A:\n")
+    assert main(["generate", str(tmp_path / "no-run"), "--prompts-file", prompts]) == 2
+    assert "line 2 is blank; give one prompt per line" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "no-run"), "--data", "data/x", "data/x"]) == 2
+    assert "--data 'data/x' is given twice" in capsys.readouterr().err

@@ -155,9 +155,13 @@ def _prompts_file(path: str | None) -> list[str]:
         return []
     try:
         with open(path, encoding="utf-8") as handle:
-            return [line.rstrip("\n") for line in handle if line.strip()]
+            lines = [line.rstrip("\n") for line in handle]
     except OSError as exc:
         raise UserError(f"--prompts-file {path!r}: {exc.strerror or exc}") from None
+    blank = [number for number, line in enumerate(lines, start=1) if not line.strip()]
+    if blank:  # dropping it would shift every later output against its line
+        raise UserError(f"--prompts-file {path!r}: line {blank[0]} is blank; give one prompt per line")
+    return lines
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -166,6 +170,9 @@ def run_eval(args: argparse.Namespace) -> int:
     figures of the objective that reads them (`ferry.train.record_evaluation`)."""
     from ferry.inference import load_model
 
+    repeated = sorted({path for path in args.data if args.data.count(path) > 1})
+    if repeated:
+        raise UserError(f"--data {repeated[0]!r} is given twice; each dataset is evaluated once")
     loaded = load_model(args.source, args.device, args.dtype, args.tokenizer)
     kinds = {path: _dataset_kind(path) for path in args.data}
     token_paths = [path for path, kind in kinds.items() if kind is None]

@@ -23,8 +23,8 @@ LOCK_NAME = ".lock"
 class RunDirLock:
     """The held lock of one run directory; `release` when the run ends."""
 
-    def __init__(self, descriptor: int):
-        self._descriptor: int | None = descriptor
+    def __init__(self, descriptor: int | None):
+        self._descriptor = descriptor  # None: the filesystem keeps no locks, and none is held
 
     @classmethod
     def acquire(cls, run_dir: Path) -> RunDirLock:
@@ -40,6 +40,9 @@ class RunDirLock:
                 f"run.dir {str(run_dir)!r} is in use by a live run ({_describe(holder)}); wait for it to end or stop "
                 "it before resuming or replacing it, or choose another run.dir"
             ) from None
+        except OSError:  # a filesystem without locks (some network mounts): the run goes on unguarded
+            os.close(descriptor)
+            return cls(None)
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         os.ftruncate(descriptor, 0)
         os.pwrite(descriptor, json.dumps(holder).encode("utf-8"), 0)

@@ -54,7 +54,7 @@ def test_the_auto_interval_saves_first_at_its_first_step_then_every_daly_interva
 
 def test_the_watchdog_timeout_follows_the_median_step_with_a_floor_and_allowances():
     config = FaultConfig(hang_multiple=10, hang_floor_s=5, hang_first_step_s=100, hang_checkpoint_s=50)
-    watchdog = Watchdog(config, rank=0, on_hang=lambda phase, message: None)
+    watchdog = Watchdog(config, rank=0, on_hang=lambda phase, message, waiting: None)
     assert watchdog.timeout_s() == 105  # floor + first step
     watchdog.beat(1, 1.5)
     assert watchdog.timeout_s() == 15, "during the warm-up: 10 x the slowest step so far, above the floor"
@@ -124,6 +124,7 @@ def test_two_ranks_survive_a_kill_and_a_hang_with_losses_bitwise_equal(config_fi
     assert "rank 1 was killed (SIGKILL)" in first["cause"] and first["failed_at_step"] == 3
     assert (first["resumed_from_step"], first["steps_lost"]) == (2, 1) and first["restart_latency_s"] > 0
     assert "hang" in second["cause"] and "a hang (injected fault)" in second["cause"]
+    assert second["cause"].startswith("rank 0 at step 8"), second["cause"]  # not rank 1, which waited for it
     assert second["resumed_from_step"] == 6
     good = record["goodput"]
     assert good["restarts"] == 2 and good["lost_steps"] == 2 and 0 < good["goodput"] < 1
@@ -548,3 +549,27 @@ def test_a_long_initial_draw_after_a_resume_from_nothing_is_not_taken_for_a_hang
     assert result.returncode == 0, result.stderr[-2000:]
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["status"] == "completed" and record["initial_weights_xxh3"] is not None
+
+
+def test_a_hung_rank_that_waited_in_a_collective_is_named_after_the_one_it_waited_for(tmp_path, monkeypatch):
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import torch
+
+    from ferry.comm import CommStats
+    from ferry.comm.collectives import Collectives, waiting_in
+    from ferry.train.restarts import collect_causes, write_cause
+
+    gloo = SimpleNamespace(device=torch.device("cpu"), region=lambda name: nullcontext(), stats=CommStats())
+    with Collectives.timed(gloo, "all_to_all", 64):
+        assert waiting_in() == "all_to_all"
+        watchdog = Watchdog(FaultConfig(hang_timeout_s=1, hang_first_step_s=0), 0, print)
+        monkeypatch.setattr(watchdog, "_last", time.monotonic() - 5)
+        assert watchdog.overdue().endswith("of step 1, waiting in all_to_all for its peers")
+    assert waiting_in() is None
+    monkeypatch.setattr(time, "time", lambda: 100.0)
+    write_cause(tmp_path, 1, 5, "forward", "hang: ... waiting in all_to_all", waiting_in="all_to_all")
+    monkeypatch.setattr(time, "time", lambda: 100.1)  # the rank that hung itself fired a moment later
+    write_cause(tmp_path, 0, 5, "a hang (injected fault)", "hang: ...")
+    assert [cause["rank"] for cause in collect_causes(tmp_path)] == [0, 1]

@@ -92,8 +92,22 @@ class Collectives:
                 self._pending.append((op, num_bytes, start, end))
                 return
             started = time.perf_counter()
-            yield
+            _WAITING.append(op)
+            try:
+                yield
+            finally:
+                _WAITING.pop()
             self.stats.record(op, num_bytes, time.perf_counter() - started)
+
+
+# The host-synchronous collective this process is inside (gloo; a CUDA collective returns at launch): a rank
+# stuck there is waiting for a peer, not stuck itself, which is what a hang's report must tell apart.
+_WAITING: list[str] = []
+
+
+def waiting_in() -> str | None:
+    """The collective this process is waiting in, if any."""
+    return _WAITING[-1] if _WAITING else None
 
 
 class _AllToAll(torch.autograd.Function):

@@ -341,8 +341,8 @@ class Resilience:
         interval = self.config.checkpoint.interval
         return interval or None
 
-    def _hung(self, phase: str, message: str) -> None:
-        write_cause(self.run_dir, self.rank, self.step + 1, phase, f"hang: {message}")
+    def _hung(self, phase: str, message: str, waiting: str | None) -> None:
+        write_cause(self.run_dir, self.rank, self.step + 1, phase, f"hang: {message}", waiting_in=waiting)
 
     def _all_records(self) -> list[dict]:
         from ferry.metrics.jsonl import read_metrics

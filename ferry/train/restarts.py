@@ -53,18 +53,22 @@ def read_events(run_dir: Path) -> list[dict]:
     return events
 
 
-def write_cause(run_dir: Path, rank: int, step: int, phase: str, error: str) -> None:
-    """What this rank reports as it fails: read by whoever restarts the job."""
+def write_cause(run_dir: Path, rank: int, step: int, phase: str, error: str, waiting_in: str | None = None) -> None:
+    """What this rank reports as it fails: read by whoever restarts the job. `waiting_in`: the collective a
+    hung rank was waiting in for its peers (it is a consequence of whichever peer did not come)."""
     folder = run_dir / CAUSES_DIR
     folder.mkdir(parents=True, exist_ok=True)
     cause = {"rank": rank, "step": step, "phase": phase, "error": error, "at_unix": time.time()}
+    if waiting_in is not None:
+        cause["waiting_in"] = waiting_in
     staging = folder / f".rank-{rank:05d}-{os.getpid()}.json"
     staging.write_text(json.dumps(cause), encoding="utf-8")
     os.replace(staging, folder / f"rank-{rank:05d}-{os.getpid()}.json")
 
 
 def collect_causes(run_dir: Path) -> list[dict]:
-    """The causes the ranks of a failed attempt left, oldest first; taken (deleted) so the next failure has its own."""
+    """The causes the ranks of a failed attempt left, oldest first (those waiting in a collective last); taken
+    (deleted) so the next failure has its own."""
     folder = run_dir / CAUSES_DIR
     causes = []
     for path in sorted(folder.glob("rank-*.json")) if folder.is_dir() else ():
@@ -73,7 +77,8 @@ def collect_causes(run_dir: Path) -> list[dict]:
         except (OSError, ValueError):
             pass
         path.unlink(missing_ok=True)
-    return sorted(causes, key=lambda cause: cause.get("at_unix", 0.0))
+    # ranks that waited in a collective for a peer follow the others: the peer that never came is the cause
+    return sorted(causes, key=lambda cause: (cause.get("waiting_in") is not None, cause.get("at_unix", 0.0)))
 
 
 def last_metrics_step(run_dir: Path, metrics_name: str = "metrics.jsonl") -> int:

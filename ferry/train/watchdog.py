@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ferry.comm.collectives import waiting_in
 from ferry.train.fault_config import FaultConfig
 
 HANG_EXIT_CODE = 3
@@ -26,8 +27,9 @@ _WARMUP_STEPS = 3  # step times before these are left out of the median (allocat
 class Watchdog:
     """Per-rank progress monitor; `beat` after every step, `phase` as the step moves on."""
 
-    def __init__(self, config: FaultConfig, rank: int, on_hang: Callable[[str, str], None]):
-        """`on_hang(phase, message)` records the cause before the process ends."""
+    def __init__(self, config: FaultConfig, rank: int, on_hang: Callable[[str, str, str | None], None]):
+        """`on_hang(phase, message, waiting)` records the cause before the process ends (`waiting`: the collective
+        the rank was waiting in for its peers, if any)."""
         self.config = config
         self.rank = rank
         self.on_hang = on_hang
@@ -97,14 +99,19 @@ class Watchdog:
         limit = self.timeout_s()
         if waited <= limit:
             return None
-        return f"no step completed for {waited:.1f} s (limit {limit:.1f} s): stuck in {self.current_phase} of step {self.step + 1}"
+        waiting = waiting_in()
+        peers = f", waiting in {waiting} for its peers" if waiting else ""
+        return (
+            f"no step completed for {waited:.1f} s (limit {limit:.1f} s): stuck in {self.current_phase} of step "
+            f"{self.step + 1}{peers}"
+        )
 
     def _watch(self) -> None:
         while not self._stop.wait(0.25):
             message = self.overdue()
             if message is not None:
                 try:
-                    self.on_hang(self.current_phase, message)
+                    self.on_hang(self.current_phase, message, waiting_in())
                 finally:
                     print(f"ferry: rank {self.rank}: error: {message}", file=sys.stderr, flush=True)
                     os._exit(HANG_EXIT_CODE)

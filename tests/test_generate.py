@@ -245,3 +245,15 @@ def test_a_tokenizer_that_encodes_otherwise_than_the_runs_is_refused_wherever_it
     data = json.loads((checkpoint / "manifest.json").read_text())["run_config"]["data"]["sources"][0]["path"]
     shutil.copyfile(Path(data) / "tokenizer.json", right)
     assert main(["generate", str(moved), "--prompt", "x", "--tokenizer", str(right), "--max-new-tokens", "2"]) == 0
+
+
+def test_a_sampled_prompt_gets_the_same_tokens_alone_and_batched(trained_run, capsys):
+    sampled = ["--temperature", "1", "--max-new-tokens", "8", "--seed", "7", "--json"]
+
+    def tokens(*prompts: str) -> list[list[int]]:
+        assert main(["generate", str(trained_run), *(arg for p in prompts for arg in ("--prompt", p)), *sampled]) == 0
+        return [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+    alone = tokens("class A:")
+    assert tokens("def f(x):", "class A:")[1] == alone[0]
+    assert tokens("class A:", "class A:") == [alone[0], alone[0]]  # one seed per prompt, as a server's request

@@ -22,7 +22,9 @@ def add_inference_commands(commands) -> None:
     generate.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     generate.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     generate.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass")
-    generate.add_argument("--seed", type=int, default=0, help="the same seed gives the same tokens")
+    generate.add_argument(
+        "--seed", type=int, default=0, help="the same seed gives a prompt the same tokens, whatever prompts run beside it"
+    )
     generate.add_argument("--stop", action="append", default=[], help="a string that ends a completion; repeatable")
     _add_model_options(generate)
     generate.add_argument(
@@ -121,7 +123,9 @@ def run_generate(args: argparse.Namespace) -> int:
     # a text ends at end-of-text and a chat answer at <|im_end|>; either ends any completion, as the export's
     # generation config says to transformers
     end_ids = [tokenizer.eos_id, *([] if tokenizer.token_id(IM_END) is None else [tokenizer.token_id(IM_END)])]
-    result = generate(loaded.model, tokens, config, end_ids, tokenizer.decode)
+    # every prompt draws from its own generator seeded with --seed, as a request to an inference server does:
+    # what a prompt gets does not depend on the prompts batched with it
+    result = generate(loaded.model, tokens, config, end_ids, tokenizer.decode, row_seeds=[config.seed] * len(tokens))
     for prompt, completion in zip(prompts, result.completions):
         if args.json:
             print(

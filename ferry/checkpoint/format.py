@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ferry.config.errors import UserError
+from ferry.config.errors import UserError, first_problem
 
 CHECKPOINT_FORMAT = "ferry-checkpoint"
 # 2: every file also records its xxh3-128 (ferry/checkpoint/digests.py); version 1 manifests still load.
@@ -179,9 +179,7 @@ class Manifest(_Record):
         try:
             manifest = cls.model_validate_json(text)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"]) or "<top level>"
-            raise CheckpointError(f"{source} is malformed: {where}: {first['msg']}") from None
+            raise CheckpointError(f"{source} is malformed: {first_problem(exc)}") from None
         if manifest.format != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{source} is not a {CHECKPOINT_FORMAT} manifest (format {manifest.format!r})")
         if manifest.format_version > FORMAT_VERSION:

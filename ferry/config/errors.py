@@ -14,3 +14,10 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A configuration value, file or override that cannot be accepted."""
+
+
+def first_problem(exc) -> str:
+    """`where: what` of the first error of a pydantic `ValidationError`: the dotted field and its message,
+    for a one-line refusal of a file ferry reads (a manifest, a record, a lineage)."""
+    first = exc.errors()[0]
+    return f"{'.'.join(str(part) for part in first['loc']) or '<top level>'}: {first['msg']}"

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ferry.config import UserError
+from ferry.config.errors import first_problem
 
 StageStatus = Literal["running", "finished", "stopped", "failed", "refused"]
 
@@ -87,10 +88,8 @@ def check_lineage_shape(data: object, path: Path) -> dict[str, Any]:
     try:
         LineageShape.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "the top level"
         raise UserError(
-            f"{path} is not a lineage as ferry writes it: {where}: {first['msg']} ({exc.error_count()} error(s)); "
+            f"{path} is not a lineage as ferry writes it: {first_problem(exc)} ({exc.error_count()} error(s)); "
             "restore it, or run the pipeline in a new --dir"
         ) from None
     if any(stage["status"] == "finished" and stage.get("result") is None for stage in data["stages"]):

@@ -31,6 +31,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ferry.config import UserError
+from ferry.config.errors import first_problem
 from ferry.platform.fingerprint import code_version
 from ferry.portability.environment import Environment, without_locations
 from ferry.portability.legs import LegResult
@@ -232,9 +233,7 @@ def read_bundle(path: str | Path) -> Bundle:
     try:
         description = BundleDescription.model_validate(content)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise UserError(f"bundle {str(path)!r}: {BUNDLE_FILE} is malformed at {where}: {first['msg']}") from None
+        raise UserError(f"bundle {str(path)!r}: {BUNDLE_FILE} is malformed at {first_problem(exc)}") from None
     _check_files(path, description)
     _check_consistent(path, description)
     return Bundle(path, content)

@@ -28,6 +28,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ferry.config import ConfigError, Section, UserError
+from ferry.config.errors import first_problem
 from ferry.config.loader import validate
 from ferry.platform.hardware import load_profile, profile_names
 from ferry.portability.bench import RECORD_KIND, RECORD_VERSION
@@ -154,9 +155,7 @@ def read_records(paths: list[str | Path]) -> list[tuple[Path, dict]]:
         try:
             _Record.model_validate(record)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            raise UserError(f"record {str(path)!r}: {where}: {first['msg']}") from None
+            raise UserError(f"record {str(path)!r}: {first_problem(exc)}") from None
         records.append((path, record))
     return records
 

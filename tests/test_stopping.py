@@ -55,6 +55,16 @@ def test_sigterm_records_the_run_as_interrupted_and_ends_by_the_signal(stdlib_da
     assert record["last_step"]["step"] >= 1
 
 
+def test_a_launcher_told_to_stop_stops_its_ranks_and_records_the_stop(stdlib_dataset, tmp_path):
+    launcher = _start(stdlib_dataset, tmp_path / "run", "--nproc", "2")
+    _wait_for_a_step(launcher)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == -signal.SIGTERM and "ferry: stopped by SIGTERM" in err and "Traceback" not in err
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["status"] == "interrupted" and record["signal"] == "SIGTERM"
+
+
 def test_ranks_die_with_a_launcher_that_is_killed(stdlib_dataset, tmp_path):
     launcher = _start(stdlib_dataset, tmp_path / "run", "--nproc", "2")
     _wait_for_a_step(launcher)

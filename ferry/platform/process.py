@@ -1,10 +1,10 @@
 """How a ferry process ends when something outside it stops it: a signal, or the death of its launcher.
 
-A scheduler ends a job with SIGTERM (Slurm at its time limit, Kubernetes on eviction, torchrun's
-agent stopping the other ranks after one failed); a person with Ctrl-C. Either becomes `Stopped` in
-the main thread, so a run records how it ended instead of leaving `run.json` at "running", and the
-process then ends by the same signal, so that whoever watches it (a launcher counting which ranks
-failed by themselves, a shell) sees a stop, not a failure. A rank whose launcher dies (SIGKILL, an
+A scheduler ends a job with SIGTERM (Slurm at its time limit, Kubernetes on eviction); a person with
+Ctrl-C. In a process that is no rank of an elastic agent, either becomes `Stopped` in the main thread,
+so a run records how it ended instead of leaving `run.json` at "running", and the process then ends
+by the same signal, so that whoever watches it (a launcher counting which ranks failed by themselves,
+a shell) sees a stop, not a failure. A rank whose launcher dies (SIGKILL, an
 out-of-memory kill) is killed by the kernel: it would otherwise train on alone and write into a run
 directory that a restarted job may already be using.
 """

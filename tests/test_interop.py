@@ -298,3 +298,38 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_both_ways(tmp_
     assert main(["import", str(tmp_path / "hf"), str(tmp_path / "back"), "--tokenizer", str(larger)]) == 2
     assert f"has {tokens} tokens, more than the model's vocabulary ({config.vocab_size})" in capsys.readouterr().err
     assert not (tmp_path / "back").exists()
+
+
+def test_export_of_a_run_directory_takes_its_newest_checkpoint_and_names_it(tmp_path, capsys):
+    """As `ferry generate` and `ferry eval` do; a directory that is neither a checkpoint nor a run is named."""
+    from ferry.checkpoint import Layout, TensorPiece
+    from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
+    from ferry.interop import import_hf
+
+    config = ModelConfig.model_validate({**BASE, **CASES["olmoe-top3-renorm-tied"][1]})
+    run = tmp_path / "run"
+    base, states = _random_model(config).state_dict(), {}
+    layout = Layout(world_size=1, ep_degree=1, mode="ep")
+    for step in (3, 5):  # the bias stays zero: OLMoE has none
+        states[step] = {name: value if name.endswith("expert_bias_E") else value + step for name, value in base.items()}
+        meta = CheckpointMeta(step, 0, layout, config.model_dump(mode="json"), {}, {}, {})
+        pieces = {f"model.{name}": TensorPiece.whole(tensor.contiguous()) for name, tensor in states[step].items()}
+        save_checkpoint(run / "checkpoints", pieces, meta)
+    tokenizer = tmp_path / "tokenizer.json"
+    _write_tokenizer(tokenizer, config.vocab_size)
+    out = tmp_path / "hf"
+    assert main(["export", str(run), str(out), "--tokenizer", str(tokenizer)]) == 0
+    assert f"ferry: exported {run / 'checkpoints' / 'step-00000005'} (step 5) as olmoe" in capsys.readouterr().out
+    back = _model_tensors(import_hf(out, tmp_path / "back").checkpoint)
+    assert sorted(back) == sorted(states[5])
+    for name, tensor in back.items():
+        assert torch.equal(tensor, states[5][name]), name
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "started" / "checkpoints").mkdir(parents=True)  # a run that has saved nothing yet
+    for source in (tmp_path / "notes", tmp_path / "started"):
+        for command in (["export", str(source), str(tmp_path / "other")], ["generate", str(source), "--prompt", "a"]):
+            assert main(command) == 2
+            error = capsys.readouterr().err
+            assert f"{source} is not a checkpoint (it has no manifest.json)" in error and "Traceback" not in error
+    assert not (tmp_path / "other").exists()

@@ -363,6 +363,29 @@ def find_resume_point(
     return found
 
 
+def latest_checkpoint(source: str | Path) -> Checkpoint:
+    """The checkpoint a command that reads a trained model (`ferry generate`, `eval`, `export`) takes from
+    `source`: a checkpoint, or a directory of checkpoints, a run or a `ferry import` directory, whose newest
+    valid one it is (as `resume=PATH` takes it), so that a user can point at the run they trained.
+
+    A directory that is none of these is named as such; one named `step-N` keeps the reader's message
+    (a save that never finished)."""
+    path = Path(source)
+    if not path.exists():
+        raise UserError(f"{str(source)!r} does not exist")
+    if (
+        not (path / MANIFEST_NAME).exists()
+        and parse_step(path) is None
+        and not list_checkpoints(path)
+        and not list_checkpoints(path / RUN_CHECKPOINTS)
+    ):
+        raise UserError(
+            f"{path} is not a checkpoint (it has no {MANIFEST_NAME}), and neither it nor {path / RUN_CHECKPOINTS} "
+            "holds a step-* checkpoint: give a checkpoint, a run directory or a directory of checkpoints"
+        )
+    return find_resume_point(str(path), path).checkpoint
+
+
 def _none_valid(root: Path, skipped: list[tuple[Path, str]]) -> str:
     reasons = "\n  ".join(f"{path.name}: {reason}" for path, reason in skipped)
     return f"no valid checkpoint in {root}:\n  {reasons}"

@@ -41,6 +41,7 @@ from ferry.checkpoint.format import (
     staging_dir_name,
     step_dir_name,
 )
+from ferry.platform.file_modes import give_ordinary_mode
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ def write_rank_files(
 ) -> RankRecord:
     """Write this rank's pieces, per name group, into files of at most `max_file_bytes`, each fsynced and hashed.
 
-    A file is hashed and fsynced on a helper thread while the next one is written.
+    A file is hashed and fsynced on a helper thread while the next one is written. Each takes the mode the
+    umask gives `manifest.json`, not safetensors' 0600: whoever may read the manifest may read the tensors.
     """
     groups: dict[str, dict[str, TensorPiece]] = {}
     for name, piece in pieces.items():
@@ -112,6 +114,7 @@ def write_rank_files(
                 file = rank_file_name(group, rank, part)
                 tensors = _unshared({name: members[name].local.detach().contiguous() for name in names})
                 save_file(tensors, staging / file)
+                give_ordinary_mode(staging / file)
                 finishing[file] = pool.submit(record_file, staging / file, fsync=True)
                 for name in names:
                     piece = members[name]

@@ -7,7 +7,10 @@ import argparse
 
 def add_interop_commands(commands) -> None:
     export = commands.add_parser("export", help="write a checkpoint as a transformers model directory (OLMoE, Qwen3-MoE)")
-    export.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/tiny/checkpoints/step-00000300")
+    export.add_argument(
+        "checkpoint",
+        help="a checkpoint (e.g. runs/tiny/checkpoints/step-00000300), or a run directory: its newest valid checkpoint",
+    )
     export.add_argument("out", help="the model directory to write")
     export.add_argument(
         "--arch", choices=["olmoe", "qwen3_moe"], default=None,
@@ -29,7 +32,8 @@ def run_export(args: argparse.Namespace) -> int:
 
     result = export_checkpoint(args.checkpoint, args.out, args.arch, args.dtype, args.tokenizer, args.overwrite)
     print(
-        f"ferry: exported step {result.step} as {result.arch} ({result.parameters:,} parameters, {args.dtype}) "
+        f"ferry: exported {result.checkpoint} (step {result.step}) as {result.arch} "
+        f"({result.parameters:,} parameters, {args.dtype}) "
         f"to {result.out}/: {', '.join(result.files)}"
     )
     return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ferry.checkpoint import find_resume_point
+from ferry.checkpoint import latest_checkpoint
 from ferry.config import UserError
 from ferry.data.manifest import TOKENIZER_NAME
 from ferry.data.tokenizer import Tokenizer, load_tokenizer
@@ -58,7 +58,7 @@ def load_model(
         config, arch, state = read_hf_dir(path)
         origin, step, found_tokenizer, run_config = f"{path} (transformers, {arch})", None, path / TOKENIZER_NAME, {}
     else:
-        checkpoint = find_resume_point(str(path), path).checkpoint
+        checkpoint = latest_checkpoint(path)
         config, state = checkpoint_model_config(checkpoint), read_model_state(checkpoint)
         origin, step = str(checkpoint.path), checkpoint.step
         found_tokenizer = checkpoint_tokenizer_path(checkpoint, tokenizer)

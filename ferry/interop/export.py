@@ -1,9 +1,11 @@
-"""`ferry export CKPT OUT`: a checkpoint as a transformers model directory that `AutoModelForCausalLM` and
-`AutoTokenizer` load offline.
+"""`ferry export CKPT OUT`: a checkpoint (or a run's newest valid one) as a transformers model directory that
+`AutoModelForCausalLM` and `AutoTokenizer` load offline.
 
 The config is built with transformers' own class, the weights go through `save_pretrained` (which
 shards and indexes them), and the tokenizer becomes a `PreTrainedTokenizerFast` with its end-of-text
 token as EOS and padding. Everything the target cannot express is refused before OUT is created.
+Every written file takes the umask's mode: safetensors writes its tensor files 0600, which another
+account (an evaluation job) could not read beside a `config.json` it can.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from ferry.checkpoint import verify_checkpoint
+from ferry.checkpoint import latest_checkpoint
 from ferry.config import UserError
 from ferry.data.chat import CHAT_TEMPLATE_JINJA, CHAT_TOKENS, IM_END
 from ferry.data.tokenizer import END_OF_TEXT, BPETokenizer, load_tokenizer
 from ferry.interop.architectures import hf_config, natural_architecture, refusals, to_hf_state
 from ferry.interop.weights import checkpoint_model_config, checkpoint_tokenizer_path, read_model_state
+from ferry.platform.file_modes import give_ordinary_mode
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -27,6 +30,7 @@ _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 @dataclass(frozen=True)
 class ExportResult:
+    checkpoint: Path
     out: Path
     arch: str
     step: int
@@ -45,7 +49,7 @@ def export_checkpoint(
     out = Path(out)
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    checkpoint = verify_checkpoint(Path(checkpoint_path))
+    checkpoint = latest_checkpoint(checkpoint_path)
     config = checkpoint_model_config(checkpoint)
     arch = arch or natural_architecture(config)
     state = read_model_state(checkpoint)
@@ -87,10 +91,14 @@ def export_checkpoint(
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     fast_tokenizer.save_pretrained(staging)
+    for written in staging.rglob("*"):
+        if written.is_file():
+            give_ordinary_mode(written)
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
     return ExportResult(
+        checkpoint=checkpoint.path,
         out=out,
         arch=arch,
         step=checkpoint.step,

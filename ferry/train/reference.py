@@ -22,6 +22,7 @@ from ferry.checkpoint import Checkpoint, find_resume_point
 from ferry.checkpoint.digests import checkpoint_digest
 from ferry.config import UserError
 from ferry.model import Transformer
+from ferry.platform.file_modes import give_ordinary_mode
 from ferry.train.checkpointing import restore_model
 from ferry.train.train_state import shared_verification
 
@@ -79,9 +80,11 @@ class LogprobCache:
             return None
 
     def save(self, logps: torch.Tensor) -> None:
-        """Write atomically: a crash leaves the old entry or none, never half a file."""
+        """Write atomically: a crash leaves the old entry or none, never half a file; with the umask's mode,
+        not safetensors' 0600, as the run's other files have."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         staging = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         tensors = {"logps": logps.double().cpu().contiguous()}
         save_file(tensors, str(staging), metadata={"inputs": json.dumps(self.inputs)})
+        give_ordinary_mode(staging)
         os.replace(staging, self.path)

@@ -133,3 +133,31 @@ def test_a_blank_prompt_line_and_a_dataset_given_twice_are_refused(tmp_path, cap
     assert "line 2 is blank; give one prompt per line" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "no-run"), "--data", "data/x", "data/x"]) == 2
     assert "--data 'data/x' is given twice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, option, suggestion",
+    [
+        (["train", TINY, "--steps", "10"], "--steps", "did you mean train.steps=10?"),
+        (["train", TINY, "--train.steps=10"], "--train.steps=10", "did you mean train.steps=10?"),
+        (["train", TINY, "run.seed=1", "--micro-batch", "2", "--nproc", "2"], "--micro-batch", "train.micro_batch=2?"),
+        (["train", TINY, "--num-experts=4"], "--num-experts=4", "did you mean model.moe.num_experts=4?"),
+        (["train", TINY, "--run-name", "my run"], "--run-name", "did you mean 'run.name=my run'?"),
+        (["train", TINY, "--steps"], "--steps", "did you mean train.steps=VALUE?"),
+        (
+            ["launch", TINY, "--platform", "cpu", "--nodes", "1", "--warmup-steps", "5"], "--warmup-steps",
+            "did you mean optim.warmup_steps=5?",
+        ),
+        (["rehearse", TINY, "--from", "cpu", "--to", "cpu", "--lr", "1e-3"], "--lr", "did you mean optim.lr=1e-3?"),
+        (["train", TINY, "--fast", "1"], "--fast", "neither an option of this command nor a config key"),
+    ],
+)
+def test_an_unknown_option_names_the_dotted_override_and_starts_nothing(argv, option, suggestion, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    where = {"train": [f"run.dir={out}"], "launch": ["--out", out], "rehearse": ["--dir", out, "--history", out]}
+    code = main([*argv[:2], *where[argv[0]], *argv[2:]])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"ferry: error: unrecognized argument {option}: ")
+    assert suggestion in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

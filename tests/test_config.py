@@ -1,8 +1,10 @@
 """Config machinery: overrides, validation messages, and the YAML round trip."""
 
+import re
+
 import pytest
 
-from ferry.config import ConfigError, dump_yaml, load_config, parse_override
+from ferry.config import ConfigError, UserError, dump_yaml, load_config, parse_override
 from ferry.train import RunConfig, load_run_config
 
 from conftest import REPO
@@ -69,3 +71,42 @@ def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as caught:
         load_config(RunConfig, None, ["train.steps=0", "optim.lr=-1"])
     assert "train.steps" in str(caught.value) and "optim.lr" in str(caught.value)
+
+
+HELD_OUT = "eval.sources=[{name: held, path: data/held}]"
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, suggested",
+    [
+        ([], 16, ["train.micro_batch=1", "train.global_batch=128"]),  # tiny.yaml on two 8-GPU nodes
+        (["train.global_batch=48"], 4, ["train.micro_batch=6", "train.global_batch=64"]),  # the largest that fits
+        (["train.global_batch=24", "train.micro_batch=4"], 16, ["train.global_batch=64"]),  # 16 ranks cannot split 24
+        ([HELD_OUT, "eval.batch_size=24", "train.micro_batch=4"], 4, ["train.micro_batch=2", "eval.batch_size=32"]),
+        (
+            ["parallel.ep=3", "train.micro_batch=1"], 16,
+            ["parallel.ep=1", "parallel.ep=2", "parallel.ep=4", "parallel.ep=8"],
+        ),
+        (
+            ["parallel.ep=4", "train.micro_batch=1", "train.global_batch=12", "model.moe.num_experts=4"], 6,
+            ["parallel.ep=1", "parallel.ep=2"],  # of 6 and of the 4 experts, split evenly
+        ),
+    ],
+)
+def test_a_job_size_that_does_not_split_names_the_overrides_that_do(overrides, world_size, suggested):
+    tiny = REPO / "configs" / "tiny.yaml"
+    with pytest.raises(UserError) as caught:
+        load_run_config(tiny, overrides).check_world_size(world_size)
+    assert caught.value.exit_code == 2
+    assert re.findall(r"[a-z_.]+=\d+", str(caught.value)) == suggested
+    for fix in suggested:
+        load_run_config(tiny, [*overrides, fix]).check_world_size(world_size)
+
+
+def test_the_batch_refusal_is_one_sentence_naming_the_keys():
+    with pytest.raises(UserError) as caught:
+        load_run_config(REPO / "configs" / "tiny.yaml").check_world_size(16)
+    assert str(caught.value) == (
+        "train.global_batch (16) must be a multiple of train.micro_batch x world size (8 x 16 = 128); "
+        "set train.micro_batch=1 (the same 16 sequences in smaller passes) or train.global_batch=128"
+    )

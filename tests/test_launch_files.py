@@ -8,6 +8,8 @@ Regenerate the expected files after a deliberate change with `python tests/test_
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,7 @@ from ferry.cli.main import main
 from ferry.launch import build_launch_spec, load_platform, platform_names, render_launch
 from ferry.launch.environment import explain
 from ferry.launch.kubernetes import DASHBOARD
+from ferry.train import load_run_config
 
 REPO = Path(__file__).resolve().parent.parent
 EXPECTED = Path(__file__).resolve().parent / "expected" / "launch"
@@ -210,6 +213,37 @@ def test_explain_names_every_variable_with_its_origin():
         assert f"  {variable.name}\n" in text
     assert "RANK" in text and "SLURM_JOB_NODELIST" in text and "PET_MASTER_ADDR" in text
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
+
+
+def _readme_launch_commands() -> list[str]:
+    """Every `ferry launch` command in README.md's code blocks, continuation lines joined: read from the README
+    itself, so an example that drifts from what the command accepts fails here."""
+    commands, in_code = [], False
+    for line in (REPO / "README.md").read_text().replace("\\\n", " ").splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif in_code and line.startswith("ferry launch "):
+            commands.append(line)
+    return commands
+
+
+def test_the_readme_launch_examples_run_as_written_from_a_checkout(tmp_path, monkeypatch, capsys):
+    commands = _readme_launch_commands()
+    assert commands, "README.md shows no `ferry launch` command"
+    for index, command in enumerate(commands):
+        checkout = tmp_path / f"example-{index}"
+        checkout.mkdir()
+        (checkout / "configs").symlink_to(REPO / "configs")
+        monkeypatch.chdir(checkout)
+        assert main(shlex.split(command, comments=True)[1:]) == 0, (command, capsys.readouterr().err)
+        out = capsys.readouterr().out
+        summary = re.search(r"= (\d+) ranks; wrote (\d+) file\(s\) to (\S+)/\n", out)
+        assert summary, (command, out)
+        ranks, count, out_dir = int(summary[1]), int(summary[2]), checkout / summary[3]
+        written = sorted(str(path.relative_to(checkout)) for path in out_dir.rglob("*") if path.is_file())
+        assert sorted(out[summary.end() :].split()) == written and len(written) == count, command
+        assert all((checkout / name).stat().st_size for name in written), command
+        load_run_config(out_dir / "run.yaml").check_world_size(ranks)  # the config the ranks load fits them
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from ferry.cli.interop import add_interop_commands
 from ferry.cli.kernels import add_kernels_commands
 from ferry.cli.launch import add_launch_command
 from ferry.cli.metrics import add_metrics_commands
+from ferry.cli.options import refuse_unknown_options
 from ferry.cli.pipeline import add_pipeline_commands
 from ferry.cli.portability import add_portability_commands
 from ferry.config import UserError
@@ -21,15 +22,17 @@ from ferry.platform.process import Stopped, die_with_parent, stop_on_sigterm
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and hasattr(args, "argv"):  # a command that parses its own arguments (`rehearse` and its forms)
-        args.argv = [*extra, *args.argv]
-    elif extra and not hasattr(args, "overrides"):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    elif extra:  # overrides written after an option such as --nproc
-        args.overrides = [*args.overrides, *extra]
     try:
+        if extra and hasattr(args, "argv"):  # a command that parses its own arguments (`rehearse` and its forms)
+            args.argv = [*extra, *args.argv]
+        elif extra and not hasattr(args, "overrides"):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        elif extra:  # overrides written after an option such as --nproc
+            refuse_unknown_options(extra, argv)
+            args.overrides = [*args.overrides, *extra]
         return args.handler(args)
     except UserError as exc:
         print(f"ferry: {_rank_prefix()}error: {exc}", file=sys.stderr)

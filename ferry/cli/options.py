@@ -1,8 +1,16 @@
-"""Option types shared by the commands: a value is checked where it is parsed, and the message names the flag."""
+"""Option types shared by the commands: a value is checked where it is parsed, and the message names the flag;
+an option no command knows is answered with the config key it most likely meant."""
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import types
+import typing
+
+from pydantic import BaseModel
+
+from ferry.config import UserError
 
 
 def device_option(name: str) -> str:
@@ -18,3 +26,53 @@ def device_option(name: str) -> str:
             f"{name!r} is not available on this machine (auto, cpu, or an accelerator present here)"
         ) from None
     return name
+
+
+def refuse_unknown_options(extra: list[str], argv: list[str]) -> None:
+    """Refuse an option the command does not know before it reaches the config as a malformed override. Who
+    writes `--steps 10` most likely means a config key, so the refusal names the dotted override that sets it
+    (`train.steps=10`); `argv` is the command line the option came from, where its value follows it."""
+    option = next((item for item in extra if item.startswith("-")), None)
+    if option is None:
+        return
+    name, has_value, value = option.lstrip("-").partition("=")
+    if not has_value:
+        following = argv[argv.index(option) + 1 :][:1]
+        taken = following and not following[0].startswith("-") and "=" not in following[0]
+        value = following[0] if taken else "VALUE"
+    spellings = {name.replace("-", "_"), name.replace("-", ".")}  # --micro-batch, --run-dir
+    matches = [key for key in run_config_keys() if any(key == end or key.endswith(f".{end}") for end in spellings)]
+    if not matches:
+        raise UserError(
+            f"unrecognized argument {option}: neither an option of this command nor a config key "
+            "(overrides are dotted keys without dashes: KEY=VALUE)"
+        )
+    overrides = " or ".join(shlex.quote(f"{key}={value}") for key in matches)
+    raise UserError(
+        f"unrecognized argument {option}: overrides are dotted keys without dashes; did you mean {overrides}?"
+    )
+
+
+def run_config_keys() -> list[str]:
+    """Every dotted key of the run config that holds a value."""
+    from ferry.train.config import RunConfig
+
+    return _value_keys(RunConfig)
+
+
+def _value_keys(section: type[BaseModel]) -> list[str]:
+    """Sections are followed (an optional one too); lists and mappings are values, their keys are the user's."""
+    keys = []
+    for name, field in section.model_fields.items():
+        inner = _section_of(field.annotation)
+        keys += [f"{name}.{key}" for key in _value_keys(inner)] if inner else [name]
+    return keys
+
+
+def _section_of(annotation: object) -> type[BaseModel] | None:
+    """The section a field holds, directly or as `Section | None`; None for a value."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    for candidate in typing.get_args(annotation) if union else (annotation,):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None

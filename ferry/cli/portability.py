@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ferry.cli.options import refuse_unknown_options
 from ferry.config import UserError
 
 _FORMS = """usage:
@@ -111,6 +112,7 @@ def _rehearse(args: argparse.Namespace) -> int:
     form = argv[0] if argv[0] in ("start", "finish") else "rehearse"
     parser = _parser(form)
     options, extra = parser.parse_known_args(argv[1:] if form != "rehearse" else argv)
+    refuse_unknown_options(extra, argv)
     overrides = [*getattr(options, "overrides", []), *extra]
     unknown = [item for item in overrides if "=" not in item]
     if unknown:

@@ -158,21 +158,30 @@ class RunConfig(Section):
     )
 
     def check_world_size(self, world_size: int) -> None:
-        """Refuse a job size the batch or the expert layout cannot be split over, before any rank starts."""
+        """Refuse a job size the batch or the expert layout cannot be split over, before any rank starts. Each
+        refusal names the overrides that would fit, since picking one is what the user does next."""
         train = self.train
-        if train.global_batch % (train.micro_batch * world_size):
-            raise UserError(
-                f"train.global_batch ({train.global_batch}) must be a multiple of "
-                f"train.micro_batch x world size ({train.micro_batch} x {world_size})"
-            )
-        eval_batch = self.eval.batch_size or train.global_batch
-        if self.eval.sources and eval_batch % (train.micro_batch * world_size):
-            raise UserError(
-                f"eval.batch_size ({eval_batch}) must be a multiple of "
-                f"train.micro_batch x world size ({train.micro_batch} x {world_size})"
-            )
+        per_pass = train.micro_batch * world_size
+        batches = {"train.global_batch": train.global_batch}
+        if self.eval.sources and self.eval.batch_size is not None:
+            batches["eval.batch_size"] = self.eval.batch_size
+        for key, batch in batches.items():
+            if batch % per_pass:
+                raise UserError(
+                    f"{key} ({batch}) must be a multiple of train.micro_batch x world size "
+                    f"({train.micro_batch} x {world_size} = {per_pass}); "
+                    f"{_batch_fixes(key, batch, batches, train.micro_batch, world_size)}"
+                )
         if world_size % self.parallel.ep:
-            raise UserError(f"parallel.ep: {self.parallel.ep} does not divide the world size {world_size}")
+            num_experts = self.model.moe.num_experts
+            fitting = [
+                f"parallel.ep={ep}" for ep in range(1, world_size + 1) if world_size % ep == 0 and num_experts % ep == 0
+            ]
+            choices = " or ".join([", ".join(fitting[:-1]), fitting[-1]] if len(fitting) > 1 else fitting)
+            raise UserError(
+                f"parallel.ep: {self.parallel.ep} does not divide the world size {world_size}; set {choices} (the "
+                f"divisors of {world_size} that also divide model.moe.num_experts, {num_experts})"
+            )
 
     @field_validator("fault")
     @classmethod
@@ -208,6 +217,23 @@ class RunConfig(Section):
                 f"eval.batch_size {evaluation.batch_size} is not a multiple of train.micro_batch ({train.micro_batch})"
             )
         return evaluation
+
+
+def _batch_fixes(key: str, batch: int, batches: dict[str, int], micro_batch: int, world_size: int) -> str:
+    """The overrides that fit `batch` over `world_size` ranks. A smaller micro-batch comes first when one splits
+    every batch the run has: it keeps each step's sequences, so the run's data order; the next multiple of
+    `key` always fits, at the cost of more sequences a step."""
+    larger = -(-batch // (micro_batch * world_size)) * micro_batch * world_size
+    smaller_micro = [
+        micro for micro in range(micro_batch - 1, 0, -1)
+        if all(each % (micro * world_size) == 0 for each in batches.values())
+    ]
+    if smaller_micro:
+        return (
+            f"set train.micro_batch={smaller_micro[0]} (the same {batch} sequences in smaller passes) "
+            f"or {key}={larger}"
+        )
+    return f"set {key}={larger} (no train.micro_batch splits {batch} over {world_size} ranks)"
 
 
 def load_run_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

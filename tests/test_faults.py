@@ -470,6 +470,88 @@ def test_draws_are_a_function_of_the_seed_and_checkpoint_faults_fall_on_checkpoi
                     assert fault["step"] % 3 == 0 and 6 <= fault["step"] < 12
 
 
+def test_a_drawn_corrupt_checkpoint_is_followed_by_a_failure_before_the_next_save():
+    """A corrupt checkpoint is read only by a restart while it is the newest: the issue's draw (seed 0, 60 steps,
+    a save every 6) corrupted step 30 and failed next at step 40, after step 36 had saved, so nothing read it."""
+    from ferry.portability.drill import draw_faults, injections
+
+    schedule = draw_faults(0, 3, 60, 2, 6)
+    assert schedule[1] == {"step": 30, "rank": 1, "kind": "corrupt_checkpoint",
+                           "followed_by": {"step": 31, "rank": 1, "kind": "raise"}}
+    assert injections(schedule) == [
+        {"step": 28, "rank": 0, "kind": "nan"},
+        {"step": 30, "rank": 1, "kind": "corrupt_checkpoint"},
+        {"step": 40, "rank": 1, "kind": "raise"},
+        {"step": 31, "rank": 1, "kind": "raise"},
+    ], "the drawn faults keep their indices in fault.inject; the follow-ups come after them"
+    for seed in range(100):
+        schedule = draw_faults(seed, 4, 12, 2, 3)
+        for fault in schedule:
+            if fault["kind"] != "corrupt_checkpoint":
+                assert "followed_by" not in fault
+                continue
+            failing = [other for other in schedule if other["kind"] != "corrupt_checkpoint"
+                       and fault["step"] < other["step"] <= min(fault["step"] + 3, 12)]
+            assert bool(failing) != ("followed_by" in fault), (seed, schedule)
+
+
+def test_a_fault_is_exercised_only_as_far_as_the_jobs_records_show(config_file, tmp_path):
+    """The accounting of a drill, fed with a real supervised job: the corruption of step 4 is read by the
+    restart after step 4 (refused, back to step 2); that of step 6 is never read, because the next failure
+    comes after step 8 had saved, so it must be named as not exercised and not counted."""
+    from ferry.portability.drill import fault_outcomes, summary_lines
+
+    schedule = [
+        {"step": 4, "rank": 0, "kind": "corrupt_checkpoint"},
+        {"step": 5, "rank": 0, "kind": "raise"},
+        {"step": 6, "rank": 0, "kind": "corrupt_checkpoint"},
+        {"step": 10, "rank": 0, "kind": "kill_during_save"},
+    ]
+    run_dir = tmp_path / "run"
+    faults = "fault.inject=" + json.dumps(schedule)
+    assert main(["train", config_file, "--max-restarts", "2", f"run.dir={run_dir}", faults]) == 0
+    judged = fault_outcomes(run_dir, schedule)
+    assert [fault["exercised"] for fault in judged] == [True, True, False, True], judged
+    assert judged[0]["outcome"] == "the restart after step 4 refused step-00000004 and resumed from step 2"
+    assert judged[1]["outcome"] == "the job failed after step 4 and resumed from step 2"
+    assert judged[2]["outcome"] == (
+        "no restart read step-00000006: the first after it (after step 9) resumed from the newer step 8"
+    )
+    assert judged[3]["outcome"] == (
+        "the save was cut short; the restart after step 9 removed .step-00000010.partial and resumed from step 8"
+    )
+    record = json.loads((run_dir / "run.json").read_text())
+    lines = summary_lines({"passed": True, "faults": judged, "restarts": record["restarts"], "losses_compared": 12,
+                           "tensors_compared": 60, "differing_steps": [], "differing_tensors": []})
+    assert lines[0] == "ferry: drill PASS: 3 fault(s) exercised, 2 restart(s); 1 fault(s) NOT exercised, not counted"
+    assert lines[4] == (
+        "  corrupt_checkpoint on rank 0 at step 6: NOT exercised — no restart read step-00000006: the first after it "
+        "(after step 9) resumed from the newer step 8"
+    )
+
+
+def test_a_drill_makes_a_restart_read_the_checkpoint_it_corrupts(config_file, tmp_path, capsys):
+    """Seed 56 draws one fault, a corruption of step 10 of 12: without the raise that follows it, the job would
+    finish without reading it (the issue); with it, the restart refuses it and falls back to step 8."""
+    work = tmp_path / "drill"
+    code = main(["drill", config_file, "--faults", "1", "--seed", "56", "--dir", str(work)])
+    out = capsys.readouterr().out
+    record = json.loads((work / "drill.json").read_text())
+    assert code == 0 and record["passed"], out
+    (fault,) = record["faults"]
+    assert (fault["kind"], fault["step"], fault["followed_by"]) == (
+        "corrupt_checkpoint", 10, {"step": 11, "rank": 0, "kind": "raise"})
+    assert fault["exercised"] and record["faults_exercised"] == 1
+    assert fault["outcome"] == "the restart after step 10 refused step-00000010 and resumed from step 8"
+    (restart,) = record["restarts"]
+    assert restart["skipped_checkpoints"] == [str(work / "drilled" / "checkpoints" / "step-00000010")]
+    assert "ferry: drill PASS: 1 fault(s) exercised, 1 restart(s)\n" in out
+    assert (
+        "  corrupt_checkpoint on rank 0 at step 10 (then raise at step 11, so that a restart reads it): exercised — "
+        "the restart after step 10 refused step-00000010 and resumed from step 8\n"
+    ) in out
+
+
 @pytest.mark.parametrize(
     "argv, culprit",
     [(["--faults", "12"], "has room for 11 faults"), (["--max-restarts", "-1"], "--max-restarts must be 0 or more")],
@@ -490,7 +572,11 @@ def test_a_drill_with_three_faults_on_two_ranks_ends_bitwise_equal(config_file, 
     assert len(record["restarts"]) == 2 and record["goodput"]["restarts"] == 2
     assert record["restarts"][1]["skipped_checkpoints"][0].endswith("step-00000004"), "the corrupt one is skipped"
     assert record["restarts"][1]["resumed_from_step"] == 2
-    assert "drill PASS" in capsys.readouterr().out
+    assert [fault["exercised"] for fault in record["faults"]] == [True, True, True], record["faults"]
+    assert "followed_by" not in record["faults"][1], "the poisoned gradients at step 5 make a restart read step 4"
+    out = capsys.readouterr().out
+    assert "drill PASS" in out
+    assert "drill PASS: 3 fault(s) exercised, 2 restart(s)\n" in out
 
 
 def test_a_hang_while_loading_a_checkpoint_is_caught_and_named(stdlib_dataset, tmp_path):

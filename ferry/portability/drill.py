@@ -9,6 +9,11 @@ corrupt checkpoint, a kill in the middle of a save. Non-finite gradients fail th
 multiple of the uninterrupted run's step time, so the drill takes minutes, not hours. On a CPU in
 the same layout the final losses and every tensor of the final checkpoint (weights, AdamW state,
 RNG) must be bitwise equal.
+
+Equal end states prove only that the faults which struck were survived, so each fault is judged
+from the job's own records (the fault markers and the restart event log) as exercised or not, and
+the summary counts only the exercised ones: a corrupt checkpoint that no restart read was never
+refused, and it is reported as such, not as survived.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ from pathlib import Path
 import torch
 
 from ferry.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+from ferry.checkpoint.format import staging_dir_name, step_dir_name
 from ferry.config import UserError
 from ferry.config.loader import validate
 from ferry.metrics.jsonl import read_metrics
 from ferry.portability.environment import Environment
 from ferry.portability.legs import run_leg
 from ferry.train.config import RunConfig, load_run_config
+from ferry.train.faults import fired_faults
+from ferry.train.restarts import read_events, restarts_after
 
 FAULT_KINDS = ("kill", "hang", "raise", "nan", "corrupt_checkpoint", "kill_during_save")
 _CHECKPOINT_KINDS = ("corrupt_checkpoint", "kill_during_save")
@@ -49,6 +57,10 @@ def draw_faults(seed: int, count: int, steps: int, nproc: int, interval: int) ->
     a corrupt checkpoint never on the first (the drill would then have nothing valid to fall back
     to, a lesson about `checkpoint.keep`, not about recovery). Two faults never share a step and a
     kind: a colliding draw takes the next free step.
+
+    A corrupt checkpoint is read only by a restart while it is the newest one: unless a drawn fault
+    fails the job after its save and before the next, it is `followed_by` a `raise` on its rank at
+    the next step, so that the restart finds it, refuses it and falls back to the one before.
     """
     rng = random.Random(seed)
     mean_gap = steps / (count + 1)
@@ -65,7 +77,23 @@ def draw_faults(seed: int, count: int, steps: int, nproc: int, interval: int) ->
             step = _free_step(kind, min(max(2, round(at)), steps), steps, interval, taken)
         taken.add((step, kind))
         faults.append({"step": step, "rank": rank, "kind": kind})
-    return sorted(faults, key=lambda fault: fault["step"])
+    faults.sort(key=lambda fault: fault["step"])
+    for fault in faults:
+        if fault["kind"] == "corrupt_checkpoint":
+            newest_until = min(fault["step"] + interval, steps)
+            if not any(
+                other["kind"] != "corrupt_checkpoint" and fault["step"] < other["step"] <= newest_until
+                for other in faults
+            ):
+                fault["followed_by"] = {"step": fault["step"] + 1, "rank": fault["rank"], "kind": "raise"}
+    return faults
+
+
+def injections(schedule: list[dict]) -> list[dict]:
+    """`fault.inject` for a drawn schedule: its faults in order (fault `i` of the schedule is `fault.inject.i`),
+    then the failures that follow corrupt checkpoints."""
+    drawn = [{key: fault[key] for key in ("step", "rank", "kind")} for fault in schedule]
+    return drawn + [fault["followed_by"] for fault in schedule if "followed_by" in fault]
 
 
 def _free_step(kind: str, wanted: int, steps: int, interval: int, taken: set) -> int | None:
@@ -121,22 +149,25 @@ def run_drill(
         raise UserError(f"the uninterrupted run failed, so there is nothing to drill against:\n    {straight.failure()}")
     step_s = statistics.median(record["step_s"] for record in read_metrics(straight.run_dir)[1:] or [{"step_s": 1}])
     schedule = draw_faults(seed, faults, steps, nproc, interval)
+    inject = injections(schedule)
     hang_timeout = max(5.0, 20 * step_s)
-    fault = {"inject": schedule, "on_nonfinite": "raise", "hang_timeout_s": hang_timeout, "hang_first_step_s": 10.0}
+    fault = {"inject": inject, "on_nonfinite": "raise", "hang_timeout_s": hang_timeout, "hang_first_step_s": 10.0}
     drilled_config = _config(raw, work / "drilled", saving, common, fault=fault)
-    budget = faults + 2 if max_restarts is None else max_restarts
-    say("ferry: drill: faults " + ", ".join(f"{f['kind']} on rank {f['rank']} at step {f['step']}" for f in schedule))
+    budget = len(inject) + 2 if max_restarts is None else max_restarts
+    say("ferry: drill: faults " + ", ".join(_fault_name(f) for f in schedule))
     drilled = run_leg("drilled", layout, drilled_config, work, say, steps=steps,
                       options=["--max-restarts", str(budget)])
     record = _judge(straight.run_dir, drilled.run_dir, drilled.ok)
     run = drilled.record
+    judged = fault_outcomes(drilled.run_dir, schedule)
     record.update({
         "seed": seed,
         "nproc": nproc,
         "steps": steps,
         "checkpoint_interval": interval,
         "hang_timeout_s": hang_timeout,
-        "faults": schedule,
+        "faults": judged,
+        "faults_exercised": sum(fault["exercised"] for fault in judged),
         "max_restarts": budget,
         "restarts": run.get("restarts", []),
         "goodput": run.get("goodput"),
@@ -149,6 +180,72 @@ def run_drill(
     for line in lines:
         say(line)
     return DrillResult(record["passed"], record, lines)
+
+
+def _fault_name(fault: dict) -> str:
+    then = fault.get("followed_by")
+    return f"{fault['kind']} on rank {fault['rank']} at step {fault['step']}" + (
+        f" (then {then['kind']} at step {then['step']}, so that a restart reads it)" if then else ""
+    )
+
+
+def fault_outcomes(run_dir: Path, schedule: list[dict]) -> list[dict]:
+    """Each fault of `schedule` (fault `i` is `fault.inject.i` of the run in `run_dir`) with `exercised` and
+    `outcome`: what the job's records show it led to, or why it was not exercised.
+
+    A failure (kill, hang, raise, poisoned gradients) is exercised when it fired and a restart restored the
+    job after the failure it caused; a kill during a save, when a restart after it removed the unfinished
+    save (which no reader lists, so the restart went on from an older checkpoint); a corrupt checkpoint,
+    when a restart after it tried that checkpoint, refused it (it is among the restart's skipped
+    checkpoints) and resumed from an older one.
+    """
+    fired = fired_faults(run_dir)
+    events = read_events(run_dir)
+    judged = []
+    for index, fault in enumerate(schedule):
+        at = fired.get(index)
+        exercised, outcome = (False, "it never fired") if at is None else _outcome(fault, restarts_after(events, at))
+        judged.append({**fault, "exercised": exercised, "outcome": outcome})
+    return judged
+
+
+def _outcome(fault: dict, after: list[dict]) -> tuple[bool, str]:
+    """Whether the restarts that followed a fault's firing (`after`) show it exercised, and how or why not."""
+    kind, step = fault["kind"], fault["step"]
+    restored = [row for row in after if row["resumed_from_step"] is not None]
+    if kind == "corrupt_checkpoint":
+        name = step_dir_name(step)
+        reader = _first_naming(restored, "skipped_checkpoints", name)
+        if reader is not None:
+            return True, (
+                f"the restart after step {reader['failed_at_step']} refused {name} "
+                f"and resumed from step {reader['resumed_from_step']}"
+            )
+        if not restored:
+            return False, f"no restart followed it, so nothing read {name}"
+        first = restored[0]
+        return False, (
+            f"no restart read {name}: the first after it (after step {first['failed_at_step']}) "
+            f"resumed from the newer step {first['resumed_from_step']}"
+        )
+    if kind == "kill_during_save":
+        partial = staging_dir_name(step)
+        remover = _first_naming(restored, "removed_unfinished_saves", partial)
+        if remover is None:
+            return False, f"no restart found its unfinished save {partial}"
+        return True, (
+            f"the save was cut short; the restart after step {remover['failed_at_step']} removed {partial} "
+            f"and resumed from step {remover['resumed_from_step']}"
+        )
+    if not restored:
+        return False, "no restart restored the job after it"
+    failed, resumed = after[0]["failed_at_step"], restored[0]["resumed_from_step"]
+    return True, f"the job failed after step {failed} and resumed from step {resumed}"
+
+
+def _first_naming(rows: list[dict], key: str, name: str) -> dict | None:
+    """The first restart of `rows` whose list of paths under `key` holds one called `name`."""
+    return next((row for row in rows if name in {Path(path).name for path in row[key]}), None)
 
 
 def _config(raw: dict, run_dir: Path, saving: dict, run: dict, fault: dict) -> RunConfig:
@@ -191,8 +288,14 @@ def _judge(reference: Path, drilled: Path, finished: bool) -> dict:
 
 
 def summary_lines(record: dict) -> list[str]:
+    """The verdict counts only the faults exercised; any other is named as not exercised, with why."""
     verdict = "PASS" if record["passed"] else "FAIL"
-    lines = [f"ferry: drill {verdict}: {len(record['faults'])} fault(s), {len(record['restarts'])} restart(s)"]
+    exercised = sum(fault["exercised"] for fault in record["faults"])
+    missed = len(record["faults"]) - exercised
+    lines = [
+        f"ferry: drill {verdict}: {exercised} fault(s) exercised, {len(record['restarts'])} restart(s)"
+        + (f"; {missed} fault(s) NOT exercised, not counted" if missed else "")
+    ]
     if "failure" in record:
         lines.append(f"  {record['failure']}")
     else:
@@ -201,6 +304,10 @@ def summary_lines(record: dict) -> list[str]:
             f"and {record['tensors_compared']} checkpoint tensors compared"
             + (f"; steps differing {record['differing_steps'][:5]}" if record["differing_steps"] else "")
             + (f"; tensors differing {record['differing_tensors'][:3]}" if record["differing_tensors"] else "")
+        )
+    for fault in record["faults"]:
+        lines.append(
+            f"  {_fault_name(fault)}: {'exercised' if fault['exercised'] else 'NOT exercised'} — {fault['outcome']}"
         )
     for restart in record["restarts"]:
         latency = restart["restart_latency_s"]

@@ -11,11 +11,13 @@
 
 A fault fires once per run directory (a marker is written, and synced, before it fires), so a
 restarted run does not trip it again; `once: false` makes it fire at every attempt, as a
-deterministic bug would.
+deterministic bug would. The markers also say when each fault fired (`fired_faults`): a drill reads
+them to tell what each fault led to.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -123,6 +125,22 @@ class FaultInjector:
         folder.mkdir(parents=True, exist_ok=True)
         marker = folder / f"fault-{index}"
         with marker.open("w") as handle:
-            handle.write(f"{spec.kind} at step {spec.step} on rank {spec.rank}, {time.time()}\n")
+            handle.write(json.dumps({"kind": spec.kind, "step": spec.step, "rank": spec.rank, "at_unix": time.time()}))
             handle.flush()
             os.fsync(handle.fileno())
+
+
+def fired_faults(run_dir: Path) -> dict[int, float]:
+    """When each fault of the run that fires once has fired, by its index in `fault.inject` (unix seconds).
+
+    A marker that holds no time (an older ferry wrote text) gives its modification time: it was written
+    just before the fault fired, either way."""
+    folder = run_dir / MARKERS_DIR
+    fired = {}
+    for marker in folder.glob("fault-*") if folder.is_dir() else ():
+        index = int(marker.name.removeprefix("fault-"))
+        try:
+            fired[index] = float(json.loads(marker.read_text(encoding="utf-8"))["at_unix"])
+        except (ValueError, KeyError, TypeError):
+            fired[index] = marker.stat().st_mtime
+    return fired

@@ -148,6 +148,17 @@ def restarts(events: list[dict]) -> list[dict]:
     return rows
 
 
+def restarts_after(events: list[dict], at_unix: float) -> list[dict]:
+    """The rows of `restarts` whose failure was detected at or after `at_unix`, in order: what followed
+    something that happened then (a fault that fired: the first row is the failure it caused, if any)."""
+    failures = [event for event in job_events(events) if event["event"] == "failure"]
+    return [
+        row
+        for event, row in zip(failures, restarts(events))
+        if event.get("detected_unix", event["at_unix"]) >= at_unix
+    ]
+
+
 def describe_causes(event: dict) -> str:
     """One line: how the ranks of the failed attempt ended, the likely first failure first.
 

@@ -306,3 +306,25 @@ def test_a_resume_onto_data_of_another_tokenizer_is_refused(make_config, stdlib_
     resumed = make_config("train.steps=2", "resume=latest", f"data.sources.0.path={other}", run_dir=run_dir)
     with pytest.raises(UserError, match="was trained on text tokenized otherwise than this run's data"):
         Trainer(resumed).fit()
+
+
+def test_run_overwrite_keeps_an_earlier_run_that_went_further_than_the_new_one_will(make_config, tmp_path, capsys):
+    """A short run in the directory of a longer one (a config that sets run.overwrite, run again with
+    train.steps=3) keeps the longer run whole in replaced/, says where, and replaces a run no further than it."""
+    run_dir = tmp_path / "run"
+    Trainer(make_config("train.steps=4", "checkpoint.interval=2", run_dir=run_dir)).fit()
+    earlier_metrics = (run_dir / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    Trainer(make_config("train.steps=2", "run.overwrite=true", run_dir=run_dir)).fit()
+    (kept,) = (run_dir / "replaced").iterdir()
+    assert kept.name.endswith("-reached-step-00000004")
+    assert [p.name for p in list_checkpoints(kept / "checkpoints")] == ["step-00000002", "step-00000004"]
+    assert (kept / "metrics.jsonl").read_text() == earlier_metrics and (kept / "run.json").exists()
+    assert verify_checkpoint(kept / "checkpoints" / "step-00000004").step == 4  # whole: it verifies
+    out = capsys.readouterr().out
+    assert f"reached step 4, past this run's last step (2), so it is kept, not deleted, in {kept}" in out
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step-00000002"]
+    assert json.loads((run_dir / "run.json").read_text())["replaced_run"] == str(kept)
+    Trainer(make_config("train.steps=2", "run.overwrite=true", run_dir=run_dir)).fit()
+    assert [p.name for p in (run_dir / "replaced").iterdir()] == [kept.name], "a run no further is replaced"
+    assert json.loads((run_dir / "run.json").read_text())["replaced_run"] is None

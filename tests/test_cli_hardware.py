@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -56,3 +57,42 @@ def test_a_non_positive_window_exits_2(tmp_path, monkeypatch, capsys):
     assert main(["hardware", "measure", "--seconds", "0"]) == 2
     assert "--seconds must be positive" in capsys.readouterr().err
     assert not (tmp_path / "ferry" / "cpu_peak.json").exists()
+
+
+def test_a_run_that_outpaces_a_stale_cached_peak_measures_it_again_and_records_the_source(
+    tmp_path, monkeypatch, make_config, capsys
+):
+    """The cache held a peak far below this CPU's (a cold or loaded measurement): the run's own rate beats it on
+    its first step, so the run measures the peak again, says which peak was stale, and run.json records the new
+    one with its conditions."""
+    from ferry.train.trainer import train
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with monkeypatch.context() as patched:
+        patched.setattr(hardware, "_matmul_tflops", lambda dtype, seconds: 1e-6)  # 1 MFLOP/s
+        hardware.measure_cpu_peak(replace=True)
+    result = train(make_config("train.steps=2"))
+    out = capsys.readouterr().out
+    assert "ferry: warning: MFU" in out and "the fp32 peak 0.0 GFLOP/s measured" in out
+    assert str(tmp_path / "cache" / "ferry" / "cpu_peak.json") in out
+    run = json.loads((result.run_dir / "run.json").read_text())
+    peak = run["hardware"]["mfu_peak"]
+    assert peak["kind"] == "measured" and peak["dtype"] == "fp32" and peak["tflops"] > 1e-3
+    assert peak["threads"] == torch.get_num_threads() and peak["cache"].endswith("cpu_peak.json")
+    assert hardware.cpu_peak_tflops()["fp32"] == peak["tflops"], "the new measurement is cached"
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["mfu"] < 1
+
+
+def test_the_peak_is_the_best_of_several_timed_products_not_a_cold_first_one(monkeypatch):
+    """A product timed once can land in a cold start; the measurement repeats it and keeps the best."""
+    calls = {"count": 0}
+
+    def product(a, b):
+        calls["count"] += 1
+        time.sleep(0.02 if calls["count"] <= 2 else 0.001)  # the warm-up and the first timed product are slow
+
+    monkeypatch.setattr(hardware, "_SIZES", (64,))
+    tflops = hardware._product_tflops(product, torch.float32, seconds=0.0)
+    assert calls["count"] >= 1 + hardware._MIN_REPEATS
+    assert tflops > 2 * 64**3 / 0.005 / 1e12

@@ -11,6 +11,7 @@ from ferry.config.loader import validate
 from ferry.metrics import MetricsConfig, ProfileConfig, StepMetrics, StepTimer, StepTimes, TorchTrace
 from ferry.metrics import timer as timer_module
 from ferry.model import ModelConfig
+from ferry.platform.hardware import MfuPeak
 
 ISSUE_KEYS = {
     "step_s",
@@ -191,3 +192,33 @@ def test_metrics_config_defaults_and_strictness():
         validate(MetricsConfig, {"sinks": {"prometheus": {"prot": 1}}})
     with pytest.raises(ConfigError, match="sinks.prometheus.port"):
         validate(MetricsConfig, {"sinks": {"prometheus": {"port": 70000}}})
+
+
+def _times(step_s: float = 1.0) -> StepTimes:
+    return StepTimes(step_s=step_s, forward_s=0.3, backward_s=0.6, optimizer_s=0.1, comm_s=0.0, ep_wait_s=0.0,
+                     blocked_s=0.0)
+
+
+def test_an_mfu_above_100_percent_measures_a_measured_peak_again_and_says_which_peak_was_stale():
+    stale = {"dtype": "fp32", "tflops": 0.05, "kind": "measured", "measured_at": "2026-01-01T00:00:00",
+             "load_average": 0.08, "threads": 2, "cache": "/cache/ferry/cpu_peak.json"}
+    peak = MfuPeak(stale, remeasure=lambda: {**stale, "tflops": 0.2, "measured_at": "2026-01-02T00:00:00"})
+    metrics = StepMetrics(torch.device("cpu"), world_size=1, flops_per_token=1e6, peak_flops=peak)
+    mfu = metrics.record(_times(), tokens=80_000)["mfu"]  # 8e10 FLOP/s: 1.6 x the stale 5e10, 0.4 x the new 2e11
+    assert mfu == pytest.approx(0.4)
+    (note,) = metrics.take_notes()
+    assert "MFU 160.0% was computed against the fp32 peak 50.0 GFLOP/s measured 2026-01-01T00:00:00" in note
+    assert "/cache/ferry/cpu_peak.json" in note and "MFU 40.0% from here on" in note
+    assert metrics.peak_flops == 2e11 and metrics.take_notes() == []
+
+
+def test_an_mfu_above_100_percent_against_a_fixed_peak_is_printed_only_with_a_warning_naming_it():
+    metrics = StepMetrics(torch.device("cpu"), world_size=2, flops_per_token=1e6, peak_flops=1e10)
+    assert metrics.record(_times(), tokens=40_000)["mfu"] == pytest.approx(2.0)
+    (note,) = metrics.take_notes()
+    assert "MFU 200.0% is above 100%" in note and "the fp32 peak 10.0 GFLOP/s given" in note
+    metrics.record(_times(), tokens=40_000)
+    assert metrics.take_notes() == [], "warned once, not every step"
+    below = StepMetrics(torch.device("cpu"), world_size=1, flops_per_token=1e6, peak_flops=1e12)
+    below.record(_times(), tokens=40_000)
+    assert below.take_notes() == []

@@ -164,6 +164,24 @@ def test_dpo_reuses_its_reference_cache_and_recomputes_it_for_new_data(tmp_path,
     assert "rewards/accuracy" not in json.loads(capsys.readouterr().out)["datasets"][held_out]
 
 
+def test_scoring_the_reference_reports_its_progress(tmp_path, task, sft, monkeypatch, capsys):
+    """Scoring every pair under the reference takes minutes on a large set: it prints how far it is."""
+    from ferry.metrics import progress as progress_module
+
+    monkeypatch.setattr(progress_module, "LINE_EVERY_S", 0.0)
+    config = _config(tmp_path, "dpo", [
+        "train.objective=dpo", "train.steps=1", f"init_from={sft}", "dpo.score_batch=16", "optim.lr=1e-3",
+        f"data.sources=[{{name: pairs, path: {task['pairs']}}}]",
+    ])
+    capsys.readouterr()
+    train(config)
+    batches = -(-len(RecordDataset(task["pairs"], "pairs", "preferences")) // 16)
+    lines = [line.split(" after ")[0] for line in capsys.readouterr().out.splitlines() if "reference log-probs" in line]
+    expected = [f"ferry: reference log-probs of data.sources.0 (pairs): {n}/{batches} batches of 16 pairs"
+                for n in range(1, batches + 1)]
+    assert lines[:batches] == expected
+
+
 def test_a_new_parent_invalidates_the_reference_cache(tmp_path, task, sft):
     from ferry.train.reference import LogprobCache
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ferry.cli.options import device_option
 from ferry.config import UserError
+from ferry.metrics.progress import WorkProgress
 
 SOURCE_HELP = "a checkpoint, a run (or `ferry import`) directory, or a transformers model directory"
 
@@ -199,6 +200,11 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _to_stderr(line: str) -> None:
+    """Progress lines go to stderr: stdout holds the figures (JSON with --json)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _dataset_kind(path: str) -> str | None:
     """`prompts` or `preferences` for a record dataset; None for a token dataset (or anything unreadable,
     which the token reader then names)."""
@@ -262,7 +268,9 @@ def _record_figures(args: argparse.Namespace, loaded, path: str, kind: str) -> d
                 f"{flag}: {reference_path} has a vocabulary of {reference.config.vocab_size} tokens, the model "
                 f"{loaded.model.config.vocab_size}: a reference scores the same token ids, so it is of the same model"
             )
-    return preference_figures(loaded.model, dataset, config, reference)
+    batches = -(-len(dataset) // config.score_batch)
+    with WorkProgress(f"eval {path}", batches, say=_to_stderr, unit=f"batches of {config.score_batch} pairs") as work:
+        return preference_figures(loaded.model, dataset, config, reference, progress=work.advance)
 
 
 def _check_record_tokenizer(loaded, dataset) -> None:
@@ -325,7 +333,9 @@ def _token_figures(args: argparse.Namespace, loaded, paths: list[str]) -> tuple[
     evaluation.check_tokenizer(
         encoding_digest(loaded.tokenizer), model.config.vocab_size, f"the model's tokenizer ({loaded.tokenizer_path})"
     )
-    losses = evaluation.run(model, next(model.parameters()).device)
+    forwards = sum(-(-len(source.windows) // micro_batch) for source in evaluation.sources)
+    with WorkProgress("eval", forwards, say=_to_stderr, unit="forwards") as progress:
+        losses = evaluation.run(model, next(model.parameters()).device, progress=progress.advance)
     figures = {
         name: {"kind": "tokens", "loss": r.loss, "perplexity": r.perplexity, "tokens": r.tokens}
         for name, r in losses.items()

@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from ferry.metrics.progress import line_every_s
+
 
 class ConsoleProgress:
-    """Shows step, loss and throughput; on a non-terminal prints one line every `every` steps."""
+    """Shows step, loss and throughput; on a non-terminal prints one line every `every` steps, and one at least
+    every `every_s` seconds: slow steps (an RL run's rollouts, a loaded machine) must not leave a log silent for
+    minutes."""
 
-    def __init__(self, total_steps: int, every: int, first_step: int = 0, console: Console | None = None):
+    def __init__(
+        self,
+        total_steps: int,
+        every: int,
+        first_step: int = 0,
+        console: Console | None = None,
+        every_s: float | None = None,
+    ):
         self.console = console or Console(highlight=False)
         self.every = every
+        self.every_s = line_every_s() if every_s is None else every_s
         self.total_steps = total_steps
+        self._last_line = time.perf_counter()
         self._progress = None
         if self.console.is_terminal:
             self._progress = Progress(
@@ -41,7 +56,10 @@ class ConsoleProgress:
         step = record["step"]
         if self._progress is not None:
             self._progress.update(self._task, completed=step, summary=summary)
-        elif step % self.every == 0 or step == self.total_steps or step == 1:
+            return
+        now = time.perf_counter()
+        if step % self.every == 0 or step == self.total_steps or step == 1 or now - self._last_line >= self.every_s:
+            self._last_line = now
             self.console.print(f"step {step:>6}/{self.total_steps}  {summary}", soft_wrap=True)
 
     def message(self, text: str) -> None:

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -56,6 +57,9 @@ class HardwareProfile(Section):
         description="keep_freed: the run's processes keep freed memory for reuse (ferry/platform/allocator.py)",
     )
     sources: list[str] = Field(min_length=1)
+    measured: dict | None = Field(
+        None, description="set by ferry, not in profile files: when and how a measured peak was measured"
+    )
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; fp32 matmuls on tensor-core parts are counted at the fp32 rate."""
@@ -103,18 +107,93 @@ def resolve_profile(name: str, device: torch.device) -> HardwareProfile:
 
 
 def measured_cpu_profile(cache_dir: Path | None = None) -> HardwareProfile:
-    """The `cpu` profile with fp32, bf16 and fp16 peaks measured on this machine (cached per host and thread count)."""
-    profile = load_profile("cpu")
-    peaks = cpu_peak_tflops(cache_dir)
-    return profile.model_copy(update={"peak_tflops": {**profile.peak_tflops, **peaks}})
+    """The `cpu` profile with fp32, bf16 and fp16 peaks measured on this machine (cached per host and thread count),
+    and the conditions of that measurement in `measured`."""
+    entry = cpu_peak_entry(cache_dir)
+    return with_measured_peak(load_profile("cpu"), entry, cache_dir)
+
+
+def with_measured_peak(profile: HardwareProfile, entry: dict, cache_dir: Path | None = None) -> HardwareProfile:
+    """`profile` with the peaks of a cache entry and where they come from."""
+    conditions = {key: value for key, value in entry.items() if key != "peak_tflops"}
+    measured = {**conditions, "cache": str(_peak_cache(cache_dir)), "key": _peak_key()}
+    return profile.model_copy(
+        update={"peak_tflops": {**profile.peak_tflops, **entry["peak_tflops"]}, "measured": measured}
+    )
 
 
 def cpu_peak_tflops(cache_dir: Path | None = None) -> dict[str, float]:
-    """The peaks cached for this host, thread count and torch; measured (briefly) and cached when there are none."""
+    """The peaks cached for this host, thread count and torch; measured and cached when there are none."""
+    return cpu_peak_entry(cache_dir)["peak_tflops"]
+
+
+def cpu_peak_entry(cache_dir: Path | None = None) -> dict:
+    """The cache entry for this host, thread count and torch; measured and cached when there is none."""
     cached = cached_cpu_peak(cache_dir)
-    if cached is not None:
-        return cached["peak_tflops"]
-    return measure_cpu_peak(cache_dir)["peak_tflops"]
+    return cached if cached is not None else measure_cpu_peak(cache_dir)
+
+
+def peak_provenance(profile: HardwareProfile, dtype: str) -> dict:
+    """Where the peak MFU is computed against comes from, for run.json and for the warning of an MFU above 100%:
+    the profile file's figure, or a measurement with its time, load and threads."""
+    provenance = {"dtype": dtype, "tflops": profile.peak_tflops.get(dtype), "profile": profile.name}
+    if profile.measured is not None:
+        return {**provenance, "kind": "measured", **profile.measured}
+    return {**provenance, "kind": "profile", "file": str(PROFILE_DIR / f"{profile.name}.yaml")}
+
+
+class MfuPeak:
+    """The peak one device's FLOP/s are divided by for MFU, where it comes from, and, for a peak measured on this
+    CPU, a way to measure it again when a run outpaces it (the measurement was taken cold or under load)."""
+
+    def __init__(self, provenance: dict, remeasure: Callable[[], dict] | None = None):
+        self.provenance = provenance
+        self._remeasure = remeasure
+
+    @classmethod
+    def fixed(cls, flops: float, dtype: str = "fp32") -> MfuPeak:
+        """A peak given as a number (tests, benchmarks): nothing to measure again."""
+        return cls({"dtype": dtype, "tflops": flops / 1e12, "kind": "given"})
+
+    @classmethod
+    def of_profile(cls, profile: HardwareProfile, dtype: str, cache_dir: Path | None = None) -> MfuPeak:
+        if profile.measured is None:
+            return cls(peak_provenance(profile, dtype))
+
+        def remeasure() -> dict:
+            entry = measure_cpu_peak(cache_dir)
+            return peak_provenance(with_measured_peak(profile, entry, cache_dir), dtype)
+
+        return cls(peak_provenance(profile, dtype), remeasure)
+
+    @property
+    def flops(self) -> float:
+        return self.provenance["tflops"] * 1e12
+
+    @property
+    def measurable(self) -> bool:
+        return self._remeasure is not None
+
+    def remeasure(self) -> None:
+        """Measure again (the cache keeps the best figure ever measured, so the peak never drops)."""
+        if self._remeasure is not None:
+            self.provenance = self._remeasure()
+
+    def describe(self) -> str:
+        return describe_peak(self.provenance)
+
+
+def describe_peak(provenance: dict) -> str:
+    """One phrase naming a peak and its source, e.g. for a warning that it looks stale."""
+    figure = f"{provenance['dtype']} peak {provenance['tflops'] * 1e3:.1f} GFLOP/s"
+    if provenance["kind"] == "given":
+        return f"the {figure} given"
+    if provenance["kind"] == "measured":
+        return (
+            f"the {figure} measured {provenance.get('measured_at')} at load average {provenance.get('load_average')} "
+            f"with {provenance.get('threads', '?')} thread(s), cached in {provenance['cache']}"
+        )
+    return f"the {figure} of hardware profile {provenance['profile']} ({provenance['file']})"
 
 
 def cached_cpu_peak(cache_dir: Path | None = None) -> dict | None:
@@ -122,8 +201,9 @@ def cached_cpu_peak(cache_dir: Path | None = None) -> dict | None:
     return _read_peak_cache(cache_dir).get(_peak_key())
 
 
-def measure_cpu_peak(cache_dir: Path | None = None, seconds: float = 0.3, replace: bool = False) -> dict:
-    """Measure fp32, bf16 and fp16 matmul peaks now, best of `seconds` each, and cache them.
+def measure_cpu_peak(cache_dir: Path | None = None, seconds: float = 1.0, replace: bool = False) -> dict:
+    """Measure fp32, bf16 and fp16 matmul peaks now with this process's threads, about `seconds` each, and cache
+    them.
 
     A peak is a best case: a measurement taken while other work runs on the same cores
     understates it and so overstates every MFU computed from it. The cache therefore
@@ -136,6 +216,7 @@ def measure_cpu_peak(cache_dir: Path | None = None, seconds: float = 0.3, replac
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "load_average": round(os.getloadavg()[0], 2),
         "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
     }
     peaks = {name: _matmul_tflops(dtype, seconds) for name, dtype in dtypes.items()}
     entries = _read_peak_cache(cache_dir)
@@ -177,8 +258,8 @@ def _peak_key() -> str:
     return f"{platform.node()}-{processor}-{torch.get_num_threads()}t-{torch.__version__}"
 
 
-def _matmul_tflops(dtype: torch.dtype, seconds: float = 0.3) -> float:
-    """Best-of-repeats throughput of a square matmul: the practical peak of this CPU for `dtype`.
+def _matmul_tflops(dtype: torch.dtype, seconds: float = 1.0) -> float:
+    """Best throughput of square matmuls of several sizes: the practical peak of this CPU for `dtype`.
 
     Both `torch.mm` and `F.linear` are timed and the faster counts: on a CPU without
     bf16 units they take different kernels (1.3 vs 16 GFLOP/s in bf16 on the
@@ -188,24 +269,32 @@ def _matmul_tflops(dtype: torch.dtype, seconds: float = 0.3) -> float:
     return max(_product_tflops(product, dtype, seconds / len(products)) for product in products)
 
 
+_SIZES = (512, 1024, 2048)
+_MIN_REPEATS = 3  # timed products per size after the warm-up: one product of a cold thread pool is no peak
+_SLOW_PRODUCT_S = 0.05  # a size whose product takes longer ends the climb: a slow kernel is measured small
+
+
 def _product_tflops(product, dtype: torch.dtype, seconds: float) -> float:
-    """The size doubles from 256 until one product takes 20 ms (or reaches 2048), so a
-    slow kernel is measured in milliseconds too; then the best of `seconds` of repeats."""
+    """The best rate over sizes 512 to 2048, each the best of at least `_MIN_REPEATS` timed products (more while
+    its share of `seconds` lasts) after a warm-up product.
+
+    A single timing of a large product can land in a cold start (page faults, threads waking, a clock
+    ramping up) and read at half the machine's rate: a peak measured so makes every MFU twice too high.
+    """
     generator = torch.Generator().manual_seed(0)
-    size = 256
-    while True:
+    best = 0.0
+    for size in _SIZES:
         a = torch.randn(size, size, generator=generator).to(dtype)
         b = torch.randn(size, size, generator=generator).to(dtype)
         product(a, b)
-        start = time.perf_counter()
-        product(a, b)
-        if time.perf_counter() - start > 0.02 or size >= 2048:
+        fastest, repeats = float("inf"), 0
+        deadline = time.perf_counter() + seconds / len(_SIZES)
+        while repeats < _MIN_REPEATS or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            product(a, b)
+            fastest = min(fastest, time.perf_counter() - start)
+            repeats += 1
+        best = max(best, 2 * size**3 / fastest / 1e12)
+        if fastest > _SLOW_PRODUCT_S:
             break
-        size *= 2
-    best = float("inf")
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        product(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e12
+    return best

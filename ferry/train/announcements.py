@@ -44,7 +44,11 @@ def announce(trainer: Trainer, run_dir: Path, found: Found | None, notes: list[s
     if found and found.checkpoint:
         say(f"ferry: resuming from {found.checkpoint.path} at step {found.checkpoint.step}")
     elif found:
-        say(f"ferry: no checkpoint to resume from in {trainer.config.checkpoint.path(run_dir)}; step 0")
+        weights = "the init_from weights above" if trainer.config.init_from is not None else "the seed's weights"
+        say(
+            f"ferry: no checkpoint to resume from in {trainer.config.checkpoint.path(run_dir)} (this run has saved "
+            f"none yet): it starts at step 0 with {weights}"
+        )
 
 
 def step_size(trainer: Trainer) -> str:
@@ -67,17 +71,24 @@ def describe(trainer: Trainer) -> dict:
         "model_size": trainer.size.as_dict(),
         "initial_weights_xxh3": trainer.initial_weights,
         "layout": trainer.layout(),
-        "hardware": {
-            "profile": trainer.profile.name,
-            "peak_tflops": trainer.profile.peak_tflops,
-            "mfu_dtype": trainer.precision.mfu_dtype,
-            "price_per_device_hour_usd": trainer.profile.price_per_device_hour_usd,
-            "host_allocator": trainer.host_allocator,
-        },
+        "hardware": describe_hardware(trainer),
         "precision": trainer.precision.as_dict(),
         "kernels": trainer.kernels.as_dict(),
         "compile": trainer.compiled,
         "environment": {**trainer.environment, "comm_backend": trainer.context.backend},
+    }
+
+
+def describe_hardware(trainer: Trainer) -> dict:
+    """The hardware section of run.json: the profile, and the peak MFU is computed against with its source (a
+    measured CPU peak may be measured again during the run, so the run's end writes this section again)."""
+    return {
+        "profile": trainer.profile.name,
+        "peak_tflops": trainer.profile.peak_tflops,
+        "mfu_dtype": trainer.precision.mfu_dtype,
+        "mfu_peak": trainer.metrics.peak.provenance,
+        "price_per_device_hour_usd": trainer.profile.price_per_device_hour_usd,
+        "host_allocator": trainer.host_allocator,
     }
 
 

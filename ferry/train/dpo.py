@@ -18,6 +18,7 @@ import torch
 from ferry.data.records import RecordDataset
 from ferry.data.targets import completion_batch
 from ferry.inference.evaluation import held_out_due
+from ferry.metrics.progress import WorkProgress
 from ferry.train.losses import router_losses, router_objective
 from ferry.train.objective_config import DPOConfig
 from ferry.train.objectives import StepOutcome
@@ -169,12 +170,17 @@ class DPOObjective:
     def _score_all(self, trainer: Trainer, model: Transformer, dataset: RecordDataset) -> torch.Tensor:
         """`[records, 2]` summed log-probs of every pair's chosen and rejected answer under `model`."""
         logps_N2 = torch.zeros(len(dataset), 2, dtype=torch.float64, device=trainer.device)
-        for indices in _rank_batches(len(dataset), self.config.score_batch, trainer):
-            with trainer.autocast():
-                logps_2B, _, _ = score_pairs(model, dataset, indices, self.pad_id, trainer.device)
-            if indices.size and indices[0] >= 0:
-                logps_N2[indices] = logps_2B.double().view(2, -1).T
-            trainer.resilience.watchdog.touch()  # scoring a large set is progress, not a hang
+        batches = list(_rank_batches(len(dataset), self.config.score_batch, trainer))
+        say = print if trainer.is_main else None
+        label = f"reference log-probs of {dataset.label}"
+        with WorkProgress(label, len(batches), say=say, unit=f"batches of {self.config.score_batch} pairs") as work:
+            for indices in batches:
+                with trainer.autocast():
+                    logps_2B, _, _ = score_pairs(model, dataset, indices, self.pad_id, trainer.device)
+                if indices.size and indices[0] >= 0:
+                    logps_N2[indices] = logps_2B.double().view(2, -1).T
+                trainer.resilience.watchdog.touch()  # scoring a large set is progress, not a hang
+                work.advance()
         return trainer.plan.sum_over_ranks(logps_N2).cpu()
 
     def _cache_inputs(self, trainer: Trainer, dataset: RecordDataset) -> dict:

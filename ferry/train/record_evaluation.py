@@ -9,6 +9,7 @@ more probability than the rejected one, which any model (an SFT parent, an impor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
@@ -49,9 +50,11 @@ def preference_figures(
     config: DPOConfig,
     reference: Transformer | None = None,
     autocast: AbstractContextManager | None = None,
+    progress: Callable[[], None] = lambda: None,
 ) -> dict:
     """How `model` ranks each pair's answers by their summed log-probs; with a `reference`, DPO's implicit
-    rewards (accuracy and margin, with the run's beta and loss) as its held-out evaluation reports them."""
+    rewards (accuracy and margin, with the run's beta and loss) as its held-out evaluation reports them.
+    `progress` is called after each batch of `config.score_batch` pairs."""
     _check_fits(dataset, "pair", dataset.longest, 0, model)
     device = next(model.parameters()).device
     pad_id = dataset.tokenizer["eos_id"]
@@ -69,6 +72,7 @@ def preference_figures(
                 )
                 pair += [(chosen_reward_B > rejected_reward_B).sum(), (chosen_reward_B - rejected_reward_B).sum()]
         sums[: len(pair)] += torch.stack([value.double().cpu() for value in pair])
+        progress()
     ranked, chosen, rejected, rewarded, margin = (value / len(dataset) for value in sums.tolist())
     figures = {
         "kind": "preferences",

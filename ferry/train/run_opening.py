@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ferry.checkpoint import CheckpointManager, set_aside_abandoned
+from ferry.checkpoint import CheckpointManager, list_checkpoints, set_aside_abandoned
+from ferry.checkpoint.format import parse_step
 from ferry.comm import raise_on_every_rank
 from ferry.metrics import MetricsHub, build_sinks, start_prometheus
 from ferry.train.announcements import describe, resume_record
@@ -33,6 +34,7 @@ class OpenedRun:
     hub: MetricsHub
     abandoned: list[tuple[Path, Path]] = field(default_factory=list)
     lock: RunDirLock | None = None
+    replaced: Path | None = None  # where `run.overwrite` kept an earlier run that went further than this one will
 
 
 def open_run(trainer: Trainer, found: Found | None, resumed_step: int | None, resume_times: dict) -> OpenedRun:
@@ -44,10 +46,10 @@ def open_run(trainer: Trainer, found: Found | None, resumed_step: int | None, re
         prometheus = start_prometheus(config.metrics, trainer.rank, config.run.name)
         lock = None
         try:
-            record, abandoned = None, []
+            record, abandoned, replaced = None, [], None
             if trainer.is_main:
                 lock = RunDirLock.acquire(run_dir)
-                prepare_run_dir(config, resume_step=resumed_step)
+                replaced = prepare_run_dir(config, resume_step=resumed_step)
                 if found and found.checkpoint:
                     checkpoint_dir = config.checkpoint.path(run_dir)
                     abandoned = set_aside_abandoned(checkpoint_dir, resumed_step, found.checkpoint.path)
@@ -69,13 +71,16 @@ def open_run(trainer: Trainer, found: Found | None, resumed_step: int | None, re
             if lock is not None:
                 lock.release()
             raise
-        return OpenedRun(record, hub, abandoned, lock)
+        return OpenedRun(record, hub, abandoned, lock, replaced)
 
     return raise_on_every_rank(trainer.context, on_this_rank)
 
 
-def report_set_aside(opened: OpenedRun, checkpoints: CheckpointManager, resumed_step: int | None) -> None:
-    """Warn of the unfinished saves removed and the checkpoints set aside, and record both in `run.json`."""
+def report_set_aside(
+    opened: OpenedRun, checkpoints: CheckpointManager, resumed_step: int | None, last_step: int
+) -> None:
+    """Warn of the unfinished saves removed, the checkpoints set aside and an earlier run kept, and record them in
+    `run.json`."""
     for leftover in checkpoints.removed_leftovers:
         opened.hub.message(f"ferry: warning: removed the unfinished save {leftover} (its process died mid-save)")
     if opened.abandoned:
@@ -84,8 +89,16 @@ def report_set_aside(opened: OpenedRun, checkpoints: CheckpointManager, resumed_
             f"ferry: warning: this run goes on from step {resumed_step}; the checkpoints it leaves behind "
             f"({names}) are set aside in {opened.abandoned[0][1].parent}, where resume=latest does not look"
         )
+    if opened.replaced is not None:
+        reached = max(parse_step(path) for path in list_checkpoints(opened.replaced / "checkpoints"))
+        opened.hub.message(
+            f"ferry: warning: run.overwrite: the earlier run in {opened.replaced.parent.parent} reached step {reached}, "
+            f"past this run's last step ({last_step}), so it is kept, not deleted, in {opened.replaced}; delete it "
+            "when you no longer need it"
+        )
     if opened.record is not None:
         opened.record.update(
+            replaced_run=str(opened.replaced) if opened.replaced is not None else None,
             removed_unfinished_saves=[str(path) for path in checkpoints.removed_leftovers],
             abandoned_checkpoints={str(old): str(new) for old, new in opened.abandoned},
         )

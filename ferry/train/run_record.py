@@ -11,6 +11,8 @@ from pathlib import Path
 import yaml
 
 from ferry.checkpoint import clear_checkpoints, list_checkpoints
+from ferry.checkpoint.format import parse_step, step_dir_name
+from ferry.checkpoint.manager import ABANDONED_DIR
 from ferry.config import UserError, dump_yaml
 from ferry.train.config import RunConfig
 
@@ -19,14 +21,17 @@ RUN_RECORD_NAME = "run.json"
 METRICS_NAME = "metrics.jsonl"
 EVENTS_NAME = "restarts.jsonl"
 FAULTS_DIR = ".faults"
+REPLACED_DIR = "replaced"
 _RUN_FILES = (CONFIG_NAME, RUN_RECORD_NAME, METRICS_NAME, EVENTS_NAME)
 
 
-def prepare_run_dir(config: RunConfig, resume_step: int | None = None) -> Path:
-    """Create `run.dir` and write the resolved config.
+def prepare_run_dir(config: RunConfig, resume_step: int | None = None) -> Path | None:
+    """Create `run.dir` and write the resolved config; returns where an earlier run was kept, if one was.
 
     A fresh start refuses to mix with an earlier run's records and checkpoints
-    (`run.overwrite=true` deletes them). A resumed run continues its records
+    (`run.overwrite=true` deletes them, unless the earlier run's checkpoints went further than this run
+    will: that run is moved whole into `replaced/` instead, since a config that sets `run.overwrite` to rerun a
+    demo would otherwise delete a long run for a short test). A resumed run continues its records
     instead: metrics of steps after `resume_step` belong to the part of the run
     that was lost, so they are dropped and `metrics.jsonl` holds each step once.
     """
@@ -46,15 +51,36 @@ def prepare_run_dir(config: RunConfig, resume_step: int | None = None) -> Path:
                 f"checkpoint.dir {str(checkpoints)!r} holds the checkpoints of a run other than the one in run.dir "
                 f"{str(run_dir)!r}, which run.overwrite does not replace; choose another checkpoint.dir"
             )
+        kept = _keep_a_further_run(run_dir, checkpoints, config.train.steps)
         for name in _RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
         shutil.rmtree(run_dir / FAULTS_DIR, ignore_errors=True)  # fired faults and causes belong to the old run
         clear_checkpoints(checkpoints)
     else:
+        kept = None
         _drop_metrics_after(run_dir / METRICS_NAME, resume_step)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_NAME).write_text(dump_yaml(config), encoding="utf-8")
-    return run_dir
+    return kept
+
+
+def _keep_a_further_run(run_dir: Path, checkpoints: Path, steps: int) -> Path | None:
+    """Move the earlier run's records and checkpoints into `replaced/<time>-reached-step-N/` when its newest
+    checkpoint is past `steps`, the last step the new run will reach; None when there is no such run."""
+    reached = max((parse_step(path) for path in list_checkpoints(checkpoints)), default=0)
+    if reached <= steps:
+        return None
+    folder = run_dir / REPLACED_DIR / f"{time.strftime('%Y%m%dT%H%M%S')}-reached-{step_dir_name(reached)}"
+    while folder.exists():
+        folder = folder.with_name(folder.name + "-again")
+    (folder / "checkpoints").mkdir(parents=True)
+    for name in (*_RUN_FILES, FAULTS_DIR):
+        if (run_dir / name).exists():
+            shutil.move(run_dir / name, folder / name)
+    for path in [*list_checkpoints(checkpoints), checkpoints / ABANDONED_DIR]:
+        if path.exists():
+            shutil.move(path, folder / "checkpoints" / path.name)
+    return folder
 
 
 def _owned_checkpoints(run_dir: Path, checkpoints: Path) -> bool:

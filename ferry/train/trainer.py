@@ -35,15 +35,11 @@ from ferry.parallel.zero import optimizer_state_bytes
 from ferry.platform import environment_fingerprint, resolve_device
 from ferry.platform.allocator import apply_host_allocator
 from ferry.platform.process import Stopped
-from ferry.platform.hardware import (
-    HardwareProfile,
-    measured_cpu_profile,
-    resolve_profile,
-)
+from ferry.platform.hardware import HardwareProfile, MfuPeak, measured_cpu_profile, resolve_profile
 from ferry.precision import resolve_precision
 from ferry.precision.kernels import low_precision_op, with_low_precision_experts
 from ferry.train.checkpointing import save_on_all_ranks
-from ferry.train.announcements import announce, eval_line
+from ferry.train.announcements import announce, describe_hardware, eval_line
 from ferry.train.config import RunConfig
 from ferry.train.objectives import build_loader, build_objective
 from ferry.train.optimizer import decayed_parameter_names, learning_rate
@@ -135,7 +131,8 @@ class Trainer:
         self.tokens_per_step = train.global_batch * config.data.seq_len
         self.environment = environment_fingerprint(self.device)
         self.metrics = StepMetrics(
-            self.device, self.world_size, self.size.flops_per_token, self.profile.peak_flops(self.precision.mfu_dtype)
+            self.device, self.world_size, self.size.flops_per_token,
+            MfuPeak.of_profile(self.profile, self.precision.mfu_dtype),
         )
         self.plan.attach_timer(self.metrics.timer)
         self.hub: MetricsHub | None = None
@@ -196,7 +193,7 @@ class Trainer:
         )
         trace = TorchTrace(config.profile, run_dir, self.device, self.rank)
         announce(self, run_dir, found, notes)
-        report_set_aside(opened, checkpoints, resumed_step)
+        report_set_aside(opened, checkpoints, resumed_step, config.train.steps)
         resilience = self.resilience
         save_state = partial(checkpoint_state, self)
         resume_info = {
@@ -220,6 +217,8 @@ class Trainer:
                 if resilience.save_due(self.cursor.step, checkpoints):
                     resilience.save(self.cursor.step, checkpoints, save_state, last)
                 self.hub.write(last)
+                for note in self.metrics.take_notes():
+                    self.hub.message(note)
                 if any(key.startswith("eval") for key in last):
                     self.hub.message(eval_line(last))
                 trace.step_finished(last["step"])
@@ -246,7 +245,8 @@ class Trainer:
         outcome = resilience.finish()
         if record is not None:
             record.finish(
-                status, last_step=last, checkpoints=[str(path) for path in checkpoints.saved], **outcome
+                status, last_step=last, checkpoints=[str(path) for path in checkpoints.saved],
+                hardware=describe_hardware(self), **outcome
             )
         if self.is_main and outcome.get("restarts"):
             good = outcome["goodput"]

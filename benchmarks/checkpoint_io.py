@@ -37,7 +37,7 @@ import torch
 
 from ferry.checkpoint import CheckpointMeta, Layout, save_checkpoint, verify_checkpoint
 from ferry.checkpoint.digests import FAST
-from ferry.model import ModelConfig, MoEConfig
+from ferry.model import ModelConfig, MoEConfig, Transformer
 from ferry.comm import DistContext
 from ferry.parallel import ParallelConfig, build_plan
 from ferry.train.checkpointing import (
@@ -80,7 +80,7 @@ def main() -> None:
 
 def run(work: Path, repeats: int) -> dict:
     torch.manual_seed(0)
-    model = MODEL.build()
+    model = Transformer(MODEL)
     plan = build_plan(ParallelConfig(), DistContext(rank=0, world_size=1, local_rank=0, backend=None), model, CPU)
     def fresh():
         """An optimizer without state, as a resuming process has before it loads."""

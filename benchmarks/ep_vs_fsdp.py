@@ -18,7 +18,7 @@ import torch
 
 from ferry.comm import CommConfig, init_distributed
 from ferry.comm.spawn import run_on_ranks
-from ferry.model import ModelConfig
+from ferry.model import ModelConfig, Transformer
 from ferry.parallel import ParallelConfig, build_plan
 
 WORLD = 2
@@ -44,7 +44,7 @@ def run_mode(mode: str, experts: int, steps: int, warmup: int) -> dict:
     device = torch.device("cpu")
     context = init_distributed(CommConfig(backend="gloo"), device)
     torch.manual_seed(0)
-    model = model_config(experts).build()
+    model = Transformer(model_config(experts))
     plan = build_plan(ParallelConfig(mode=mode, ep=WORLD if mode == "ep" else 1), context, model, device)
     optimizer = plan.build_optimizer(set(), 0.0, zero=False, lr=1e-3)
     rows = GLOBAL_BATCH // WORLD

@@ -25,7 +25,7 @@ import torch
 from ferry.inference import GenerationConfig, generate
 from ferry.interop.architectures import hf_config, to_hf_state
 from ferry.kernels import KernelsConfig, select_kernels
-from ferry.model import ModelConfig
+from ferry.model import ModelConfig, Transformer
 
 MODEL = dict(
     vocab_size=4096, dim=256, n_layers=6, n_heads=8, n_kv_heads=2, max_seq_len=512, qk_norm=True,
@@ -64,7 +64,7 @@ def main() -> None:
     config = ModelConfig.model_validate(MODEL)
     torch.manual_seed(0)
     cpu = torch.device("cpu")
-    ours = config.build(select_kernels(KernelsConfig(), cpu, torch.float32)).eval()  # as `ferry generate` builds it
+    ours = Transformer(config, select_kernels(KernelsConfig(), cpu, torch.float32)).eval()  # as `ferry generate` builds it
     theirs = AutoModelForCausalLM.from_config(hf_config(config, "qwen3_moe", 0, "float32"))
     theirs.load_state_dict(to_hf_state(ours.state_dict(), config), strict=False)
     theirs.eval()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import yaml
 
 from ferry.metrics import StepMetrics, moe_diagnostics, router_entropy
-from ferry.model import ModelConfig, count_model
+from ferry.model import ModelConfig, Transformer, count_model
 from ferry.model.moe import MoELayer
 
 BUDGET = 0.02
@@ -57,7 +57,7 @@ def main() -> None:
         run["train"]["micro_batch"],
     )
     torch.manual_seed(0)
-    model = config.build().to(device)
+    model = Transformer(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens_BS = torch.randint(0, config.vocab_size, (global_batch, seq_len + 1), device=device)
     flops_per_token = count_model(config, seq_len).flops_per_token

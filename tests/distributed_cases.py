@@ -76,12 +76,13 @@ def zero_equals_adamw(steps: int):
 
 
 def bad_layout_raises(ep: int):
-    from ferry.model import ModelConfig
+    from ferry.model import ModelConfig, Transformer
     from ferry.parallel import ParallelConfig, build_plan
 
     context = init_distributed(CommConfig(backend="gloo"), CPU)
-    model = ModelConfig.model_validate({"vocab_size": 64, "dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2,
-                                        "moe": {"num_experts": 3, "top_k": 1, "expert_ffn_dim": 8}}).build()
+    model = Transformer(ModelConfig.model_validate({"vocab_size": 64, "dim": 16, "n_layers": 1, "n_heads": 2,
+                                                    "n_kv_heads": 2,
+                                                    "moe": {"num_experts": 3, "top_k": 1, "expert_ffn_dim": 8}}))
     build_plan(ParallelConfig(ep=ep), context, model, CPU)
 
 
@@ -93,9 +94,9 @@ def rank_one_raises():
 
 
 def _tiny_moe_model():
-    from ferry.model import ModelConfig
+    from ferry.model import ModelConfig, Transformer
 
-    return ModelConfig.model_validate(
+    return Transformer(ModelConfig.model_validate(
         {
             "vocab_size": 64,
             "dim": 32,
@@ -105,7 +106,7 @@ def _tiny_moe_model():
             "max_seq_len": 16,
             "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16, "shared_expert_ffn_dim": 8},
         }
-    ).build()
+    ))
 
 
 def model_ep_equals_single(mode: str, ep: int):

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from ferry.cli.main import main
 from ferry.interop.architectures import hf_config, refusals, to_hf_state
-from ferry.model import ModelConfig
+from ferry.model import ModelConfig, Transformer
 from ferry.train import Trainer
 
 # vocab_size fits the byte-level BPE tokenizers of these tests (257 tokens before their first merge, 280 at most)
@@ -49,7 +49,7 @@ CASES = {
 
 def _random_model(config: ModelConfig):
     torch.manual_seed(0)
-    model = config.build()
+    model = Transformer(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -139,7 +139,7 @@ print(json.dumps({{"type": model.config.model_type, "ids": ids[0].tolist(), "log
     from ferry.interop.weights import checkpoint_model_config, read_model_state
 
     checkpoint = verify_checkpoint(trained_checkpoint)
-    model = checkpoint_model_config(checkpoint).build()
+    model = Transformer(checkpoint_model_config(checkpoint))
     model.load_state_dict(read_model_state(checkpoint))
     with torch.no_grad():
         ours = model.eval()(torch.tensor([loaded["ids"]])).logits_BSV[0, -1, :8]

@@ -16,7 +16,7 @@ import ferry.kernels.vendor
 from ferry.config import ConfigError, UserError
 from ferry.config.loader import validate
 from ferry.kernels import KernelsConfig, Ledger, LedgerEntry, load_ledger, select_kernels
-from ferry.model import ModelConfig, MoEConfig, MoELayer
+from ferry.model import ModelConfig, MoEConfig, MoELayer, Transformer
 
 VENDOR_DIR = Path(ferry.kernels.vendor.__file__).parent
 MODEL_DIR = Path(ferry.kernels.__file__).parent.parent / "model"
@@ -135,11 +135,11 @@ SMALL = {"vocab_size": 50, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads":
 
 def test_portable_policy_runs_no_vendor_code():
     config = ModelConfig.model_validate(SMALL)
-    portable = config.build(select_kernels(KernelsConfig(policy="portable"), "cpu"))
+    portable = Transformer(config, select_kernels(KernelsConfig(policy="portable"), "cpu"))
     with _VendorTrace() as seen:
         _train_step(portable)
     assert seen == set()
-    auto = config.build(select_kernels(KernelsConfig(), "cpu", ledger=_ledger(TODAY, TODAY), today=TODAY))
+    auto = Transformer(config, select_kernels(KernelsConfig(), "cpu", ledger=_ledger(TODAY, TODAY), today=TODAY))
     with _VendorTrace() as seen:
         _train_step(auto)
     assert seen == {"cpu_fused_experts.py"}, "the trace sees vendor code when it runs"
@@ -165,9 +165,9 @@ def test_a_model_built_with_vendor_kernels_matches_the_portable_model():
          "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16, "shared_expert_ffn_dim": 8}}
     )
     torch.manual_seed(0)
-    portable = config.build()
+    portable = Transformer(config)
     torch.manual_seed(0)
-    vendor = config.build(select_kernels(KernelsConfig(), "cpu", ledger=_ledger(TODAY, TODAY), today=TODAY))
+    vendor = Transformer(config, select_kernels(KernelsConfig(), "cpu", ledger=_ledger(TODAY, TODAY), today=TODAY))
     assert vendor.kernels.vendor_ops == ["moe.routed_experts"]
     assert list(vendor.state_dict()) == list(portable.state_dict()), "kernels never change checkpoint names"
     tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -207,7 +207,7 @@ def test_every_selection_runs_under_autocast_and_agrees():
             return routed(*args)
 
         selection.choices["moe.routed_experts"] = dataclasses.replace(selection.choices["moe.routed_experts"], fn=spy)
-        model = ModelConfig.model_validate(SMALL).build(selection)
+        model = Transformer(ModelConfig.model_validate(SMALL), selection)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits_BSV = model(torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))).logits_BSV
         logits_BSV.float().pow(2).mean().backward()

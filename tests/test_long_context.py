@@ -10,7 +10,7 @@ import torch
 
 from ferry.config import UserError
 from ferry.data import document_ids
-from ferry.model import ModelConfig
+from ferry.model import ModelConfig, Transformer
 from ferry.model.config import RopeScalingConfig
 from ferry.model.rope import scaled_inverse_frequencies
 from ferry.train import Trainer
@@ -27,7 +27,7 @@ def test_document_ids_start_a_new_document_after_each_end_of_text():
 
 def test_a_document_packed_between_others_gives_its_logits_alone():
     torch.manual_seed(0)
-    model = ModelConfig.model_validate(MODEL).build().eval()
+    model = Transformer(ModelConfig.model_validate(MODEL)).eval()
     first, middle, last = [3, 9, 4, 7, EOS], [11, 5, 6, 20, 31, 2, EOS], [8, 8, 1]
     packed_BS = torch.tensor([first + middle + last])
     start, stop = len(first), len(first) + len(middle)

@@ -10,7 +10,7 @@ from ferry.config import ConfigError
 from ferry.config.loader import validate
 from ferry.metrics import MetricsConfig, ProfileConfig, StepMetrics, StepTimer, StepTimes, TorchTrace
 from ferry.metrics import timer as timer_module
-from ferry.model import ModelConfig
+from ferry.model import ModelConfig, Transformer
 from ferry.platform.hardware import MfuPeak
 
 ISSUE_KEYS = {
@@ -113,7 +113,7 @@ def test_a_real_step_is_timed_sanely_on_cpu():
         max_seq_len=16,
         moe={"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32},
     )
-    model = config.build()
+    model = Transformer(config)
     optimizer = torch.optim.AdamW(model.parameters())
     metrics = StepMetrics(torch.device("cpu"), world_size=1, flops_per_token=1e6, peak_flops=1e11)
     tokens_BS = torch.randint(0, 64, (4, 16))

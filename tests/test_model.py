@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from ferry.model import ModelConfig, MoEConfig, MoELayer, count_model
+from ferry.model import ModelConfig, MoEConfig, MoELayer, Transformer, count_model
 from ferry.model.attention import Attention
 from ferry.model.rope import RotaryEmbedding
 
@@ -31,7 +31,7 @@ def _config(**overrides) -> ModelConfig:
 def test_counter_matches_the_built_model():
     for overrides in [{}, {"qk_norm": True, "moe": {"shared_expert_ffn_dim": 8}}, {"qk_norm": True, "qk_norm_scope": "head"}, {"tie_embeddings": True}]:
         config = _config(**overrides)
-        model = config.build()
+        model = Transformer(config)
         size = count_model(config, seq_len=16)
         assert size.total_params == sum(p.numel() for p in model.parameters())
         expert_params = sum(layer.experts.w_gate_EFD.numel() * 3 for layer in model.moe_layers())
@@ -46,7 +46,7 @@ def test_flops_per_token_follow_six_n_plus_attention():
 
 
 def test_first_layers_are_dense_and_stats_come_from_moe_layers():
-    model = _config(dense_layers=2).build()
+    model = Transformer(_config(dense_layers=2))
     assert len(model.moe_layers()) == 1
     output = model(torch.randint(0, 97, (2, 8)))
     assert output.logits_BSV.shape == (2, 8, 97)
@@ -56,7 +56,7 @@ def test_first_layers_are_dense_and_stats_come_from_moe_layers():
 
 def test_the_model_is_causal():
     torch.manual_seed(0)
-    model = _config().build()
+    model = Transformer(_config())
     tokens = torch.randint(0, 97, (1, 12))
     changed = tokens.clone()
     changed[0, 8:] = (changed[0, 8:] + 1) % 97
@@ -175,8 +175,6 @@ def test_under_autocast_experts_compute_in_its_dtype_on_the_local_and_the_dispat
 def test_padding_is_routed_but_left_out_of_the_routers_losses_and_statistics():
     """A row padded to a batch's longest: the real positions' routing statistics are those of the row alone,
     the experts still run the padding, and nothing of the router's losses reaches the padding's inputs."""
-    from ferry.model import Transformer
-
     torch.manual_seed(0)
     model = Transformer(_config(moe={"bias_balancing": {"enabled": True, "update_rate": 0.01}}))
     real_BS = torch.randint(1, 97, (1, 11))

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ferry.kernels import KernelsConfig, select_kernels
 from ferry.kernels.dispatch import host_reads
-from ferry.model import ModelConfig
+from ferry.model import ModelConfig, Transformer
 
 # The aten ops that hand a tensor's value to the host (`.item()`, `int(t)`, `bool(t)` all dispatch
 # `_local_scalar_dense`), or whose output size depends on tensor values (so the host must read them).
@@ -83,7 +83,7 @@ def _model(kernels, **moe):
         }
     )
     torch.manual_seed(0)
-    return config.build(kernels)
+    return Transformer(config, kernels)
 
 
 def _step(model, device) -> None:

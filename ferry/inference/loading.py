@@ -73,7 +73,7 @@ def load_model(
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str, dtype: str) -> Transformer:
     target = resolve_device(device)
     kernels = select_kernels(KernelsConfig(), target, DTYPES[dtype])
-    model = config.build(kernels)
+    model = Transformer(config, kernels)
     model.load_state_dict(state)
     return model.to(target, DTYPES[dtype]).eval()
 

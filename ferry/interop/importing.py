@@ -22,7 +22,7 @@ from ferry.config import UserError
 from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.interop.architectures import from_hf_state, model_config_from_hf
 from ferry.interop.weights import MODEL
-from ferry.model import ModelConfig
+from ferry.model import ModelConfig, Transformer
 from ferry.platform.fingerprint import environment_fingerprint
 
 CHECKPOINTS = "checkpoints"
@@ -61,7 +61,7 @@ def read_hf_dir(hf_dir: Path) -> tuple[ModelConfig, str, dict[str, torch.Tensor]
     except (OSError, ValueError, SafetensorError) as exc:  # a truncated weights file is the last of these
         raise UserError(f"{hf_dir}: transformers cannot load its weights: {_first_line(exc)}") from None
     state = from_hf_state(hf_model.state_dict(), config)
-    expected = set(config.build().state_dict())
+    expected = set(Transformer(config).state_dict())
     if set(state) != expected:
         raise UserError(f"{hf_dir} does not hold the tensors its config describes: {sorted(expected ^ set(state))[:4]}")
     return config, arch, state

@@ -7,7 +7,6 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ferry.config.section import Section
-from ferry.kernels.selection import KernelSelection
 
 
 class BiasBalancingConfig(Section):
@@ -115,15 +114,3 @@ class ModelConfig(Section):
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-    def build(self, kernels: KernelSelection | None = None, initialise: bool = True):
-        """Create the model with freshly initialised weights (on the CPU; the trainer moves it).
-
-        `kernels` is the selection for the device the model will run on
-        (`ferry.kernels.select_kernels`); without one every op is portable. With `initialise` False the
-        parameters are left as allocated, for a caller that draws them where they will live
-        (`reset_parameters` after the move).
-        """
-        from ferry.model.transformer import Transformer
-
-        return Transformer(self, kernels, initialise=initialise)

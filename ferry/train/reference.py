@@ -53,7 +53,7 @@ def reference_record(checkpoint: Checkpoint) -> dict:
 def build_reference_model(trainer: Trainer, checkpoint: Checkpoint) -> Transformer:
     """The parent's weights in a second model laid out like the policy, without gradients (all loaded: nothing
     is drawn first)."""
-    model = trainer.config.model.build(trainer.kernels, initialise=False)
+    model = Transformer(trainer.config.model, trainer.kernels, initialise=False)
     model = model.to(trainer.device, dtype=trainer.precision.torch_param_dtype)
     trainer.plan.lay_out_frozen(model)
     with checkpoint:

@@ -25,6 +25,7 @@ from ferry.checkpoint import (
 from ferry.comm import gather_objects
 from ferry.config import UserError
 from ferry.data import DataCursor
+from ferry.model import Transformer
 from ferry.model.digest import weights_digest
 from ferry.train.checkpointing import (
     OPTIM,
@@ -212,7 +213,7 @@ def draw_deferred_weights(trainer: Trainer, progress: Callable[[], None]) -> str
     """
     config = trainer.config
     torch.default_generator.manual_seed(config.run.seed)
-    drawn = config.model.build(trainer.kernels, initialise=False)  # the constructors draw too, as in any build
+    drawn = Transformer(config.model, trainer.kernels, initialise=False)  # the constructors draw too, as in any build
     drawn.reset_parameters(progress)
     targets = trainer.model.state_dict()
     for name, whole in drawn.state_dict().items():

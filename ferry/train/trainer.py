@@ -109,7 +109,7 @@ class Trainer:
         on_host = config.run.init_device == "host"
         self.draw_deferred = drawn and on_host and (config.resume is not None or restarted_by_torchrun())
         drawn_now = drawn and on_host and not self.draw_deferred
-        model = config.model.build(self.kernels, initialise=drawn_now)
+        model = Transformer(config.model, self.kernels, initialise=drawn_now)
         self.initial_weights = weights_digest(model) if drawn_now and self.is_main else None
         self.model: Transformer = model.to(self.device, dtype=self.precision.torch_param_dtype)
         if drawn and not on_host:

@@ -104,6 +104,9 @@ def test_a_record_holds_the_figures_medians_spread_and_where_it_ran(records):
     assert record["hardware"]["profile"] == "cpu" and record["hardware"]["price_per_device_hour_usd"] == 0.10
     assert record["kernels"]["policy"] == "auto" and record["precision"]["compute_dtype"] == "fp32"
     assert record["environment"]["torch"] == torch.__version__
+    measured = record["conditions"]  # how busy the machine was is not asserted: it varies
+    assert measured["ranks"] == 1 and measured["torch_threads"] == record["environment"]["cpu_threads"]
+    assert measured["cpu_model"] == record["environment"]["cpu_model"] and isinstance(measured["under_load"], bool)
     assert found["portable"]["kernels"]["policy"] == "portable"
 
 
@@ -173,6 +176,38 @@ def test_a_record_without_the_initial_weights_digest_is_refused(tmp_path):
         bench_record(suite, config, [], 1, {"initial_weights_xxh3": None}, metrics, "t" * 64)
     record = bench_record(suite, config, [], 1, {"initial_weights_xxh3": "w" * 32}, metrics, "t" * 64)
     assert record["weights_digest"] == "w" * 32
+
+
+def test_a_figure_measured_under_load_says_so_in_the_summary_and_an_older_record_still_prints(tmp_path):
+    from ferry.portability.bench import FIGURES, bench_record, summary_lines
+    from ferry.portability.conditions import MachineLoad, throughput_conditions
+
+    suite = load_suite("moe-tiny")
+    config = suite.run_config(tmp_path, "cpu", [])
+    figures = dict.fromkeys(FIGURES.values(), 1.0) | {"tokens_per_s": 4000.0, "tokens_per_s_per_device": 4000.0}
+    metrics = [{"step": step, **figures} for step in range(1, suite.total_steps + 1)]
+    run = {
+        "initial_weights_xxh3": "w" * 32,
+        "hardware": {"profile": "cpu"},
+        "environment": {"cpu_model": "AMD EPYC", "logical_cores": 2, "cpu_threads": 2},
+        "layout": {"world_size": 1},
+    }
+    record = bench_record(suite, config, [], 1, run, metrics, "t" * 64)
+    older = "\n".join(summary_lines(record))  # a record of a ferry that did not measure the load
+    assert "4,000 tokens/s (min 4,000, max 4,000), 4,000 per device" in older
+    assert "  conditions: load unknown: recorded before ferry measured it" in older
+
+    busy = summary_lines({**record, "conditions": throughput_conditions(MachineLoad((3.9,), 1.2), run)})
+    assert "4,000 tokens/s (min 4,000, max 4,000) (measured under load: not a fair figure), 4,000 per device" in busy[0]
+    assert busy[1] == (
+        "  conditions: measured under load: other processes used 1.2 of 2 cores, load average up to 3.9 "
+        "(AMD EPYC, 1 rank x 2 threads): not a fair figure"
+    )
+    at_rest = summary_lines({**record, "conditions": throughput_conditions(MachineLoad((0.6,), 0.1), run)})
+    assert "not a fair figure" not in "\n".join(at_rest)
+    assert at_rest[1] == (
+        "  conditions: other processes used 0.1 of 2 cores, load average up to 0.6 (AMD EPYC, 1 rank x 2 threads)"
+    )
 
 
 def test_the_olmoe_estimate_fits_an_h200_and_counts_every_peak():

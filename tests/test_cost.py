@@ -165,6 +165,29 @@ def test_a_cpu_record_is_flagged_loudly(tmp_path, capsys):
     assert "WARNING" in capsys.readouterr().out and "measured on a CPU" in (tmp_path / "out" / "cost.md").read_text()
 
 
+AT_REST = {"others_busy_cores": 0.05, "load_1m_max": 0.8, "logical_cores": 2, "under_load": False}
+BUSY = {"others_busy_cores": 1.6, "load_1m_max": 4.7, "logical_cores": 2, "under_load": True}
+
+
+def test_a_record_measured_under_load_is_named_in_a_warning_and_one_at_rest_is_not(tmp_path, capsys):
+    busy = write(tmp_path, "busy", {**record(), "conditions": BUSY})
+    at_rest = write(tmp_path, "at-rest", {**record(), "conditions": AT_REST})
+    older = write(tmp_path, "older", record())  # from a ferry that did not measure the load
+    assert cost(tmp_path, busy, at_rest, older) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"WARNING: {busy} was measured under load: other processes used 1.6 of 2 cores, load average up to 4.7" \
+        in out
+    assert f"WARNING: {older}: whether it was measured under load is unknown (load unknown" in out
+    assert at_rest not in out
+    costed = {row["file"]: row for row in json.loads((tmp_path / "out" / "cost.json").read_text())["records"]}
+    assert (costed[busy]["measured"], costed[at_rest]["measured"], costed[older]["measured"]) == (
+        "under load",
+        "fair",
+        "unknown",
+    )
+    assert f"**WARNING: {busy} was measured under load: other processes" in (tmp_path / "out" / "cost.md").read_text()
+
+
 def test_the_scaling_view_flags_communication_that_dominates(tmp_path):
     one = write(tmp_path, "one", record(nproc=1, tokens_per_s_per_device=10_000))
     two = write(tmp_path, "two", record(nproc=2, ep=2, tokens_per_s_per_device=9_000, comm_s=0.2))
@@ -221,6 +244,7 @@ def test_records_of_another_workload_are_refused(tmp_path, capsys):
         (lambda r: r.update(tokens_per_s_per_device="366"), "tokens_per_s_per_device"),  # not converted
         (lambda r: r.update(tokens_per_s_per_device=True), "tokens_per_s_per_device"),
         (lambda r: r.update(nproc=1.0), "nproc"),
+        (lambda r: r.update(conditions={"under_load": "false"}), "conditions.under_load"),  # a truthy string
     ],
 )
 def test_a_hand_edited_record_is_refused_naming_the_field(change, culprit, tmp_path, capsys):

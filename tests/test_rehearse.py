@@ -8,6 +8,7 @@ target from scratch, both judged against the source.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -69,6 +70,11 @@ def test_a_layout_move_passes_under_same_hardware_with_its_state_carried(ep2_to_
     assert 0 < lead["verify_s"] < lead["first_step_s"] < lead["judged_s"]
     assert lead["restore_s"] > 0 and lead["bundle_check_s"] > 0
     assert record["throughput"]["source_tokens_per_s"] > 0 and record["throughput"]["target_tokens_per_s"] > 0
+    for side, ranks in (("source", 2), ("target", 1)):  # how busy the machine was is not asserted: it varies
+        measured = record["throughput"][f"{side}_conditions"]
+        assert measured["ranks"] == ranks and measured["logical_cores"] == os.cpu_count()
+        assert measured["torch_threads"] == record["fingerprints"][side]["cpu_threads"]
+        assert measured["load_samples"] >= 2 and isinstance(measured["under_load"], bool)
     source_run = json.loads((work / "source" / "run.json").read_text())
     assert source_run["layout"] == {"world_size": 2, "ep_degree": 2, "mode": "ep"}
     assert source_run["config"]["optim"]["zero"] is True

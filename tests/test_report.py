@@ -12,6 +12,7 @@ import pytest
 from ferry.cli.main import main
 from ferry.portability.environment import load_environment
 from ferry.portability.history import KERNEL_BENCH, REHEARSALS, append_record
+from ferry.portability.rehearsal_record import summary_lines
 from ferry.portability.report import write_report
 
 TODAY = datetime.date(2026, 12, 1)
@@ -41,6 +42,7 @@ def rehearsal(
         "steps": 20,
         "switch_at": 10,
         "profile": "cross-accelerator",
+        "profile_reason": "the environments differ in run.device",
         "tolerance": {"rtol": 1e-2},
         "verdict": "PASS" if passed else "FAIL",
         "passed": passed,
@@ -259,6 +261,7 @@ def test_the_tables_and_the_chart_show_the_share_of_the_bound_a_verdict_used(tmp
         {"config": "tiny"},
         {"steps": "20"},
         {"date": "yesterday"},
+        {"throughput": {"target_over_source": 0.8, "target_conditions": {"under_load": "false"}}},  # truthy
     ],
 )
 def test_a_history_line_of_the_wrong_shape_is_left_out_named_never_counted(tmp_path, damage, capsys):
@@ -278,3 +281,88 @@ def test_a_history_that_is_a_file_is_refused(history, tmp_path, capsys):
     assert main(["report", "--history", str(history / REHEARSALS), "--out", str(tmp_path / "out")]) == 2
     assert "is a file; give the directory that holds rehearsals.jsonl" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+BUSY = {
+    "load_1m_mean": 4.1,
+    "load_1m_max": 4.7,
+    "load_samples": 3,
+    "others_busy_cores": 1.6,
+    "logical_cores": 2,
+    "cpu_model": "AMD EPYC",
+    "ranks": 1,
+    "torch_threads": 2,
+    "under_load": True,
+}
+AT_REST = {**BUSY, "load_1m_mean": 0.7, "load_1m_max": 0.8, "others_busy_cores": 0.05, "under_load": False}
+
+
+def measured_under(record, source, target):
+    record["throughput"].update(source_conditions=source, target_conditions=target)
+    return record
+
+
+def test_a_ratio_measured_under_load_is_called_unfair_in_the_summary():
+    busy = "\n".join(summary_lines(measured_under(rehearsal("cpu-ep2", "cpu"), BUSY, AT_REST)))
+    assert "throughput: source 1,000 tok/s, target 800 tok/s (0.80x: not a fair ratio, the source was measured " \
+        "under load)" in busy
+    assert "    source: measured under load: other processes used 1.6 of 2 cores, load average up to 4.7 (AMD EPYC, " \
+        "1 rank x 2 threads): not a fair figure" in busy
+    assert "    target: other processes used 0.1 of 2 cores, load average up to 0.8 (AMD EPYC, 1 rank x 2 threads)" \
+        in busy
+    at_rest = "\n".join(summary_lines(measured_under(rehearsal("cpu-ep2", "cpu"), AT_REST, AT_REST)))
+    assert "throughput: source 1,000 tok/s, target 800 tok/s (0.80x)\n" in at_rest and "fair" not in at_rest
+    old = "\n".join(summary_lines(rehearsal("cpu-ep2", "cpu")))  # written before ferry measured the load
+    assert "(0.80x: not a fair ratio, the source and the target were measured under unknown load)" in old
+    assert "    source: load unknown: recorded before ferry measured it" in old
+
+
+def test_the_report_marks_a_ratio_measured_under_load_and_reads_older_lines_as_unknown(tmp_path):
+    folder = tmp_path / "history"
+    append_record(folder, REHEARSALS, measured_under(rehearsal("cpu-ep2", "cpu"), BUSY, AT_REST))
+    append_record(folder, REHEARSALS, measured_under(rehearsal("cpu", "cpu-bf16-portable"), AT_REST, AT_REST))
+    append_record(folder, REHEARSALS, rehearsal("cpu", "cuda"))  # written before ferry measured the load
+    write_report(folder, tmp_path / "out", today=TODAY)
+    text = (tmp_path / "out" / "report.md").read_text()
+    lead = "| 0.10 s | 0.50 s | 2.50 s | 6.00 s |"
+    assert f"| cpu-ep2 -> cpu {lead} 1,000 † | 800 | 0.80 † | - | rehearsals.jsonl line 1 |" in text
+    assert f"| cpu -> cpu-bf16-portable {lead} 1,000 | 800 | 0.80 | - | rehearsals.jsonl line 2 |" in text
+    assert f"| cpu -> cuda {lead} 1,000 ? | 800 ? | 0.80 ? | - | rehearsals.jsonl line 3 |" in text
+    assert "| cpu-ep2 -> cpu | tiny | 20 (10) | **PASS** | cross-accelerator | 0.01 | 2.50 s | 6.00 s | 0.80 † |" \
+        in text
+    assert "| cpu-ep2 -> cpu | source | 1,000 | AMD EPYC | 2 | 1 x 2 | 4.1 / 4.7 | 1.60 | **under load** † |" in text
+    assert "| cpu-ep2 -> cpu | target | 800 | AMD EPYC | 2 | 1 x 2 | 0.7 / 0.8 | 0.05 | at rest |" in text
+    assert "| cpu -> cuda | source | 1,000 | - | - | - | - | - | unknown ? |" in text
+    assert "† measured under load: while it ran, other processes kept more than 25% of the machine's" in text
+    assert "? load unknown: recorded before ferry measured the conditions of a throughput" in text
+    history = {row["path"]: row for row in json.loads((tmp_path / "out" / "report.json").read_text())["history"]}
+    assert history["cpu-ep2 -> cpu"]["ratio_fairness"] == "under load"
+    assert history["cpu -> cpu-bf16-portable"]["ratio_fairness"] == "fair"
+    assert history["cpu -> cuda"]["ratio_fairness"] == "unknown"
+    assert (tmp_path / "out" / "history.png").is_file()
+
+    at_rest = tmp_path / "at-rest"
+    append_record(at_rest, REHEARSALS, measured_under(rehearsal("cpu", "cpu-bf16-portable"), AT_REST, AT_REST))
+    write_report(at_rest, tmp_path / "at-rest-out", today=TODAY)
+    text = (tmp_path / "at-rest-out" / "report.md").read_text()
+    assert "†" not in text and "load unknown" not in text and "| 1,000 | 800 | 0.80 |" in text
+
+
+def test_the_history_chart_of_one_rehearsal_spans_a_day_either_side_and_draws_an_unfair_ratio_hollow(
+    tmp_path, monkeypatch
+):
+    """matplotlib's own limits for a single date span years (2025 to 2029 for one rehearsal)."""
+    from matplotlib import dates as mdates
+
+    from ferry.portability import report_charts
+
+    drawn = []
+    monkeypatch.setattr(report_charts, "save_figure", lambda figure, path: drawn.append(figure) or path)
+    busy = measured_under(rehearsal("cpu-ep2", "cpu"), BUSY, AT_REST)
+    report_charts.history_chart([busy], tmp_path / "history.png")
+    deviation, throughput = drawn[0].axes
+    low, high = throughput.get_xlim()
+    assert high - low == pytest.approx(2.0)  # days
+    assert mdates.num2date(low) < datetime.datetime.fromisoformat(busy["date"]) < mdates.num2date(high)
+    ratios = [line for line in throughput.get_lines() if list(line.get_ydata()) == [0.8]]
+    assert len(ratios) == 1 and ratios[0].get_markerfacecolor() == "none" and ratios[0].get_linestyle() == "None"

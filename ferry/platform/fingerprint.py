@@ -6,6 +6,7 @@ Two runs are only comparable when their fingerprints say what differed
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
 import subprocess
@@ -17,7 +18,8 @@ import ferry
 
 
 def environment_fingerprint(device: torch.device) -> dict:
-    """Python, torch, device, driver and code version of this process."""
+    """Python, torch, device, driver and code version of this process, with the CPU it ran on: its model,
+    logical cores and torch's threads, against which a throughput figure is read."""
     info = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -26,6 +28,8 @@ def environment_fingerprint(device: torch.device) -> dict:
         "hostname": socket.gethostname(),
         "device_type": device.type,
         "device_name": _device_name(device),
+        "cpu_model": cpu_model(),
+        "logical_cores": os.cpu_count(),
         "cpu_threads": torch.get_num_threads(),
         "cuda_runtime": torch.version.cuda,
         "hip_runtime": getattr(torch.version, "hip", None),
@@ -54,6 +58,20 @@ def code_version() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return version
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name ("AMD EPYC 9654 96-Core Processor") from /proc/cpuinfo, where `platform.processor()`
+    says only "x86_64" on Linux; `platform.processor()` elsewhere, or None when neither names it."""
+    try:
+        with Path("/proc/cpuinfo").open(encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def _device_name(device: torch.device) -> str:

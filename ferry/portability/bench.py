@@ -25,6 +25,7 @@ from ferry.config import UserError
 from ferry.data import MixedLoader
 from ferry.data.synthetic import write_synthetic_dataset
 from ferry.metrics.jsonl import read_metrics
+from ferry.portability.conditions import UNDER_LOAD, describe_conditions, fairness
 from ferry.portability.environment import Environment
 from ferry.portability.legs import run_leg
 from ferry.portability.suites import BenchSuite, check_fits, load_suite, workload_digest
@@ -105,6 +106,7 @@ def run_bench(
         raise BenchError(f"the measurement of {suite.name} failed:\n    {leg.failure()}")
     record = bench_record(suite, config, overrides, nproc, leg.record, read_metrics(leg.run_dir), tokens_digest)
     record["wall_s"] = leg.wall_s
+    record["conditions"] = leg.conditions()
     record["run_dir"] = str(leg.run_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial")
@@ -183,12 +185,17 @@ def _spread(values: list) -> dict:
 
 
 def summary_lines(record: dict) -> list[str]:
+    """The record as the console shows it: a throughput measured under load is called not a fair figure where
+    it is printed, and the conditions it was measured under follow (ferry/portability/conditions.py)."""
     spread = record["spread"]
     tps = spread["tokens_per_s"]
+    conditions = record.get("conditions")
+    unfair = " (measured under load: not a fair figure)" if fairness(conditions) == UNDER_LOAD else ""
     lines = [
         f"ferry: {record['suite']} on {record['device']} x {record['nproc']}: {tps['median']:,.0f} tokens/s "
-        f"(min {tps['min']:,.0f}, max {tps['max']:,.0f}), {record['tokens_per_s_per_device']:,.0f} per device, "
-        f"MFU {_percent(record['mfu'])} of the {record['hardware'].get('profile')} peak",
+        f"(min {tps['min']:,.0f}, max {tps['max']:,.0f}){unfair}, {record['tokens_per_s_per_device']:,.0f} per "
+        f"device, MFU {_percent(record['mfu'])} of the {record['hardware'].get('profile')} peak",
+        f"  conditions: {describe_conditions(conditions)}",
         f"  step {record['step_s'] * 1e3:.1f} ms: forward {record['forward_s'] * 1e3:.1f}, backward "
         f"{record['backward_s'] * 1e3:.1f}, optimizer {record['optimizer_s'] * 1e3:.1f}; compute "
         f"{record['compute_s'] * 1e3:.1f}, communication {record['comm_s'] * 1e3:.1f} (EP wait "

@@ -190,6 +190,7 @@ def write_bundle(
             "wall_s": source_leg.wall_s,
             "first_step_s": source_leg.first_step_s,
             "tokens_per_s": source_leg.median_tokens_per_s(),
+            "conditions": source_leg.conditions(),
         },
         "data": record.get("data_mix", []),
         "seed_runs": seed_runs,

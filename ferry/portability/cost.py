@@ -32,6 +32,7 @@ from ferry.config.errors import first_problem
 from ferry.config.loader import validate
 from ferry.platform.hardware import load_profile, profile_names
 from ferry.portability.bench import RECORD_KIND, RECORD_VERSION
+from ferry.portability.conditions import fairness
 
 DEFAULTS_FILE = Path(__file__).with_name("cost_defaults.yaml")
 HOURS_PER_YEAR = 8760.0
@@ -115,6 +116,18 @@ class _Hardware(BaseModel):
     price_per_device_hour_usd: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 
+class _Conditions(BaseModel):
+    """What a record's throughput was measured under (ferry/portability/conditions.py); absent from records of
+    a ferry that did not measure it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    under_load: bool | None = None
+    others_busy_cores: float | None = None
+    load_1m_max: float | None = None
+    logical_cores: int | None = None
+
+
 class _Record(BaseModel):
     """The fields of a bench record the cost arithmetic reads, with their types: strict, as the arithmetic
     reads the record's own values (a "366" or a true there is an edit, not a throughput)."""
@@ -134,6 +147,7 @@ class _Record(BaseModel):
     step_s: float | None = None
     comm_s: float | None = None
     comm_compute_ratio: float | None = None
+    conditions: _Conditions | None = None
 
 
 def read_records(paths: list[str | Path]) -> list[tuple[Path, dict]]:
@@ -218,6 +232,8 @@ def cost_record(path: Path, record: dict, inputs: CostInputs) -> dict:
         "nproc": record["nproc"],
         "profile": profile_name,
         "measured_on_cpu": record["device"] == "cpu",
+        "measured": fairness(record.get("conditions")),
+        "conditions": record.get("conditions"),
         "tokens_per_s_per_device": per_device,
         "rent_usd_per_device_hour": rent,
         "usd_per_million_tokens_rent": rent / tokens_per_hour * 1e6,

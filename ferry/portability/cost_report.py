@@ -15,6 +15,7 @@ from rich.table import Table
 
 from ferry.config import UserError
 from ferry.metrics.plots import new_figure, save_figure
+from ferry.portability.conditions import FAIR, UNDER_LOAD, describe_conditions
 from ferry.portability.cost import (
     DEFAULTS_FILE,
     CostInputs,
@@ -61,7 +62,7 @@ def write_cost(
         f"WARNING: {row['file']} was measured on a CPU: its throughput and cost say nothing about any accelerator"
         for row in costed
         if row["measured_on_cpu"]
-    ]
+    ] + [_conditions_warning(row) for row in costed if row["measured"] != FAIR]
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {str(out)!r} is a file; name a directory for cost.json, cost.md and the charts")
@@ -93,6 +94,19 @@ def write_cost(
     result.written = [out / "cost.json", out / "cost.md", *charts]
     _print(console, data)
     return result
+
+
+def _conditions_warning(row: dict) -> str:
+    """Why a record's throughput, and every cost from it, may not be the machine's."""
+    if row["measured"] == UNDER_LOAD:
+        return (
+            f"WARNING: {row['file']} was {describe_conditions(row['conditions'])}, nor is any cost from it; measure "
+            "it again on a machine at rest"
+        )
+    return (
+        f"WARNING: {row['file']}: whether it was measured under load is unknown "
+        f"({describe_conditions(row['conditions'])}); its throughput and costs may not be the machine's"
+    )
 
 
 def _print(console: Console, data: dict) -> None:

@@ -59,8 +59,24 @@ class LeadTimeShape(_Shape):
     judged_s: Number | None = None
 
 
+class ConditionsShape(_Shape):
+    """What a throughput was measured under (ferry/portability/conditions.py). Absent from lines written before
+    ferry measured it: those read as conditions unknown."""
+
+    under_load: StrictBool | None = None
+    others_busy_cores: Number | None = None
+    load_1m_mean: Number | None = None
+    load_1m_max: Number | None = None
+    logical_cores: StrictInt | None = None
+    cpu_model: StrictStr | None = None
+    ranks: StrictInt | None = None
+    torch_threads: StrictInt | None = None
+
+
 class ThroughputShape(_Shape):
     target_over_source: Number | None = None
+    source_conditions: ConditionsShape | None = None
+    target_conditions: ConditionsShape | None = None
 
 
 class ToleranceShape(_Shape):

@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ferry.config import UserError, dump_yaml
 from ferry.metrics.jsonl import read_metrics
+from ferry.portability.conditions import LoadSampler, MachineLoad, throughput_conditions
 from ferry.portability.environment import Environment
 from ferry.train.config import RunConfig
 from ferry.train.run_record import METRICS_NAME, RUN_RECORD_NAME
@@ -39,6 +40,7 @@ class LegResult:
     launched_unix: float
     finished_unix: float
     record: dict
+    load: MachineLoad | None = None
 
     @property
     def ok(self) -> bool:
@@ -62,6 +64,10 @@ class LegResult:
             return None
         values = [r["tokens_per_s"] for r in records[1:] if isinstance(r.get("tokens_per_s"), (int, float))]
         return statistics.median(values) if values else None
+
+    def conditions(self) -> dict | None:
+        """What the leg's throughput was measured under (ferry/portability/conditions.py); None when unmeasured."""
+        return None if self.load is None else throughput_conditions(self.load, self.record)
 
     def kernels(self) -> dict[str, dict]:
         return self.record.get("kernels", {}).get("ops", {})
@@ -100,12 +106,13 @@ def run_leg(
     command += list(options)
     say(f"ferry: {name} on {environment.name} ({environment.nproc} rank(s)): log {log}")
     launched = time.time()
-    with log.open("w", encoding="utf-8") as output:
+    with log.open("w", encoding="utf-8") as output, LoadSampler() as sampler:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         returncode = _follow(process, name, config.run.path / METRICS_NAME, steps)
     finished = time.time()
     result = LegResult(
-        name, environment.name, config.run.path, log, returncode, launched, finished, _run_record(config.run.path)
+        name, environment.name, config.run.path, log, returncode, launched, finished, _run_record(config.run.path),
+        load=sampler.measured,
     )
     if returncode == 2:
         raise UserError(f"the {name} leg on environment {environment.label} refused its input:\n    {result.failure()}")

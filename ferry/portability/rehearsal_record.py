@@ -10,6 +10,7 @@ import datetime
 
 from ferry.kernels.ledger import load_ledger
 from ferry.portability.compare import Verdict
+from ferry.portability.conditions import FAIR, describe_conditions, ratio_fairness
 
 
 def comparison_record(verdict: Verdict | str) -> dict:
@@ -168,18 +169,29 @@ def summary_lines(record: dict) -> list[str]:
         + _seconds(lead["judged_s"])
         + " after the target half began"
     )
-    throughput = record["throughput"]
-    ratio = throughput["target_over_source"]
-    lines.append(
-        f"  throughput: source {_rate(throughput['source_tokens_per_s'])}, target "
-        f"{_rate(throughput['target_tokens_per_s'])}" + (f" ({ratio:.2f}x)" if ratio else "")
-    )
+    lines += _throughput_lines(record["throughput"])
     portable = record["portable_on_target"]
     lines.append(
         "  portable on the target: "
         + ("; ".join(f"{row['op']} ({row['why']})" for row in portable) if portable else "no op lost a vendor kernel")
     )
     return lines
+
+
+def _throughput_lines(throughput: dict) -> list[str]:
+    """Both sides' throughput and their ratio, each figure with the conditions it was measured under: a ratio
+    with a side measured under load is printed as not a fair one (ferry/portability/conditions.py)."""
+    ratio = throughput["target_over_source"]
+    verdict, why = ratio_fairness(throughput)
+    shown = ""
+    if ratio:
+        shown = f" ({ratio:.2f}x)" if verdict == FAIR else f" ({ratio:.2f}x: not a fair ratio, {why})"
+    return [
+        f"  throughput: source {_rate(throughput['source_tokens_per_s'])}, target "
+        f"{_rate(throughput['target_tokens_per_s'])}{shown}",
+        f"    source: {describe_conditions(throughput.get('source_conditions'))}",
+        f"    target: {describe_conditions(throughput.get('target_conditions'))}",
+    ]
 
 
 def _seconds(value: float | None) -> str:

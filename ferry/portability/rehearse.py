@@ -320,7 +320,8 @@ def _finish(
     passed = all(isinstance(verdict, Verdict) and verdict.passed for verdict in comparisons.values())
     reference = bundle.reference_record()
     resumed_from = resumed.record.get("resumed_from") or {}
-    source_tps = bundle.content.get("source_leg", {}).get("tokens_per_s")
+    source_leg = bundle.content.get("source_leg", {})
+    source_tps = source_leg.get("tokens_per_s")
     target_tps = resumed.median_tokens_per_s()
     record = {
         "kind": "rehearsal",
@@ -360,6 +361,8 @@ def _finish(
             "source_tokens_per_s": source_tps,
             "target_tokens_per_s": target_tps,
             "target_over_source": target_tps / source_tps if source_tps and target_tps else None,
+            "source_conditions": source_leg.get("conditions"),
+            "target_conditions": resumed.conditions(),
         },
         "portable_on_target": portable_on_target(reference.get("kernels", {}).get("ops", {}), resumed.kernels()),
         "fingerprints": {"source": reference.get("environment"), "target": resumed.record.get("environment")},

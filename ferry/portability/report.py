@@ -18,6 +18,7 @@ from pathlib import Path
 from ferry.kernels.boundary import rewrite_cost
 from ferry.kernels.ledger import LEDGER_PATH, load_ledger
 from ferry.platform.fingerprint import code_version
+from ferry.portability.conditions import ratio_fairness
 from ferry.portability.environment import known_environments, load_environment
 from ferry.portability.history import KERNEL_BENCH, REHEARSALS, read_records
 from ferry.portability.history_shape import KernelBenchShape, RehearsalShape, well_formed
@@ -174,6 +175,7 @@ def lead_times(rehearsals: list[tuple[int, dict]]) -> list[dict]:
                 "startup_s": None if first is None else max(first - bundle - checkpoint, 0.0),
                 "training_s": None if first is None else max(lead["judged_s"] - first, 0.0),
                 **record["throughput"],
+                **_ratio_fairness(record["throughput"]),
                 "portable_on_target": record.get("portable_on_target", []),
                 "evidence": f"{REHEARSALS} line {line}",
             }
@@ -242,8 +244,14 @@ def _history_row(line: int, record: dict) -> dict:
         "first_step_s": record["lead_time"].get("first_step_s"),
         "judged_s": record["lead_time"].get("judged_s"),
         "target_over_source": record["throughput"].get("target_over_source"),
+        **_ratio_fairness(record["throughput"]),
         "evidence": f"{REHEARSALS} line {line}",
     }
+
+
+def _ratio_fairness(throughput: dict) -> dict:
+    verdict, reason = ratio_fairness(throughput)
+    return {"ratio_fairness": verdict, "ratio_fairness_reason": reason}
 
 
 def _current_environments() -> dict[str, tuple[str, Path]]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+from matplotlib import dates as mdates
 from matplotlib.ticker import PercentFormatter
 
 from ferry.metrics.plots import new_figure, save_figure
+from ferry.portability.conditions import FAIR, ratio_fairness
 from ferry.portability.rehearsal_record import worst_bound_share
 
 
@@ -30,13 +32,16 @@ def lead_time_chart(rows: list[dict], path: Path) -> Path:
     axes.set_yticks(range(len(rows)), labels)
     axes.invert_yaxis()
     axes.set(xlabel="seconds after the target half began", title="Switching lead time, latest rehearsal per path")
-    axes.legend(fontsize="small", loc="lower right")
+    figure.legend(loc="outside lower center", ncols=len(phases), fontsize="small")  # below the bars, never on one
     axes.grid(axis="x", alpha=0.3)
     return save_figure(figure, path)
 
 
 def history_chart(records: list[dict], path: Path) -> Path:
-    """Per path over time: the worst deviation as a fraction of its bound, and the target/source throughput."""
+    """Per path over time: the worst deviation as a fraction of its bound, and the target/source throughput.
+
+    A ratio measured under load, or under load not recorded, is drawn hollow and left off the path's line: the
+    line is the trend of fair figures only (ferry/portability/conditions.py)."""
     figure, (deviation, throughput) = new_figure(rows=2, width=9.0, row_height=3.0)
     by_path: dict[str, list[dict]] = {}
     for record in records:
@@ -48,17 +53,38 @@ def history_chart(records: list[dict], path: Path) -> Path:
         line = deviation.plot(dates, used, linewidth=1.0, label=name)[0]
         for date, value, marker in zip(dates, used, markers):
             deviation.plot([date], [value], marker=marker, color=line.get_color(), linestyle="none")
-        ratios = [run["throughput"]["target_over_source"] for run in runs]
-        throughput.plot(dates, ratios, marker="o", linewidth=1.0, color=line.get_color(), label=name)
+        ratios = [
+            (date, run["throughput"]["target_over_source"], ratio_fairness(run["throughput"])[0])
+            for date, run in zip(dates, runs)
+        ]
+        fair = [(date, ratio) for date, ratio, verdict in ratios if verdict == FAIR]
+        unfair = [(date, ratio) for date, ratio, verdict in ratios if verdict != FAIR]
+        if fair:
+            throughput.plot(*zip(*fair), marker="o", linewidth=1.0, color=line.get_color())
+        if unfair:
+            throughput.plot(*zip(*unfair), marker="o", markerfacecolor="none", linestyle="none", color=line.get_color())
     deviation.axhline(1.0, color="tab:red", linestyle=":", label="tolerance bound")
     deviation.set(ylabel="worst |diff| / bound", title="Rehearsal history (o pass, x fail)")
-    deviation.legend(fontsize="x-small")
+    deviation.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside, never on a line
     deviation.grid(alpha=0.3)
     throughput.axhline(1.0, color="black", linewidth=0.6)
+    hollow = "measured under load or unknown load:\nnot a fair ratio"
+    throughput.plot([], [], marker="o", markerfacecolor="none", linestyle="none", color="gray", label=hollow)
+    throughput.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     throughput.set(ylabel="target / source tokens/s", xlabel="date")
     throughput.grid(alpha=0.3)
-    figure.autofmt_xdate()
+    _date_axis(throughput, [datetime.datetime.fromisoformat(record["date"]) for record in records])
     return save_figure(figure, path)
+
+
+def _date_axis(axes, dates: list[datetime.datetime]) -> None:
+    """Dates as dates, over at least a day either side of the rehearsals: matplotlib's own limits for a single
+    date span years (2025 to 2029 for one rehearsal), which reads as a history that is not there."""
+    margin = max((max(dates) - min(dates)) * 0.05, datetime.timedelta(days=1))
+    axes.set_xlim(min(dates) - margin, max(dates) + margin)
+    locator = mdates.AutoDateLocator()
+    axes.xaxis.set_major_locator(locator)
+    axes.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
 
 
 def overhead_chart(benches: list[dict], path: Path) -> Path:

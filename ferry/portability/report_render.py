@@ -9,6 +9,7 @@ from pathlib import Path
 
 import markdown
 
+from ferry.portability.conditions import FAIR, UNDER_LOAD, UNDER_LOAD_CORES_SHARE, UNKNOWN, fairness
 from ferry.portability.history import KERNEL_BENCH, REHEARSALS
 
 _STYLE = """
@@ -74,13 +75,33 @@ def render_markdown(data: dict, history_dir: Path) -> str:
         ]
         for row in data["lead_time"]:
             portable = "; ".join(f"{item['op']} ({item['why']})" for item in row["portable_on_target"]) or "-"
+            source_mark = _MARKS[fairness(row.get("source_conditions"))]
+            target_mark = _MARKS[fairness(row.get("target_conditions"))]
             out.append(
                 f"| {_cell(row['path'])} | {_seconds(row.get('bundle_check_s'))} | {_seconds(row['checkpoint_s'])} | "
                 f"{_seconds(row.get('first_step_s'))} | {_seconds(row.get('judged_s'))} | "
-                f"{_number(row.get('source_tokens_per_s'), ',.0f')} | "
-                f"{_number(row.get('target_tokens_per_s'), ',.0f')} | "
-                f"{_number(row.get('target_over_source'), '.2f')} | {_cell(portable)} | {row['evidence']} |"
+                f"{_number(row.get('source_tokens_per_s'), ',.0f')}{source_mark} | "
+                f"{_number(row.get('target_tokens_per_s'), ',.0f')}{target_mark} | "
+                f"{_number(row.get('target_over_source'), '.2f')}{_MARKS[row['ratio_fairness']]} | {_cell(portable)} | "
+                f"{row['evidence']} |"
             )
+        out += _footnotes(
+            [fairness(row.get(f"{side}_conditions")) for row in data["lead_time"] for side in ("source", "target")]
+        )
+        out += [
+            "",
+            "The conditions each throughput figure was measured under, over the whole run: the cores other "
+            "processes kept busy on average (the judge: more than "
+            f"{UNDER_LOAD_CORES_SHARE:.0%} of the logical cores is under load) and the 1-minute load average "
+            "(for reading only: it lags a run of seconds by a minute).",
+            "",
+            "| path | side | tok/s | CPU | logical cores | ranks x torch threads | load average mean / max | "
+            "cores other processes used | measured | evidence |",
+            "| --- | --- | ---: | --- | ---: | --- | --- | ---: | --- | --- |",
+        ]
+        for row in data["lead_time"]:
+            for side in ("source", "target"):
+                out.append(_conditions_row(row, side))
     else:
         out.append("No rehearsal recorded yet: run `ferry rehearse CONFIG --from ENV --to ENV`.")
     debt_data = data["debt"]
@@ -148,13 +169,15 @@ def render_markdown(data: dict, history_dir: Path) -> str:
             ]
     else:
         out.append(
-            f"No `ferry kernels bench` figures in `{history_dir}` yet: run `ferry kernels bench` on each device."
+            f"No `ferry kernels bench` figures in `{history_dir}` yet, so no `overhead.png`: run `ferry kernels bench` "
+            "on each device."
         )
     out += ["", "## Rehearsal history", ""]
     if data["history"]:
         out += [
             "Every rehearsal ever recorded, oldest first; the chart shows each path's worst deviation as a "
-            "fraction of its tolerance bound (above 1 fails) and its target/source throughput over time.",
+            "fraction of its tolerance bound (above 1 fails) and its target/source throughput over time, a ratio "
+            "not measured at rest hollow and off the line.",
             "",
             f"![Rehearsal history]({data['charts']['history']})",
             "",
@@ -168,11 +191,42 @@ def render_markdown(data: dict, history_dir: Path) -> str:
                 f"{row['steps']} ({row['switch_at']}) | "
                 f"**{row['verdict']}** | {row['profile']} | {_number(row['worst_bound_share'], '.2g')} | "
                 f"{_seconds(row['first_step_s'])} | {_seconds(row['judged_s'])} | "
-                f"{_number(row['target_over_source'], '.2f')} | {row['evidence']} |"
+                f"{_number(row['target_over_source'], '.2f')}{_MARKS[row['ratio_fairness']]} | {row['evidence']} |"
             )
+        out += _footnotes([row["ratio_fairness"] for row in data["history"]])
     else:
         out.append("No rehearsal recorded yet.")
     return "\n".join(out) + "\n"
+
+
+_MARKS = {FAIR: "", UNDER_LOAD: " †", UNKNOWN: " ?"}
+_FOOTNOTES = {
+    UNDER_LOAD: "† measured under load: while it ran, other processes kept more than "
+    f"{UNDER_LOAD_CORES_SHARE:.0%} of the machine's logical cores busy, so the figure (and a ratio with it) is "
+    "not the machine's and not a fair figure; the history chart shows such a ratio hollow, off its trend line.",
+    UNKNOWN: "? load unknown: recorded before ferry measured the conditions of a throughput, or where other "
+    "processes' CPU use cannot be read; the history chart shows such a ratio hollow, off its trend line.",
+}
+
+
+def _footnotes(verdicts: list[str]) -> list[str]:
+    """The footnotes of the marks a table used, in a fixed order."""
+    used = [verdict for verdict in (UNDER_LOAD, UNKNOWN) if verdict in verdicts]
+    return [line for verdict in used for line in ("", _FOOTNOTES[verdict])]
+
+
+def _conditions_row(row: dict, side: str) -> str:
+    conditions = row.get(f"{side}_conditions") or {}
+    verdict = fairness(conditions)
+    mean, peak = conditions.get("load_1m_mean"), conditions.get("load_1m_max")
+    load = "-" if peak is None else f"{_number(mean, '.1f')} / {peak:.1f}"
+    threads = f"{conditions.get('ranks') or '?'} x {conditions.get('torch_threads') or '?'}" if conditions else "-"
+    measured = {FAIR: "at rest", UNDER_LOAD: "**under load** †", UNKNOWN: "unknown ?"}[verdict]
+    return (
+        f"| {_cell(row['path'])} | {side} | {_number(row.get(f'{side}_tokens_per_s'), ',.0f')} | "
+        f"{_cell(conditions.get('cpu_model') or '-')} | {conditions.get('logical_cores') or '-'} | {threads} | "
+        f"{load} | {_number(conditions.get('others_busy_cores'), '.2f')} | {measured} | {row['evidence']} |"
+    )
 
 
 def render_html(text: str, out: Path) -> str:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ferry.data.targets import IGNORE_INDEX
 from ferry.model.head_loss import HeadTargets, chunked_head_loss
 from ferry.platform.allocator import apply_host_allocator
-from ferry.train.cross_entropy import cross_entropy
+from ferry.train.objectives.cross_entropy import cross_entropy
 
 
 def run_variant(args: argparse.Namespace, chunk: int, allocator: str) -> dict:

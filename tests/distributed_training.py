@@ -22,4 +22,4 @@ def train_run(dataset: str, run_dir: str, *overrides: str) -> dict:
     trainer = Trainer(tiny_config(dataset, run_dir, *overrides))
     result = trainer.fit()
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {"losses": result.losses, "records": records, "rank": trainer.rank}
+    return {"losses": result.losses, "records": records, "rank": trainer.parts.job.rank}

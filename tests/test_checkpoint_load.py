@@ -23,7 +23,7 @@ from ferry.checkpoint import reader
 from ferry.checkpoint.byte_reads import hash_and_fill
 from ferry.comm import DistContext
 from ferry.comm.spawn import run_on_ranks
-from ferry.model import ModelConfig, MoEConfig
+from ferry.model import ModelConfig, MoEConfig, Transformer
 from ferry.parallel import ParallelConfig, build_plan
 from ferry.train.checkpointing import (
     optimizer_prefetch,
@@ -203,7 +203,7 @@ def test_a_resume_adopts_the_prefetched_moments_and_restores_exactly(tmp_path):
         moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=8),
     )
     torch.manual_seed(0)
-    model = model_config.build()
+    model = Transformer(model_config)
     plan = build_plan(ParallelConfig(), DistContext(rank=0, world_size=1, local_rank=0, backend=None), model, "cpu")
 
     def fresh():

@@ -9,7 +9,7 @@ import torch
 from ferry.checkpoint import verify_checkpoint
 from ferry.cli.main import main
 from ferry.train import Trainer
-from ferry.train.train_state import initialize_from
+from ferry.train.restore import initialize_from
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_init_optimizer_starts_from_the_checkpoints_adamw_state(two_checkpoints,
 
     early, late = two_checkpoints
     trainer = Trainer(make_config("train.steps=1", f"init_from={late}", "init_optimizer=true"))
-    notes = initialize_from(trainer, late)
+    _, notes = initialize_from(trainer.parts, late)
     assert "weights and optimizer state initialised" in notes[0]
     stored = verify_checkpoint(late)
     for name, param in trainer.model.named_parameters():

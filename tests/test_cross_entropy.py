@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ferry.train.cross_entropy import cross_entropy
+from ferry.train.objectives.cross_entropy import cross_entropy
 
 IGNORE = -100
 

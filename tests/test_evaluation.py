@@ -107,8 +107,8 @@ def test_the_windows_and_the_figure_do_not_depend_on_the_micro_batch(make_config
     assert (whole.sources[0].windows == split.sources[0].windows).all()
     available = whole.sources[0].dataset.num_windows(32)
     assert whole.sources[0].windows[-1] >= available * 23 // 24, "spread over the whole dataset"
-    assert whole.run(trainer.model, trainer.device)["a"].loss == pytest.approx(
-        split.run(trainer.model, trainer.device)["a"].loss, rel=1e-6
+    assert whole.run(trainer.model, trainer.parts.job.device)["a"].loss == pytest.approx(
+        split.run(trainer.model, trainer.parts.job.device)["a"].loss, rel=1e-6
     )
 
 

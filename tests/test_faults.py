@@ -9,13 +9,14 @@ import time
 
 import pytest
 import yaml
+from conftest import REPO, TINY_RUN
 
 from ferry.cli.main import main
 from ferry.train import Trainer
-from ferry.train.fault_config import FaultConfig
-from ferry.train import resilience as resilience_module
-from ferry.train.resilience import Resilience, restarted_by_torchrun
-from ferry.train.restarts import (
+from ferry.train.resilience import core as resilience_module
+from ferry.train.resilience.config import FaultConfig
+from ferry.train.resilience.core import Resilience, restarted_by_torchrun
+from ferry.train.resilience.restarts import (
     CAUSES_DIR,
     EVENTS_NAME,
     append_event,
@@ -25,10 +26,8 @@ from ferry.train.restarts import (
     settle_run_record,
     write_cause,
 )
-from ferry.train.watchdog import Watchdog
-from ferry.train.young_daly import AutoInterval, daly_interval_s, young_interval_s
-
-from conftest import REPO, TINY_RUN
+from ferry.train.resilience.watchdog import Watchdog
+from ferry.train.resilience.young_daly import AutoInterval, daly_interval_s, young_interval_s
 
 
 def test_young_and_daly_intervals_match_hand_calculations():
@@ -68,7 +67,7 @@ def test_the_watchdog_timeout_follows_the_median_step_with_a_floor_and_allowance
 
 def test_a_long_save_restarts_the_watchdogs_clock(monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("ferry.train.watchdog.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("ferry.train.resilience.watchdog.time.monotonic", lambda: clock[0])
     watchdog = Watchdog(FaultConfig(hang_timeout_s=2, hang_first_step_s=0, hang_checkpoint_s=100), 0, print)
     watchdog.start(0)
     watchdog.stop()
@@ -85,8 +84,8 @@ def test_a_long_save_restarts_the_watchdogs_clock(monkeypatch):
 
 
 def test_two_faults_at_one_step_fire_one_per_attempt(tmp_path):
-    from ferry.train.fault_config import FaultSpec
-    from ferry.train.faults import FaultInjector, InjectedFault
+    from ferry.train.resilience.config import FaultSpec
+    from ferry.train.resilience.faults import FaultInjector, InjectedFault
 
     specs = [FaultSpec(step=5, kind="raise"), FaultSpec(step=5, kind="raise")]
     for attempt in range(2):
@@ -585,17 +584,17 @@ def test_a_hang_while_loading_a_checkpoint_is_caught_and_named(stdlib_dataset, t
     import subprocess
     import sys
 
-    from ferry.train.restarts import collect_causes
-    from ferry.train.watchdog import HANG_EXIT_CODE
+    from ferry.train.resilience.restarts import collect_causes
+    from ferry.train.resilience.watchdog import HANG_EXIT_CODE
 
     script = tmp_path / "hang_in_load.py"
     script.write_text(
         "import sys, time\n"
         f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
         "import ferry.train.trainer as trainer\n"
-        "import ferry.train.train_state as train_state\n"
+        "import ferry.train.restore as restore\n"
         "from conftest import tiny_config\n"
-        "train_state.find_resume_point = lambda *args, **kwargs: time.sleep(600)\n"
+        "restore.find_resume_point = lambda *args, **kwargs: time.sleep(600)\n"
         f"config = tiny_config({str(stdlib_dataset)!r}, {str(tmp_path / 'run')!r}, 'resume=latest',\n"
         "    'fault.hang_timeout_s=1', 'fault.hang_first_step_s=0', 'fault.hang_checkpoint_s=1')\n"
         "trainer.Trainer(config).fit()\n",
@@ -645,7 +644,7 @@ def test_a_hung_rank_that_waited_in_a_collective_is_named_after_the_one_it_waite
 
     from ferry.comm import CommStats
     from ferry.comm.collectives import Collectives, waiting_in
-    from ferry.train.restarts import collect_causes, write_cause
+    from ferry.train.resilience.restarts import collect_causes, write_cause
 
     gloo = SimpleNamespace(device=torch.device("cpu"), region=lambda name: nullcontext(), stats=CommStats())
     with Collectives.timed(gloo, "all_to_all", 64):

@@ -14,7 +14,7 @@ import torch
 from ferry.cli.main import main
 from ferry.platform import file_modes
 from ferry.train import Trainer
-from ferry.train.reference import LogprobCache
+from ferry.train.objectives.reference import LogprobCache
 
 UMASKS = {0o022: 0o644, 0o027: 0o640}
 

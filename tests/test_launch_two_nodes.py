@@ -17,7 +17,7 @@ import yaml
 from ferry.cli.main import main
 from ferry.comm.spawn import free_port
 from ferry.metrics import read_metrics
-from ferry.train.restarts import CAUSES_DIR, read_events
+from ferry.train.resilience.restarts import CAUSES_DIR, read_events
 
 from conftest import TINY_RUN
 

@@ -17,10 +17,9 @@ from ferry.data import PrepareSpec, prepare_dataset
 from ferry.data.records import RecordDataset
 from ferry.data.tasks import task_documents
 from ferry.metrics.names import objective_keys
-from ferry.train.preference_losses import clipped_policy_loss, dpo_losses, group_advantages, k3_kl
+from ferry.train.objectives.preference_losses import clipped_policy_loss, dpo_losses, group_advantages, k3_kl
+from ferry.train.objectives.verifiers import exact_match, numeric_match
 from ferry.train.trainer import Trainer, train
-from ferry.train.verifiers import exact_match, numeric_match
-
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +182,7 @@ def test_scoring_the_reference_reports_its_progress(tmp_path, task, sft, monkeyp
 
 
 def test_a_new_parent_invalidates_the_reference_cache(tmp_path, task, sft):
-    from ferry.train.reference import LogprobCache
+    from ferry.train.objectives.reference import LogprobCache
 
     inputs = {"parent": "a", "data": ["x"], "model": {}, "precision": {}}
     assert LogprobCache(tmp_path, inputs).key != LogprobCache(tmp_path, {**inputs, "parent": "b"}).key
@@ -332,9 +331,9 @@ def test_bad_preference_and_rl_input_exits_2_naming_it(tmp_path, task, sft, chat
 def test_two_expert_parallel_ranks_train_as_one_process_does(tmp_path, task, sft, objective):
     """Records split over 2 EP ranks: the reference scores, the rollouts (each rank decoding its own prompts in
     step with the other) and the update give the 1-process run's figures."""
-    from ferry.comm.spawn import run_on_ranks
-
     import distributed_training as runs
+
+    from ferry.comm.spawn import run_on_ranks
 
     data = task["pairs"] if objective == "dpo" else task["prompts"]
     overrides = [

@@ -61,3 +61,12 @@ def test_ferry_eval_reports_its_progress_on_stderr_and_keeps_stdout_for_the_figu
     assert figures["kind"] == "tokens" and figures["tokens"] > 0
     progress = [line for line in captured.err.splitlines() if line.startswith("ferry: eval: ")]
     assert [line.split(" after ")[0] for line in progress] == [f"ferry: eval: {n}/4 forwards" for n in (1, 2, 3, 4)]
+
+
+def test_a_held_out_evaluation_during_training_reports_its_progress(make_config, stdlib_dataset, monkeypatch, capsys):
+    monkeypatch.setattr(progress_module, "LINE_EVERY_S", 0.0)
+    train(make_config("train.steps=2", f"eval.sources=[{{name: held_out, path: {stdlib_dataset}}}]", "eval.batches=2"))
+    lines = [line.split(" after ")[0] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("ferry: held-out evaluation at step 2:")]
+    # 2 batches of train.global_batch 8 in micro-batches of 4: 4 forwards
+    assert lines == [f"ferry: held-out evaluation at step 2: {n} forwards" for n in (1, 2, 3, 4)]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ferry.cli.main import main
 from ferry.config import UserError
-from ferry.data import MixedLoader, PrepareSpec, TokenDataset, prepare_dataset
+from ferry.data import MixedLoader, PrepareSpec, TokenDataset, document_ids, prepare_dataset
 from ferry.data.chat import (
     IM_END,
     IM_START,
@@ -27,7 +27,7 @@ from ferry.data.targets import IGNORE_INDEX
 from ferry.data.tokenizer import load_tokenizer
 from ferry.model import ModelOutput, MoEConfig
 from ferry.train import Trainer
-from ferry.train.losses import compute_loss
+from ferry.train.objectives.losses import compute_loss
 
 CONVERSATION = [
     {"role": "system", "content": "Answer briefly."},
@@ -203,10 +203,11 @@ def test_sft_trains_on_assistant_tokens_and_the_loss_is_their_mean(chat_dataset,
         f"eval.sources=[{{name: chat, path: {chat_dataset}}}]",
     )
     trainer = Trainer(config)
-    step = trainer.loader.micro_batches(trainer.cursor, 0, 1, config.train.global_batch)
+    step = trainer.parts.data.loader.micro_batches(trainer.cursor, 0, 1, config.train.global_batch)
     inputs_BS, targets_BS = step.micro[0].inputs_BS, step.micro[0].targets_BS
     with torch.no_grad():
-        logits_BSV = trainer.model(inputs_BS, document_ids_BS=trainer.documents(inputs_BS)).logits_BSV
+        documents_BS = document_ids(inputs_BS, trainer.parts.data.loader.tokenizer["eos_id"])
+        logits_BSV = trainer.model(inputs_BS, document_ids_BS=documents_BS).logits_BSV
     by_hand = F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten(), ignore_index=IGNORE_INDEX)
     accuracy = (logits_BSV.argmax(-1) == targets_BS).sum() / (targets_BS != IGNORE_INDEX).sum()
     result = trainer.fit()

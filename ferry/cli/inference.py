@@ -172,7 +172,7 @@ def _prompts_file(path: str | None) -> list[str]:
 def run_eval(args: argparse.Namespace) -> int:
     """The run's own evaluation settings unless a flag says otherwise, so that on the run's checkpoint
     the figures are the ones it recorded. Token datasets give loss and perplexity, record datasets the
-    figures of the objective that reads them (`ferry.train.record_evaluation`)."""
+    figures of the objective that reads them (`ferry.train.objectives.record_evaluation`)."""
     from ferry.inference import load_model
 
     repeated = sorted({path for path in args.data if args.data.count(path) > 1})
@@ -237,8 +237,8 @@ def _record_figures(args: argparse.Namespace, loaded, path: str, kind: str) -> d
     """Solve rates of a prompt set, or the ranking of a pair set's answers (and the DPO rewards against the
     reference), with the run's `grpo` / `dpo` settings."""
     from ferry.data.records import RecordDataset
-    from ferry.train.objective_config import DPOConfig, GRPOConfig
-    from ferry.train.record_evaluation import preference_figures, prompt_figures
+    from ferry.train.objectives.config import DPOConfig, GRPOConfig
+    from ferry.train.objectives.record_evaluation import preference_figures, prompt_figures
 
     run = loaded.run_config
     dataset = RecordDataset(path, f"--data {path}", kind)

@@ -162,7 +162,7 @@ def _launch(args: argparse.Namespace, config) -> int:
 
         return launch_local(args.nproc, argv)
     except Stopped as stopped:
-        from ferry.train.run_record import RUN_RECORD_NAME, RunRecord
+        from ferry.train.run_dir.record import RUN_RECORD_NAME, RunRecord
 
         if (config.run.path / RUN_RECORD_NAME).is_file():
             record = RunRecord.reopen(config.run.path)

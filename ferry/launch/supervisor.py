@@ -18,7 +18,13 @@ from pathlib import Path
 
 from ferry.checkpoint import list_checkpoints
 from ferry.launch.local import run_ranks
-from ferry.train.restarts import append_event, collect_causes, describe_causes, last_metrics_step, settle_run_record
+from ferry.train.resilience.restarts import (
+    append_event,
+    collect_causes,
+    describe_causes,
+    last_metrics_step,
+    settle_run_record,
+)
 
 
 def supervise(

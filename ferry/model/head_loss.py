@@ -3,7 +3,7 @@
 The logits of a step (tokens x vocabulary) are the largest activation of a small MoE: 64 MiB in fp32
 for 4,096 tokens of a 4,096-token vocabulary, 824 MiB for one OLMoE sequence of 4,096 tokens over
 50,304, and the loss keeps them and their log-softmax (which its backward turns into their gradient in
-place, `ferry/train/cross_entropy.py`). Here each chunk's logits are
+place, `ferry/train/objectives/cross_entropy.py`). Here each chunk's logits are
 made, reduced to the chunk's loss, and turned at once into the chunk's gradients for the hidden
 states and the head's weight (softmax minus one-hot, two GEMMs), which backward only scales by the
 loss's gradient. The GEMMs are those of logits-then-loss; what goes is the memory of the full logits

@@ -39,7 +39,7 @@ from ferry.pipeline.spec import (
 )
 from ferry.platform.fingerprint import code_version
 from ferry.train.config import RunConfig
-from ferry.train.run_record import RUN_RECORD_NAME
+from ferry.train.run_dir.record import RUN_RECORD_NAME
 
 CONFIGS_DIR = "configs"
 # the held-out figures a stage's lineage keeps: the LM loss, DPO's reward accuracy, GRPO's solve rates

@@ -25,8 +25,8 @@ from pydantic import Field, field_validator, model_validator
 
 from ferry.config import (
     ConfigError,
-    UserError,
     Section,
+    UserError,
     apply_override_mapping,
     apply_overrides,
     check_unique_names,

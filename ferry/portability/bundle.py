@@ -36,8 +36,8 @@ from ferry.platform.fingerprint import code_version
 from ferry.portability.environment import Environment, without_locations
 from ferry.portability.legs import LegResult
 from ferry.train.config import RunConfig
-from ferry.train.objectives import build_loader
-from ferry.train.run_record import CONFIG_NAME, METRICS_NAME, RUN_RECORD_NAME
+from ferry.train.objectives.kinds import objective_kind
+from ferry.train.run_dir.record import CONFIG_NAME, METRICS_NAME, RUN_RECORD_NAME
 
 BUNDLE_FILE = "bundle.json"
 BUNDLE_FORMAT = "ferry-rehearsal-bundle"
@@ -322,7 +322,7 @@ def check_compatible(bundle: Bundle, config: RunConfig) -> None:
             + "\n  ".join(str(difference) for difference in differences)
         )
     recorded = {source["name"]: source for source in bundle.content["data"]}
-    here = {source["name"]: source for source in build_loader(config).mix_record()}
+    here = {source["name"]: source for source in objective_kind(config).loader(config).mix_record()}
     if set(recorded) != set(here):
         raise UserError(
             f"bundle {str(bundle.path)!r}: the source trained on data sources {sorted(recorded)}, "

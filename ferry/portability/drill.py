@@ -35,8 +35,8 @@ from ferry.metrics.jsonl import read_metrics
 from ferry.portability.environment import Environment
 from ferry.portability.legs import run_leg
 from ferry.train.config import RunConfig, load_run_config
-from ferry.train.faults import fired_faults
-from ferry.train.restarts import read_events, restarts_after
+from ferry.train.resilience.faults import fired_faults
+from ferry.train.resilience.restarts import read_events, restarts_after
 
 FAULT_KINDS = ("kill", "hang", "raise", "nan", "corrupt_checkpoint", "kill_during_save")
 _CHECKPOINT_KINDS = ("corrupt_checkpoint", "kill_during_save")

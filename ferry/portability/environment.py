@@ -31,7 +31,7 @@ from ferry.config.loader import validate
 from ferry.config.named import named_files, read_named_yaml
 from ferry.portability.tolerances import SAMPLED_PROFILE, tolerance_profile
 from ferry.train.config import RunConfig
-from ferry.train.objective_config import SAMPLING_OBJECTIVES
+from ferry.train.objectives.kinds import SAMPLING_OBJECTIVES
 
 ENVIRONMENTS_DIR = Path("configs") / "environments"
 

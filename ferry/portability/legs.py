@@ -25,7 +25,7 @@ from ferry.metrics.jsonl import read_metrics
 from ferry.portability.conditions import LoadSampler, MachineLoad, throughput_conditions
 from ferry.portability.environment import Environment
 from ferry.train.config import RunConfig
-from ferry.train.run_record import METRICS_NAME, RUN_RECORD_NAME
+from ferry.train.run_dir.record import METRICS_NAME, RUN_RECORD_NAME
 
 
 @dataclass

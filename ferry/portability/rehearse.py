@@ -48,8 +48,8 @@ from ferry.portability.rehearsal_record import (
 )
 from ferry.portability.tolerances import SAMPLED_PROFILE, tolerance_profile
 from ferry.train.config import RunConfig, load_run_config
-from ferry.train.objective_config import SAMPLING_OBJECTIVES
-from ferry.train.run_record import CONFIG_NAME
+from ferry.train.objectives.kinds import SAMPLING_OBJECTIVES
+from ferry.train.run_dir.record import CONFIG_NAME
 
 Say = Callable[[str], None]
 

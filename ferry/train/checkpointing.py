@@ -17,6 +17,7 @@ groups) is JSON in the manifest's `train_state`.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,10 +33,12 @@ from ferry.checkpoint import (
     CheckpointMeta,
     Manifest,
     Prefetch,
+    SharedVerification,
     TensorPiece,
     config_differences,
 )
 from ferry.checkpoint.writer import RankRecord, begin_save, build_manifest, publish, write_manifest, write_rank_files
+from ferry.comm import DistContext, gather_objects
 from ferry.config import ConfigError
 from ferry.model import ModelConfig
 from ferry.parallel import ParallelPlan
@@ -334,3 +337,10 @@ def _record_from_json(text: str) -> RankRecord:
     record.files = {name: FileRecord(**file) for name, file in data["files"].items()}
     record.tensors = {name: (dtype, shape, PieceRecord(**piece)) for name, (dtype, shape, piece) in data["tensors"].items()}
     return record
+
+
+def shared_verification(context: DistContext) -> SharedVerification | None:
+    """In a multi-rank job the ranks split the hashing of a checkpoint's files and agree on the verdict."""
+    if not context.is_distributed:
+        return None
+    return SharedVerification(context.rank, context.world_size, partial(gather_objects, context))

@@ -22,8 +22,8 @@ from ferry.model.compilation import Compile
 from ferry.model.config import ModelConfig
 from ferry.parallel.config import ParallelConfig
 from ferry.precision.config import PrecisionConfig
-from ferry.train.fault_config import FaultConfig
-from ferry.train.objective_config import DPOConfig, GRPOConfig, Objective
+from ferry.train.objectives.config import DPOConfig, GRPOConfig, Objective
+from ferry.train.resilience.config import FaultConfig
 
 
 class RunSection(Section):

@@ -1,8 +1,9 @@
-"""What a training step sums over its micro-batches and ranks: losses, correct predictions, and the
-routers' loads, probabilities and entropies per MoE layer.
+"""What a training step sums over its micro-batches and ranks: losses, correct predictions, the routers' loads,
+probabilities and entropies per MoE layer, and the sums an objective names for itself.
 
-They live in one flat float64 vector so that a single all-reduce makes them global; a preference
-or RL step sums the same router statistics through the same vector.
+They live in one flat float64 vector so that a single all-reduce makes them global; a preference or RL step sums
+the same router statistics through the same vector, and its own sums (rewards, clipped tokens) by name in the
+slots after them.
 """
 
 from __future__ import annotations
@@ -10,21 +11,51 @@ from __future__ import annotations
 import torch
 
 from ferry.model import ModelOutput
-from ferry.train.losses import LossParts
+from ferry.train.objectives.losses import LossParts
+
+
+class NamedSums:
+    """Float64 sums addressed by name, over a slice of a vector that is reduced whole."""
+
+    def __init__(self, names: tuple[str, ...], vector: torch.Tensor):
+        if len(set(names)) != len(names):
+            raise ValueError(f"a statistic is named twice in {names}")
+        if vector.numel() != len(names):
+            raise ValueError(f"{len(names)} names for {vector.numel()} slots")
+        self.names = names
+        self.vector = vector
+        self._slot = {name: index for index, name in enumerate(names)}
+
+    @classmethod
+    def zeros(cls, names: tuple[str, ...], device: torch.device) -> NamedSums:
+        return cls(names, torch.zeros(len(names), dtype=torch.float64, device=device))
+
+    def add(self, **values: float | torch.Tensor) -> None:
+        """Add each value to its named sum; an unknown name is a programming error, named."""
+        for name, value in values.items():
+            if name not in self._slot:
+                raise KeyError(f"no statistic {name!r}; this step sums {', '.join(self.names)}")
+            self.vector[self._slot[name]] += value
+
+    def values(self) -> dict[str, float]:
+        """Every sum by name (one copy off the device)."""
+        return dict(zip(self.names, self.vector.tolist()))
 
 
 class StepStatistics:
     """Sums over the micro-batches of this rank, then (after the plan's `sum_over_ranks(totals)`) over every
-    rank. `extra` slots hold an objective's own sums (DPO rewards, GRPO rewards and clip counts)."""
+    rank. `objective` names an objective's own sums (DPO rewards, GRPO rewards and clip counts), kept in `own`."""
 
-    def __init__(self, num_layers: int, num_experts: int, device: torch.device, extra: int = 0):
+    def __init__(self, num_layers: int, num_experts: int, device: torch.device, objective: tuple[str, ...] = ()):
         per_layer = num_layers * num_experts
-        self.totals = torch.zeros(4 + 2 * per_layer + num_layers + extra, dtype=torch.float64, device=device)
+        self.totals = torch.zeros(
+            4 + 2 * per_layer + num_layers + len(objective), dtype=torch.float64, device=device
+        )
         self.sums_4 = self.totals[:4]
         self.counts_LE = self.totals[4 : 4 + per_layer].view(num_layers, num_experts)
         self.mean_prob_LE = self.totals[4 + per_layer : 4 + 2 * per_layer].view(num_layers, num_experts)
         self.entropy_L = self.totals[4 + 2 * per_layer : 4 + 2 * per_layer + num_layers]
-        self.extra = self.totals[4 + 2 * per_layer + num_layers :]
+        self.own = NamedSums(objective, self.totals[4 + 2 * per_layer + num_layers :])
 
     def add(self, parts: LossParts, output: ModelOutput, share: float) -> None:
         """One micro-batch, `share` of the global batch: loss sums as they are, means weighted by share."""

@@ -28,8 +28,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ferry.config import UserError
-from ferry.train.fault_config import FaultSpec
-from ferry.train.run_record import FAULTS_DIR
+from ferry.train.resilience.config import FaultSpec
+from ferry.train.run_dir.record import FAULTS_DIR
 
 MARKERS_DIR = Path(FAULTS_DIR) / "fired"
 

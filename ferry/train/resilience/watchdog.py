@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from ferry.comm.collectives import waiting_in
-from ferry.train.fault_config import FaultConfig
+from ferry.train.resilience.config import FaultConfig
 
 HANG_EXIT_CODE = 3
 _WARMUP_STEPS = 3  # step times before these are left out of the median (allocation, first kernels)

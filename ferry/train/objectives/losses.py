@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from ferry.data.targets import IGNORE_INDEX
-from ferry.model import MoEConfig, ModelOutput
-from ferry.train.cross_entropy import cross_entropy
+from ferry.model import ModelOutput, MoEConfig
+from ferry.train.objectives.cross_entropy import cross_entropy
 
 
 @dataclass

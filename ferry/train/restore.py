@@ -1,4 +1,4 @@
-"""The trainer's state in and out of checkpoints: what a save holds beside the tensors, resuming a run
+"""The train state in and out of checkpoints: what a save holds beside the tensors, resuming a run
 where its checkpoint left it (in this run's layout), starting from another run's weights (`init_from`),
 and the seed's weights for a resume that finds nothing to resume from. The tensors themselves go by
 logical names (`ferry.train.checkpointing`)."""
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,13 +17,10 @@ from ferry.checkpoint import (
     CheckpointMeta,
     Found,
     Layout,
-    SharedVerification,
     TensorPiece,
     find_resume_point,
 )
-from ferry.comm import gather_objects
 from ferry.config import UserError
-from ferry.data import DataCursor
 from ferry.model import Transformer
 from ferry.model.digest import weights_digest
 from ferry.train.checkpointing import (
@@ -37,21 +33,25 @@ from ferry.train.checkpointing import (
     restore_model,
     restore_optimizer,
     restore_rng,
+    shared_verification,
     train_state_pieces,
 )
 from ferry.train.optimizer import learning_rate
+from ferry.train.state import TrainState
 
 if TYPE_CHECKING:
-    from ferry.train.trainer import Trainer
+    from ferry.train.assembly import RunParts
 
 
-def checkpoint_state(trainer: Trainer) -> tuple[dict[str, TensorPiece], CheckpointMeta]:
+def checkpoint_state(parts: RunParts, state: TrainState) -> tuple[dict[str, TensorPiece], CheckpointMeta]:
     """This rank's share of the train state under logical names, and the manifest's metadata."""
-    config = trainer.config
-    step = trainer.cursor.step
-    pieces = train_state_pieces(trainer.model, trainer.optimizer, trainer.plan, trainer.device)
+    job, numerics, model = parts.job, parts.numerics, parts.model
+    config = job.config
+    step = state.step
+    pieces = train_state_pieces(model.model, model.optimizer, model.plan, job.device)
+    digest = parts.data.tokenizer_digest
     train_state = {
-        "data_cursor": trainer.cursor.to_dict(),
+        "data_cursor": state.state_dict()["data_cursor"],
         "schedule": {
             "kind": f"warmup_{config.optim.schedule}",
             "step": step,
@@ -60,68 +60,71 @@ def checkpoint_state(trainer: Trainer) -> tuple[dict[str, TensorPiece], Checkpoi
             "next_lr": learning_rate(config.optim, step, config.train.steps),
             "last_lr": learning_rate(config.optim, step - 1, config.train.steps) if step else None,
         },
-        "optimizer": optimizer_record(trainer.model, trainer.optimizer),
-        "loss_scaler": {"kind": trainer.scaler.kind, **trainer.scaler.state_dict()},
-        "precision": trainer.precision.as_dict(),
-        "tokens_seen": trainer.tokens_seen,
-        "objective": trainer.objective.state(),
-        **({"tokenizer": {"encoding_sha256": trainer.tokenizer_digest}} if trainer.tokenizer_digest else {}),
+        "optimizer": optimizer_record(model.model, model.optimizer),
+        "loss_scaler": {"kind": numerics.scaler.kind, **numerics.scaler.state_dict()},
+        "precision": numerics.precision.as_dict(),
+        "tokens_seen": state.tokens_seen,
+        "objective": parts.objective.state(),
+        **({"tokenizer": {"encoding_sha256": digest}} if digest else {}),
     }
     meta = CheckpointMeta(
         step=step,
-        tokens_seen=trainer.tokens_seen,
-        layout=Layout(**trainer.layout()),
+        tokens_seen=state.tokens_seen,
+        layout=Layout(**job.layout()),
         model_config=config.model.model_dump(mode="json"),
         run_config=config.model_dump(mode="json"),
-        environment=trainer.environment,
+        environment=parts.instruments.environment,
         train_state=train_state,
     )
     return pieces, meta
 
 
-def restore(trainer: Trainer, checkpoint: Checkpoint) -> list[str]:
+def restore(parts: RunParts, checkpoint: Checkpoint, state: TrainState) -> tuple[TrainState, list[str]]:
     """Continue from `checkpoint` in this run's layout: weights, optimizer state, scaler, RNG, data position.
 
-    Returns notes for the user: config fields that differ from the checkpoint's
-    (a different model is refused) and states that could not be carried over.
+    Returns the state the checkpoint describes, with what came over, and notes for the user: config fields that
+    differ from the checkpoint's (a different model is refused) and states that could not be carried over.
     """
-    notes = [f"config differs from the checkpoint's: {line}" for line in check_config(checkpoint, trainer.config)]
+    job, numerics, model = parts.job, parts.numerics, parts.model
+    config = job.config
+    notes = [f"config differs from the checkpoint's: {line}" for line in check_config(checkpoint, config)]
     check_resumable(checkpoint)
     recorded = (checkpoint.manifest.train_state.get("tokenizer") or {}).get("encoding_sha256")
-    if recorded and trainer.tokenizer_digest and recorded != trainer.tokenizer_digest:
+    digest = parts.data.tokenizer_digest
+    if recorded and digest and recorded != digest:
         raise UserError(
             f"resume: {checkpoint.path} was trained on text tokenized otherwise than this run's data "
-            f"({trainer.loader.datasets[0].label}: encoding digest {trainer.tokenizer_digest[:12]}, the checkpoint's "
+            f"({parts.data.loader.datasets[0].label}: encoding digest {digest[:12]}, the checkpoint's "
             f"{recorded[:12]}); prepare the data with the run's tokenizer (ferry data prepare --tokenizer)"
         )
     with checkpoint:
-        restore_model(checkpoint, trainer.model, trainer.plan)
-        restore_optimizer(checkpoint, trainer.model, trainer.optimizer, trainer.plan)
-        rng_notes = restore_rng(checkpoint, trainer.device, trainer.rank, trainer.world_size)
+        restore_model(checkpoint, model.model, model.plan)
+        restore_optimizer(checkpoint, model.model, model.optimizer, model.plan)
+        rng_notes = restore_rng(checkpoint, job.device, job.rank, job.world_size)
     notes += rng_notes
-    state = checkpoint.manifest.train_state
-    trainer.carried = {
+    saved = checkpoint.manifest.train_state
+    carried = {
         "weights": "carried",
         "optimizer": "carried (AdamW moments and step counts)",
         "data_cursor": "carried",
-        "schedule": f"carried (continues at step {checkpoint.step} of {trainer.config.train.steps})",
+        "schedule": f"carried (continues at step {checkpoint.step} of {config.train.steps})",
         "rng": "carried" if not rng_notes else "not carried: " + "; ".join(rng_notes),
     }
-    scaler = state.get("loss_scaler")
-    if scaler and scaler["kind"] == trainer.scaler.kind:
-        trainer.scaler.load_state_dict(scaler)
-        trainer.carried["loss_scaler"] = "carried" if trainer.scaler.enabled else "carried (none in use)"
-    elif trainer.scaler.enabled:
-        note = f"loss scaling restarts from precision.loss_scaling.init_scale ({trainer.scaler.scale:g})"
+    scaler = numerics.scaler
+    saved_scaler = saved.get("loss_scaler")
+    if saved_scaler and saved_scaler["kind"] == scaler.kind:
+        scaler.load_state_dict(saved_scaler)
+        carried["loss_scaler"] = "carried" if scaler.enabled else "carried (none in use)"
+    elif scaler.enabled:
+        note = f"loss scaling restarts from precision.loss_scaling.init_scale ({scaler.scale:g})"
         notes.append(note)
-        trainer.carried["loss_scaler"] = note
+        carried["loss_scaler"] = note
     else:
-        saved = scaler["kind"] if scaler else "absent"
-        trainer.carried["loss_scaler"] = f"not in use here (the checkpoint's: {saved})"
-    trainer.cursor = DataCursor.from_dict(state["data_cursor"])
-    trainer.tokens_seen = int(state.get("tokens_seen", trainer.cursor.step * trainer.tokens_per_step))
-    trainer.objective.load_state(state.get("objective"))
-    return notes
+        kind = saved_scaler["kind"] if saved_scaler else "absent"
+        carried["loss_scaler"] = f"not in use here (the checkpoint's: {kind})"
+    restored = state.load_state_dict(saved, parts.instruments.tokens_per_step).with_carried(carried)
+    parts.objective.load_state(saved.get("objective"))
+    return restored, notes
 
 
 def check_resumable(checkpoint: Checkpoint) -> None:
@@ -146,61 +149,61 @@ def check_resumable(checkpoint: Checkpoint) -> None:
         )
 
 
-def initialize_from(trainer: Trainer, path: Path) -> list[str]:
+def initialize_from(parts: RunParts, path: Path) -> tuple[dict[str, str], list[str]]:
     """Start from the weights of the checkpoint at `path` (of the same model), and its AdamW state with
-    `init_optimizer`; data position, step counter and schedule start fresh."""
-    digests = (trainer.config.checkpoint.verify,)
+    `init_optimizer`; data position, step counter and schedule start fresh. Returns what came over and a note."""
+    job, model = parts.job, parts.model
+    config = job.config
     if not path.exists():
         raise UserError(f"init_from: {str(path)!r} does not exist")
-    checkpoint = find_resume_point(str(path), path, share=shared_verification(trainer), digests=digests).checkpoint
-    check_config(checkpoint, trainer.config)
-    with_optimizer = trainer.config.init_optimizer
+    share = shared_verification(job.context)
+    checkpoint = find_resume_point(str(path), path, share=share, digests=(config.checkpoint.verify,)).checkpoint
+    check_config(checkpoint, config)
+    with_optimizer = config.init_optimizer
     if with_optimizer and not ("optimizer" in checkpoint.manifest.train_state and checkpoint.names("optim.")):
         raise UserError(f"init_optimizer: {checkpoint.path} holds no optimizer state (weights only)")
     with checkpoint:
-        restore_model(checkpoint, trainer.model, trainer.plan)
+        restore_model(checkpoint, model.model, model.plan)
         if with_optimizer:
-            restore_optimizer(checkpoint, trainer.model, trainer.optimizer, trainer.plan)
+            restore_optimizer(checkpoint, model.model, model.optimizer, model.plan)
     optimizer = f"from {checkpoint.path}" if with_optimizer else "fresh"
     weights = f"from {checkpoint.path} (step {checkpoint.step})"
-    trainer.carried = {"weights": weights, "optimizer": optimizer, "schedule": "fresh"}
-    state = "weights and optimizer state" if with_optimizer else "weights"
+    carried = {"weights": weights, "optimizer": optimizer, "schedule": "fresh"}
+    what = "weights and optimizer state" if with_optimizer else "weights"
     fresh = "data position and schedule" if with_optimizer else "optimizer, data position and schedule"
-    return [f"{state} initialised from {checkpoint.path} (step {checkpoint.step}); {fresh} start fresh"]
+    return carried, [f"{what} initialised from {checkpoint.path} (step {checkpoint.step}); {fresh} start fresh"]
 
 
-def resume_from(trainer: Trainer, resume: str | None) -> tuple[Found | None, list[str], dict[str, float]]:
-    """Restore the checkpoint `resume` points to, if any; None when the run does not resume.
+def resume_from(
+    parts: RunParts, resume: str | None, state: TrainState
+) -> tuple[Found | None, TrainState, list[str], dict[str, float]]:
+    """Restore the checkpoint `resume` points to, if any (found None: the run does not resume); the state it
+    describes (`state` itself when nothing was restored) and the notes.
 
     Also returns the seconds spent verifying and restoring it: the part of a move's
     switching lead time that the checkpoint itself costs.
     """
-    config = trainer.config
+    job, model = parts.job, parts.model
+    config = job.config
     if resume is None:
-        return None, [], {}
+        return None, state, [], {}
     started = time.perf_counter()
-    prefetch = optimizer_prefetch(trainer.model, trainer.optimizer, trainer.plan)
+    prefetch = optimizer_prefetch(model.model, model.optimizer, model.plan)
     found = find_resume_point(
         resume,
         config.checkpoint.path(config.run.path),
         prefetch,
-        shared_verification(trainer),
+        shared_verification(job.context),
         digests=(config.checkpoint.verify,),
     )
     verified = time.perf_counter()
-    notes = restore(trainer, found.checkpoint) if found.checkpoint else []
-    return found, notes, {"verify_s": verified - started, "restore_s": time.perf_counter() - verified}
+    notes = []
+    if found.checkpoint:
+        state, notes = restore(parts, found.checkpoint, state)
+    return found, state, notes, {"verify_s": verified - started, "restore_s": time.perf_counter() - verified}
 
 
-def shared_verification(trainer: Trainer) -> SharedVerification | None:
-    """In a multi-rank job the ranks split the hashing of a checkpoint's files and agree on the verdict."""
-    if not trainer.context.is_distributed:
-        return None
-
-    return SharedVerification(trainer.rank, trainer.world_size, partial(gather_objects, trainer.context))
-
-
-def draw_deferred_weights(trainer: Trainer, progress: Callable[[], None]) -> str | None:
+def draw_deferred_weights(parts: RunParts, progress: Callable[[], None]) -> str | None:
     """Give a run that resumed from nothing the weights a run from scratch starts from; return their digest
     (main rank only, else None).
 
@@ -211,12 +214,12 @@ def draw_deferred_weights(trainer: Trainer, progress: Callable[[], None]) -> str
     ends where that run's does), and each rank copies its piece of every tensor (the layout-neutral load
     path of a checkpoint). `progress` is called as each parameter is drawn and once they are all in place.
     """
-    config = trainer.config
+    config = parts.job.config
     torch.default_generator.manual_seed(config.run.seed)
-    drawn = Transformer(config.model, trainer.kernels, initialise=False)  # the constructors draw too, as in any build
+    drawn = Transformer(config.model, parts.numerics.kernels, initialise=False)  # its constructors draw too
     drawn.reset_parameters(progress)
-    targets = trainer.model.state_dict()
+    targets = parts.model.model.state_dict()
     for name, whole in drawn.state_dict().items():
-        copy_into_piece(targets, name, whole, trainer.plan)
+        copy_into_piece(targets, name, whole, parts.model.plan)
     progress()
-    return weights_digest(drawn) if trainer.is_main else None
+    return weights_digest(drawn) if parts.job.is_main else None

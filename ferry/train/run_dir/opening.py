@@ -16,13 +16,14 @@ from ferry.checkpoint import CheckpointManager, list_checkpoints, set_aside_aban
 from ferry.checkpoint.format import parse_step
 from ferry.comm import raise_on_every_rank
 from ferry.metrics import MetricsHub, build_sinks, start_prometheus
-from ferry.train.announcements import describe, resume_record
-from ferry.train.run_lock import RunDirLock
-from ferry.train.run_record import RunRecord, prepare_run_dir
+from ferry.train.run_dir.announcements import describe, resume_record
+from ferry.train.run_dir.lock import RunDirLock
+from ferry.train.run_dir.record import RunRecord, prepare_run_dir
 
 if TYPE_CHECKING:
     from ferry.checkpoint.reader import Found
-    from ferry.train.trainer import Trainer
+    from ferry.train.assembly import RunParts
+    from ferry.train.state import TrainState
 
 
 @dataclass
@@ -37,32 +38,40 @@ class OpenedRun:
     replaced: Path | None = None  # where `run.overwrite` kept an earlier run that went further than this one will
 
 
-def open_run(trainer: Trainer, found: Found | None, resumed_step: int | None, resume_times: dict) -> OpenedRun:
-    """Prepare the run directory and the sinks of `trainer`'s run, resumed at `resumed_step` (None: fresh)."""
-    config = trainer.config
+def open_run(
+    parts: RunParts,
+    state: TrainState,
+    initial_weights: str | None,
+    found: Found | None,
+    resumed_step: int | None,
+    resume_times: dict,
+) -> OpenedRun:
+    """Prepare the run directory and the sinks of the run at `state`, resumed at `resumed_step` (None: fresh)."""
+    job = parts.job
+    config = job.config
     run_dir = config.run.path
 
     def on_this_rank() -> OpenedRun:
-        prometheus = start_prometheus(config.metrics, trainer.rank, config.run.name)
+        prometheus = start_prometheus(config.metrics, job.rank, config.run.name)
         lock = None
         try:
             record, abandoned, replaced = None, [], None
-            if trainer.is_main:
+            if job.is_main:
                 lock = RunDirLock.acquire(run_dir)
                 replaced = prepare_run_dir(config, resume_step=resumed_step)
                 if found and found.checkpoint:
                     checkpoint_dir = config.checkpoint.path(run_dir)
                     abandoned = set_aside_abandoned(checkpoint_dir, resumed_step, found.checkpoint.path)
-                resumed_from = resume_record(found, trainer.carried, resume_times)
-                record = RunRecord(run_dir, {**describe(trainer), "resumed_from": resumed_from})
+                resumed_from = resume_record(found, state.carried, resume_times)
+                record = RunRecord(run_dir, {**describe(parts, initial_weights), "resumed_from": resumed_from})
             hub = build_sinks(
                 config.metrics,
                 run_dir,
-                trainer.rank,
+                job.rank,
                 run_name=config.run.name,
                 total_steps=config.train.steps,
                 log_every=config.train.log_every,
-                first_step=trainer.cursor.step,
+                first_step=state.step,
                 prometheus=prometheus,
             )
         except BaseException:
@@ -73,7 +82,7 @@ def open_run(trainer: Trainer, found: Found | None, resumed_step: int | None, re
             raise
         return OpenedRun(record, hub, abandoned, lock, replaced)
 
-    return raise_on_every_rank(trainer.context, on_this_rank)
+    return raise_on_every_rank(job.context, on_this_rank)
 
 
 def report_set_aside(

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.data.targets import IGNORE_INDEX
-from ferry.train.cross_entropy import cross_entropy
+from ferry.train.objectives.cross_entropy import cross_entropy
 
 DPOLoss = Literal["sigmoid", "length_normalized", "ipo"]
 

@@ -17,10 +17,10 @@ import torch
 
 from ferry.data.records import RecordDataset
 from ferry.model import Transformer
-from ferry.train.dpo import pair_losses, score_pairs
-from ferry.train.grpo import EVAL_SAMPLES, solved_prompts
-from ferry.train.objective_config import DPOConfig, GRPOConfig
-from ferry.train.verifiers import VERIFIERS
+from ferry.train.objectives.config import DPOConfig, GRPOConfig
+from ferry.train.objectives.dpo import pair_losses, score_pairs
+from ferry.train.objectives.grpo import EVAL_SAMPLES, solved_prompts
+from ferry.train.objectives.verifiers import VERIFIERS
 
 
 def prompt_figures(model: Transformer, dataset: RecordDataset, config: GRPOConfig, seed: int) -> dict:

@@ -1,16 +1,18 @@
-"""What a training run does to survive failures, in one place the trainer calls at fixed points.
+"""What a training run does to survive failures: a hook at the loop's named points, and the calls the run's
+opening and its checkpoint and evaluation hooks make.
 
 It composes the hang watchdog, the fault injector, the Young/Daly checkpoint interval and the
 record of restarts and goodput, so the training loop stays a training loop:
 
-    begin(...)            after the resume: the job's events (a fresh start, or a restart)
-    before_step(step)     injected faults that strike as a step begins
-    after_backward(...)   injected NaN gradients
-    after_step(record)    the watchdog's heartbeat, the interval's step times, goodput in the record
-    save_due(step)        a fixed interval or Young/Daly
-    save(...)             a checkpoint, timed as training waits for it, with the save-time faults
-    failed(exc)           what this rank says as it goes, for whoever restarts the job
-    finish(record)        restarts and goodput into run.json
+    begin(...)                  after the resume: the job's events (a fresh start, or a restart)
+    before_step(step)           injected faults that strike as a step begins
+    after_backward(...)         injected NaN gradients
+    after_step(step, record)    the watchdog's heartbeat, the interval's step times, goodput in the record
+    save_due(step)              a fixed interval or Young/Daly
+    save(...)                   a checkpoint, timed as training waits for it, with the save-time faults
+    on_error(exc)               what this rank says as it goes, for whoever restarts the job
+    finish()                    restarts and goodput into run.json
+    at_close(end)               the watchdog stops
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ import os
 import time
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 
 from ferry.checkpoint import CheckpointManager
+from ferry.comm.reductions import largest_over_world
 from ferry.platform.process import Stopped
 from ferry.train.config import RunConfig
-from ferry.train.faults import MARKERS_DIR, FaultInjector
-from ferry.train.restarts import (
+from ferry.train.hook_points import Hook, RunEnd
+from ferry.train.resilience.faults import MARKERS_DIR, FaultInjector
+from ferry.train.resilience.restarts import (
     append_event,
     collect_causes,
     goodput,
@@ -37,9 +40,9 @@ from ferry.train.restarts import (
     restarts,
     write_cause,
 )
-from ferry.train.run_record import METRICS_NAME, RunRecord
-from ferry.train.watchdog import Watchdog
-from ferry.train.young_daly import AutoInterval
+from ferry.train.resilience.watchdog import Watchdog
+from ferry.train.resilience.young_daly import AutoInterval
+from ferry.train.run_dir.record import METRICS_NAME, RunRecord
 
 Say = Callable[[str], None]
 Agree = Callable[[list[float]], list[float]]  # each value's maximum over the ranks, on every rank
@@ -73,7 +76,7 @@ def torchrun_restart_counts(agree: Agree | None = None) -> list[int]:
     group, key = dist.group.WORLD, (local, node, nodes)
     if _agreed.get("group") is group and _agreed.get("key") == key:
         return list(_agreed["counts"])
-    agreed = [int(round(count)) for count in (agree or _largest_over_world)(counts)]
+    agreed = [int(round(count)) for count in (agree or largest_over_world)(counts)]
     _agreed.update(group=group, key=key, counts=agreed)
     return list(agreed)
 
@@ -84,20 +87,14 @@ def restarted_by_torchrun(agree: Agree | None = None) -> bool:
     return any(count > 0 for count in torchrun_restart_counts(agree))
 
 
-def _largest_over_world(values: list[float]) -> list[float]:
-    """Each value's maximum over the default process group, on the device its backend works on."""
-    backend = str(dist.get_backend())
-    kind = {"nccl": "cuda", "xccl": "xpu"}.get(backend, "cpu")  # gloo, and mixed backends, take CPU tensors
-    device = torch.device(kind, torch.get_device_module(kind).current_device()) if kind != "cpu" else None
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
-
-
-class Resilience:
+class Resilience(Hook):
     """Failure handling of one rank of one run."""
 
-    def __init__(self, config: RunConfig, rank: int, world_size: int, started_unix: float):
+    def __init__(
+        self, config: RunConfig, rank: int, world_size: int, started_unix: float, agree: Agree = largest_over_world
+    ):
+        """`agree(values)`: each value's maximum over the ranks, on every rank (a run passes its
+        `RankReductions.largest`, which reduces on the run's device)."""
         self.config = config
         self.rank = rank
         self.is_main = rank == 0
@@ -118,7 +115,7 @@ class Resilience:
         self._productive = 0.0
         self._job_start_unix = started_unix
         self._say: Say = print
-        self.agree: Agree = lambda values: values
+        self.agree = agree
 
     def watch_loading(self) -> None:
         """Before the run restores anything: the watchdog watches the load too (verifying and restoring a
@@ -222,7 +219,7 @@ class Resilience:
     def after_backward(self, step: int, model) -> None:
         self.injector.poison_gradients(step, model)
 
-    def after_step(self, record: dict) -> None:
+    def after_step(self, step: int, record: dict) -> None:
         """The heartbeat; goodput and the checkpoint interval in the step's record."""
         self.step = record["step"]
         self.watchdog.beat(record["step"], record["step_s"])
@@ -309,11 +306,14 @@ class Resilience:
         checkpoints.wait()
         self.watchdog.touch()
 
-    def failed(self, exc: BaseException) -> None:
+    def on_error(self, exc: BaseException, last: dict) -> None:
         """Leave this rank's account of the failure in the run directory."""
         if isinstance(exc, (KeyboardInterrupt, Stopped)):  # stopped from outside: nothing of this rank's to tell
             return
         write_cause(self.run_dir, self.rank, self.step + 1, self.watchdog.current_phase, f"{type(exc).__name__}: {exc}")
+
+    def at_close(self, end: RunEnd | None) -> None:
+        self.watchdog.stop()
 
     def finish(self) -> dict:
         """Restarts and goodput of the job so far, for run.json."""

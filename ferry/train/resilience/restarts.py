@@ -24,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-from ferry.train.run_record import EVENTS_NAME, FAULTS_DIR, RunRecord
+from ferry.train.run_dir.record import EVENTS_NAME, FAULTS_DIR, RunRecord
 
 CAUSES_DIR = Path(FAULTS_DIR) / "causes"
 

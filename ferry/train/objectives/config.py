@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from ferry.config.section import Section
-from ferry.train.verifiers import VERIFIERS
+from ferry.train.objectives.verifiers import VERIFIERS
 
 
 class DPOConfig(Section):
@@ -56,7 +56,4 @@ class GRPOConfig(Section):
         return verifier
 
 
-Objective = Literal["lm", "dpo", "grpo"]
-# Objectives that draw their own training data (GRPO samples its rollouts from the policy): two runs of one
-# of them part for good at the first sampled token that falls on the other side of a probability boundary.
-SAMPLING_OBJECTIVES = frozenset({"grpo"})
+Objective = Literal["lm", "dpo", "grpo"]  # the variants of `ferry.train.objectives.kinds`

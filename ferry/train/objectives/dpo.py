@@ -15,66 +15,80 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ferry.data.records import RecordDataset
+from ferry.data import DataCursor
+from ferry.data.records import RecordDataset, RecordLoader
 from ferry.data.targets import completion_batch
 from ferry.inference.evaluation import held_out_due
 from ferry.metrics.progress import WorkProgress
-from ferry.train.losses import router_losses, router_objective
-from ferry.train.objective_config import DPOConfig
-from ferry.train.objectives import StepOutcome
-from ferry.train.preference_losses import dpo_losses, token_logprobs
-from ferry.train.reference import (
-    LogprobCache,
-    build_reference_model,
-    parent_checkpoint,
-    reference_record,
-)
-from ferry.train.step_statistics import StepStatistics
+from ferry.model import MoEConfig
+from ferry.train.objectives.base import StepOutcome
+from ferry.train.objectives.config import DPOConfig
+from ferry.train.objectives.losses import router_losses, router_objective
+from ferry.train.objectives.preference_losses import dpo_losses, token_logprobs
+from ferry.train.objectives.reference import LogprobCache, ReferenceSource
+from ferry.train.step_statistics import NamedSums
 
 if TYPE_CHECKING:
     from ferry.model import Transformer
-    from ferry.train.trainer import Trainer
+    from ferry.train.step_context import StepContext
+    from ferry.train.step_statistics import StepStatistics
 
-# extra statistics: loss, chosen and rejected rewards, pairs ranked right, chosen and rejected log-probs, and the
-# tokens the step put through the model (prompts and answers)
-_SUMS = 7
+# the sums of a step: the pairs' loss, the chosen and rejected rewards, the pairs ranked right, the chosen and
+# rejected log-probs, and the tokens the step put through the model (prompts and answers)
+DPO_STATISTICS = ("loss", "chosen", "rejected", "right", "logp_chosen", "logp_rejected", "tokens")
 
 
 class DPOObjective:
-    extra_statistics = _SUMS
+    statistics = DPO_STATISTICS
 
-    def __init__(self, trainer: Trainer):
-        config = trainer.config
-        self.config = config.dpo
-        self.dataset: RecordDataset = trainer.loader.dataset
-        self.held_out = [
-            RecordDataset(source.path, f"eval.sources.{index} ({source.name})", "preferences")
-            for index, source in enumerate(config.eval.sources)
-        ]
-        for dataset in [self.dataset, *self.held_out]:
-            _check_fits(dataset, config.model.max_seq_len)
-        self.pad_id = trainer.loader.tokenizer["eos_id"]
-        self.pairs_per_step = config.train.global_batch
-        self.eval_interval = config.eval.interval
+    def __init__(
+        self,
+        config: DPOConfig,
+        loader: RecordLoader,
+        held_out: dict[str, RecordDataset],
+        micro_batch: int,
+        moe: MoEConfig,
+        max_seq_len: int,
+        eval_interval: int,
+        references: ReferenceSource,
+        cache_dir: Path,
+        cache_identity: dict,
+    ):
+        """`held_out`: the held-out pair sets by their `eval.sources` names. `references` gives the stage's
+        parent and its frozen model; the reference log-probs are cached in `cache_dir` under a key of the parent's
+        digest, the data and `cache_identity` (model and precision)."""
+        self.config = config
+        self.loader = loader
+        self.dataset: RecordDataset = loader.dataset
+        self.held_out = held_out
+        for dataset in [self.dataset, *self.held_out.values()]:
+            _check_fits(dataset, max_seq_len)
+        self.micro_batch = micro_batch
+        self.moe = moe
+        self.pad_id = loader.tokenizer["eos_id"]
+        self.pairs_per_step = loader.global_batch
+        self.eval_interval = eval_interval
+        self.references = references
+        self.cache_dir = cache_dir
+        self.cache_identity = cache_identity
         self.reference: dict[str, torch.Tensor] = {}
         self.reference_pointer: dict | None = None
 
-    def prepare(self, trainer: Trainer) -> list[str]:
+    def prepare(self, context: StepContext) -> list[str]:
         """Load the reference log-probs of the training and held-out pairs, computing what is not cached."""
-        parent = parent_checkpoint(trainer)
-        self.reference_pointer = reference_record(parent)
-        directory = Path(self.config.reference_cache or trainer.config.run.path / "reference-cache")
+        parent = self.references.checkpoint()
+        self.reference_pointer = self.references.pointer(parent)
         model: Transformer | None = None
         notes = []
-        for dataset in [self.dataset, *self.held_out]:
-            cache = LogprobCache(directory, self._cache_inputs(trainer, dataset))
+        for dataset in [self.dataset, *self.held_out.values()]:
+            cache = LogprobCache(self.cache_dir, self._cache_inputs(dataset))
             logps = cache.load()
             usable = logps is not None and logps.shape == (len(dataset), 2)
             # every rank scores together (expert parallelism) if any lacks the entry (e.g. no shared disk)
-            if trainer.largest_over_ranks([0.0 if usable else 1.0])[0] > 0:
-                model = model or build_reference_model(trainer, parent)
-                logps = self._score_all(trainer, model, dataset)
-                if trainer.is_main:
+            if context.reductions.largest([0.0 if usable else 1.0])[0] > 0:
+                model = model or self.references.model(parent)
+                logps = self._score_all(context, model, dataset)
+                if context.rank == 0:
                     cache.save(logps)
                 notes.append(
                     f"reference log-probs of {dataset.label} computed from {parent.path}, cached in {cache.path}"
@@ -85,74 +99,71 @@ class DPOObjective:
         del model
         return notes
 
-    def step(self, trainer: Trainer, statistics: StepStatistics) -> StepOutcome:
-        config = trainer.config
-        trainer.optimizer.zero_grad(set_to_none=True)
-        records = trainer.loader.step_records(trainer.cursor, trainer.rank, trainer.world_size)
+    def step(self, context: StepContext, cursor: DataCursor, statistics: StepStatistics) -> StepOutcome:
+        context.zero_grad()
+        records = self.loader.step_records(cursor, context.rank, context.world_size)
         reference = self.reference[self.dataset.label]
-        for start in range(0, len(records.indices), config.train.micro_batch):
-            indices = records.indices[start : start + config.train.micro_batch]
+        for start in range(0, len(records.indices), self.micro_batch):
+            indices = records.indices[start : start + self.micro_batch]
             share = len(indices) / records.global_count
-            trainer.resilience.phase("forward")
-            with trainer.metrics.timer.region("forward"), trainer.autocast():
-                scored = score_pairs(trainer.model, self.dataset, indices, self.pad_id, trainer.device)
+            with context.phase("forward"), context.autocast():
+                scored = score_pairs(context.model, self.dataset, indices, self.pad_id, context.device)
                 logps_2B, tokens_2B, output = scored
                 losses_B, chosen_B, rejected_B = pair_losses(self.config, logps_2B, tokens_2B, reference[indices])
                 aux_loss, z_loss = router_losses(output)
                 objective = losses_B.sum() / records.global_count + share * router_objective(
-                    config.model.moe, aux_loss, z_loss
+                    self.moe, aux_loss, z_loss
                 )
-            trainer.resilience.phase("backward")
-            with trainer.metrics.timer.region("backward"):
-                trainer.scaler.scale_loss(objective).backward()
+            context.backward(objective)
             statistics.add_router(aux_loss, z_loss, output, share)
-            statistics.extra += _pair_sums(losses_B, chosen_B, rejected_B, logps_2B)
-            statistics.extra[-1] += sum(self._sequence_tokens(index) for index in indices)
-        grad_norm, stepped = trainer.apply_update(trainer.cursor.step + 1)
+            statistics.own.add(**_pair_sums(losses_B, chosen_B, rejected_B, logps_2B))
+            statistics.own.add(tokens=sum(self._sequence_tokens(index) for index in indices))
+        grad_norm, stepped = context.update(cursor.step + 1)
         return StepOutcome(stepped, grad_norm, tokens=0)
 
     def figures(self, statistics: StepStatistics, outcome: StepOutcome) -> dict:
         """The step's means over its pairs; the tokens the step scored (prompts and both answers, every rank)."""
-        loss, chosen, rejected, right, logp_chosen, logp_rejected, tokens = statistics.extra.tolist()
-        outcome.tokens = int(tokens)
+        sums = statistics.own.values()
+        outcome.tokens = int(sums["tokens"])
         pairs = self.pairs_per_step
         return {
-            "loss": loss / pairs,
-            "rewards/chosen": chosen / pairs,
-            "rewards/rejected": rejected / pairs,
-            "rewards/margin": (chosen - rejected) / pairs,
-            "rewards/accuracy": right / pairs,
-            "logps/chosen": logp_chosen / pairs,
-            "logps/rejected": logp_rejected / pairs,
+            "loss": sums["loss"] / pairs,
+            "rewards/chosen": sums["chosen"] / pairs,
+            "rewards/rejected": sums["rejected"] / pairs,
+            "rewards/margin": (sums["chosen"] - sums["rejected"]) / pairs,
+            "rewards/accuracy": sums["right"] / pairs,
+            "logps/chosen": sums["logp_chosen"] / pairs,
+            "logps/rejected": sums["logp_rejected"] / pairs,
         }
 
     def evaluation_due(self, step: int, last_step: int) -> bool:
         return held_out_due(bool(self.held_out), self.eval_interval, step, last_step)
 
     @torch.no_grad()
-    def evaluate(self, trainer: Trainer, progress) -> dict:
+    def evaluate(self, context: StepContext) -> dict:
         """Rewards on every held-out pair set: the same pairs every time, split over the ranks."""
-        was_training = trainer.model.training
-        trainer.model.eval()
+        model = context.model
+        was_training = model.training
+        model.eval()
         accuracy, margin = {}, {}
         try:
-            for source, dataset in zip(trainer.config.eval.sources, self.held_out):
-                sums = torch.zeros(_SUMS, dtype=torch.float64, device=trainer.device)
-                for indices in _rank_batches(len(dataset), self.config.score_batch, trainer):
-                    with trainer.autocast():
-                        scored = score_pairs(trainer.model, dataset, indices, self.pad_id, trainer.device)
+            for name, dataset in self.held_out.items():
+                sums = NamedSums.zeros(DPO_STATISTICS, context.device)
+                for indices in _rank_batches(len(dataset), self.config.score_batch, context.rank, context.world_size):
+                    with context.autocast():
+                        scored = score_pairs(model, dataset, indices, self.pad_id, context.device)
                         logps_2B, tokens_2B, _ = scored
                     reference = self.reference[dataset.label][indices]
                     losses_B, chosen_B, rejected_B = pair_losses(self.config, logps_2B, tokens_2B, reference)
                     if indices.size and indices[0] >= 0:
-                        sums += _pair_sums(losses_B, chosen_B, rejected_B, logps_2B)
-                    progress()
-                trainer.plan.sum_over_ranks(sums)
-                _, chosen, rejected, right, _, _, _ = sums.tolist()
-                accuracy[source.name] = right / len(dataset)
-                margin[source.name] = (chosen - rejected) / len(dataset)
+                        sums.add(**_pair_sums(losses_B, chosen_B, rejected_B, logps_2B))
+                    context.progress()
+                context.reductions.sum_tensor(sums.vector)
+                figures = sums.values()
+                accuracy[name] = figures["right"] / len(dataset)
+                margin[name] = (figures["chosen"] - figures["rejected"]) / len(dataset)
         finally:
-            trainer.model.train(was_training)
+            model.train(was_training)
         return {"eval/rewards/accuracy": accuracy, "eval/rewards/margin": margin}
 
     def state(self) -> dict:
@@ -167,29 +178,27 @@ class DPOObjective:
         return int(2 * lengths[0] + lengths[1] + lengths[2])
 
     @torch.no_grad()
-    def _score_all(self, trainer: Trainer, model: Transformer, dataset: RecordDataset) -> torch.Tensor:
+    def _score_all(self, context: StepContext, model: Transformer, dataset: RecordDataset) -> torch.Tensor:
         """`[records, 2]` summed log-probs of every pair's chosen and rejected answer under `model`."""
-        logps_N2 = torch.zeros(len(dataset), 2, dtype=torch.float64, device=trainer.device)
-        batches = list(_rank_batches(len(dataset), self.config.score_batch, trainer))
-        say = print if trainer.is_main else None
+        logps_N2 = torch.zeros(len(dataset), 2, dtype=torch.float64, device=context.device)
+        batches = list(_rank_batches(len(dataset), self.config.score_batch, context.rank, context.world_size))
+        say = print if context.rank == 0 else None
         label = f"reference log-probs of {dataset.label}"
         with WorkProgress(label, len(batches), say=say, unit=f"batches of {self.config.score_batch} pairs") as work:
             for indices in batches:
-                with trainer.autocast():
-                    logps_2B, _, _ = score_pairs(model, dataset, indices, self.pad_id, trainer.device)
+                with context.autocast():
+                    logps_2B, _, _ = score_pairs(model, dataset, indices, self.pad_id, context.device)
                 if indices.size and indices[0] >= 0:
                     logps_N2[indices] = logps_2B.double().view(2, -1).T
-                trainer.resilience.watchdog.touch()  # scoring a large set is progress, not a hang
+                context.progress()  # scoring a large set is progress, not a hang
                 work.advance()
-        return trainer.plan.sum_over_ranks(logps_N2).cpu()
+        return context.reductions.sum_tensor(logps_N2).cpu()
 
-    def _cache_inputs(self, trainer: Trainer, dataset: RecordDataset) -> dict:
-        config = trainer.config
+    def _cache_inputs(self, dataset: RecordDataset) -> dict:
         return {
             "parent": self.reference_pointer["digest"],
             "data": [entry["sha256"] for entry in dataset.file_hashes()],
-            "model": config.model.model_dump(mode="json"),
-            "precision": trainer.precision.as_dict(),
+            **self.cache_identity,
         }
 
 
@@ -227,30 +236,26 @@ def score_pairs(
     return logps_2B, tokens_2B, output
 
 
-def _pair_sums(losses_B, chosen_B, rejected_B, logps_2B) -> torch.Tensor:
-    """The pairs' sums in the statistics' extra slots (the last one, tokens, is added by the caller)."""
+def _pair_sums(losses_B, chosen_B, rejected_B, logps_2B) -> dict[str, torch.Tensor]:
+    """The pairs' sums under their statistics' names (the tokens are counted by the caller)."""
     pairs = losses_B.shape[0]
-    return torch.stack(
-        [
-            losses_B.detach().sum(),
-            chosen_B.sum(),
-            rejected_B.sum(),
-            (chosen_B > rejected_B).sum().to(chosen_B.dtype),
-            logps_2B[:pairs].detach().sum(),
-            logps_2B[pairs:].detach().sum(),
-            torch.zeros((), device=logps_2B.device),
-        ]
-    ).double()
+    return {
+        "loss": losses_B.detach().sum().double(),
+        "chosen": chosen_B.sum().double(),
+        "rejected": rejected_B.sum().double(),
+        "right": (chosen_B > rejected_B).sum().to(chosen_B.dtype).double(),
+        "logp_chosen": logps_2B[:pairs].detach().sum().double(),
+        "logp_rejected": logps_2B[pairs:].detach().sum().double(),
+    }
 
 
-def _rank_batches(count: int, micro_batch: int, trainer: Trainer):
+def _rank_batches(count: int, micro_batch: int, rank: int, world_size: int):
     """Micro-batches of record indices for this rank: batch j goes to rank j mod world size; every rank runs
     the same number of forwards (the last ones filled with index -1 where it has nothing left)."""
-    world, rank = trainer.world_size, trainer.rank
     batches = [np.arange(start, min(start + micro_batch, count)) for start in range(0, count, micro_batch)]
-    rounds = -(-len(batches) // world)
+    rounds = -(-len(batches) // world_size)
     for round_index in range(rounds):
-        position = round_index * world + rank
+        position = round_index * world_size + rank
         yield batches[position] if position < len(batches) else np.full(1, -1)
 
 

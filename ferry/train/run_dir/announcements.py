@@ -1,7 +1,7 @@
 """What a run says about itself: the console lines it starts with, the description run.json opens with, the
 line of each held-out evaluation, and where a resumed run continued from.
 
-Kept apart from the trainer, which trains; these functions only read its state.
+Kept apart from the training loop; these functions only read the run's parts.
 """
 
 from __future__ import annotations
@@ -10,85 +10,83 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ferry.checkpoint import Found
+from ferry.metrics import MetricsHub
 
 if TYPE_CHECKING:
-    from ferry.train.trainer import Trainer
+    from ferry.train.assembly import RunParts
 
 
-def announce(trainer: Trainer, run_dir: Path, found: Found | None, notes: list[str]) -> None:
+def announce(parts: RunParts, hub: MetricsHub, run_dir: Path, found: Found | None, notes: list[str]) -> None:
     """The console lines a run starts with: skipped checkpoints, notes, precision, kernels, what it trains
     where, and where it resumes from."""
-    say = trainer.hub.message
+    job, numerics = parts.job, parts.numerics
+    config = job.config
+    say = hub.message
     for path, reason in found.skipped if found else []:
         say(f"ferry: warning: skipping checkpoint {path}: {reason}")
     for note in notes:
         say(f"ferry: note: {note}")
-    say(f"ferry: precision: {'; '.join(trainer.precision.decisions)}")
-    say(f"ferry: {trainer.kernels.describe()}")
-    if trainer.compiled["mode"] != "none":
-        eager = trainer.compiled["eager_ops"]
+    say(f"ferry: precision: {'; '.join(numerics.precision.decisions)}")
+    say(f"ferry: {numerics.kernels.describe()}")
+    compiled = parts.model.compiled
+    if compiled["mode"] != "none":
+        eager = compiled["eager_ops"]
         say(
-            f"ferry: compile: {trainer.compiled['regions']} blocks compiled on the first step"
+            f"ferry: compile: {compiled['regions']} blocks compiled on the first step"
             + (f"; eager inside them: {', '.join(eager)}" if eager else "")
         )
-    layout = trainer.layout()
+    layout = job.layout()
+    size = parts.instruments.size
+    step_size = parts.data.kind.step_unit(config, parts.instruments.tokens_per_step)
     say(
-        f"ferry: training {trainer.config.run.name} on {trainer.device} x {trainer.world_size} "
-        f"({layout['mode']}, ep {layout['ep_degree']}, {trainer.context.backend or 'no'} collectives, "
-        f"profile {trainer.profile.name}) — {trainer.size.total_params / 1e6:.2f}M params "
-        f"({trainer.size.active_params / 1e6:.2f}M active), {trainer.config.train.steps} steps of "
-        f"{step_size(trainer)}, writing to {run_dir}"
+        f"ferry: training {config.run.name} on {job.device} x {job.world_size} "
+        f"({layout['mode']}, ep {layout['ep_degree']}, {job.context.backend or 'no'} collectives, "
+        f"profile {numerics.profile.name}) — {size.total_params / 1e6:.2f}M params "
+        f"({size.active_params / 1e6:.2f}M active), {config.train.steps} steps of {step_size}, writing to {run_dir}"
     )
-    if trainer.hub.prometheus is not None:
-        say(f"ferry: Prometheus metrics at {trainer.hub.prometheus.url}")
+    if hub.prometheus is not None:
+        say(f"ferry: Prometheus metrics at {hub.prometheus.url}")
     if found and found.checkpoint:
         say(f"ferry: resuming from {found.checkpoint.path} at step {found.checkpoint.step}")
     elif found:
-        weights = "the init_from weights above" if trainer.config.init_from is not None else "the seed's weights"
+        weights = "the init_from weights above" if config.init_from is not None else "the seed's weights"
         say(
-            f"ferry: no checkpoint to resume from in {trainer.config.checkpoint.path(run_dir)} (this run has saved "
+            f"ferry: no checkpoint to resume from in {config.checkpoint.path(run_dir)} (this run has saved "
             f"none yet): it starts at step 0 with {weights}"
         )
 
 
-def step_size(trainer: Trainer) -> str:
-    """What one step takes, in the objective's unit."""
-    train = trainer.config.train
-    if train.objective == "dpo":
-        return f"{train.global_batch} preference pairs"
-    if train.objective == "grpo":
-        return f"{train.global_batch} prompts x {trainer.config.grpo.group_size} sampled completions"
-    return f"{trainer.tokens_per_step:,} tokens"
-
-
-def describe(trainer: Trainer) -> dict:
+def describe(parts: RunParts, initial_weights: str | None) -> dict:
     """What run.json says about a run before it trains: config, data, model, layout, hardware, numerics."""
+    job, numerics = parts.job, parts.numerics
+    loader = parts.data.loader
     return {
-        "name": trainer.config.run.name,
-        "config": trainer.config.model_dump(mode="json"),
-        "data_mix": trainer.loader.mix_record(),
-        "tokenizer": trainer.loader.tokenizer,
-        "model_size": trainer.size.as_dict(),
-        "initial_weights_xxh3": trainer.initial_weights,
-        "layout": trainer.layout(),
-        "hardware": describe_hardware(trainer),
-        "precision": trainer.precision.as_dict(),
-        "kernels": trainer.kernels.as_dict(),
-        "compile": trainer.compiled,
-        "environment": {**trainer.environment, "comm_backend": trainer.context.backend},
+        "name": job.config.run.name,
+        "config": job.config.model_dump(mode="json"),
+        "data_mix": loader.mix_record(),
+        "tokenizer": loader.tokenizer,
+        "model_size": parts.instruments.size.as_dict(),
+        "initial_weights_xxh3": initial_weights,
+        "layout": job.layout(),
+        "hardware": describe_hardware(parts),
+        "precision": numerics.precision.as_dict(),
+        "kernels": numerics.kernels.as_dict(),
+        "compile": parts.model.compiled,
+        "environment": {**parts.instruments.environment, "comm_backend": job.context.backend},
     }
 
 
-def describe_hardware(trainer: Trainer) -> dict:
+def describe_hardware(parts: RunParts) -> dict:
     """The hardware section of run.json: the profile, and the peak MFU is computed against with its source (a
     measured CPU peak may be measured again during the run, so the run's end writes this section again)."""
+    numerics = parts.numerics
     return {
-        "profile": trainer.profile.name,
-        "peak_tflops": trainer.profile.peak_tflops,
-        "mfu_dtype": trainer.precision.mfu_dtype,
-        "mfu_peak": trainer.metrics.peak.provenance,
-        "price_per_device_hour_usd": trainer.profile.price_per_device_hour_usd,
-        "host_allocator": trainer.host_allocator,
+        "profile": numerics.profile.name,
+        "peak_tflops": numerics.profile.peak_tflops,
+        "mfu_dtype": numerics.precision.mfu_dtype,
+        "mfu_peak": parts.instruments.metrics.peak.provenance,
+        "price_per_device_hour_usd": numerics.profile.price_per_device_hour_usd,
+        "host_allocator": numerics.host_allocator,
     }
 
 

@@ -25,37 +25,40 @@ import numpy as np
 import torch
 
 from ferry.config import UserError
+from ferry.data import DataCursor
 from ferry.data.chat import IM_END
-from ferry.data.records import RecordDataset
+from ferry.data.records import RecordDataset, RecordLoader
 from ferry.data.targets import completion_batch
 from ferry.data.tokenizer import load_tokenizer
 from ferry.inference import GenerationConfig
 from ferry.inference.evaluation import held_out_due
 from ferry.inference.generate import GenerationSync, generate
-from ferry.train.losses import router_losses, router_objective
-from ferry.train.objectives import StepOutcome
-from ferry.train.preference_losses import (
+from ferry.model import MoEConfig
+from ferry.train.objectives.base import StepOutcome
+from ferry.train.objectives.config import GRPOConfig
+from ferry.train.objectives.losses import router_losses, router_objective
+from ferry.train.objectives.preference_losses import (
     clipped_policy_loss,
     group_advantages,
     k3_kl,
     token_logprobs,
 )
-from ferry.train.reference import (
-    build_reference_model,
-    parent_checkpoint,
-    reference_record,
-)
-from ferry.train.step_statistics import StepStatistics
-from ferry.train.verifiers import VERIFIERS
+from ferry.train.objectives.reference import ReferenceSource
+from ferry.train.objectives.verifiers import VERIFIERS
 
 if TYPE_CHECKING:
+    from ferry.comm.reductions import RankReductions
     from ferry.model import Transformer
-    from ferry.train.trainer import Trainer
+    from ferry.train.step_context import StepContext
+    from ferry.train.step_statistics import StepStatistics
 
-# extra statistics: reward sum, sum of group stds, groups, completions, completion tokens, kept groups,
-# trained tokens, clipped tokens, kl sum, tokens trained on (prompts and completions of the kept groups, once per
-# update; the rollouts' decoding is timed but not counted), loss sum, completions accepted
-_SUMS = 12
+# the sums of a step: rewards, the groups' reward spreads, groups, completions, completion tokens, kept groups,
+# trained tokens, clipped tokens, the KL, the tokens trained on (prompts and completions of the kept groups, once
+# per update; the rollouts' decoding is timed but not counted), the loss, completions accepted
+GRPO_STATISTICS = (
+    "reward", "reward_spread", "groups", "completions", "completion_tokens", "kept_groups", "trained_tokens",
+    "clipped_tokens", "kl", "tokens", "loss", "accepted",
+)
 _SEED_STREAM = 0x6E90
 _EVAL_STREAM = 0xE7A1
 EVAL_SAMPLES = 4
@@ -73,17 +76,29 @@ class Rollouts:
 
 
 class GRPOObjective:
-    extra_statistics = _SUMS
+    statistics = GRPO_STATISTICS
 
-    def __init__(self, trainer: Trainer):
-        config = trainer.config
-        self.config = config.grpo
-        self.seed = config.run.seed
-        self.dataset: RecordDataset = trainer.loader.dataset
-        self.held_out = [
-            RecordDataset(source.path, f"eval.sources.{index} ({source.name})", "prompts")
-            for index, source in enumerate(config.eval.sources)
-        ]
+    def __init__(
+        self,
+        config: GRPOConfig,
+        loader: RecordLoader,
+        held_out: dict[str, RecordDataset],
+        micro_batch: int,
+        moe: MoEConfig,
+        max_seq_len: int,
+        eval_interval: int,
+        seed: int,
+        references: ReferenceSource,
+    ):
+        """`held_out`: the held-out prompt sets by their `eval.sources` names; `seed`: the run's, from which every
+        completion's sampler is seeded; `references`: the stage's parent (its model only with `kl_coef`)."""
+        self.config = config
+        self.loader = loader
+        self.seed = seed
+        self.dataset: RecordDataset = loader.dataset
+        self.held_out = held_out
+        self.micro_batch = micro_batch
+        self.moe = moe
         self.tokenizer = load_tokenizer(self.dataset.path / self.dataset.tokenizer["file"])
         self.stop_id = self.tokenizer.token_id(IM_END)
         if self.stop_id is None:
@@ -92,101 +107,100 @@ class GRPOObjective:
             )
         self.pad_id = self.dataset.tokenizer["eos_id"]
         self.verify = VERIFIERS[self.config.verifier]
-        self.prompts_per_step = config.train.global_batch
-        self.eval_interval = config.eval.interval
-        for dataset in [self.dataset, *self.held_out]:
+        self.prompts_per_step = loader.global_batch
+        self.eval_interval = eval_interval
+        for dataset in [self.dataset, *self.held_out.values()]:
             longest = int((dataset.spans[:, 0, 1] - dataset.spans[:, 0, 0]).max())
-            if longest + self.config.max_new_tokens > config.model.max_seq_len:
+            if longest + self.config.max_new_tokens > max_seq_len:
                 raise UserError(
                     f"{dataset.label}: a prompt of {longest} tokens plus grpo.max_new_tokens "
-                    f"({self.config.max_new_tokens}) exceeds model.max_seq_len ({config.model.max_seq_len})"
+                    f"({self.config.max_new_tokens}) exceeds model.max_seq_len ({max_seq_len})"
                 )
+        self.references = references
         self.reference_model: Transformer | None = None
         self.reference_pointer: dict | None = None
 
-    def prepare(self, trainer: Trainer) -> list[str]:
-        parent = parent_checkpoint(trainer)
-        self.reference_pointer = reference_record(parent)
+    def prepare(self, context: StepContext) -> list[str]:
+        parent = self.references.checkpoint()
+        self.reference_pointer = self.references.pointer(parent)
         if self.config.kl_coef > 0:
-            self.reference_model = build_reference_model(trainer, parent)
+            self.reference_model = self.references.model(parent)
             return [f"KL reference: {parent.path} (step {parent.step})"]
         return []
 
-    def step(self, trainer: Trainer, statistics: StepStatistics) -> StepOutcome:
-        config = trainer.config
-        timer = trainer.metrics.timer
-        records = trainer.loader.step_records(trainer.cursor, trainer.rank, trainer.world_size)
-        trainer.resilience.phase("generate")
-        with timer.region("generate"):
-            rollouts = self._rollouts(trainer, records.indices, step=trainer.cursor.step)
-        sums = statistics.extra
+    def step(self, context: StepContext, cursor: DataCursor, statistics: StepStatistics) -> StepOutcome:
+        records = self.loader.step_records(cursor, context.rank, context.world_size)
+        with context.phase("generate"):
+            rollouts = self._rollouts(context, records.indices, step=cursor.step)
+        own = statistics.own
         group = self.config.group_size
         rewards_PG = rollouts.rewards_PG
-        sums[0] += rewards_PG.sum().item()
-        sums[1] += rewards_PG.std(dim=1).sum().item()
-        sums[2] += rewards_PG.shape[0]
-        sums[3] += rewards_PG.numel()
-        sums[4] += sum(len(completion) for completion in rollouts.completions)
-        sums[5] += rollouts.kept_P.sum().item()
-        sums[11] += (rewards_PG >= 1.0).sum().item()
+        own.add(
+            reward=rewards_PG.sum().item(),
+            reward_spread=rewards_PG.std(dim=1).sum().item(),
+            groups=rewards_PG.shape[0],
+            completions=rewards_PG.numel(),
+            completion_tokens=sum(len(completion) for completion in rollouts.completions),
+            kept_groups=rollouts.kept_P.sum().item(),
+            accepted=(rewards_PG >= 1.0).sum().item(),
+        )
         kept = [index for index in range(len(rollouts.completions)) if rollouts.kept_P[index // group]]
         trained_sequences = sum(len(rollouts.prompts[i]) + len(rollouts.completions[i]) for i in kept)
-        sums[9] += trained_sequences * self.config.iterations
-        trained_tokens = self._sum_over_ranks(trainer, sum(len(rollouts.completions[i]) for i in kept))
-        micro = config.train.micro_batch * group
+        own.add(tokens=trained_sequences * self.config.iterations)
+        trained_tokens = context.reductions.sum(sum(len(rollouts.completions[i]) for i in kept))
+        micro = self.micro_batch * group
         batches = [kept[start : start + micro] for start in range(0, len(kept), micro)]
-        rounds = int(self._max_over_ranks(trainer, len(batches)))
+        rounds = int(context.reductions.largest([float(len(batches))])[0])
         if trained_tokens == 0:
             return StepOutcome(False, 0.0, tokens=0)
         old_logps: dict[int, torch.Tensor] = {}
         grad_norm, stepped = 0.0, False
         for iteration in range(self.config.iterations):
-            trainer.optimizer.zero_grad(set_to_none=True)
+            context.zero_grad()
             for round_index in range(rounds):
                 rows = batches[round_index] if round_index < len(batches) else []
                 self._train_batch(
-                    trainer, statistics, rollouts, rows, round_index, trained_tokens, old_logps, iteration
+                    context, statistics, rollouts, rows, round_index, trained_tokens, old_logps, iteration
                 )
-            grad_norm, stepped = trainer.apply_update(trainer.cursor.step + 1)
+            grad_norm, stepped = context.update(cursor.step + 1)
         return StepOutcome(stepped, grad_norm, tokens=0)
 
     def figures(self, statistics: StepStatistics, outcome: StepOutcome) -> dict:
         """Means over the step's completions and groups; KL and clipping over the trained tokens of every update
         (the first update's ratios are all 1: clipping shows from the second on, with `grpo.iterations` > 1)."""
-        (reward, spread, groups, completions, lengths, kept, trained, clipped, kl, tokens, loss, accepted) = (
-            statistics.extra.tolist()
-        )
-        outcome.tokens = int(tokens)
-        per_token = max(trained, 1.0)
+        sums = statistics.own.values()
+        outcome.tokens = int(sums["tokens"])
+        per_token = max(sums["trained_tokens"], 1.0)
+        completions, groups = sums["completions"], sums["groups"]
         return {
-            "loss": loss,
-            "reward": reward / completions,
-            "reward_std": spread / groups,
-            "solve_rate": accepted / completions,
-            "kl": kl / per_token,
-            "clip_fraction": clipped / per_token,
-            "completion_length": lengths / completions,
-            "filtered_groups": 1.0 - kept / groups,
+            "loss": sums["loss"],
+            "reward": sums["reward"] / completions,
+            "reward_std": sums["reward_spread"] / groups,
+            "solve_rate": sums["accepted"] / completions,
+            "kl": sums["kl"] / per_token,
+            "clip_fraction": sums["clipped_tokens"] / per_token,
+            "completion_length": sums["completion_tokens"] / completions,
+            "filtered_groups": 1.0 - sums["kept_groups"] / groups,
         }
 
     def evaluation_due(self, step: int, last_step: int) -> bool:
         return held_out_due(bool(self.held_out), self.eval_interval, step, last_step)
 
     @torch.no_grad()
-    def evaluate(self, trainer: Trainer, progress) -> dict:
+    def evaluate(self, context: StepContext) -> dict:
         """Solve rates of every held-out prompt set, the prompts split over the ranks: sampled as the rollouts
         are (`eval/solve_rate`: `EVAL_SAMPLES` completions a prompt, fixed seeds, so evaluations compare) and
         greedy (`eval/greedy_solve_rate`)."""
         sampled, greedy = {}, {}
         max_new_tokens = self.config.eval_max_new_tokens or self.config.max_new_tokens
-        for source, dataset in zip(trainer.config.eval.sources, self.held_out):
+        for name, dataset in self.held_out.items():
             for rates, temperature, samples in ((sampled, self.config.temperature, EVAL_SAMPLES), (greedy, 0.0, 1)):
                 solved = solved_prompts(
-                    trainer.model, dataset, self.verify, max_new_tokens, trainer.rank, trainer.world_size,
-                    self._sync(trainer), temperature=temperature, samples=samples, seed=self.seed,
+                    context.model, dataset, self.verify, max_new_tokens, context.rank, context.world_size,
+                    _sync(context.reductions), temperature=temperature, samples=samples, seed=self.seed,
                 )
-                progress()
-                rates[source.name] = self._sum_over_ranks(trainer, solved) / len(dataset)
+                context.progress()
+                rates[name] = context.reductions.sum(solved) / len(dataset)
         return {"eval/solve_rate": sampled, "eval/greedy_solve_rate": greedy}
 
     def state(self) -> dict:
@@ -203,13 +217,13 @@ class GRPOObjective:
                 f"{self.seed}: resume with the same seed"
             )
 
-    def _rollouts(self, trainer: Trainer, indices: list[int], step: int) -> Rollouts:
+    def _rollouts(self, context: StepContext, indices: list[int], step: int) -> Rollouts:
         group = self.config.group_size
         prompts = [self.dataset.field(index, "prompt") for index in indices for _ in range(group)]
         seeds = [_seed(self.seed, _SEED_STREAM, step, index, sample) for index in indices for sample in range(group)]
         sampling = GenerationConfig(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature)
         result = generate(
-            trainer.model, prompts, sampling, end_ids=[self.stop_id], row_seeds=seeds, sync=self._sync(trainer)
+            context.model, prompts, sampling, end_ids=[self.stop_id], row_seeds=seeds, sync=_sync(context.reductions)
         )
         completions = [np.asarray(completion.tokens, dtype=np.int64) for completion in result.completions]
         rewards = [
@@ -226,7 +240,7 @@ class GRPOObjective:
 
     def _train_batch(
         self,
-        trainer: Trainer,
+        context: StepContext,
         statistics: StepStatistics,
         rollouts: Rollouts,
         rows: list[int],
@@ -236,20 +250,18 @@ class GRPOObjective:
         iteration: int,
     ) -> None:
         """Forward and backward of one micro-batch of kept completions (or a zero-weight filler)."""
-        config = trainer.config
         filler = not rows
         rows = rows or [0]
         prompts = [rollouts.prompts[row] for row in rows]
         completions = [rollouts.completions[row] for row in rows]
-        batch = completion_batch(prompts, completions, self.pad_id).to(trainer.device)
+        batch = completion_batch(prompts, completions, self.pad_id).to(context.device)
         inputs_BS, targets_BS = batch.inputs_BS, batch.targets_BS
         mask_BS = targets_BS >= 0
-        advantages_B1 = rollouts.advantages_PG.view(-1)[rows].to(trainer.device)[:, None]
+        advantages_B1 = rollouts.advantages_PG.view(-1)[rows].to(context.device)[:, None]
         weight = 0.0 if filler else 1.0
         share = 0.0 if filler else len(rows) / (self.prompts_per_step * self.config.group_size)
-        trainer.resilience.phase("forward")
-        with trainer.metrics.timer.region("forward"), trainer.autocast():
-            output = trainer.model(inputs_BS, padding_BS=batch.padding_BS)
+        with context.phase("forward"), context.autocast():
+            output = context.model(inputs_BS, padding_BS=batch.padding_BS)
             logps_BS = token_logprobs(output.logits_BSV, targets_BS)
             if iteration == 0:
                 old_logps[round_index] = logps_BS.detach()
@@ -264,36 +276,30 @@ class GRPOObjective:
                 losses_BS = losses_BS + self.config.kl_coef * kl_BS
             policy_loss = (losses_BS * mask_BS).sum() / trained_tokens
             aux_loss, z_loss = router_losses(output)
-            objective = weight * policy_loss + share * router_objective(config.model.moe, aux_loss, z_loss)
-        trainer.resilience.phase("backward")
-        with trainer.metrics.timer.region("backward"):
-            trainer.scaler.scale_loss(objective).backward()
+            objective = weight * policy_loss + share * router_objective(self.moe, aux_loss, z_loss)
+        context.backward(objective)
         if filler:
             return
-        extra = statistics.extra
-        extra[6] += mask_BS.sum().item()  # clipping and KL: over the tokens of every update
-        extra[7] += (clipped_BS & mask_BS).sum().item()
-        extra[8] += (kl_BS.detach() * mask_BS).sum().item()
+        own = statistics.own
+        own.add(  # clipping and KL: over the tokens of every update
+            trained_tokens=mask_BS.sum().item(),
+            clipped_tokens=(clipped_BS & mask_BS).sum().item(),
+            kl=(kl_BS.detach() * mask_BS).sum().item(),
+        )
         if iteration == 0:  # the loss and the routers: as the first update saw them
             statistics.add_router(aux_loss, z_loss, output, share)
-            extra[10] += policy_loss.detach().item()
+            own.add(loss=policy_loss.detach().item())
 
-    def _sync(self, trainer: Trainer) -> GenerationSync | None:
-        if trainer.world_size == 1:
-            return None
-        return GenerationSync(
-            longest=lambda value: int(self._max_over_ranks(trainer, value)),
-            all_finished=lambda finished: self._max_over_ranks(trainer, 0.0 if finished else 1.0) == 0.0,
-        )
 
-    def _sum_over_ranks(self, trainer: Trainer, value: float) -> float:
-        if trainer.world_size == 1:
-            return value
-        tensor = torch.tensor([float(value)], dtype=torch.float64, device=trainer.device)
-        return float(trainer.plan.sum_over_ranks(tensor).item())
-
-    def _max_over_ranks(self, trainer: Trainer, value: float) -> float:
-        return trainer.largest_over_ranks([float(value)])[0]
+def _sync(reductions: RankReductions) -> GenerationSync | None:
+    """Ranks decoding in step (expert parallelism needs every rank in every forward): the longest prompt, and
+    whether every rank has finished."""
+    if reductions.context.world_size == 1:
+        return None
+    return GenerationSync(
+        longest=lambda value: int(reductions.largest([float(value)])[0]),
+        all_finished=lambda finished: reductions.largest([0.0 if finished else 1.0])[0] == 0.0,
+    )
 
 
 @torch.no_grad()

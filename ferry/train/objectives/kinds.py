@@ -1,0 +1,163 @@
+"""The objectives a run can train, one variant per kind, chosen by `train.objective`.
+
+Each variant carries its settings (the `dpo` / `grpo` sections; the next-token objective has none of its own) and
+answers every question the rest of the run would otherwise ask by branching on the objective's name: which loader
+reads its data, which held-out sets it evaluates and under which names, the sequence length its FLOPs are counted
+at, what one step takes, whether it draws its own training data, and how it is built. The config file keeps its
+shape (`train.objective` with the `dpo` and `grpo` sections beside it), so configs and checkpoints written before
+read the same; the union lives here, where the variant is picked once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from ferry.data import MixedLoader
+from ferry.data.records import RecordDataset, RecordLoader
+from ferry.inference.config import EvalConfig
+from ferry.train.objectives.base import Objective
+from ferry.train.objectives.config import DPOConfig, GRPOConfig
+from ferry.train.objectives.dpo import DPOObjective
+from ferry.train.objectives.grpo import GRPOObjective
+from ferry.train.objectives.lm import LanguageModelObjective
+from ferry.train.objectives.reference import ReferenceSource
+
+if TYPE_CHECKING:
+    from ferry.train.config import RunConfig
+
+
+@dataclass(frozen=True)
+class ObjectiveInputs:
+    """What an objective is built from besides its settings: the run's config (for the batch, the model's routing
+    losses and length, the held-out sources), its loader, the way to its reference, and what identifies cached
+    reference log-probs (model and precision settings)."""
+
+    config: RunConfig
+    loader: MixedLoader | RecordLoader
+    references: ReferenceSource
+    cache_identity: dict
+
+
+@dataclass(frozen=True)
+class LanguageModelling:
+    """Next-token loss: pre-training, mid-training, long-context and SFT (a loss mask leaves prompts out)."""
+
+    kind: ClassVar[Literal["lm"]] = "lm"
+    samples_its_data: ClassVar[bool] = False
+
+    def loader(self, config: RunConfig) -> MixedLoader:
+        return MixedLoader(config.data, seed=config.run.seed, global_batch=config.train.global_batch)
+
+    def token_evaluation(self, config: RunConfig) -> EvalConfig:
+        """Held-out token windows: the `eval` sources are token datasets."""
+        return config.eval
+
+    def held_out(self, config: RunConfig) -> dict[str, RecordDataset]:
+        return {}
+
+    def sequence_length(self, config: RunConfig, loader: MixedLoader) -> int:
+        return config.data.seq_len
+
+    def step_unit(self, config: RunConfig, tokens_per_step: int) -> str:
+        return f"{tokens_per_step:,} tokens"
+
+    def build(self, inputs: ObjectiveInputs) -> Objective:
+        config = inputs.config
+        train = config.train
+        return LanguageModelObjective(
+            inputs.loader, train.micro_batch, train.global_batch, train.loss_chunk, config.model.moe,
+            inputs.loader.tokenizer["eos_id"] if config.data.document_masking else None,
+            train.global_batch * config.data.seq_len,
+        )
+
+
+@dataclass(frozen=True)
+class _RecordObjective:
+    """What DPO and GRPO share: whole records, held-out record sets under their `eval` names."""
+
+    record_kind: ClassVar[str]
+
+    def loader(self, config: RunConfig) -> RecordLoader:
+        return RecordLoader(config.data, seed=config.run.seed, global_batch=config.train.global_batch,
+                            kind=self.record_kind)
+
+    def token_evaluation(self, config: RunConfig) -> EvalConfig:
+        """No token windows: the `eval` sources are record sets, which the objective evaluates itself."""
+        return config.eval.model_copy(update={"sources": []})
+
+    def held_out(self, config: RunConfig) -> dict[str, RecordDataset]:
+        return {
+            source.name: RecordDataset(source.path, f"eval.sources.{index} ({source.name})", self.record_kind)
+            for index, source in enumerate(config.eval.sources)
+        }
+
+
+@dataclass(frozen=True)
+class PreferenceOptimisation(_RecordObjective):
+    """DPO against the parent's cached log-probs."""
+
+    settings: DPOConfig
+    kind: ClassVar[Literal["dpo"]] = "dpo"
+    samples_its_data: ClassVar[bool] = False
+    record_kind: ClassVar[str] = "preferences"
+
+    def sequence_length(self, config: RunConfig, loader: RecordLoader) -> int:
+        """The longest pair: records are far shorter than `data.seq_len`."""
+        return loader.dataset.longest
+
+    def step_unit(self, config: RunConfig, tokens_per_step: int) -> str:
+        return f"{config.train.global_batch} preference pairs"
+
+    def build(self, inputs: ObjectiveInputs) -> Objective:
+        config = inputs.config
+        cache_dir = Path(self.settings.reference_cache or config.run.path / "reference-cache")
+        return DPOObjective(
+            self.settings, inputs.loader, self.held_out(config), config.train.micro_batch, config.model.moe,
+            config.model.max_seq_len, config.eval.interval, inputs.references, cache_dir, inputs.cache_identity,
+        )
+
+
+@dataclass(frozen=True)
+class GroupRelativePolicyOptimisation(_RecordObjective):
+    """GRPO: rollouts sampled from the policy, rewarded by a verifier."""
+
+    settings: GRPOConfig
+    kind: ClassVar[Literal["grpo"]] = "grpo"
+    samples_its_data: ClassVar[bool] = True  # two runs part for good at the first token sampled otherwise
+    record_kind: ClassVar[str] = "prompts"
+
+    def sequence_length(self, config: RunConfig, loader: RecordLoader) -> int:
+        """The longest prompt with its completion."""
+        return loader.dataset.longest + self.settings.max_new_tokens
+
+    def step_unit(self, config: RunConfig, tokens_per_step: int) -> str:
+        return f"{config.train.global_batch} prompts x {self.settings.group_size} sampled completions"
+
+    def build(self, inputs: ObjectiveInputs) -> Objective:
+        config = inputs.config
+        return GRPOObjective(
+            self.settings, inputs.loader, self.held_out(config), config.train.micro_batch, config.model.moe,
+            config.model.max_seq_len, config.eval.interval, config.run.seed, inputs.references,
+        )
+
+
+ObjectiveKind = LanguageModelling | PreferenceOptimisation | GroupRelativePolicyOptimisation
+
+
+def objective_kind(config: RunConfig) -> ObjectiveKind:
+    """The variant `train.objective` names, with its settings."""
+    return {
+        "lm": lambda: LanguageModelling(),
+        "dpo": lambda: PreferenceOptimisation(config.dpo),
+        "grpo": lambda: GroupRelativePolicyOptimisation(config.grpo),
+    }[config.train.objective]()
+
+
+# Objectives that draw their own training data: two runs of one of them part for good at the first sampled token
+# that falls on the other side of a probability boundary, so no per-step bound compares them.
+SAMPLING_OBJECTIVES = frozenset(
+    variant.kind for variant in (LanguageModelling, PreferenceOptimisation, GroupRelativePolicyOptimisation)
+    if variant.samples_its_data
+)

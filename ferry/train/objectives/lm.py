@@ -1,0 +1,92 @@
+"""The next-token objective: pre-training, mid-training and SFT (whose loss mask leaves prompts out)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ferry.data import DataCursor, MixedLoader, document_ids
+from ferry.model import MoEConfig
+from ferry.model.head_loss import HeadTargets
+from ferry.train.objectives.base import StepOutcome
+from ferry.train.objectives.losses import compute_loss
+
+if TYPE_CHECKING:
+    from ferry.train.step_context import StepContext
+    from ferry.train.step_statistics import StepStatistics
+
+
+class LanguageModelObjective:
+    """Next-token cross-entropy over the trained targets (every token, or an SFT loss mask's)."""
+
+    statistics = ()
+
+    def __init__(
+        self,
+        loader: MixedLoader,
+        micro_batch: int,
+        global_batch: int,
+        loss_chunk: int,
+        moe: MoEConfig,
+        document_eos: int | None,
+        tokens_per_step: int,
+    ):
+        """`document_eos`: attention stays within documents ending with this token (None: plain causal);
+        `loss_chunk`: the head and the loss computed together by chunks of that many tokens (0: logits first)."""
+        self.loader = loader
+        self.micro_batch = micro_batch
+        self.global_batch = global_batch
+        self.loss_chunk = loss_chunk
+        self.moe = moe
+        self.document_eos = document_eos
+        self.tokens_per_step = tokens_per_step
+        self.trained_targets = 0
+
+    def prepare(self, context: StepContext) -> list[str]:
+        return []
+
+    def step(self, context: StepContext, cursor: DataCursor, statistics: StepStatistics) -> StepOutcome:
+        context.zero_grad()
+        batches = self.loader.micro_batches(cursor, context.rank, context.world_size, self.micro_batch)
+        for batch in batches.micro:
+            share = batch.inputs_BS.shape[0] / self.global_batch
+            with context.phase("forward"), context.autocast():
+                batch = batch.to(context.device)
+                documents_BS = self._documents(batch.inputs_BS)
+                head = HeadTargets(batch.targets_BS, self.loss_chunk) if self.loss_chunk else None
+                output = context.model(
+                    batch.inputs_BS, document_ids_BS=documents_BS, padding_BS=batch.padding_BS, targets=head
+                )
+                parts = compute_loss(output, batch.targets_BS, self.moe, batches.trained_targets, share)
+            context.backward(parts.objective)
+            statistics.add(parts, output, share)
+        self.trained_targets = batches.trained_targets
+        grad_norm, stepped = context.update(cursor.step + 1)
+        return StepOutcome(stepped, grad_norm, self.tokens_per_step)
+
+    def figures(self, statistics: StepStatistics, outcome: StepOutcome) -> dict:
+        lm_sum, correct, _, _ = statistics.losses()
+        trained = max(self.trained_targets, 1)
+        return {
+            "loss": lm_sum / trained,
+            "lm_loss": lm_sum / trained,
+            "token_accuracy": correct / trained,
+            "trained_share": self.trained_targets / self.tokens_per_step,
+        }
+
+    def evaluation_due(self, step: int, last_step: int) -> bool:
+        return False
+
+    def evaluate(self, context: StepContext) -> dict:
+        return {}
+
+    def state(self) -> dict:
+        return {"kind": "lm"}
+
+    def load_state(self, state: dict | None) -> None:
+        return None
+
+    def _documents(self, inputs_BS):
+        """Each position's document when `data.document_masking` is on (None: plain causal attention)."""
+        if self.document_eos is None:
+            return None
+        return document_ids(inputs_BS, self.document_eos).to(inputs_BS.device)

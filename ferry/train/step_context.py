@@ -1,0 +1,104 @@
+"""The narrow view of a run through which an objective trains a step.
+
+An objective says what a step computes: its batches, forwards, losses and figures. The context says how that
+runs on this job: the model and its autocast, the named phases a step passes through (each a timer region and the
+hang watchdog's phase at once), the scaled backward, the optimizer update, reductions over the ranks, and a
+heartbeat for long work. The trainer builds it from the run's parts; a test builds a fake one. A way of running
+micro-batches other than plain accumulation (a pipeline schedule, checkpointed activations) goes behind these same
+methods, so no objective changes for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol
+
+import torch
+
+from ferry.comm.reductions import RankReductions
+from ferry.metrics.timer import StepTimer
+from ferry.precision import LossScaler
+
+
+class StepContext(Protocol):
+    """What an objective may use of the run. `update(step)` runs after the backwards of an update: the fault
+    hooks, then reduce, unscale, clip and step; it returns the gradient norm and whether the optimizer stepped."""
+
+    model: torch.nn.Module
+    device: torch.device
+    rank: int
+    world_size: int
+    reductions: RankReductions
+
+    def autocast(self) -> AbstractContextManager: ...
+
+    def phase(self, name: str) -> AbstractContextManager: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+    def update(self, step: int) -> tuple[float, bool]: ...
+
+    def progress(self) -> None: ...
+
+
+class TrainingContext:
+    """The step context of a training run: plain gradient accumulation over the micro-batches an objective
+    runs, one optimizer update when it asks."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        reductions: RankReductions,
+        autocast: Callable[[], AbstractContextManager],
+        timer: StepTimer,
+        scaler: LossScaler,
+        optimizer: torch.optim.Optimizer,
+        watch: Callable[[str], None],
+        touch: Callable[[], None],
+        after_backward: Callable[[int, torch.nn.Module], None],
+        apply_gradients: Callable[[int], tuple[float, bool]],
+    ):
+        """`watch(name)` names the phase the hang watchdog reports, `touch()` restarts its clock,
+        `after_backward(step, model)` runs the hooks at that point, `apply_gradients(step)` reduces, unscales,
+        clips and steps."""
+        self.model = model
+        self.device = device
+        self.reductions = reductions
+        self.rank = reductions.context.rank
+        self.world_size = reductions.context.world_size
+        self._autocast = autocast
+        self._timer = timer
+        self._scaler = scaler
+        self._optimizer = optimizer
+        self._watch = watch
+        self._touch = touch
+        self._after_backward = after_backward
+        self._apply_gradients = apply_gradients
+
+    def autocast(self) -> AbstractContextManager:
+        return self._autocast()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._watch(name)
+        with self._timer.region(name):
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.phase("backward"):
+            self._scaler.scale_loss(loss).backward()
+
+    def zero_grad(self) -> None:
+        self._optimizer.zero_grad(set_to_none=True)
+
+    def update(self, step: int) -> tuple[float, bool]:
+        self._after_backward(step, self.model)
+        with self.phase("optimizer"):
+            return self._apply_gradients(step)
+
+    def progress(self) -> None:
+        self._touch()

@@ -223,14 +223,19 @@ def test_grpo_trains_from_rollouts_and_resumes_with_the_same_draws(tmp_path, tas
 
 def test_a_grpo_move_is_judged_on_its_reward_against_the_spread_between_seeds(tmp_path, task, sft, capsys):
     """`ferry rehearse` of a GRPO run: the source trains two seed runs beside its reference and the bundle
-    carries them; a target that draws as the source does passes, a run that samples colder fails against them."""
+    carries them; a target that draws as the source does passes, a run that samples colder fails against them.
+
+    512 completions a step (32 prompts x 16): at that size a sampler at temperature 0.3 leaves the band of the
+    seed spread by 1.8x or more (4.4x at the median) in every one of 336 seed sets measured on two CPU code paths
+    (AVX-512 and AVX2), so the verdict does not depend on which CPU's rounding drew the rollouts; at 32
+    completions a step it left the band in only 40-57% of them (ferry/portability/tolerances.yaml)."""
     from ferry.config import dump_yaml
     from ferry.portability import compare_runs
     from ferry.portability.bundle import _file_digest
 
     grpo = [
         "train.objective=grpo", f"init_from={sft}", f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
-        "eval.interval=0", "train.global_batch=8", "train.micro_batch=4", "grpo.group_size=4",
+        "eval.interval=0", "train.global_batch=32", "train.micro_batch=8", "grpo.group_size=16",
         "grpo.max_new_tokens=3", "grpo.verifier=numeric", "optim.lr=1e-3", "train.steps=12",
     ]
     config = _config(tmp_path, "grpo", grpo)

@@ -70,3 +70,21 @@ def test_a_held_out_evaluation_during_training_reports_its_progress(make_config,
              if line.startswith("ferry: held-out evaluation at step 2:")]
     # 2 batches of train.global_batch 8 in micro-batches of 4: 4 forwards
     assert lines == [f"ferry: held-out evaluation at step 2: {n} forwards" for n in (1, 2, 3, 4)]
+
+
+def test_a_leg_a_parent_command_starts_is_followed_in_lines_when_the_parent_writes_to_a_file(
+    make_config, monkeypatch, tmp_path
+):
+    """A rehearsal's or drill's leg runs in a child process that writes to its own log: the parent says how many
+    of the leg's steps are done, so its own output is never silent for minutes."""
+    from ferry.portability.environment import load_environment
+    from ferry.portability.legs import run_leg
+
+    monkeypatch.setattr(progress_module, "LINE_EVERY_S", 0.0)
+    said: list[str] = []
+    result = run_leg("source", load_environment("cpu"), make_config("train.steps=3"), tmp_path / "work", said.append,
+                     steps=3)
+    assert result.ok
+    follows = [line for line in said if line.startswith("ferry: source leg: ")]
+    assert follows and all(line.split(" after ")[0].endswith("/3 steps") for line in follows)
+    assert said[-1].startswith("ferry: source done in ")

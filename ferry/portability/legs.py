@@ -17,11 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 from ferry.config import UserError, dump_yaml
 from ferry.metrics.jsonl import read_metrics
+from ferry.metrics.progress import WorkProgress
 from ferry.portability.conditions import LoadSampler, MachineLoad, throughput_conditions
 from ferry.portability.environment import Environment
 from ferry.train.config import RunConfig
@@ -90,7 +88,7 @@ def run_leg(
 ) -> LegResult:
     """Train `config` on `environment`'s ranks; its config and log go under `work_dir`.
 
-    On a terminal a progress bar follows the leg's `steps` steps in its metrics.
+    Its steps are followed in its metrics: a bar on a terminal, a line at least every 30 s elsewhere.
     A leg that refuses its input (exit code 2: a device that is not here, a checkpoint that
     does not fit) is bad input to the rehearsal and raises `UserError`; other failures are
     returned for the caller to judge.
@@ -108,7 +106,7 @@ def run_leg(
     launched = time.time()
     with log.open("w", encoding="utf-8") as output, LoadSampler() as sampler:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-        returncode = _follow(process, name, config.run.path / METRICS_NAME, steps)
+        returncode = _follow(process, name, config.run.path / METRICS_NAME, steps, say)
     finished = time.time()
     result = LegResult(
         name, environment.name, config.run.path, log, returncode, launched, finished, _run_record(config.run.path),
@@ -121,16 +119,14 @@ def run_leg(
     return result
 
 
-def _follow(process: subprocess.Popen, name: str, metrics: Path, steps: int | None) -> int:
-    """Wait for the leg; on a terminal show its steps as they land in its metrics file."""
-    console = Console(stderr=True)
-    if steps is None or not console.is_terminal:
-        return process.wait()
-    columns = (TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task(name, total=steps)
+def _follow(
+    process: subprocess.Popen, name: str, metrics: Path, steps: int | None, say: Callable[[str], None]
+) -> int:
+    """Wait for the leg, following its steps as they land in its metrics file: a bar on a terminal, a line at
+    least every 30 s elsewhere (a leg of minutes must not leave the parent's log silent)."""
+    with WorkProgress(f"{name} leg", steps, say=say, unit="steps") as progress:
         while process.poll() is None:
-            progress.update(task, completed=_lines(metrics))
+            progress.update(_lines(metrics))
             time.sleep(0.5)
     return process.returncode
 

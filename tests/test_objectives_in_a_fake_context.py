@@ -16,6 +16,7 @@ from ferry.data import PrepareSpec, prepare_dataset
 from ferry.data.config import DataConfig
 from ferry.data.records import RecordLoader
 from ferry.model import ModelConfig, Transformer
+from ferry.train.objectives.base import RecordTraining
 from ferry.train.objectives.config import DPOConfig, GRPOConfig
 from ferry.train.objectives.dpo import DPO_STATISTICS, DPOObjective
 from ferry.train.objectives.grpo import GRPO_STATISTICS, GRPOObjective
@@ -107,10 +108,9 @@ def _statistics(model: Transformer, names: tuple[str, ...]) -> StepStatistics:
 def _dpo(records, tmp_path, policy) -> tuple[DPOObjective, FakeReferences]:
     references = FakeReferences(policy)
     loader = _loader(records["preferences"], "preferences", global_batch=8)
-    objective = DPOObjective(
-        DPOConfig(beta=0.5, score_batch=16), loader, {}, micro_batch=4, moe=MODEL.moe, max_seq_len=64,
-        eval_interval=0, references=references, cache_dir=tmp_path / "cache", cache_identity={"model": "tiny"},
-    )
+    records = RecordTraining(loader, {}, micro_batch=4, moe=MODEL.moe, max_seq_len=64, eval_interval=0,
+                             references=references)
+    objective = DPOObjective(DPOConfig(beta=0.5, score_batch=16), records, tmp_path / "cache", {"model": "tiny"})
     return objective, references
 
 
@@ -143,10 +143,9 @@ def test_dpo_starts_at_log_2_against_its_own_parent_and_moves_the_chosen_answers
 
 def _grpo(records, policy, verifier: str = "numeric", **settings) -> GRPOObjective:
     config = GRPOConfig(group_size=4, max_new_tokens=3, verifier=verifier, **settings)
-    return GRPOObjective(
-        config, _loader(records["prompts"], "prompts", global_batch=4), {}, micro_batch=2, moe=MODEL.moe,
-        max_seq_len=64, eval_interval=0, seed=0, references=FakeReferences(policy),
-    )
+    training = RecordTraining(_loader(records["prompts"], "prompts", global_batch=4), {}, micro_batch=2,
+                              moe=MODEL.moe, max_seq_len=64, eval_interval=0, references=FakeReferences(policy))
+    return GRPOObjective(config, training, seed=0)
 
 
 def test_grpo_samples_groups_scores_them_and_trains_on_those_whose_rewards_differ(records, monkeypatch):

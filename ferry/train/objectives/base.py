@@ -14,6 +14,9 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from ferry.data import DataCursor
+    from ferry.data.records import RecordDataset, RecordLoader
+    from ferry.model import MoEConfig
+    from ferry.train.objectives.reference import ReferenceSource
     from ferry.train.step_context import StepContext
     from ferry.train.step_statistics import StepStatistics
 
@@ -26,6 +29,21 @@ class StepOutcome:
     stepped: bool
     grad_norm: float
     tokens: int
+
+
+@dataclass(frozen=True)
+class RecordTraining:
+    """What the objectives that train on whole records (DPO, GRPO) are built with besides their settings: the
+    loader of their records, the held-out sets by their `eval.sources` names, the micro-batch (records a forward),
+    the routers' settings, the model's length, the evaluation interval, and the stage's parent as the reference."""
+
+    loader: RecordLoader
+    held_out: dict[str, RecordDataset]
+    micro_batch: int
+    moe: MoEConfig
+    max_seq_len: int
+    eval_interval: int
+    references: ReferenceSource
 
 
 class Objective(Protocol):

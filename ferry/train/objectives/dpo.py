@@ -16,16 +16,15 @@ import numpy as np
 import torch
 
 from ferry.data import DataCursor
-from ferry.data.records import RecordDataset, RecordLoader
+from ferry.data.records import RecordDataset
 from ferry.data.targets import completion_batch
 from ferry.inference.evaluation import held_out_due
 from ferry.metrics.progress import WorkProgress
-from ferry.model import MoEConfig
-from ferry.train.objectives.base import StepOutcome
+from ferry.train.objectives.base import RecordTraining, StepOutcome
 from ferry.train.objectives.config import DPOConfig
 from ferry.train.objectives.losses import router_losses, router_objective
 from ferry.train.objectives.preference_losses import dpo_losses, token_logprobs
-from ferry.train.objectives.reference import LogprobCache, ReferenceSource
+from ferry.train.objectives.reference import LogprobCache
 from ferry.train.step_statistics import NamedSums
 
 if TYPE_CHECKING:
@@ -44,31 +43,25 @@ class DPOObjective:
     def __init__(
         self,
         config: DPOConfig,
-        loader: RecordLoader,
-        held_out: dict[str, RecordDataset],
-        micro_batch: int,
-        moe: MoEConfig,
-        max_seq_len: int,
-        eval_interval: int,
-        references: ReferenceSource,
+        records: RecordTraining,
         cache_dir: Path,
         cache_identity: dict,
     ):
-        """`held_out`: the held-out pair sets by their `eval.sources` names. `references` gives the stage's
-        parent and its frozen model; the reference log-probs are cached in `cache_dir` under a key of the parent's
-        digest, the data and `cache_identity` (model and precision)."""
+        """`records`: the pairs, the held-out pair sets and the reference (the stage's parent and its frozen
+        model); the reference log-probs are cached in `cache_dir` under a key of the parent's digest, the data and
+        `cache_identity` (model and precision)."""
         self.config = config
-        self.loader = loader
-        self.dataset: RecordDataset = loader.dataset
-        self.held_out = held_out
+        self.loader = records.loader
+        self.dataset: RecordDataset = records.loader.dataset
+        self.held_out = records.held_out
         for dataset in [self.dataset, *self.held_out.values()]:
-            _check_fits(dataset, max_seq_len)
-        self.micro_batch = micro_batch
-        self.moe = moe
-        self.pad_id = loader.tokenizer["eos_id"]
-        self.pairs_per_step = loader.global_batch
-        self.eval_interval = eval_interval
-        self.references = references
+            _check_fits(dataset, records.max_seq_len)
+        self.micro_batch = records.micro_batch
+        self.moe = records.moe
+        self.pad_id = records.loader.tokenizer["eos_id"]
+        self.pairs_per_step = records.loader.global_batch
+        self.eval_interval = records.eval_interval
+        self.references = records.references
         self.cache_dir = cache_dir
         self.cache_identity = cache_identity
         self.reference: dict[str, torch.Tensor] = {}

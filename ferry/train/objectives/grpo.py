@@ -27,14 +27,13 @@ import torch
 from ferry.config import UserError
 from ferry.data import DataCursor
 from ferry.data.chat import IM_END
-from ferry.data.records import RecordDataset, RecordLoader
+from ferry.data.records import RecordDataset
 from ferry.data.targets import completion_batch
 from ferry.data.tokenizer import load_tokenizer
 from ferry.inference import GenerationConfig
 from ferry.inference.evaluation import held_out_due
 from ferry.inference.generate import GenerationSync, generate
-from ferry.model import MoEConfig
-from ferry.train.objectives.base import StepOutcome
+from ferry.train.objectives.base import RecordTraining, StepOutcome
 from ferry.train.objectives.config import GRPOConfig
 from ferry.train.objectives.losses import router_losses, router_objective
 from ferry.train.objectives.preference_losses import (
@@ -43,7 +42,6 @@ from ferry.train.objectives.preference_losses import (
     k3_kl,
     token_logprobs,
 )
-from ferry.train.objectives.reference import ReferenceSource
 from ferry.train.objectives.verifiers import VERIFIERS
 
 if TYPE_CHECKING:
@@ -81,24 +79,18 @@ class GRPOObjective:
     def __init__(
         self,
         config: GRPOConfig,
-        loader: RecordLoader,
-        held_out: dict[str, RecordDataset],
-        micro_batch: int,
-        moe: MoEConfig,
-        max_seq_len: int,
-        eval_interval: int,
+        records: RecordTraining,
         seed: int,
-        references: ReferenceSource,
     ):
-        """`held_out`: the held-out prompt sets by their `eval.sources` names; `seed`: the run's, from which every
-        completion's sampler is seeded; `references`: the stage's parent (its model only with `kl_coef`)."""
+        """`records`: the prompts, the held-out prompt sets and the stage's parent (its model only with
+        `kl_coef`); `seed`: the run's, from which every completion's sampler is seeded."""
         self.config = config
-        self.loader = loader
+        self.loader = records.loader
         self.seed = seed
-        self.dataset: RecordDataset = loader.dataset
-        self.held_out = held_out
-        self.micro_batch = micro_batch
-        self.moe = moe
+        self.dataset: RecordDataset = records.loader.dataset
+        self.held_out = records.held_out
+        self.micro_batch = records.micro_batch
+        self.moe = records.moe
         self.tokenizer = load_tokenizer(self.dataset.path / self.dataset.tokenizer["file"])
         self.stop_id = self.tokenizer.token_id(IM_END)
         if self.stop_id is None:
@@ -107,16 +99,16 @@ class GRPOObjective:
             )
         self.pad_id = self.dataset.tokenizer["eos_id"]
         self.verify = VERIFIERS[self.config.verifier]
-        self.prompts_per_step = loader.global_batch
-        self.eval_interval = eval_interval
+        self.prompts_per_step = records.loader.global_batch
+        self.eval_interval = records.eval_interval
         for dataset in [self.dataset, *self.held_out.values()]:
             longest = int((dataset.spans[:, 0, 1] - dataset.spans[:, 0, 0]).max())
-            if longest + self.config.max_new_tokens > max_seq_len:
+            if longest + self.config.max_new_tokens > records.max_seq_len:
                 raise UserError(
                     f"{dataset.label}: a prompt of {longest} tokens plus grpo.max_new_tokens "
-                    f"({self.config.max_new_tokens}) exceeds model.max_seq_len ({max_seq_len})"
+                    f"({self.config.max_new_tokens}) exceeds model.max_seq_len ({records.max_seq_len})"
                 )
-        self.references = references
+        self.references = records.references
         self.reference_model: Transformer | None = None
         self.reference_pointer: dict | None = None
 

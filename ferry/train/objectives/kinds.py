@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from ferry.data import MixedLoader
 from ferry.data.records import RecordDataset, RecordLoader
 from ferry.inference.config import EvalConfig
-from ferry.train.objectives.base import Objective
+from ferry.train.objectives.base import Objective, RecordTraining
 from ferry.train.objectives.config import DPOConfig, GRPOConfig
 from ferry.train.objectives.dpo import DPOObjective
 from ferry.train.objectives.grpo import GRPOObjective
@@ -93,6 +93,13 @@ class _RecordObjective:
             for index, source in enumerate(config.eval.sources)
         }
 
+    def record_training(self, inputs: ObjectiveInputs) -> RecordTraining:
+        config = inputs.config
+        return RecordTraining(
+            inputs.loader, self.held_out(config), config.train.micro_batch, config.model.moe,
+            config.model.max_seq_len, config.eval.interval, inputs.references,
+        )
+
 
 @dataclass(frozen=True)
 class PreferenceOptimisation(_RecordObjective):
@@ -113,10 +120,7 @@ class PreferenceOptimisation(_RecordObjective):
     def build(self, inputs: ObjectiveInputs) -> Objective:
         config = inputs.config
         cache_dir = Path(self.settings.reference_cache or config.run.path / "reference-cache")
-        return DPOObjective(
-            self.settings, inputs.loader, self.held_out(config), config.train.micro_batch, config.model.moe,
-            config.model.max_seq_len, config.eval.interval, inputs.references, cache_dir, inputs.cache_identity,
-        )
+        return DPOObjective(self.settings, self.record_training(inputs), cache_dir, inputs.cache_identity)
 
 
 @dataclass(frozen=True)
@@ -136,11 +140,7 @@ class GroupRelativePolicyOptimisation(_RecordObjective):
         return f"{config.train.global_batch} prompts x {self.settings.group_size} sampled completions"
 
     def build(self, inputs: ObjectiveInputs) -> Objective:
-        config = inputs.config
-        return GRPOObjective(
-            self.settings, inputs.loader, self.held_out(config), config.train.micro_batch, config.model.moe,
-            config.model.max_seq_len, config.eval.interval, config.run.seed, inputs.references,
-        )
+        return GRPOObjective(self.settings, self.record_training(inputs), inputs.config.run.seed)
 
 
 ObjectiveKind = LanguageModelling | PreferenceOptimisation | GroupRelativePolicyOptimisation

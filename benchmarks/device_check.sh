@@ -7,16 +7,27 @@
 #      trained on the GPU, resumed on the CPU from its checkpoint and trained there from scratch,
 #      judged against the GPU run; the verdict goes to $out/portability with its lead time,
 #   4. whole training steps (benchmarks/accelerator_training.py): every variant (portable, vendor kernels,
-#      compiled blocks, FP8 emulated / native / torchao) on the mid-size shape, then 12 steps of the
-#      OLMoE-1B-7B shape (one 4,096-token sequence a micro-batch, 8 a step) with the vendor kernels,
-#      compiled, FP8 native and FP8 on torchao (the torchao variant fails fast, and says so, without
-#      torchao); and the standard suites (`ferry bench moe-tiny` on the GPU, `ferry bench olmoe-1b-7b`)
-#      with their cost,
+#      compiled blocks, activation checkpointing, the micro-batch ferry's memory model picks, FP8 emulated /
+#      native / torchao) on the mid-size shape; then the OLMoE-1B-7B shape (one 4,096-token sequence a
+#      micro-batch, 8 a step, unless the variant lets ferry pick the micro-batch) in two stages:
+#        olmoe (the acceptance): auto, compiled, large-micro, large-micro-eager, with large-micro's step
+#          traced and summarised (GPU busy share, top kernels, GEMM share of GPU time); it needs MFU >= 40%
+#          compiled and >= 30% eager at the micro-batch the memory model picks, and a GEMM share >= 60%;
+#        olmoe_extra: checkpointed, checkpointed-full, fp8-torchao-compiled, fp8-native, chunked-loss
+#          (the torchao variant fails fast, and says so, without torchao). FP8's approval figure is
+#          fp8-torchao-compiled's tokens/s over large-micro's from the olmoe stage (>= 1.1 to approve): the
+#          two stages' JSON lines give one side each;
+#      and the standard suites (`ferry bench moe-tiny` on the GPU, `ferry bench olmoe-1b-7b`) with their cost,
 #   5. checkpoint save and load throughput on the machine's disk.
 # Usage: bash benchmarks/device_check.sh [STAGE...]   (writes under $OUT, default runs/device-check)
 # STAGE: tests olmoe olmoe_extra training kernels rehearse suites io (default: all, in that order; each
 # prints its time). All of them take longer than one 10-minute device call: run them in groups that fit,
-# the acceptance first: `tests olmoe`, then `olmoe_extra training`, then `kernels rehearse suites io`.
+# the acceptance first. Estimates, not measurements: an OLMoE-1B-7B variant costs 30-60 s of setup, about
+# a minute more to compile when compiled, and ~1 s a step; so the OLMoE stages run 10 steps (5 of warm-up,
+# the traced step left out of the medians), not 12, and each stays one call: `olmoe` ~6-7 min (2 eager,
+# 2 compiled, a trace to write and read), `olmoe_extra` ~8-9 min (3 compiled, 2 eager), each on its own;
+# then `training` (12 variants of the mid shape, half of them compiled); then `tests kernels`, then
+# `rehearse suites io`.
 # Needs ferry's dependencies importable next to the GPU build of torch; it says which are not.
 set -u -o pipefail
 out="${OUT:-runs/device-check}"
@@ -71,17 +82,19 @@ stage_training() {
 # (run.init_device: run), where the host's draw (ferry's default, the same weights on any hardware) would take
 # ~3.5 min a variant: it is serial, ~31 ns a parameter whatever the core count. `ferry bench olmoe-1b-7b`
 # (stage suites) keeps the host's draw, its inputs being the suite's on every device. Two stages, the
-# acceptance pair first.
+# acceptance's first.
 stage_olmoe() {
     prepare_data || return 1
-    "$python" benchmarks/accelerator_training.py --data "$data" --shape olmoe-1b-7b --steps 12 \
-        --variants auto,fp8-native 2>&1 | tee "$out/accelerator_training-olmoe-1b-7b.txt"
+    "$python" benchmarks/accelerator_training.py --data "$data" --shape olmoe-1b-7b --steps 10 \
+        --variants auto,compiled,large-micro,large-micro-eager --trace large-micro 2>&1 \
+        | tee "$out/accelerator_training-olmoe-1b-7b.txt"
 }
 
 stage_olmoe_extra() {
     prepare_data || return 1
-    "$python" benchmarks/accelerator_training.py --data "$data" --shape olmoe-1b-7b --steps 12 \
-        --variants compiled,fp8-torchao,chunked-loss 2>&1 | tee "$out/accelerator_training-olmoe-1b-7b-extra.txt"
+    "$python" benchmarks/accelerator_training.py --data "$data" --shape olmoe-1b-7b --steps 10 \
+        --variants checkpointed,checkpointed-full,fp8-torchao-compiled,fp8-native,chunked-loss 2>&1 \
+        | tee "$out/accelerator_training-olmoe-1b-7b-extra.txt"
 }
 
 stage_suites() {

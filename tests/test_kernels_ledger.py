@@ -158,3 +158,39 @@ def test_kernels_bench_lists_an_implementation_that_refuses_the_recipe_as_unavai
     (fp8,) = timings["moe.fp8_grouped_mm"][:1]
     assert fp8.seconds is None and fp8.unavailable == "it computes E4M3 gradients only"
     assert all(timing.seconds is not None for timing in timings["moe.grouped_mm"] if timing.unavailable is None)
+
+
+def test_the_fp8_grouped_gemms_record_their_whole_steps_against_bf16_and_are_numerics_only_where_slower():
+    entries = {entry.key: entry for entry in load_ledger().entries}
+    native = entries["moe.fp8_grouped_mm torch_scaled_grouped_mm@cuda"].step_on("h200")
+    assert native.ratio == 0.19 and native.slower and native.shape == "OLMoE-1B-7B" and native.date == "2026-12"
+    torchao = entries["moe.fp8_grouped_mm torchao@cuda"]
+    assert torchao.step_on("h200").ratio == 0.51 and torchao.approved is None
+    assert torchao.speed_summary() == "whole step 0.51x bf16 on h200 (numerics only)"
+    assert entries["moe.routed_experts fused_loop@cpu"].speed_summary() is None
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [("profile", "h900", "unknown hardware profile 'h900'"), ("date", "December 2026", "date"), ("ratio", 0.0, "ratio")],
+)
+def test_a_whole_step_measurement_names_a_known_profile_a_date_and_a_positive_ratio(field, value, named):
+    from ferry.config import ConfigError
+    from ferry.config.loader import validate
+    from ferry.kernels.ledger import StepMeasurement
+
+    raw = {"profile": "h200", "ratio": 0.19, "baseline": "the bf16 eager step", "shape": "OLMoE-1B-7B",
+           "figures": "3,862 against 20,144 tok/s", "date": "2026-12", "source": "benchmarks/accelerator_training.py"}
+    assert validate(StepMeasurement, raw).ratio == 0.19
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        validate(StepMeasurement, {**raw, field: value})
+
+
+def test_kernels_list_marks_the_fp8_kernels_measured_slower_than_bf16_as_numerics_only(capsys):
+    assert _cli("kernels", "list", "--device", "cpu") == 0
+    lines = capsys.readouterr().out.splitlines()
+    native = next(line for line in lines if "torch_scaled_grouped_mm  cuda" in line)
+    assert " approved, expires " in native
+    assert native.endswith("; whole step 0.19x bf16 on h200 (numerics only)")
+    rocm = next(line for line in lines if "torch_scaled_grouped_mm  rocm" in line)
+    assert "numerics only" not in rocm

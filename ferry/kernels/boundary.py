@@ -28,7 +28,8 @@ _NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, t
 
 
 def list_rows(device: torch.device, dtype: torch.dtype = torch.float32) -> list[tuple[str, str, str, str, str]]:
-    """(op, implementation, platform, availability on `device`, ledger status today) for every implementation."""
+    """(op, implementation, platform, availability on `device`, ledger status today) for every implementation; the
+    status of a low-precision one names its whole steps against bf16, `numerics only` where they were slower."""
     ledger = load_ledger()
     today = datetime.date.today()
     rows = []
@@ -40,6 +41,8 @@ def list_rows(device: torch.device, dtype: torch.dtype = torch.float32) -> list[
             else:
                 entry = ledger.entry(impl)
                 status = ledger.status(impl, today) + (f", expires {entry.expires}" if entry else "")
+                speed = entry.speed_summary() if entry else None
+                status += f"; {speed}" if speed else ""
             rows.append(
                 (op.name, impl.name, impl.platform or "all", "yes" if reason is None else f"no: {reason}", status)
             )

@@ -131,7 +131,7 @@ def _pinned(
             reason = impl.unavailable_reason(device, dtype)
             if reason is not None:
                 raise UserError(f"{key}: {impl.key} is not available on {device} ({dtype}): {reason}")
-            return impl, f"{key} pins it; ledger: {ledger.status(impl, today)}"
+            return impl, f"{key} pins it; ledger: {ledger.status(impl, today)}" + _against_bf16(ledger, impl)
     platforms = ", ".join(impl.platform for impl in candidates)
     raise UserError(f"{key}: {name} is not available on {device}: it is built for {platforms}, this device is {here}")
 
@@ -148,8 +148,16 @@ def _auto(
             reason = f"ledger entry {ledger.status(impl, today)}"
         if reason is None:
             entry = ledger.entry(impl)
-            return impl, f"auto: available, approved in the ledger until {entry.expires}"
+            return impl, f"auto: available, approved in the ledger until {entry.expires}" + _against_bf16(ledger, impl)
         skipped.append(f"{impl.key}: {reason}")
     if not skipped:
         return op.portable, f"auto: no vendor implementation for {platform_of(device)}"
     return op.portable, "auto: " + "; ".join(skipped)
+
+
+def _against_bf16(ledger: Ledger, impl: Implementation) -> str:
+    """What a low-precision implementation's whole steps measured against bf16, where the ledger has them: an
+    approval is against the op's emulation, and a reader of the reason must not take it for a speed-up."""
+    entry = ledger.entry(impl)
+    summary = entry.speed_summary() if entry is not None else None
+    return "" if summary is None else f"; {summary}"

@@ -3,6 +3,12 @@
 The profile supplies defaults, the run config overrides them, and every decision
 (including how an unsupported low-precision format is handled) is written down so
 the run log and `run.json` say exactly what numerics the run used.
+
+Low-precision expert GEMMs are offered for speed only where the debt ledger holds a
+whole-step measurement on the run's hardware profile at or above the bf16 run's
+speed; everywhere else the decisions say the format runs for its numerics, with the
+measurement that shows it slower when there is one, so asking for FP8 never slows a
+run silently.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ferry.config import UserError
+from ferry.kernels import REGISTRY, Ledger, load_ledger
 from ferry.platform.hardware import HardwareProfile, load_profile
 from ferry.precision.config import PrecisionConfig
 from ferry.precision.formats import float_format
+from ferry.precision.kernels import low_precision_op
 from ferry.precision.recipe import LowPrecisionRecipe
 from ferry.precision.scaler import LossScaler
 
@@ -32,16 +40,39 @@ class PrecisionPolicy:
     recipe: LowPrecisionRecipe | None
     decisions: list[str] = field(default_factory=list)
     experts_kernel: str | None = None
+    hardware: str | None = None
 
-    def record_experts_kernel(self, key: str, native: bool) -> None:
-        """The expert GEMMs run native only where a vendor kernel computes the format; else they are emulated."""
+    def record_experts_kernel(self, key: str, native: bool, ledger: Ledger | None = None) -> None:
+        """The expert GEMMs run native only where a vendor kernel computes the format; else they are emulated.
+        A native kernel's speed against bf16 on this hardware is written down from the ledger (`ledger.yaml`)."""
         self.experts_kernel = key
         if self.experts_mode == "native" and not native:
             self.experts_mode = "emulated"
             self.decisions.append(
                 f"experts={self.experts}: the hardware has the format, but no vendor kernel for it is selected "
-                f"here; {key} emulates it"
+                f"here; {key} emulates it, {_EMULATION_IS_SLOWER}"
             )
+        elif native:
+            self.decisions.append(self._speed_against_bf16(key, ledger if ledger is not None else load_ledger()))
+
+    def _speed_against_bf16(self, key: str, ledger: Ledger) -> str:
+        """Whether the native expert GEMMs are a speed option on this hardware, by the ledger's whole-step
+        measurements; a measured win is stated as such, anything else as numerics only."""
+        op = REGISTRY[low_precision_op(self.recipe)]
+        entry = ledger.entry(next(impl for impl in op.vendor if impl.key == key))
+        here = entry.step_on(self.hardware) if entry is not None else None
+        gemms = f"experts={self.experts} on {self.hardware}: the {self.experts.upper()} expert GEMMs ({key})"
+        numerics_only = f"{self.experts} is offered here for its numerics, not for speed"
+        if here is not None and not here.slower:
+            return f"{gemms} measured {here.describe()}"
+        if here is not None:
+            return f"warning: {gemms} measured {here.describe()}, so {numerics_only}"
+        elsewhere = ", ".join(step.describe() for step in entry.step_vs_bf16) if entry is not None else ""
+        return (
+            f"{gemms} have no whole-step measurement against bf16 on {self.hardware}"
+            + (f" (elsewhere: {elsewhere})" if elsewhere else "")
+            + f", so until one shows them faster {numerics_only}"
+        )
 
     @property
     def torch_param_dtype(self) -> torch.dtype:
@@ -125,10 +156,18 @@ def resolve_precision(config: PrecisionConfig, profile: HardwareProfile) -> Prec
         decisions.append(
             f"experts={config.experts} {experts_mode} on {profile.name} "
             f"(forward {recipe.forward_format.dtype}, gradients {recipe.grad_format.dtype})"
+            + (f", {_EMULATION_IS_SLOWER}" if experts_mode == "emulated" else "")
         )
     return PrecisionPolicy(
-        param_dtype, compute_dtype, reduce_dtype, loss_scaling, config.experts, experts_mode, recipe, decisions
+        param_dtype, compute_dtype, reduce_dtype, loss_scaling, config.experts, experts_mode, recipe, decisions,
+        hardware=profile.name,
     )
+
+
+_EMULATION_IS_SLOWER = (
+    "for its numerics only: the emulation rounds the operands around the same GEMMs and is slower than a run "
+    "without it"
+)
 
 
 def _recipe(kind: str, profile: HardwareProfile, gradient_format: str = "auto") -> LowPrecisionRecipe:

@@ -13,6 +13,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
+from ferry.comm.replay import replaying
 from ferry.comm.stats import CommStats
 
 
@@ -43,11 +44,15 @@ class Collectives:
     def all_to_all_raw(
         self, x_RX: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, op: str = "all_to_all"
     ) -> torch.Tensor:
+        """The rows exchanged, as an `aten.alias` of the buffer the collective wrote: activation checkpointing
+        keeps that alias (`ferry/model/recompute.py`), so a recompute reads the first exchange's rows while the
+        collective itself, kept too, is not issued again and not counted twice."""
         rows_out = sum(out_splits) if out_splits is not None else x_RX.shape[0]
         out = x_RX.new_empty((rows_out, *x_RX.shape[1:]))
-        with self.timed(op, x_RX.numel() * x_RX.element_size()):
+        timing = nullcontext() if replaying() else self.timed(op, x_RX.numel() * x_RX.element_size())
+        with timing:
             dist.all_to_all_single(out, x_RX.contiguous(), out_splits, in_splits, group=self.group)
-        return out
+        return torch.ops.aten.alias(out)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         with self.timed("all_reduce", tensor.numel() * tensor.element_size()):

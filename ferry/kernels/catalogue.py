@@ -216,6 +216,8 @@ REGISTRY = Registry(
                     platform="cpu",
                     fn=cpu_fused_experts.routed_experts,
                     summary="one cache-resident pass per expert, forward and backward",
+                    replay_refusal="its activation buffers come from a pool a recompute finds in another state, and "
+                    "it scales GEMM outputs in place",
                 ),
             ),
         ),

@@ -50,6 +50,8 @@ class Implementation:
     `recipe_refusal`, for a low-precision implementation whose kernel takes fixed element
     formats, says why it cannot compute a recipe (None: it can); the precision layer asks
     before binding the recipe, so a refusal is known at start, not at the first forward.
+    `replay_refusal` says why the implementation cannot run under activation checkpointing, whose recompute must
+    issue the ops of the first run in the same order (`ferry/kernels/recompute_policy.py`); None: it can.
     """
 
     op: str
@@ -60,6 +62,7 @@ class Implementation:
     probe: Probe = always_available
     uses: tuple[str, ...] = ()
     recipe_refusal: Callable[[object], "str | None"] | None = None
+    replay_refusal: str | None = None
 
     @property
     def portable(self) -> bool:

@@ -82,8 +82,11 @@ def select_kernels(
     registry: Registry = REGISTRY,
     ledger: Ledger | None = None,
     today: datetime.date | None = None,
+    replayed: bool = False,
 ) -> KernelSelection:
-    """Resolve `config` for `device` and parameter `dtype`; an impossible request is a `UserError`."""
+    """Resolve `config` for `device` and parameter `dtype`; an impossible request is a `UserError`. `replayed`:
+    blocks are recomputed in the backward (activation checkpointing), so only implementations that can be are
+    chosen, and pinning one that cannot is refused."""
     device = torch.device(device)
     ledger = ledger if ledger is not None else load_ledger()
     today = today or datetime.date.today()
@@ -93,8 +96,13 @@ def select_kernels(
         pinned = op.name in config.ops
         if pinned:
             impl, reason = _pinned(op, config.ops[op.name], device, dtype, ledger, today)
+            if replayed and impl.replay_refusal:
+                raise UserError(
+                    f'kernels.ops."{op.name}": {impl.key} cannot run under train.activation_checkpointing: '
+                    f"{impl.replay_refusal}; unpin it or set train.activation_checkpointing=none"
+                )
         elif config.policy == "auto":
-            impl, reason = _auto(op, device, dtype, ledger, today)
+            impl, reason = _auto(op, device, dtype, ledger, today, replayed)
         else:
             impl, reason = op.portable, "policy portable"
         functions[op.name] = bind(impl, functions)
@@ -137,13 +145,15 @@ def _pinned(
 
 
 def _auto(
-    op: Op, device: torch.device, dtype: torch.dtype, ledger: Ledger, today: datetime.date
+    op: Op, device: torch.device, dtype: torch.dtype, ledger: Ledger, today: datetime.date, replayed: bool = False
 ) -> tuple[Implementation, str]:
     skipped = []
     for impl in op.vendor:
         if impl.platform != platform_of(device):
             continue
         reason = impl.unavailable_reason(device, dtype)
+        if reason is None and replayed and impl.replay_refusal:
+            reason = f"not under activation checkpointing ({impl.replay_refusal})"
         if reason is None and not ledger.allows_auto(impl, today):
             reason = f"ledger entry {ledger.status(impl, today)}"
         if reason is None:

@@ -16,7 +16,19 @@ import torch
 
 from ferry.kernels.dispatch import host_reads
 
-Compile = Literal["none", "blocks"]
+Compile = Literal["auto", "none", "blocks"]
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far (torch.compile's own accounting: tracing, the forward's
+    and the backward's graphs), so a step's figures can tell compiling from computing."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    spent = dict(zip(names, (float(value) for value in values)))
+    return spent.get("_compile.compile_inner", 0.0) + sum(
+        seconds for name, seconds in spent.items() if "bw_compiler" in name
+    )
 
 
 def compile_blocks(model, mode: Compile, expert_parallel: bool = False) -> dict:

@@ -17,6 +17,8 @@ class Experts(nn.Module):
     are the logical checkpoint names, whatever layout a kernel would prefer.
     """
 
+    COMPUTE_WEIGHTS = ("w_gate_EFD", "w_up_EFD", "w_down_EDF")  # cast once a step (`ferry/precision/step_weights.py`)
+
     def __init__(self, num_experts: int, dim: int, ffn_dim: int, kernels: KernelSelection | None = None):
         super().__init__()
         kernels = kernels or portable_kernels()

@@ -16,6 +16,8 @@ class Linear(nn.Linear):
     as autocast would have cast them for `F.linear`.
     """
 
+    COMPUTE_WEIGHTS = ("weight",)  # cast once a step under autocast (`ferry/precision/step_weights.py`)
+
     def __init__(self, in_features: int, out_features: int, kernels: KernelSelection | None = None):
         super().__init__(in_features, out_features, bias=False)
         self._linear = (kernels or portable_kernels())["linear"]

@@ -39,6 +39,8 @@ class Router(nn.Module):
     scores, and the bias moves outside the gradient (see `update_bias`).
     """
 
+    COMPUTE_WEIGHTS = ("weight_ED",)  # cast once a step under autocast (`ferry/precision/step_weights.py`)
+
     def __init__(self, dim: int, config: MoEConfig, kernels: KernelSelection | None = None):
         super().__init__()
         self._linear = (kernels or portable_kernels())["linear"]

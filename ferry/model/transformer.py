@@ -19,6 +19,7 @@ from ferry.model.kv_cache import KVCache, LayerCache
 from ferry.model.linear import Linear
 from ferry.model.moe import MoELayer, MoEStats
 from ferry.model.norm import RMSNorm
+from ferry.model.recompute import Recompute, recomputed
 from ferry.model.rope import RotaryEmbedding
 
 
@@ -43,12 +44,27 @@ class Block(nn.Module):
         dense = not use_moe
         self.ffn = SwiGLU(config.dim, config.dense_ffn_dim, kernels) if dense else MoELayer(config.dim, config.moe, kernels)
 
+    recompute: Recompute = "none"  # set by `apply_activation_checkpointing`
+
     def forward(
         self,
         x_BSD: torch.Tensor,
         cache: LayerCache | None = None,
         visible_BSS: torch.Tensor | None = None,
         padding_BS: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, MoEStats | None]:
+        """The block's output and its MoE statistics; in training, checkpointed as `recompute` says (decoding
+        and no-grad forwards keep nothing for a backward, so there is nothing to save)."""
+        if self.recompute != "none" and cache is None and torch.is_grad_enabled():
+            return recomputed(self._forward, self.recompute, x_BSD, cache, visible_BSS, padding_BS)
+        return self._forward(x_BSD, cache, visible_BSS, padding_BS)
+
+    def _forward(
+        self,
+        x_BSD: torch.Tensor,
+        cache: LayerCache | None,
+        visible_BSS: torch.Tensor | None,
+        padding_BS: torch.Tensor | None,
     ) -> tuple[torch.Tensor, MoEStats | None]:
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cache, visible_BSS)
         if isinstance(self.ffn, MoELayer):

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,8 +22,8 @@ from pydantic import Field
 from ferry.config import ConfigError, Section, UserError, apply_overrides
 from ferry.config.loader import parse_override, validate
 from ferry.config.named import read_named_yaml
-from ferry.model import count_model
 from ferry.train.config import RunConfig
+from ferry.train.memory import HEADROOM, MemoryEstimate, device_memory_bytes, gib, memory_estimate
 
 SUITES_DIR = Path("benchmarks") / "suites"
 # What makes a run a measurement of its suite, refused as overrides: where it runs and writes, how many steps,
@@ -125,83 +123,6 @@ def load_suite(spec: str) -> BenchSuite:
         raise ConfigError(f"suite file {str(path)!r}: {exc}") from None
 
 
-HEADROOM = 0.95  # the share of a device's memory an estimate may fill: allocator fragmentation, the CUDA context
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """What one device must hold at the peak of a training step, by the counts of the config (an estimate)."""
-
-    state_bytes: int
-    backward_bytes: int
-    optimizer_bytes: int
-
-    @property
-    def total_bytes(self) -> int:
-        """The larger of the two peaks: the end of the forward (activations kept for the backward) and the
-        optimizer step (AdamW's temporaries)."""
-        return self.state_bytes + max(self.backward_bytes, self.optimizer_bytes)
-
-    def describe(self) -> str:
-        return (
-            f"parameters, gradients and AdamW moments {_gib(self.state_bytes)} GiB; activations and compute-dtype "
-            f"weight copies kept for the backward {_gib(self.backward_bytes)} GiB; the optimizer step's "
-            f"temporaries {_gib(self.optimizer_bytes)} GiB; estimated"
-        )
-
-
-def memory_estimate(config: RunConfig, world_size: int, device: str) -> MemoryEstimate:
-    """The memory of one rank at its peak.
-
-    State: parameters and gradients in the parameter dtype and AdamW's two fp32 moments (experts split
-    over `parallel.ep`, moments over the ranks sharing each parameter under ZeRO-1, everything over all
-    ranks under FSDP). Backward: for each token and layer of one micro-batch the attention inputs and
-    outputs (12 x dim) and, for each of its top-k experts, the expert's input, hidden and output rows;
-    the logits with their fp32 loss and gradient; and, under autocast, the compute-dtype copies of the
-    weights the backward keeps. Optimizer: AdamW's full-size temporary (the square root of the second
-    moments, in the foreach implementation torch uses by default).
-    """
-    model, moe = config.model, config.model.moe
-    size = count_model(model, config.data.seq_len)
-    moe_layers = model.n_layers - model.dense_layers
-    expert_params = moe_layers * moe.num_experts * 3 * model.dim * moe.expert_ffn_dim
-    dense_params = size.total_params - expert_params
-    param_bytes = 2 if config.precision.param_dtype in ("bf16", "fp16") else 4
-    if config.parallel.mode == "fsdp":
-        local = size.total_params / world_size
-        moments = local
-    else:
-        ep = config.parallel.ep
-        local = dense_params + expert_params / ep
-        replicas = max(world_size // ep, 1)
-        moments = (dense_params / world_size + expert_params / ep / replicas) if config.optim.zero else local
-    state = local * 2 * param_bytes + moments * 8
-    compute = config.precision.compute_dtype
-    half = compute in ("bf16", "fp16") or (compute is None and device != "cpu")  # accelerator profiles compute in bf16
-    compute_bytes = 2 if half else 4
-    tokens = config.train.micro_batch * config.data.seq_len
-    per_token_layer = 12 * model.dim + moe.top_k * (2 * model.dim + 3 * moe.expert_ffn_dim)
-    activations = tokens * model.n_layers * per_token_layer * compute_bytes
-    logits = tokens * model.vocab_size * (compute_bytes + 8)
-    copies = local * compute_bytes if compute_bytes < param_bytes else 0
-    return MemoryEstimate(int(state), int(activations + logits + copies), int(moments * 4))
-
-
-def device_memory_bytes(device: str, ranks: int = 1) -> tuple[str, int]:
-    """(what, bytes) of memory one rank has on `device`: the host's for a CPU run; on a GPU, the smallest of
-    the GPUs the first `ranks` local ranks take (rank i runs on GPU i), since the rank on it fails first."""
-    if device == "cpu":
-        return "this host", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    import torch
-
-    gpus = [torch.cuda.get_device_properties(index) for index in range(ranks)]
-    index = min(range(ranks), key=lambda i: gpus[i].total_memory)
-    smallest = gpus[index]
-    if len({gpu.total_memory for gpu in gpus}) > 1:
-        return f"{smallest.name} (GPU {index}, the smallest of the {ranks} the ranks take)", smallest.total_memory
-    return smallest.name, smallest.total_memory
-
-
 def check_fits(suite: BenchSuite, config: RunConfig, world_size: int) -> MemoryEstimate:
     """Refuse, before anything runs, a suite that needs a device this machine lacks, fewer GPUs than it has
     ranks (each local rank takes a GPU of its own: with too few, ranks would land on GPUs that do not exist and
@@ -213,7 +134,7 @@ def check_fits(suite: BenchSuite, config: RunConfig, world_size: int) -> MemoryE
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError(
             f"suite {suite.name} runs on cuda, but no CUDA or ROCm device is visible here; it needs about "
-            f"{_gib(estimate.total_bytes)} GiB per rank ({estimate.describe()}); run it on a GPU machine, or with "
+            f"{gib(estimate.total_bytes)} GiB per rank ({estimate.describe()}); run it on a GPU machine, or with "
             "--device cpu where the host can hold it"
         )
     if device == "cuda" and torch.cuda.device_count() < world_size:
@@ -226,8 +147,8 @@ def check_fits(suite: BenchSuite, config: RunConfig, world_size: int) -> MemoryE
     per_rank = available / world_size if device == "cpu" else available
     if estimate.total_bytes > HEADROOM * per_rank:
         raise UserError(
-            f"suite {suite.name} needs about {_gib(estimate.total_bytes)} GiB per rank ({estimate.describe()}) and "
-            f"{where} has {_gib(per_rank)} GiB per rank on {device}, of which {HEADROOM:.0%} may be planned; run it "
+            f"suite {suite.name} needs about {gib(estimate.total_bytes)} GiB per rank ({estimate.describe()}) and "
+            f"{where} has {gib(per_rank)} GiB per rank on {device}, of which {HEADROOM:.0%} may be planned; run it "
             "where it fits (a GPU with enough memory: --device cuda) or shrink it with overrides"
         )
     return estimate
@@ -248,5 +169,3 @@ def _auto_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _gib(value: float) -> str:
-    return f"{value / 2**30:,.1f}"

@@ -37,6 +37,12 @@ class PrecisionConfig(Section):
     compute_dtype: Dtype | None = Field(None, description="autocast dtype of forward and backward")
     reduce_dtype: Dtype | None = Field(None, description="dtype of gradient reductions across ranks")
     loss_scaling: LossScalingConfig = LossScalingConfig()
+    weight_casts: Literal["step", "micro_batch"] = Field(
+        "step",
+        description="with compute_dtype below param_dtype: step casts the GEMM weights once per optimizer step and "
+        "adds each micro-batch's gradient into the fp32 one in one fused kernel (ferry/precision/step_weights.py); "
+        "micro_batch leaves both to autocast at every use. The same numbers either way",
+    )
     experts: Literal["none", "fp8", "mxfp8"] = Field("none", description="low-precision expert GEMMs")
     gradient_format: Literal["auto", "e4m3", "e5m2"] = Field(
         "auto",

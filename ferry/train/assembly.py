@@ -29,8 +29,9 @@ from ferry.inference import HeldOutEvaluation
 from ferry.kernels import KernelSelection, select_kernels
 from ferry.metrics import StepMetrics
 from ferry.model import ModelSize, Transformer, count_model
-from ferry.model.compilation import compile_blocks
+from ferry.model.compilation import Compile, compile_blocks
 from ferry.model.digest import weights_digest
+from ferry.model.recompute import apply_activation_checkpointing
 from ferry.parallel import build_plan
 from ferry.parallel.plan import ParallelPlan
 from ferry.platform import environment_fingerprint, resolve_device
@@ -38,8 +39,10 @@ from ferry.platform.allocator import apply_host_allocator
 from ferry.platform.hardware import HardwareProfile, MfuPeak, measured_cpu_profile, resolve_profile
 from ferry.precision import LossScaler, PrecisionPolicy, resolve_precision
 from ferry.precision.kernels import low_precision_op, with_low_precision_experts
+from ferry.precision.step_weights import StepWeights
 from ferry.train.checkpointing import restore_model, shared_verification
 from ferry.train.config import RunConfig
+from ferry.train.memory import choose_micro_batch
 from ferry.train.objectives.base import Objective
 from ferry.train.objectives.kinds import ObjectiveInputs, ObjectiveKind, objective_kind
 from ferry.train.objectives.reference import ReferenceSource
@@ -55,6 +58,7 @@ class Job:
     device: torch.device
     context: DistContext
     started_unix: float
+    micro_batch: dict  # how train.micro_batch was decided (`auto`: by the memory model)
 
     @property
     def rank(self) -> int:
@@ -111,6 +115,8 @@ class ModelParts:
     plan: ParallelPlan
     optimizer: torch.optim.Optimizer
     compiled: dict
+    recompute: dict
+    step_weights: StepWeights | None
     reductions: RankReductions
     draw_deferred: bool
     initial_weights: str | None
@@ -152,7 +158,12 @@ def open_job(config: RunConfig, started_unix: float) -> Job:
     device = resolve_device(config.run.device, launcher_ranks()[2])
     context = init_distributed(config.comm, device)
     config.check_world_size(context.world_size)
-    return Job(config, device, context, started_unix)
+    if config.train.micro_batch == "auto":
+        micro_batch, choice = choose_micro_batch(config, context.world_size, device.type)
+        config = config.model_copy(update={"train": config.train.model_copy(update={"micro_batch": micro_batch})})
+    else:
+        choice = {"requested": config.train.micro_batch, "chosen": config.train.micro_batch}
+    return Job(config, device, context, started_unix, choice)
 
 
 def choose_numerics(job: Job) -> Numerics:
@@ -166,7 +177,8 @@ def choose_numerics(job: Job) -> Numerics:
     allocator = config.run.host_allocator
     host_allocator = apply_host_allocator(profile.host_allocator if allocator == "profile" else allocator)
     precision = resolve_precision(config.precision, profile)
-    kernels = select_kernels(config.kernels, job.device, precision.torch_compute_dtype)
+    replayed = config.train.activation_checkpointing != "none"
+    kernels = select_kernels(config.kernels, job.device, precision.torch_compute_dtype, replayed=replayed)
     if precision.recipe is not None:
         kernels = with_low_precision_experts(kernels, precision.recipe)
         low = kernels.choices[low_precision_op(precision.recipe)].implementation
@@ -221,14 +233,36 @@ def build_model(job: Job, numerics: Numerics) -> ModelParts:
         initial_weights = weights_digest(model) if job.is_main else None
     decayed = decayed_parameter_names(model)
     expert_parallel = config.parallel.mode == "ep" and config.parallel.ep > 1
-    compiled = compile_blocks(model, config.train.compile, expert_parallel)
+    recompute = apply_activation_checkpointing(model, config.train.activation_checkpointing)
+    compiled = compile_blocks(model, resolve_compile(config.train.compile, job.device), expert_parallel)
+    compiled["requested"] = config.train.compile
     plan = build_plan(config.parallel, job.context, model, job.device, numerics.precision.torch_reduce_dtype)
+    step_weights = _step_weights(config, model, numerics.precision)
     optim = config.optim
     optimizer = plan.build_optimizer(
         decayed, optim.weight_decay, optim.zero, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps
     )
     reductions = RankReductions(job.context, job.device, plan.sum_over_ranks)
-    return ModelParts(model, plan, optimizer, compiled, reductions, draw_deferred, initial_weights)
+    return ModelParts(
+        model, plan, optimizer, compiled, recompute, step_weights, reductions, draw_deferred, initial_weights
+    )
+
+
+def resolve_compile(mode: Compile, device: torch.device) -> Compile:
+    """`auto`: blocks on a GPU, where the element-wise work between the GEMMs is a large share of the step and
+    fusing it pays (25% MFU compiled against 16% eager at the OLMoE-1B-7B shape on an H200); none on a CPU, where
+    compiling measured no faster (docs/performance.md) and needs a C++ compiler."""
+    if mode != "auto":
+        return mode
+    return "blocks" if device.type == "cuda" else "none"
+
+
+def _step_weights(config: RunConfig, model: Transformer, precision: PrecisionPolicy) -> StepWeights | None:
+    """The weights cast once a step (`precision.weight_casts: step`) where autocast would cast them at every use:
+    a compute dtype below the parameters'. Not under FSDP, which gathers and casts each block's weights itself."""
+    if config.precision.weight_casts != "step" or not precision.autocast or config.parallel.mode == "fsdp":
+        return None
+    return StepWeights(model, precision.torch_compute_dtype)
 
 
 def build_instruments(job: Job, numerics: Numerics, data: RunData, model: ModelParts) -> Instruments:

@@ -20,6 +20,7 @@ from ferry.kernels.config import KernelsConfig
 from ferry.metrics.config import MetricsConfig, ProfileConfig
 from ferry.model.compilation import Compile
 from ferry.model.config import ModelConfig
+from ferry.model.recompute import Recompute
 from ferry.parallel.config import ParallelConfig
 from ferry.precision.config import PrecisionConfig
 from ferry.train.objectives.config import DPOConfig, GRPOConfig, Objective
@@ -81,9 +82,16 @@ class TrainConfig(Section):
 
     objective: Objective = Field("lm", description="lm (next token; SFT with a loss mask), dpo or grpo")
     compile: Compile = Field(
+        "auto",
+        description="none (eager), blocks: each transformer block compiled on its own with torch.compile "
+        "(inductor; on a CPU it needs a C++ compiler), or auto: blocks on CUDA and ROCm GPUs, none on a CPU "
+        "(where it measured no faster); the choice and the compile time are in run.json",
+    )
+    activation_checkpointing: Recompute = Field(
         "none",
-        description="none (eager), or blocks: each transformer block compiled on its own with torch.compile "
-        "(inductor; on a CPU it needs a C++ compiler)",
+        description="none; full: each block recomputed in the backward from its input; selective: GEMM and "
+        "attention outputs kept, norms, activations and element-wise work recomputed. Both keep the routing "
+        "choice and the expert-parallel exchange (ferry/model/recompute.py); bit for bit the plain run's numerics",
     )
     loss_chunk: int = Field(
         0,
@@ -96,7 +104,11 @@ class TrainConfig(Section):
     global_batch: int = Field(
         16, ge=1, description="sequences per optimizer step, over all ranks (dpo: pairs; grpo: prompts)"
     )
-    micro_batch: int = Field(8, ge=1, description="sequences per forward pass on one rank")
+    micro_batch: int | Literal["auto"] = Field(
+        8,
+        description="sequences per forward pass on one rank; auto: the largest that divides the rank's share of "
+        "the global batch and that the memory model says fits the device with headroom (recorded in run.json)",
+    )
     log_every: int = Field(10, ge=1, description="console line interval (metrics.jsonl gets every step)")
     stop_at: int | None = Field(
         None,
@@ -115,7 +127,16 @@ class TrainConfig(Section):
 
     @field_validator("micro_batch")
     @classmethod
-    def _micro_divides_global(cls, micro_batch: int, info: ValidationInfo) -> int:
+    def _micro_divides_global(cls, micro_batch: int | str, info: ValidationInfo) -> int | str:
+        if micro_batch == "auto":
+            objective = info.data.get("objective")
+            if objective not in (None, "lm"):
+                raise ValueError(
+                    f"auto is decided by the memory model of next-token training; objective {objective} needs a number"
+                )
+            return micro_batch
+        if micro_batch < 1:
+            raise ValueError("must be at least 1, or auto")
         global_batch = info.data.get("global_batch")
         if global_batch is not None and global_batch % micro_batch:
             raise ValueError(f"micro_batch must divide global_batch ({global_batch})")
@@ -161,7 +182,8 @@ class RunConfig(Section):
         """Refuse a job size the batch or the expert layout cannot be split over, before any rank starts. Each
         refusal names the overrides that would fit, since picking one is what the user does next."""
         train = self.train
-        per_pass = train.micro_batch * world_size
+        micro_batch = 1 if train.micro_batch == "auto" else train.micro_batch  # auto takes a divisor that fits
+        per_pass = micro_batch * world_size
         batches = {"train.global_batch": train.global_batch}
         if self.eval.sources and self.eval.batch_size is not None:
             batches["eval.batch_size"] = self.eval.batch_size
@@ -170,7 +192,7 @@ class RunConfig(Section):
                 raise UserError(
                     f"{key} ({batch}) must be a multiple of train.micro_batch x world size "
                     f"({train.micro_batch} x {world_size} = {per_pass}); "
-                    f"{_batch_fixes(key, batch, batches, train.micro_batch, world_size)}"
+                    f"{_batch_fixes(key, batch, batches, micro_batch, world_size)}"
                 )
         if world_size % self.parallel.ep:
             num_experts = self.model.moe.num_experts
@@ -212,7 +234,8 @@ class RunConfig(Section):
     @classmethod
     def _eval_batch_splits_into_micro_batches(cls, evaluation: EvalConfig, info: ValidationInfo) -> EvalConfig:
         train = info.data.get("train")
-        if train is not None and evaluation.batch_size is not None and evaluation.batch_size % train.micro_batch:
+        micro_batch = train.micro_batch if train is not None else "auto"
+        if micro_batch != "auto" and evaluation.batch_size is not None and evaluation.batch_size % micro_batch:
             raise ValueError(
                 f"eval.batch_size {evaluation.batch_size} is not a multiple of train.micro_batch ({train.micro_batch})"
             )

@@ -19,6 +19,7 @@ import torch
 from ferry.comm.reductions import RankReductions
 from ferry.metrics.timer import StepTimer
 from ferry.precision import LossScaler
+from ferry.precision.step_weights import StepWeights
 
 
 class StepContext(Protocol):
@@ -61,10 +62,12 @@ class TrainingContext:
         touch: Callable[[], None],
         after_backward: Callable[[int, torch.nn.Module], None],
         apply_gradients: Callable[[int], tuple[float, bool]],
+        step_weights: StepWeights | None = None,
     ):
         """`watch(name)` names the phase the hang watchdog reports, `touch()` restarts its clock,
         `after_backward(step, model)` runs the hooks at that point, `apply_gradients(step)` reduces, unscales,
-        clips and steps."""
+        clips and steps; `step_weights`, the weights cast once a step, are put in place by the first training
+        forward and taken out before the update."""
         self.model = model
         self.device = device
         self.reductions = reductions
@@ -78,9 +81,18 @@ class TrainingContext:
         self._touch = touch
         self._after_backward = after_backward
         self._apply_gradients = apply_gradients
+        self._step_weights = step_weights
 
     def autocast(self) -> AbstractContextManager:
+        """The run's autocast; in a training forward (gradients on), with the step's compute-dtype weights in place."""
+        if self._step_weights is not None and torch.is_grad_enabled():
+            self._step_weights.hold()
         return self._autocast()
+
+    def release_weights(self) -> None:
+        """The parameters back in the model's place of the step's weight copies (the trainer's at a step's end)."""
+        if self._step_weights is not None:
+            self._step_weights.release()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -96,6 +108,7 @@ class TrainingContext:
         self._optimizer.zero_grad(set_to_none=True)
 
     def update(self, step: int) -> tuple[float, bool]:
+        self.release_weights()
         self._after_backward(step, self.model)
         with self.phase("optimizer"):
             return self._apply_gradients(step)

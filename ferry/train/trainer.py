@@ -23,6 +23,7 @@ from ferry.data import DataCursor
 from ferry.inference import eval_record
 from ferry.metrics import MetricsHub, TorchTrace, moe_diagnostics
 from ferry.model import Transformer
+from ferry.model.compilation import compile_seconds
 from ferry.parallel.zero import optimizer_state_bytes
 from ferry.train.assembly import RunParts, assemble
 from ferry.train.checkpointing import save_on_all_ranks
@@ -53,8 +54,8 @@ class Trainer:
     the load on; and the step context its objective trains through. `fit()` opens the run and loops."""
 
     def __init__(self, config: RunConfig):
-        self.config = config
         self.parts: RunParts = assemble(config, started_unix=time.time())
+        self.config = config = self.parts.job.config  # with its micro-batch decided
         job, model = self.parts.job, self.parts.model
         self.resilience = Resilience(config, job.rank, job.world_size, job.started_unix, model.reductions.largest)
         self.hooks = Hooks([self.resilience])
@@ -66,6 +67,7 @@ class Trainer:
             model.model, job.device, model.reductions, partial(self.parts.numerics.autocast, job.device),
             self.parts.instruments.metrics.timer, self.parts.numerics.scaler, model.optimizer,
             self.resilience.phase, self.resilience.watchdog.touch, self.hooks.after_backward, self._apply_gradients,
+            model.step_weights,
         )
 
     @property
@@ -196,7 +198,12 @@ class Trainer:
         statistics = StepStatistics(
             len(moe_layers), config.model.moe.num_experts, parts.job.device, objective=objective.statistics
         )
-        outcome = objective.step(self.context, self.state.cursor, statistics)
+        compiled_before = compile_seconds() if model.compiled["mode"] != "none" else 0.0
+        try:
+            outcome = objective.step(self.context, self.state.cursor, statistics)
+        finally:
+            self.context.release_weights()
+        compiling_s = compile_seconds() - compiled_before if model.compiled["mode"] != "none" else 0.0
         with timer.region("optimizer"):
             model.plan.sum_over_ranks(statistics.totals)
             if outcome.stepped:
@@ -226,6 +233,7 @@ class Trainer:
             "optimizer_state_mib": optimizer_state_bytes(model.optimizer) / 2**20,
             "loss_scale": scaler.scale,
             "skipped_steps": scaler.skipped_steps,
+            **({"compile_s": compiling_s} if compiling_s else {}),
             **self._moe_diagnostics(statistics),
         }
 

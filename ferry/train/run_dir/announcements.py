@@ -26,15 +26,20 @@ def announce(parts: RunParts, hub: MetricsHub, run_dir: Path, found: Found | Non
         say(f"ferry: warning: skipping checkpoint {path}: {reason}")
     for note in notes:
         say(f"ferry: note: {note}")
-    say(f"ferry: precision: {'; '.join(numerics.precision.decisions)}")
+    decisions = numerics.precision.decisions
+    say(f"ferry: precision: {'; '.join(d for d in decisions if not d.startswith('warning: '))}")
+    for decision in decisions:
+        if decision.startswith("warning: "):
+            say(f"ferry: {decision}")
     say(f"ferry: {numerics.kernels.describe()}")
     compiled = parts.model.compiled
     if compiled["mode"] != "none":
         eager = compiled["eager_ops"]
         say(
-            f"ferry: compile: {compiled['regions']} blocks compiled on the first step"
+            f"ferry: compile: {compiled['regions']} blocks compiled on the first step (its compile_s says how long)"
             + (f"; eager inside them: {', '.join(eager)}" if eager else "")
         )
+    say(f"ferry: step shape: {step_shape_line(parts)}")
     layout = job.layout()
     size = parts.instruments.size
     step_size = parts.data.kind.step_unit(config, parts.instruments.tokens_per_step)
@@ -72,8 +77,38 @@ def describe(parts: RunParts, initial_weights: str | None) -> dict:
         "precision": numerics.precision.as_dict(),
         "kernels": numerics.kernels.as_dict(),
         "compile": parts.model.compiled,
+        "micro_batch": job.micro_batch,
+        "activation_checkpointing": parts.model.recompute,
+        "weight_casts": _weight_casts(parts),
         "environment": {**parts.instruments.environment, "comm_backend": job.context.backend},
     }
+
+
+def step_shape_line(parts: RunParts) -> str:
+    """How a step runs: its micro-batch (and how it was chosen), what the backward recomputes, how often the
+    weights are cast."""
+    choice, recompute = parts.job.micro_batch, parts.model.recompute
+    micro = f"micro-batch {choice['chosen']}"
+    if choice["requested"] == "auto":
+        micro += (
+            f" (auto: the largest whose estimate, {choice['estimate_gib']} GiB, fits {choice['headroom']:.0%} of "
+            f"{choice['device_gib']} GiB on {choice['device']})"
+        )
+    casts = _weight_casts(parts)
+    return (
+        f"{micro}; activation checkpointing {recompute['mode']}"
+        + (f" (keeps {recompute['kept']})" if recompute["mode"] != "none" else "")
+        + f"; weights cast {casts['mode']}"
+    )
+
+
+def _weight_casts(parts: RunParts) -> dict:
+    step_weights = parts.model.step_weights
+    if step_weights is None:
+        precision = parts.numerics.precision
+        mode = "per use by autocast" if precision.autocast else "never (compute in the parameter dtype)"
+        return {"mode": mode}
+    return {"mode": "once a step", "parameters": step_weights.parameters, "dtype": str(step_weights.dtype)}
 
 
 def describe_hardware(parts: RunParts) -> dict:

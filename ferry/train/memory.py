@@ -1,0 +1,168 @@
+"""The memory model: what one rank holds at the peak of a training step, from the config's counts alone.
+
+It decides before anything is built: whether a suite fits the machine (`ferry bench`), and which micro-batch
+`train.micro_batch: auto` takes. It is an estimate by counts of what the code keeps, checked against what a
+forward really keeps on CPU (`ferry/metrics/kept_memory.py`, tests/test_activation_checkpointing.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ferry.config import UserError
+from ferry.model import count_model
+from ferry.train.config import RunConfig
+
+HEADROOM = 0.95  # the share of a device's memory an estimate may fill: allocator fragmentation, the CUDA context
+_INDEX_BYTES = 8
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What one device must hold at the peak of a training step, by the counts of the config (an estimate)."""
+
+    state_bytes: int
+    backward_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """The larger of the two peaks: the end of the forward (activations kept for the backward) and the
+        optimizer step (AdamW's temporaries)."""
+        return self.state_bytes + max(self.backward_bytes, self.optimizer_bytes)
+
+    def describe(self) -> str:
+        return (
+            f"parameters, gradients and AdamW moments {gib(self.state_bytes)} GiB; activations and compute-dtype "
+            f"weight copies kept for the backward {gib(self.backward_bytes)} GiB; the optimizer step's "
+            f"temporaries {gib(self.optimizer_bytes)} GiB; estimated"
+        )
+
+
+def memory_estimate(config: RunConfig, world_size: int, device: str, micro_batch: int | None = None) -> MemoryEstimate:
+    """The memory of one rank at its peak, with `micro_batch` sequences a forward (default the config's; 1 for
+    auto, the least it can take).
+
+    State: parameters and gradients in the parameter dtype and AdamW's two fp32 moments (experts split
+    over `parallel.ep`, moments over the ranks sharing each parameter under ZeRO-1, everything over all
+    ranks under FSDP). Backward: what each token of a micro-batch keeps in each layer
+    (`kept_bytes_per_token_layer`), and with activation checkpointing the one block being recomputed; the
+    logits with their fp32 loss and gradient; and, under autocast, the compute-dtype copies of the weights,
+    which the backward keeps whether they are made per micro-batch or once a step
+    (`ferry/precision/step_weights.py`: released before the optimizer step). Optimizer: AdamW's full-size
+    temporary (the square root of the second moments, in the foreach implementation torch uses by default).
+    """
+    model, moe = config.model, config.model.moe
+    size = count_model(model, config.data.seq_len)
+    moe_layers = model.n_layers - model.dense_layers
+    expert_params = moe_layers * moe.num_experts * 3 * model.dim * moe.expert_ffn_dim
+    dense_params = size.total_params - expert_params
+    param_bytes = _param_bytes(config)
+    if config.parallel.mode == "fsdp":
+        local = size.total_params / world_size
+        moments = local
+    else:
+        ep = config.parallel.ep
+        local = dense_params + expert_params / ep
+        replicas = max(world_size // ep, 1)
+        moments = (dense_params / world_size + expert_params / ep / replicas) if config.optim.zero else local
+    state = local * 2 * param_bytes + moments * 8
+    compute_bytes = _compute_bytes(config, device)
+    micro = micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 1)
+    tokens = micro * config.data.seq_len
+    mode = config.train.activation_checkpointing
+    activations = tokens * model.n_layers * kept_bytes_per_token_layer(config, mode, compute_bytes)
+    if mode != "none":  # the block the backward recomputes holds what a plain block keeps
+        activations += tokens * kept_bytes_per_token_layer(config, "none", compute_bytes)
+    logits = tokens * model.vocab_size * (compute_bytes + 8)
+    copies = local * compute_bytes if compute_bytes < param_bytes else 0
+    return MemoryEstimate(int(state), int(activations + logits + copies), int(moments * 4))
+
+
+def kept_bytes_per_token_layer(config: RunConfig, mode: str, compute_bytes: int) -> int:
+    """What one token keeps for the backward in one block, by `train.activation_checkpointing` mode.
+
+    none: the attention's inputs and outputs (12 x dim) and, for each of its top-k experts, the expert's input,
+    hidden and output rows. selective: the block's input (the residual stream, in the parameter dtype), the
+    outputs of the GEMMs (the query/key/value projection, 3 x dim; the attention; the output projection; the
+    router's scores; each expert's gate, up and down rows) and the routing choice. full: the block's input and
+    the routing choice. Expert parallelism adds, in both checkpointed modes, the rows the exchange received in
+    each direction, which a recompute reads instead of sending them again.
+    """
+    model, moe = config.model, config.model.moe
+    dim, top_k, ffn = model.dim, moe.top_k, moe.expert_ffn_dim
+    if mode == "none":
+        return (12 * dim + top_k * (2 * dim + 3 * ffn)) * compute_bytes
+    routing = top_k * (_INDEX_BYTES + compute_bytes)
+    kept = dim * _param_bytes(config) + routing
+    if mode == "selective":
+        kept += (5 * dim + moe.num_experts + top_k * (2 * ffn + dim)) * compute_bytes
+    if config.parallel.mode == "ep" and config.parallel.ep > 1:
+        kept += 2 * top_k * dim * compute_bytes
+    return kept
+
+
+def choose_micro_batch(config: RunConfig, world_size: int, device: str) -> tuple[int, dict]:
+    """`train.micro_batch: auto`: the largest micro-batch that splits the rank's share of every batch and whose
+    estimate fits `HEADROOM` of the device; with what run.json records of the choice. Nothing fitting is refused
+    with the estimate of the smallest."""
+    batches = [config.train.global_batch]
+    if config.eval.sources and config.eval.batch_size is not None:
+        batches.append(config.eval.batch_size)
+    per_rank = config.train.global_batch // world_size
+    candidates = [micro for micro in range(per_rank, 0, -1) if all(b % (micro * world_size) == 0 for b in batches)]
+    where, available = device_memory_bytes(device, world_size)
+    per_rank_bytes = available / world_size if device == "cpu" else available
+    estimates = {micro: memory_estimate(config, world_size, device, micro) for micro in candidates}
+    fitting = [micro for micro in candidates if estimates[micro].total_bytes <= HEADROOM * per_rank_bytes]
+    if not fitting:
+        smallest = estimates[candidates[-1]]
+        raise UserError(
+            f"train.micro_batch: auto found no micro-batch that fits: one sequence a forward needs about "
+            f"{gib(smallest.total_bytes)} GiB per rank ({smallest.describe()}) and {where} has "
+            f"{gib(per_rank_bytes)} GiB per rank on {device}, of which {HEADROOM:.0%} may be planned; set "
+            "train.activation_checkpointing (selective or full), more ranks, or a smaller model"
+        )
+    chosen = fitting[0]
+    return chosen, {
+        "requested": "auto",
+        "chosen": chosen,
+        "estimate_gib": round(estimates[chosen].total_bytes / 2**30, 1),
+        "device": where,
+        "device_gib": round(per_rank_bytes / 2**30, 1),
+        "headroom": HEADROOM,
+        "activation_checkpointing": config.train.activation_checkpointing,
+        "larger_refused": {
+            str(micro): round(estimates[micro].total_bytes / 2**30, 1) for micro in candidates if micro > chosen
+        },
+    }
+
+
+def device_memory_bytes(device: str, ranks: int = 1) -> tuple[str, int]:
+    """(what, bytes) of memory one rank has on `device`: the host's for a CPU run; on a GPU, the smallest of
+    the GPUs the first `ranks` local ranks take (rank i runs on GPU i), since the rank on it fails first."""
+    if device == "cpu":
+        return "this host", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    import torch
+
+    gpus = [torch.cuda.get_device_properties(index) for index in range(ranks)]
+    index = min(range(ranks), key=lambda i: gpus[i].total_memory)
+    smallest = gpus[index]
+    if len({gpu.total_memory for gpu in gpus}) > 1:
+        return f"{smallest.name} (GPU {index}, the smallest of the {ranks} the ranks take)", smallest.total_memory
+    return smallest.name, smallest.total_memory
+
+
+def gib(value: float) -> str:
+    return f"{value / 2**30:,.1f}"
+
+
+def _param_bytes(config: RunConfig) -> int:
+    return 2 if config.precision.param_dtype in ("bf16", "fp16") else 4
+
+
+def _compute_bytes(config: RunConfig, device: str) -> int:
+    compute = config.precision.compute_dtype
+    half = compute in ("bf16", "fp16") or (compute is None and device != "cpu")  # accelerator profiles compute in bf16
+    return 2 if half else 4

@@ -8,17 +8,18 @@ launch overheads, the router, attention and the optimizer count as they do in a 
 - `olmoe-1b-7b`: OLMoE-1B-7B's shape (as benchmarks/suites/olmoe-1b-7b.yaml): dim 2048, 16 MoE layers,
   16 heads with 16 kv heads, one query/key norm over the whole projection, 64 experts, top-8, expert
   width 1024, vocabulary 50,304, sequences of 4,096; 6.9B parameters, 1.3B active. Sized for one H200
-  (141 GB; torch sees about 139 GiB). By ferry's estimate (`memory_estimate` in ferry/portability/suites.py)
+  (141 GB; torch sees about 139 GiB). By ferry's estimate (`memory_estimate` in ferry/train/memory.py)
   the fp32 parameters, gradients and AdamW moments take 103 GiB, and one sequence of 4,096 adds 25 GiB at
   the end of the forward (its activations, the logits and the bf16 weight copies kept for the backward)
   or 26 GiB at the optimizer step: ~129 GiB. Keeping every activation, two sequences would need ~140 GiB,
   more than fits, so the default is one sequence a micro-batch and 8 micro-batches a step (32,768 tokens).
   Activation checkpointing (`train.activation_checkpointing`) lifts that bound: `selective` keeps the
   GEMM and attention outputs and recomputes the element-wise work in the backward, `full` recomputes
-  whole blocks; either way more sequences fit per micro-batch, and larger micro-batches keep the GPU
-  busier. The `large-micro` variants set `train.micro_batch: auto`: ferry picks the largest micro-batch
-  its memory model says fits, the step keeping its sequences (8 here), and each line reports the
-  micro-batch the run recorded. `fp8-torchao` keeps a padded copy of each expert GEMM's input for the
+  whole blocks; by the estimate selective fits 2 sequences a micro-batch, full 4, and full with the head and
+  loss by chunks (`train.loss_chunk=4096`) the whole step of 8, each weight then cast and its gradient added
+  once a step. The `large-micro` variants set that up with `train.micro_batch: auto`: ferry picks the
+  largest micro-batch its memory model says fits, the step keeping its sequences (8 here), and each line
+  reports the micro-batch the run recorded. `fp8-torchao` keeps a padded copy of each expert GEMM's input for the
   backward (a few GiB more at this shape); a variant that does not fit is reported as failed.
 
 Variants, each its own `ferry train` process, bfloat16 compute. ferry compiles blocks by default on
@@ -29,13 +30,14 @@ CUDA and ROCm (`train.compile: auto`), so the eager variants say `train.compile:
 - `compiled`: `auto` with `train.compile=blocks` (each transformer block compiled);
 - `checkpointed`, `checkpointed-full`: `compiled` with `train.activation_checkpointing` `selective`, `full`:
   what the recomputation costs at the same micro-batch;
-- `large-micro`: `checkpointed` with `train.micro_batch=auto`; `large-micro-eager`: the same, eager;
+- `large-micro`: `checkpointed-full` with `train.loss_chunk=4096` and `train.micro_batch=auto`;
+  `large-micro-eager`: the same, eager;
 - `fp8-emulated`: FP8 expert GEMMs, portable (rounded to FP8, multiplied in bfloat16), eager;
 - `fp8-native`: FP8 expert GEMMs on the approved vendor kernel (`torch_scaled_grouped_mm` on SM90), eager;
 - `fp8-torchao`: FP8 expert GEMMs on torchao's kernels, pinned (`kernels.ops."moe.fp8_grouped_mm"=torchao`)
   while their ledger entry is unapproved, eager; needs `pip install ferry-moe[gpu]`;
-- `fp8-torchao-compiled`: `fp8-torchao` set up as `large-micro` (compiled, selective checkpointing, the
-  micro-batch ferry picks): FP8 measured against the best bfloat16 set-up, not against an eager one;
+- `fp8-torchao-compiled`: `fp8-torchao` set up as `large-micro` (compiled, full checkpointing, chunked
+  loss, the micro-batch ferry picks): FP8 measured against the best bfloat16 set-up, not against an eager one;
 - `chunked-loss`: `auto` with `train.loss_chunk=1024` (the head and the loss by chunks of 1,024 tokens,
   no full logits), eager: its peak memory against `auto`'s is the point.
 
@@ -118,7 +120,9 @@ BATCHES = {"mid": (16, 1), "olmoe-1b-7b": (1, 8)}
 EAGER = {"train.compile": "none"}  # ferry's default, auto, compiles blocks on CUDA and ROCm
 COMPILED = {"train.compile": "blocks"}
 SELECTIVE = {"train.activation_checkpointing": "selective"}
-LARGE_MICRO = {**COMPILED, **SELECTIVE, "train.micro_batch": "auto"}
+# full checkpointing and the head and loss by chunks of one sequence: what lets ferry's memory model fit the whole
+# OLMoE-1B-7B step (8 sequences) in one forward on an H200; selective fits 2 (tests/test_step_shape.py)
+LARGE_MICRO = {**COMPILED, "train.activation_checkpointing": "full", "train.loss_chunk": 4096, "train.micro_batch": "auto"}
 FP8 = {"precision.experts": "fp8"}
 TORCHAO = {**FP8, 'kernels.ops."moe.fp8_grouped_mm"': "torchao"}
 VARIANTS = {

@@ -13,10 +13,9 @@
 #        olmoe (the acceptance): auto, compiled, large-micro, large-micro-eager, with large-micro's step
 #          traced and summarised (GPU busy share, top kernels, GEMM share of GPU time); it needs MFU >= 40%
 #          compiled and >= 30% eager at the micro-batch the memory model picks, and a GEMM share >= 60%;
-#        olmoe_extra: checkpointed, checkpointed-full, fp8-torchao-compiled, fp8-native, chunked-loss
-#          (the torchao variant fails fast, and says so, without torchao). FP8's approval figure is
-#          fp8-torchao-compiled's tokens/s over large-micro's from the olmoe stage (>= 1.1 to approve): the
-#          two stages' JSON lines give one side each;
+#        olmoe_extra: large-micro again, fp8-torchao-compiled, checkpointed, fp8-native (the torchao
+#          variant fails fast, and says so, without torchao): FP8's approval figure,
+#          fp8_torchao_compiled_vs_large_micro (>= 1.1 to approve), comes from this one stage;
 #      and the standard suites (`ferry bench moe-tiny` on the GPU, `ferry bench olmoe-1b-7b`) with their cost,
 #   5. checkpoint save and load throughput on the machine's disk.
 # Usage: bash benchmarks/device_check.sh [STAGE...]   (writes under $OUT, default runs/device-check)
@@ -25,7 +24,7 @@
 # the acceptance first. Estimates, not measurements: an OLMoE-1B-7B variant costs 30-60 s of setup, about
 # a minute more to compile when compiled, and ~1 s a step; so the OLMoE stages run 10 steps (5 of warm-up,
 # the traced step left out of the medians), not 12, and each stays one call: `olmoe` ~6-7 min (2 eager,
-# 2 compiled, a trace to write and read), `olmoe_extra` ~8-9 min (3 compiled, 2 eager), each on its own;
+# 2 compiled, a trace to write and read), `olmoe_extra` ~7-8 min (3 compiled, 1 eager), each on its own;
 # then `training` (12 variants of the mid shape, half of them compiled); then `tests kernels`, then
 # `rehearse suites io`.
 # Needs ferry's dependencies importable next to the GPU build of torch; it says which are not.
@@ -93,7 +92,7 @@ stage_olmoe() {
 stage_olmoe_extra() {
     prepare_data || return 1
     "$python" benchmarks/accelerator_training.py --data "$data" --shape olmoe-1b-7b --steps 10 \
-        --variants checkpointed,checkpointed-full,fp8-torchao-compiled,fp8-native,chunked-loss 2>&1 \
+        --variants large-micro,fp8-torchao-compiled,checkpointed,fp8-native 2>&1 \
         | tee "$out/accelerator_training-olmoe-1b-7b-extra.txt"
 }
 

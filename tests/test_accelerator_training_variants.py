@@ -51,7 +51,9 @@ def test_each_new_variant_has_the_keys_its_description_gives(harness):
     variants = harness.VARIANTS
     assert variants["checkpointed"] == {**variants["compiled"], "train.activation_checkpointing": "selective"}
     assert variants["checkpointed-full"] == {**variants["compiled"], "train.activation_checkpointing": "full"}
-    assert variants["large-micro"] == {**variants["checkpointed"], "train.micro_batch": "auto"}
+    assert variants["large-micro"] == {
+        **variants["checkpointed-full"], "train.loss_chunk": 4096, "train.micro_batch": "auto"
+    }
     assert variants["large-micro-eager"] == {**variants["large-micro"], "train.compile": "none"}
     assert variants["fp8-torchao-compiled"] == {
         **variants["fp8-torchao"], **variants["large-micro"], "train.compile": "blocks"

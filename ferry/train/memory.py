@@ -75,7 +75,7 @@ def memory_estimate(config: RunConfig, world_size: int, device: str, micro_batch
     activations = tokens * model.n_layers * kept_bytes_per_token_layer(config, mode, compute_bytes)
     if mode != "none":  # the block the backward recomputes holds what a plain block keeps
         activations += tokens * kept_bytes_per_token_layer(config, "none", compute_bytes)
-    logits = tokens * model.vocab_size * (compute_bytes + 8)
+    logits = _head_bytes(config, tokens, compute_bytes)
     copies = local * compute_bytes if compute_bytes < param_bytes else 0
     return MemoryEstimate(int(state), int(activations + logits + copies), int(moments * 4))
 
@@ -87,20 +87,31 @@ def kept_bytes_per_token_layer(config: RunConfig, mode: str, compute_bytes: int)
     hidden and output rows. selective: the block's input (the residual stream, in the parameter dtype), the
     outputs of the GEMMs (the query/key/value projection, 3 x dim; the attention; the output projection; the
     router's scores; each expert's gate, up and down rows) and the routing choice. full: the block's input and
-    the routing choice. Expert parallelism adds, in both checkpointed modes, the rows the exchange received in
+    the routing choice. Both also keep the dispatch's three maps between token order and expert order, which the
+    MoE kernels hold on their autograd context, where a checkpoint cannot drop them. Expert parallelism adds, in both checkpointed modes, the rows the exchange received in
     each direction, which a recompute reads instead of sending them again.
     """
     model, moe = config.model, config.model.moe
     dim, top_k, ffn = model.dim, moe.top_k, moe.expert_ffn_dim
     if mode == "none":
         return (12 * dim + top_k * (2 * dim + 3 * ffn)) * compute_bytes
-    routing = top_k * (_INDEX_BYTES + compute_bytes)
+    routing = top_k * (_INDEX_BYTES + compute_bytes) + 3 * top_k * _INDEX_BYTES  # the choice; the dispatch's maps
     kept = dim * _param_bytes(config) + routing
     if mode == "selective":
         kept += (5 * dim + moe.num_experts + top_k * (2 * ffn + dim)) * compute_bytes
     if config.parallel.mode == "ep" and config.parallel.ep > 1:
         kept += 2 * top_k * dim * compute_bytes
     return kept
+
+
+def _head_bytes(config: RunConfig, tokens: int, compute_bytes: int) -> int:
+    """The output head and loss: the logits with their fp32 log-softmax and gradient; with `train.loss_chunk`, one
+    chunk's of those, the head weight's fp32 gradient and the hidden states' gradient, held from forward to
+    backward (ferry/model/head_loss.py)."""
+    vocab, dim, chunk = config.model.vocab_size, config.model.dim, config.train.loss_chunk
+    if not chunk:
+        return tokens * vocab * (compute_bytes + 8)
+    return min(chunk, tokens) * vocab * (compute_bytes + 8) + vocab * dim * 4 + tokens * dim * compute_bytes
 
 
 def choose_micro_batch(config: RunConfig, world_size: int, device: str) -> tuple[int, dict]:

@@ -23,3 +23,21 @@ def train_run(dataset: str, run_dir: str, *overrides: str) -> dict:
     result = trainer.fit()
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return {"losses": result.losses, "records": records, "rank": trainer.parts.job.rank}
+
+
+def train_counting_exchanges(dataset: str, run_dir: str, *overrides: str) -> dict:
+    """`train_run`, counting the all-to-alls that reach the process group (below any recompute's cache)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountExchanges(TorchDispatchMode):
+        issued = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.c10d.alltoall_base_.default:
+                CountExchanges.issued += 1
+            return func(*args, **(kwargs or {}))
+
+    with CountExchanges():
+        result = train_run(dataset, run_dir, *overrides)
+    return {**result, "exchanges": CountExchanges.issued}

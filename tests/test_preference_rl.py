@@ -373,3 +373,26 @@ def test_two_expert_parallel_ranks_train_as_one_process_does(tmp_path, task, sft
         assert [r["reward"] for r in ranks[0]["records"]] == [r["reward"] for r in single["records"]]
         assert max(r["reward"] for r in single["records"]) > 0, "nothing trained: the comparison would be empty"
     assert ranks[0]["records"][-1]["moe.ep_imbalance"] >= 1.0
+
+
+@pytest.mark.parametrize("objective", ["dpo", "grpo"])
+def test_dpo_and_grpo_steps_are_unchanged_by_how_a_step_runs(tmp_path, task, sft, objective):
+    """Blocks recomputed in the backward (fp32: the same kernels, bit for bit), and weights cast once a step
+    (bf16 compute: the same casts and sums as autocast's), give each objective the losses of its plain run; the
+    rollouts, reference scores and evaluations run without a backward, and so without either."""
+    if objective == "dpo":
+        overrides = ["train.objective=dpo", f"data.sources=[{{name: pairs, path: {task['pairs']}}}]",
+                     f"dpo.reference_cache={tmp_path / 'cache'}"]
+    else:
+        overrides = ["train.objective=grpo", f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
+                     "train.global_batch=4", "train.micro_batch=2", "grpo.group_size=4", "grpo.max_new_tokens=3",
+                     "grpo.verifier=numeric", "grpo.kl_coef=0.05"]
+    common = [*overrides, f"init_from={sft}", "train.steps=2", "optim.lr=1e-3", 'kernels.ops."moe.routed_experts"=portable']
+    variants = {
+        "plain": [], "recomputed": ["train.activation_checkpointing=selective"],
+        "bf16-per-use": ["precision.compute_dtype=bf16", "precision.weight_casts=micro_batch"],
+        "bf16-per-step": ["precision.compute_dtype=bf16", "precision.weight_casts=step"],
+    }
+    losses = {name: train(_config(tmp_path, name, [*common, *extra])).losses for name, extra in variants.items()}
+    assert losses["recomputed"] == losses["plain"]
+    assert losses["bf16-per-step"] == losses["bf16-per-use"] != losses["plain"]

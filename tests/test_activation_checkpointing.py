@@ -46,7 +46,8 @@ def test_auto_leaves_out_a_kernel_a_recompute_cannot_replay_and_a_pinned_one_is_
     routed = replayed.choices["moe.routed_experts"]
     assert routed.implementation.portable
     assert "fused_loop@cpu: not under activation checkpointing" in routed.reason
-    assert not select_kernels(KernelsConfig(), "cpu", torch.float32).choices["moe.routed_experts"].implementation.portable
+    plain = select_kernels(KernelsConfig(), "cpu", torch.float32)
+    assert not plain.choices["moe.routed_experts"].implementation.portable
     pinned = make_config('kernels.ops."moe.routed_experts"=fused_loop', "train.activation_checkpointing=selective")
     with pytest.raises(UserError, match="fused_loop@cpu cannot run under train.activation_checkpointing"):
         Trainer(pinned)
@@ -91,7 +92,8 @@ def test_compiled_checkpointed_blocks_agree_with_compiled_plain_ones(make_config
     partitioner applies the policy; bf16 autocast. Measured: identical losses over 3 steps."""
     dense = ("model.dense_layers=2", "precision.compute_dtype=bf16", "train.steps=3", "train.compile=blocks")
     plain = train(make_config(*dense, run_dir=tmp_path / "plain")).losses
-    checkpointed = train(make_config(*dense, "train.activation_checkpointing=selective", run_dir=tmp_path / "ac")).losses
+    recomputed = make_config(*dense, "train.activation_checkpointing=selective", run_dir=tmp_path / "ac")
+    checkpointed = train(recomputed).losses
     assert max(abs(a - b) / abs(b) for a, b in zip(checkpointed, plain, strict=True)) < 1e-3
     records = [json.loads(line) for line in (tmp_path / "ac" / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["compile_s"] > 0, "the first step's compile time is its own figure"

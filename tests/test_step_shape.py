@@ -29,7 +29,8 @@ def test_weights_cast_once_a_step_train_bit_for_bit_as_autocast_does(make_config
     for name, tensor in per_step.model.state_dict().items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, reference[name]), name
     casts = json.loads((tmp_path / "b" / "run.json").read_text())["weight_casts"]
-    copied = sum(p.numel() for name, p in per_step.model.named_parameters() if p.dim() >= 2 and "embeddings" not in name)
+    parameters = per_step.model.named_parameters()
+    copied = sum(p.numel() for name, p in parameters if p.dim() >= 2 and "embeddings" not in name)
     assert casts == {"mode": "once a step", "parameters": copied, "dtype": "torch.bfloat16"}
 
 

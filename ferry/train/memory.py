@@ -88,8 +88,9 @@ def kept_bytes_per_token_layer(config: RunConfig, mode: str, compute_bytes: int)
     outputs of the GEMMs (the query/key/value projection, 3 x dim; the attention; the output projection; the
     router's scores; each expert's gate, up and down rows) and the routing choice. full: the block's input and
     the routing choice. Both also keep the dispatch's three maps between token order and expert order, which the
-    MoE kernels hold on their autograd context, where a checkpoint cannot drop them. Expert parallelism adds, in both checkpointed modes, the rows the exchange received in
-    each direction, which a recompute reads instead of sending them again.
+    MoE kernels hold on their autograd context, where a checkpoint cannot drop them. Expert parallelism adds, in
+    both checkpointed modes, the rows the exchange received in each direction, which a recompute reads instead
+    of sending them again.
     """
     model, moe = config.model, config.model.moe
     dim, top_k, ffn = model.dim, moe.top_k, moe.expert_ffn_dim

@@ -81,7 +81,8 @@ def run_bench(
     if work.exists() and (not work.is_dir() or any(work.iterdir())):
         raise UserError(f"bench directory {str(work)!r} is not an empty directory; choose another --dir")
     config = suite.run_config(work, device or suite.device, list(overrides))
-    if config.train.global_batch % (config.train.micro_batch * nproc):
+    micro_batch = 1 if config.train.micro_batch == "auto" else config.train.micro_batch  # auto takes one that fits
+    if config.train.global_batch % (micro_batch * nproc):
         raise UserError(
             f"suite {suite.name}: train.global_batch ({config.train.global_batch}) is not a multiple of "
             f"train.micro_batch x ranks ({config.train.micro_batch} x {nproc}); change --nproc or the batch"

@@ -17,6 +17,7 @@ from ferry.cli.metrics import add_metrics_commands
 from ferry.cli.options import refuse_unknown_options
 from ferry.cli.pipeline import add_pipeline_commands
 from ferry.cli.portability import add_portability_commands
+from ferry.cli.release import add_release_commands
 from ferry.config import UserError
 from ferry.platform.process import Stopped, die_with_parent, stop_on_sigterm
 
@@ -71,7 +72,11 @@ def _build_parser() -> argparse.ArgumentParser:
     data = commands.add_parser("data", help="prepare token datasets")
     data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     prepare = data_commands.add_parser("prepare", help="tokenize text into memory-mapped shards with a manifest")
-    prepare.add_argument("inputs", nargs="*", help=".txt / .jsonl files or directories of them")
+    prepare.add_argument(
+        "inputs", nargs="*",
+        help=".txt, .jsonl, .jsonl.gz/.json.gz, .jsonl.zst/.json.zst, .parquet or .arrow files, directories of them, "
+        "or a Hugging Face datasets save_to_disk directory",
+    )
     prepare.add_argument(
         "--embedded", choices=["stdlib", "stdlib-chat", "largest", "largest-held-out"],
         help="use an embedded offline set instead: stdlib (text), stdlib-chat (conversations, with --chat), or the "
@@ -80,7 +85,9 @@ def _build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--output", required=True, help="dataset directory to write")
     prepare.add_argument("--tokenizer", default="bpe", help="bpe (train one here), byte, or a tokenizer.json path")
     prepare.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default 4096)")
-    prepare.add_argument("--text-field", default=None, help="JSONL field holding the text (default text)")
+    prepare.add_argument(
+        "--text-field", default=None, help="the JSON field or Parquet/Arrow column holding the text (default text)"
+    )
     prepare.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard file (default 16,777,216)")
     prepare.add_argument(
         "--max-bytes", type=int, default=None, help="text budget of the embedded corpus (default 6,000,000)"
@@ -91,17 +98,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     prepare.add_argument(
         "--chat", action="store_true",
-        help="the inputs are conversations (.jsonl with messages): chat template, loss on assistant tokens, packing",
+        help="the inputs are conversations (rows with messages): chat template, loss on assistant tokens, packing",
     )
     prepare.add_argument("--seq-len", type=int, default=None, help="with --chat: the row length (data.seq_len)")
     records = prepare.add_mutually_exclusive_group()
     records.add_argument(
         "--preferences", action="store_const", const="preferences", dest="records",
-        help="preference pairs for DPO (.jsonl with prompt, chosen, rejected), kept whole",
+        help="preference pairs for DPO (rows with prompt, chosen, rejected), kept whole",
     )
     records.add_argument(
         "--prompts", action="store_const", const="prompts", dest="records",
-        help="prompts with verifiable answers for GRPO (.jsonl with prompt, answer)",
+        help="prompts with verifiable answers for GRPO (rows with prompt, answer)",
     )
     prepare.add_argument("--overwrite", action="store_true", help="replace a dataset prepared from other inputs")
     prepare.set_defaults(handler=_data_prepare)
@@ -121,6 +128,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_interop_commands(commands)
     add_inference_commands(commands)
     add_pipeline_commands(commands)
+    add_release_commands(commands)
     return parser
 
 

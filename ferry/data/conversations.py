@@ -1,4 +1,5 @@
-"""Conversations to fine-tune on: `.jsonl` files with `messages`, or the embedded `stdlib-chat` set.
+"""Conversations to fine-tune on: rows with `messages` (JSON lines, plain or compressed, Parquet, Arrow),
+or the embedded `stdlib-chat` set.
 
 `stdlib-chat` is made offline from the standard library's own sources (read with `ast`,
 nothing imported): for each public function, class and method with a docstring, a user
@@ -15,10 +16,10 @@ import inspect
 import json
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
 
 from ferry.config.errors import UserError
-from ferry.data.corpus import Document, jsonl_records, stdlib_sources, within_budget
+from ferry.data.corpus import Document, position, stdlib_sources, within_budget
+from ferry.data.formats import Part, read_records
 
 EMBEDDED_CONVERSATIONS = ("stdlib-chat",)
 _SYSTEM = "You answer questions about Python's standard library in a sentence or two."
@@ -36,14 +37,12 @@ def embedded_conversations(name: str, max_bytes: int, skip_bytes: int = 0) -> It
     return within_budget(_stdlib_conversations(), max_bytes, skip_bytes)
 
 
-def read_conversations(path: Path) -> Iterator[Document]:
-    """The conversations of a `.jsonl` file, one object with a `messages` list per line."""
-    if path.suffix != ".jsonl":
-        raise UserError(f"conversation input {str(path)!r} is not .jsonl (one {{\"messages\": [...]}} per line)")
-    for number, record in jsonl_records(path):
+def read_conversations(part: Part) -> Iterator[Document]:
+    """The conversations of a part of an input file, one object (row) with a `messages` list each."""
+    for line, row, record in read_records(part, ["messages"], "conversation"):
         if not isinstance(record, dict) or "messages" not in record:
-            raise UserError(f"{path}:{number}: expected an object with a 'messages' list")
-        yield Document(str(path), json.dumps(record["messages"]), line=number)
+            raise UserError(f"{position(str(part.path), line, row)}: expected an object with a 'messages' list")
+        yield Document(str(part.path), json.dumps(record["messages"]), line=line, row=row)
 
 
 def _stdlib_conversations() -> Iterator[Document]:

@@ -7,7 +7,6 @@ the Python version; the dataset manifest records the sha256 of every piece.
 
 from __future__ import annotations
 
-import json
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,11 +20,24 @@ _SKIPPED_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "
 
 @dataclass(frozen=True)
 class Document:
-    """One unit of text and where it came from: a file (and line, for JSONL) or an `embedded:` name."""
+    """One unit of text and where it came from: a file (and its line, for JSON lines, or its row,
+    counted from 0, for a table) or an `embedded:` name."""
 
     source: str
     text: str
     line: int | None = None
+    row: int | None = None
+
+    @property
+    def where(self) -> str:
+        """`file:line`, `file row N` or the source alone: how a message about this document names it."""
+        return position(self.source, self.line, self.row)
+
+
+def position(source: str, line: int | None = None, row: int | None = None) -> str:
+    if line is not None:
+        return f"{source}:{line}"
+    return source if row is None else f"{source} row {row}"
 
 
 def embedded_documents(name: str, max_bytes: int, skip_bytes: int = 0) -> Iterator[Document]:
@@ -51,21 +63,6 @@ def within_budget(documents: Iterator[Document], max_bytes: int, skip_bytes: int
             return
         produced += size
         yield document
-
-
-def jsonl_records(path: Path) -> Iterator[tuple[int, object]]:
-    """(line number, parsed value) of each non-empty line of a JSONL file; bad JSON or text is named."""
-    try:
-        with path.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield number, json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"input {str(path)!r} is not UTF-8 text ({exc.reason})") from None
 
 
 def stdlib_sources() -> Iterator[tuple[str, str]]:

@@ -1,6 +1,7 @@
 """`ferry data prepare`: text in, memory-mappable token shards plus a manifest out.
 
-The output directory holds `tokenizer.json`, `shard-NNNNN.npy` files (one token
+The inputs are text files, JSON lines (plain, gzip or zstd), Parquet, Arrow, or a `datasets`
+`save_to_disk` directory (`ferry.data.formats`), each read as a stream. The output directory holds `tokenizer.json`, `shard-NNNNN.npy` files (one token
 stream, every document followed by end-of-text) and `manifest.json` with token
 counts and the sha256 of every source and shard. Conversations (`--chat`) are
 rendered with the chat template, packed into rows of `seq_len` tokens, and get a
@@ -20,6 +21,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,8 @@ import numpy as np
 from ferry.config.errors import UserError
 from ferry.data.chat import CHAT_TEMPLATE, ChatEncoder, parse_messages, with_chat_tokens
 from ferry.data.conversations import EMBEDDED_CONVERSATIONS, embedded_conversations, read_conversations
-from ferry.data.corpus import EMBEDDED_CORPORA, Document, embedded_documents, jsonl_records, within_budget
+from ferry.data.corpus import EMBEDDED_CORPORA, Document, embedded_documents, within_budget
+from ferry.data.formats import collect_files, parts, read_texts
 from ferry.data.manifest import (
     DATASET_FORMAT,
     DATASET_VERSION,
@@ -44,7 +47,6 @@ from ferry.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, encode_
 from ferry.data.verification import DatasetMismatch, verify_files
 from ferry.platform.digests import FAST
 
-TEXT_SUFFIXES = (".txt", ".jsonl")
 _ENCODE_BATCH = 256
 
 
@@ -173,43 +175,14 @@ def _document_source(spec: PrepareSpec) -> Callable[[], Iterator[Document]]:
     if spec.embedded:
         embedded = embedded_conversations if spec.chat else embedded_documents
         return lambda: embedded(spec.embedded, spec.embedded_max_bytes, spec.embedded_skip_bytes)
-    files = _collect_files(spec.inputs)
+    files = collect_files(spec.inputs)
     if spec.records:
-        return lambda: (doc for path in files for doc in read_record_rows(path, spec.records))
-    if spec.chat:
-        return lambda: (doc for path in files for doc in read_conversations(path))
-    return lambda: (doc for path in files for doc in _read_documents(path, spec.text_field))
-
-
-def _collect_files(inputs: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for text in inputs:
-        path = Path(text)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-            if not found:
-                raise UserError(f"input directory {text!r} holds no .txt or .jsonl files")
-            files.extend(found)
-        elif path.is_file():
-            if path.suffix not in TEXT_SUFFIXES:
-                raise UserError(f"input {text!r} is neither .txt nor .jsonl")
-            files.append(path)
-        else:
-            raise UserError(f"input {text!r} does not exist")
-    return files
-
-
-def _read_documents(path: Path, text_field: str) -> Iterator[Document]:
-    if path.suffix == ".txt":
-        try:
-            yield Document(str(path), path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as exc:
-            raise UserError(f"input {str(path)!r} is not UTF-8 text ({exc.reason})") from None
-        return
-    for number, record in jsonl_records(path):
-        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            raise UserError(f"{path}:{number}: expected an object with a string field {text_field!r}")
-        yield Document(str(path), record[text_field], line=number)
+        read = partial(read_record_rows, kind=spec.records)
+    elif spec.chat:
+        read = read_conversations
+    else:
+        read = partial(read_texts, field=spec.text_field)
+    return lambda: (document for path in files for part in parts(path) for document in read(part))
 
 
 def _hash_sources(documents: Iterator[Document]) -> list[dict]:
@@ -295,8 +268,7 @@ def _write_conversations(spec: PrepareSpec, documents: Callable[[], Iterator[Doc
 
     batch: list[list] = []
     for document in documents():
-        where = f"{document.source}:{document.line}" if document.line else document.source
-        batch.append(parse_messages(json.loads(document.text), where))
+        batch.append(parse_messages(json.loads(document.text), document.where))
         if len(batch) == _ENCODE_BATCH:
             write([packer.add(conversation) for conversation in encoder.render_many(batch)])
             batch = []

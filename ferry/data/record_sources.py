@@ -1,4 +1,5 @@
-"""Preference pairs and RL prompts read from `.jsonl` (or an embedded task) and written as record datasets.
+"""Preference pairs and RL prompts read from rows (JSON lines, plain or compressed, Parquet, Arrow; or an
+embedded task) and written as record datasets.
 
 A preference row: `{"prompt": ..., "chosen": ..., "rejected": ...}`; a prompt row:
 `{"prompt": ..., "answer": ...}`. A prompt is plain text (one user message) or a
@@ -18,16 +19,15 @@ import numpy as np
 
 from ferry.config.errors import UserError
 from ferry.data.chat import ChatEncoder, Message, parse_messages
-from ferry.data.corpus import Document, jsonl_records
+from ferry.data.corpus import Document
+from ferry.data.formats import Part, read_records
 from ferry.data.records import ANSWERS_NAME, RECORD_FIELDS, SPANS_NAME, TOKENS_NAME
 
 
-def read_record_rows(path: Path, kind: str) -> Iterator[Document]:
-    """The rows of a `.jsonl` file of `kind`, each a document whose text is the row's JSON."""
-    if path.suffix != ".jsonl":
-        raise UserError(f"{kind} input {str(path)!r} is not .jsonl (one object per line)")
-    for number, record in jsonl_records(path):
-        yield Document(str(path), json.dumps(record), line=number)
+def read_record_rows(part: Part, kind: str) -> Iterator[Document]:
+    """The rows of `kind` in a part of an input file, each a document whose text is the row's JSON."""
+    for line, row, record in read_records(part, list(_required(kind)), kind):
+        yield Document(str(part.path), json.dumps(record), line=line, row=row)
 
 
 def write_records(documents: Iterator[Document], kind: str, encoder: ChatEncoder, staging: Path) -> dict:
@@ -38,7 +38,7 @@ def write_records(documents: Iterator[Document], kind: str, encoder: ChatEncoder
     answers: list[str] = []
     offset = 0
     for document in documents:
-        where = f"{document.source}:{document.line}" if document.line else document.source
+        where = document.where
         row = json.loads(document.text)
         if not isinstance(row, dict):
             raise UserError(f"{where}: expected an object with {', '.join(_required(kind))}")

@@ -1,0 +1,297 @@
+"""The file formats `ferry data prepare` reads, each as a stream of rows with memory bounded by a row group.
+
+    .txt                        one document per file
+    .jsonl                      one JSON object per line
+    .jsonl.gz / .json.gz        the same, gzip-compressed (Dolma's files are .json.gz JSON lines)
+    .jsonl.zst / .json.zst      the same, zstd-compressed (one frame or several)
+    .parquet                    a table (FineWeb and most hub datasets), read a row group at a time
+    .arrow                      an Arrow IPC stream or file, read a record batch at a time
+    a `save_to_disk` directory  Hugging Face `datasets`' layout: `data-*.arrow` IPC streams named in
+                                `state.json`, beside `dataset_info.json` (read with pyarrow alone)
+
+The unit of reading is a `Part`: a whole file, or one row group of a Parquet file. Parts are
+independent (each opens its own file and knows the number of its first row), so they are what a
+pool of workers would share out; reading the parts in order gives the documents in input order.
+
+A failure names the file and the line (counted from 1, as editors do) or the row (counted from 0,
+as pyarrow and `datasets` index them).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+
+from ferry.config.errors import UserError
+from ferry.data.corpus import Document
+
+# longest suffix first: `.jsonl.gz` must not be taken for a bare `.gz`
+_SUFFIXES = {
+    ".jsonl.gz": "jsonl.gz",
+    ".json.gz": "jsonl.gz",
+    ".jsonl.zst": "jsonl.zst",
+    ".json.zst": "jsonl.zst",
+    ".jsonl": "jsonl",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".txt": "text",
+}
+RECORD_FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow")
+DESCRIBED = ".txt, .jsonl, .jsonl.gz, .json.gz, .jsonl.zst, .json.zst, .parquet, .arrow, or a save_to_disk directory"
+ARROW_STATE = "state.json"
+_BATCH_ROWS = 1024
+_ZSTD_READ = 1 << 16
+
+
+@dataclass(frozen=True)
+class Part:
+    """A unit of reading: a whole file, or row group `row_group` of a Parquet file (its rows counted
+    from `first_row`)."""
+
+    path: Path
+    format: str
+    row_group: int | None = None
+    first_row: int = 0
+
+
+def file_format(path: Path) -> str | None:
+    """The format a file's name says it holds; None for a file prepare does not read."""
+    return next((kind for suffix, kind in _SUFFIXES.items() if path.name.endswith(suffix)), None)
+
+
+def is_arrow_dataset(directory: Path) -> bool:
+    """Whether `directory` is a dataset `datasets.Dataset.save_to_disk` wrote."""
+    return (directory / ARROW_STATE).is_file() and any(directory.glob("data-*.arrow"))
+
+
+def collect_files(inputs: Iterable[str]) -> list[Path]:
+    """The files the inputs name, in order: a directory gives its readable files sorted by path, a
+    `save_to_disk` directory (or one inside a directory) its Arrow files in the order `state.json` lists."""
+    files: list[Path] = []
+    for text in inputs:
+        path = Path(text)
+        if path.is_dir():
+            found = _directory_files(path)
+            if not found:
+                raise UserError(f"input directory {text!r} holds nothing prepare reads ({DESCRIBED})")
+            files.extend(found)
+        elif path.is_file():
+            if file_format(path) is None:
+                raise UserError(f"input {text!r} is none of {DESCRIBED}")
+            files.append(path)
+        else:
+            raise UserError(f"input {text!r} does not exist")
+    return files
+
+
+def parts(path: Path) -> list[Part]:
+    """The parts of one input file: its row groups for Parquet, the whole file otherwise."""
+    kind = file_format(path)
+    if kind != "parquet":
+        return [Part(path, kind)]
+    metadata = _parquet(path).metadata
+    found, first = [], 0
+    for index in range(metadata.num_row_groups):
+        found.append(Part(path, kind, index, first))
+        first += metadata.row_group(index).num_rows
+    return found
+
+
+def read_texts(part: Part, field: str) -> Iterator[Document]:
+    """The documents of a part: a `.txt` file whole, else the string `field` of every row."""
+    if part.format == "text":
+        try:
+            yield Document(str(part.path), part.path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise UserError(f"input {str(part.path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        return
+    if part.format in ("parquet", "arrow"):
+        for row, value in _column_rows(part, [field], "--text-field names the column of text"):
+            text = value[field]
+            if not isinstance(text, str):
+                raise UserError(f"{part.path} row {row}: {field!r} is {_kind(text)}, not text")
+            yield Document(str(part.path), text, row=row)
+        return
+    for number, record in json_lines(part):
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            raise UserError(f"{part.path}:{number}: expected an object with a string field {field!r}")
+        yield Document(str(part.path), record[field], line=number)
+
+
+def read_records(part: Part, fields: list[str], what: str) -> Iterator[tuple[int | None, int | None, object]]:
+    """(line, row, record) of every row of a part: a parsed JSON line, or a table's row read for `fields`
+    only (a table without one of them is refused, naming its columns). `what` names the rows in errors:
+    conversation, preferences, prompts."""
+    if part.format not in RECORD_FORMATS:
+        raise UserError(f"{what} input {str(part.path)!r} is not a file of rows ({DESCRIBED.replace('.txt, ', '')})")
+    if part.format in ("parquet", "arrow"):
+        for row, record in _column_rows(part, fields, f"{what} rows need {', '.join(fields)}"):
+            yield None, row, record
+        return
+    for number, record in json_lines(part):
+        yield number, None, record
+
+
+def json_lines(part: Part) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-empty line of a JSON-lines part, plain or compressed."""
+    for number, line in _lines(part):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UserError(f"{part.path}:{number}: not UTF-8 text ({exc.reason} at byte {exc.start} of the line)") from None
+        if not text.strip():
+            continue
+        try:
+            yield number, json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{part.path}:{number}: not valid JSON ({exc.msg})") from None
+
+
+def _lines(part: Part) -> Iterator[tuple[int, bytes]]:
+    """(number, bytes) of each line; a compressed stream cut short or corrupt is named after the last good line."""
+    number = 0
+    try:
+        if part.format == "jsonl":
+            with part.path.open("rb") as handle:
+                for number, line in enumerate(handle, start=1):
+                    yield number, line
+        elif part.format == "jsonl.gz":
+            with gzip.open(part.path, "rb") as handle:
+                for number, line in enumerate(handle, start=1):
+                    yield number, line
+        else:
+            with part.path.open("rb") as handle:
+                for number, line in enumerate(_split_lines(_zstd_chunks(handle)), start=1):
+                    yield number, line
+    except (EOFError, OSError, zlib.error, zstandard.ZstdError) as exc:
+        if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile):
+            raise UserError(f"input {str(part.path)!r} cannot be read: {exc}") from None
+        codec = "gzip" if part.format == "jsonl.gz" else "zstd"
+        raise UserError(f"{part.path}:{number + 1}: the {codec} stream is corrupt or cut short before this line ({exc})") from None
+
+
+def _zstd_chunks(handle) -> Iterator[bytes]:
+    """Decompressed bytes of every zstd frame in `handle`; a last frame without its end is an error
+    (zstandard's stream reader would end quietly there)."""
+    decompressor = zstandard.ZstdDecompressor()
+    frame = decompressor.decompressobj()
+    in_frame = False
+    while compressed := handle.read(_ZSTD_READ):
+        while compressed:
+            in_frame = True
+            if out := frame.decompress(compressed):
+                yield out
+            if not frame.eof:
+                break
+            compressed = frame.unused_data
+            frame = decompressor.decompressobj()
+            in_frame = False
+    if in_frame:
+        raise zstandard.ZstdError("the file ends inside a frame: it is truncated")
+
+
+def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    pending: list[bytes] = []
+    for chunk in chunks:
+        lines = chunk.split(b"\n")
+        if len(lines) == 1:
+            pending.append(chunk)
+            continue
+        yield b"".join([*pending, lines[0]]) + b"\n"
+        for line in lines[1:-1]:
+            yield line + b"\n"
+        pending = [lines[-1]] if lines[-1] else []
+    if pending:
+        yield b"".join(pending)
+
+
+def _column_rows(part: Part, fields: list[str], why: str) -> Iterator[tuple[int, dict]]:
+    """(row number, {field: value}) of a Parquet row group or an Arrow file, a batch of rows at a time;
+    `why` the columns are needed, for the message refusing a table that lacks one."""
+    try:
+        if part.format == "parquet":
+            table = _parquet(part.path)
+            _check_columns(part.path, table.schema_arrow, fields, why)
+            batches = table.iter_batches(batch_size=_BATCH_ROWS, row_groups=[part.row_group], columns=fields)
+        else:
+            schema, batches = _arrow_batches(part.path)
+            _check_columns(part.path, schema, fields, why)
+            batches = (batch.select(fields) for batch in batches)
+        row = part.first_row
+        for batch in batches:
+            for record in batch.to_pylist():
+                yield row, record
+                row += 1
+    except (pa.ArrowException, OSError) as exc:
+        raise UserError(f"input {str(part.path)!r} cannot be read as {part.format}: {exc}") from None
+
+
+def _check_columns(path: Path, schema: pa.Schema, fields: list[str], why: str) -> None:
+    missing = [name for name in fields if name not in schema.names]
+    if missing:
+        raise UserError(
+            f"{path}: no column {', '.join(repr(name) for name in missing)} ({why}); "
+            f"its columns: {', '.join(schema.names) or 'none'}"
+        )
+
+
+def _parquet(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise UserError(f"input {str(path)!r} cannot be read as Parquet: {exc}") from None
+
+
+def _arrow_batches(path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    """The schema and record batches of an Arrow IPC stream (what `datasets` writes) or file, memory-mapped:
+    a batch is paged in when it is read."""
+    source = pa.memory_map(str(path))
+    try:
+        stream = pa.ipc.open_stream(source)
+        return stream.schema, iter(stream)
+    except pa.ArrowInvalid:
+        source.seek(0)
+        file = pa.ipc.open_file(source)
+        return file.schema, (file.get_batch(index) for index in range(file.num_record_batches))
+
+
+def _directory_files(directory: Path) -> list[Path]:
+    if is_arrow_dataset(directory):
+        return _arrow_dataset_files(directory)
+    saved = {state.parent for state in directory.rglob(ARROW_STATE) if is_arrow_dataset(state.parent)}
+    files: list[Path] = []
+    for path in sorted(directory.rglob("*")):
+        if saved.intersection(path.parents):
+            continue
+        if path in saved:
+            files.extend(_arrow_dataset_files(path))
+        elif path.is_file() and file_format(path) is not None:
+            files.append(path)
+    return files
+
+
+def _arrow_dataset_files(directory: Path) -> list[Path]:
+    """The data files of a `save_to_disk` directory in the order its `state.json` lists them."""
+    state_path = directory / ARROW_STATE
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise UserError(f"{state_path} does not list the dataset's files as save_to_disk writes them ({exc!r})") from None
+    files = [directory / name for name in names]
+    absent = [str(path) for path in files if not path.is_file()]
+    if absent:
+        raise UserError(f"{state_path} lists {absent[0]}, which does not exist")
+    return files
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else type(value).__name__

@@ -1,0 +1,98 @@
+"""`ferry release PIPELINE_DIR --out DIR`, `ferry release verify DIR`, `ferry release replay DIR --stage NAME`.
+
+`verify` and `replay` answer like the other verifying commands: exit 0 pass, 1 a failed check (named), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_FORMS = """usage: ferry release PIPELINE_DIR --out DIR [--optimizer] [--data] [--no-export]
+       ferry release verify DIR
+       ferry release replay DIR --stage NAME [--steps N] [--env ENV] [--work DIR]
+
+  PIPELINE_DIR --out DIR   package a finished pipeline (ferry pipeline run) as a verifiable release
+  verify DIR               check every file's sha256 and the stage chain; exit 0 pass, 1 fail, 2 not a release
+  replay DIR               train a stage's first steps again from the release and judge them against the
+                           recorded curve; exit 0 pass, 1 fail (naming the profile), 2 bad input"""
+
+
+def add_release_commands(commands) -> None:
+    release = commands.add_parser(
+        "release", help="package a finished pipeline as a verifiable release; verify or replay one",
+        description=_FORMS, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False,
+    )
+    release.add_argument("argv", nargs=argparse.REMAINDER)
+    release.set_defaults(handler=_release)
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    build = argparse.ArgumentParser(prog="ferry release", description="package a finished pipeline")
+    build.add_argument("pipeline_dir", help="a pipeline directory (ferry pipeline run --dir)")
+    build.add_argument("--out", required=True, help="the release directory to write (new or empty)")
+    build.add_argument("--optimizer", action="store_true", help="keep each checkpoint's AdamW state")
+    build.add_argument("--data", action="store_true", help="include the data files, not only their manifests")
+    build.add_argument("--no-export", action="store_true", help="leave out the transformers exports")
+    verify = argparse.ArgumentParser(prog="ferry release verify", description="verify a release")
+    verify.add_argument("dir", help="a release directory")
+    replay = argparse.ArgumentParser(prog="ferry release replay", description="replay a stage of a release")
+    replay.add_argument("dir", help="a release directory")
+    replay.add_argument("--stage", required=True, help="the stage to replay")
+    replay.add_argument("--steps", type=int, default=None, help="how many of its first steps (default: all recorded)")
+    replay.add_argument("--env", default=None, help="an environment file or name (default: the recorded config)")
+    replay.add_argument(
+        "--work", default=None, help="where the replay runs (default runs/release-replay/<pipeline>-<stage>)"
+    )
+    return {"build": build, "verify": verify, "replay": replay}
+
+
+def _release(args: argparse.Namespace) -> int:
+    from ferry.cli.options import refuse_unknown_options
+
+    argv = list(args.argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_FORMS, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    form = argv[0] if argv[0] in ("verify", "replay") else "build"
+    parser = _parsers()[form]
+    options, extra = parser.parse_known_args(argv[1:] if form != "build" else argv)
+    refuse_unknown_options(extra, argv)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return {"build": _build, "verify": _verify, "replay": _replay}[form](options)
+
+
+def _build(options: argparse.Namespace) -> int:
+    from ferry.portability.release import build_release
+
+    content = build_release(
+        options.pipeline_dir, options.out, optimizer=options.optimizer, data=options.data,
+        export=not options.no_export,
+    )
+    total = sum(record["bytes"] for record in content["files"].values())
+    print(
+        f"ferry: release {options.out}: {len(content['stages'])} stage(s) "
+        f"({' -> '.join(stage['name'] for stage in content['stages'])}), {len(content['data'])} data source(s), "
+        f"{len(content['files'])} files, {total:,} bytes; manifest {options.out}/release.json, model card "
+        f"{options.out}/README.md"
+    )
+    return 0
+
+
+def _verify(options: argparse.Namespace) -> int:
+    from ferry.portability.release_verify import verify_release
+
+    check = verify_release(options.dir)
+    print("\n".join(check.lines()))
+    return 0 if check.passed else 1
+
+
+def _replay(options: argparse.Namespace) -> int:
+    from ferry.portability.release_replay import replay_stage, write_summary
+
+    replay = replay_stage(options.dir, options.stage, options.steps, options.env, options.work,
+                          say=lambda line: print(line, file=sys.stderr))
+    write_summary(replay, replay.run_dir.parent / "replay.json")
+    print("\n".join(replay.lines()))
+    return 0 if replay.passed else 1

@@ -1,0 +1,151 @@
+"""The model card of a release (its README.md), written from the release's own record.
+
+It says what the release holds and how to use it: the stage chain with each stage's final figures, how to load
+a stage (ferry or transformers), how to continue from any stage, how to verify and replay the release, and the
+one `ferry eval` command that recomputes each stage's held-out figures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_FIGURES = (("eval/rewards/accuracy", "reward accuracy"), ("eval/solve_rate", "solve rate"),
+            ("eval/greedy_solve_rate", "greedy solve rate"))
+
+
+def model_card(release: dict[str, Any]) -> str:
+    pipeline = release["pipeline"]
+    stages = release["stages"]
+    code = release["code"]
+    commit = f" at commit `{code['git_commit']}`" + (" (with uncommitted changes)" if code.get("git_dirty") else "") \
+        if code.get("git_commit") else ""
+    lines = [
+        f"# {pipeline['name']}: a ferry pipeline release",
+        "",
+        f"Trained by ferry {code['ferry']}{commit} in {len(stages)} stage(s). This directory holds every stage's final "
+        "checkpoint (ferry's neutral format: safetensors plus a JSON manifest), its resolved config, run record and "
+        "metrics, the lineage that chains the stages by checkpoint digest, the manifest of every dataset"
+        + (" and the data itself" if release["data_files"] else "")
+        + ", and `release.json`, which lists every file with its size and sha256.",
+        "",
+        "## Intended use",
+        "",
+        "Research on training portability: checking the recorded curves on other hardware, and branching new "
+        "training from any stage. The figures below are those of the recorded run; they say nothing about fitness "
+        "for any application.",
+        "",
+        "## Stages",
+        "",
+        "| stage | objective | starts from | steps | final loss | held-out | checkpoint | transformers |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for stage in stages:
+        result = stage["result"]
+        loss = f"{result['loss']:.4f}" if result.get("loss") is not None else "-"
+        export = stage["export"]
+        exported = f"`{export['path']}` ({export['arch']})" if export.get("path") else "none"
+        lines.append(
+            f"| {stage['name']} | {stage['objective']} | {_start(stage)} | {result['step']} | {loss} | "
+            f"{held_out(result) or '-'} | `{stage['checkpoint']['path']}` | {exported} |"
+        )
+    skipped = [(stage["name"], stage["export"]["skipped"]) for stage in stages if "skipped" in stage["export"]]
+    if skipped:
+        lines += ["", "Not exported to transformers: " + "; ".join(f"{name}: {why}" for name, why in skipped)]
+    lines += ["", "## Data", "", "| source | tokens | manifest sha256 | licence | used by |", "|---|---|---|---|---|"]
+    for source in release["data"]:
+        used = ", ".join(
+            f"{use['stage']} ({use['role']}" + (f", weight {use['weight']:g})" if use.get("weight") is not None else ")")
+            for use in source["used_by"]
+        )
+        tokens = f"{source['tokens']:,}" if isinstance(source.get("tokens"), int) else "-"
+        lines.append(
+            f"| {source['name']} (`{source['dir']}`) | {tokens} | `{source['manifest_sha256'][:16]}` | "
+            f"{source.get('licence') or 'not recorded'} | {used} |"
+        )
+    first, last = stages[0], stages[-1]
+    checkpoints = f"{last['dir']}/checkpoints"
+    lines += [
+        "",
+        "## Verify",
+        "",
+        "```sh",
+        "ferry release verify .          # every file's sha256 and the chain of stage digests; exit 0 pass, 1 fail",
+        "```",
+        "",
+        "## Load",
+        "",
+        "```sh",
+        f"ferry generate {checkpoints} --prompt 'def '      # ferry, from the neutral checkpoint",
+        "```",
+    ]
+    if last["export"].get("path"):
+        lines += [
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f"model = AutoModelForCausalLM.from_pretrained('{last['export']['path']}')",
+            f"tokenizer = AutoTokenizer.from_pretrained('{last['export']['path']}')",
+            "```",
+        ]
+    lines += [
+        "",
+        "The checkpoint can also be read without ferry or torch: `safetensors` and `json` alone "
+        "(docs/checkpoint-format.md).",
+        "",
+        "## Continue from any stage",
+        "",
+        "Start a new run (or a stage of a new pipeline, `init_from: <path>`) from any stage's weights"
+        + (" and AdamW state:" if release["optimizer_state"] else " (this release carries no AdamW state):"),
+        "",
+        "```sh",
+    ]
+    for stage in stages:
+        optimizer = " init_optimizer=true" if stage["checkpoint"]["optimizer"] else ""
+        lines.append(f"ferry train {stage['config']} init_from={stage['dir']}/checkpoints{optimizer} run.dir=runs/branch")
+    lines += [
+        "```",
+        "",
+        "## Replay",
+        "",
+        "Train a stage's first steps again from this release alone (its parent checkpoint, config and data) and judge "
+        "the curve against the recorded one under the rehearsal's tolerance profiles; `--env` names the environment "
+        "to replay on (configs/environments/), which chooses the profile as `ferry rehearse` does.",
+        "",
+        "```sh",
+        f"ferry release replay . --stage {first['name']} --steps 30",
+        f"ferry release replay . --stage {first['name']} --steps 30 --env cpu-ep2",
+        "```",
+    ]
+    evals = [stage for stage in stages if stage["eval_data"]]
+    if evals:
+        lines += ["", "## Recompute the held-out figures", "", "```sh"]
+        for stage in evals:
+            sources = {source["key"]: source for source in release["data"]}
+            data = " ".join(_data_dir(sources.get(use["source"]), use) for use in stage["eval_data"])
+            lines.append(f"ferry eval {stage['dir']}/checkpoints --data {data}   # {held_out(stage['result'])}")
+        lines.append("```")
+    lines += ["", "## Files", "", "`release.json` lists every file of this directory with its size and sha256.", ""]
+    return "\n".join(lines)
+
+
+def held_out(result: dict[str, Any]) -> str:
+    figures = result.get("eval") or {"eval.loss": result.get("eval_loss") or {}}
+    parts = [f"{name} loss {value:.4f}" for name, value in (figures.get("eval.loss") or {}).items()]
+    for key, label in _FIGURES:
+        parts += [f"{name} {label} {value:.1%}" for name, value in (figures.get(key) or {}).items()]
+    return ", ".join(parts)
+
+
+def _start(stage: dict[str, Any]) -> str:
+    parent = stage.get("parent")
+    if parent is None:
+        return "scratch"
+    start = stage["start"]
+    source = parent.get("stage") or start["init_from"]
+    return f"{source} @ {parent['step']} (`{parent['digest'][:12]}`), {start['carry']}"
+
+
+def _data_dir(source: dict[str, Any] | None, use: dict[str, Any]) -> str:
+    if source is not None and source["files_included"]:
+        return source["dir"]
+    return source["path"] if source is not None else use["name"]

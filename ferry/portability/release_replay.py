@@ -1,0 +1,241 @@
+"""`ferry release replay DIR --stage NAME [--steps N] [--env ENV]`: a stage's first steps again, from the release.
+
+The stage's resolved config is run with its parent checkpoint taken from the release (the previous stage's, by
+the digest the lineage records), its data from the release (`ferry release --data`) or else from the paths its
+config names, each matched to the manifest digest the release records; `train.stop_at` ends it after N steps,
+so its schedule is the recorded one. The replayed curve is judged against the recorded metrics under the profile
+`ferry rehearse` would choose for the move from the recorded environment to the replay's (`judging_profile`):
+same-hardware when only layout, kernels or collectives differ, cross-accelerator otherwise.
+
+A stage whose objective samples its own data (GRPO) is judged by `sampled`, against the spread between seed
+runs; a release carries no seed runs, and training them here is not done yet, so its replay is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ferry.checkpoint.format import MANIFEST_NAME
+from ferry.config import ConfigError, UserError, apply_override_mapping
+from ferry.config.loader import validate
+from ferry.data.manifest import sha256_file
+from ferry.metrics.jsonl import read_metrics
+from ferry.portability.compare import Verdict, compare_runs
+from ferry.portability.environment import Environment, judging_profile, load_environment
+from ferry.portability.legs import run_leg
+from ferry.portability.release_verify import read_release, verify_release
+from ferry.portability.tolerances import SAMPLED_PROFILE, tolerance_profile
+from ferry.train.config import RunConfig
+from ferry.train.objectives.kinds import SAMPLING_OBJECTIVES
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class Replay:
+    stage: str
+    steps: int
+    environment: str
+    profile: str
+    reason: str
+    verdict: Verdict | None
+    failure: str | None
+    run_dir: Path
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict is not None and self.verdict.passed
+
+    def lines(self) -> list[str]:
+        if self.verdict is None:
+            return [f"ferry: replay of stage {self.stage}: FAIL under profile {self.profile} — {self.failure}"]
+        outcome = "PASS" if self.verdict.passed else "FAIL"
+        return [
+            f"ferry: replay of stage {self.stage} ({self.steps} steps on {self.environment}): {outcome} under "
+            f"profile {self.profile} ({self.reason})",
+            f"  {self.verdict.summary()}",
+        ]
+
+
+def replay_stage(
+    directory: str | Path,
+    stage: str,
+    steps: int | None = None,
+    env: str | None = None,
+    work: str | Path | None = None,
+    say: Say = print,
+) -> Replay:
+    """Replay `stage` of the release in `directory` (verified first) and judge it; bad input is a `UserError`."""
+    directory = Path(directory).resolve()
+    release = read_release(directory)
+    stages = {entry["name"]: entry for entry in release["stages"]}
+    if stage not in stages:
+        raise UserError(f"--stage {stage!r}: the release's stages are {', '.join(stages)}")
+    if steps is not None and steps < 1:
+        raise UserError(f"--steps must be at least 1, got {steps}")
+    entry = stages[stage]
+    if entry["objective"] in SAMPLING_OBJECTIVES:
+        raise UserError(
+            f"stage {stage} trains with objective {entry['objective']}, which samples its own data: its replay is "
+            f"judged by profile {SAMPLED_PROFILE}, against runs that differ only in their seed "
+            f"({tolerance_profile(SAMPLED_PROFILE).seeds} needed), which a release does not carry and replay does not "
+            "train yet; replay a token stage, or rehearse this one with `ferry rehearse`"
+        )
+    check = verify_release(directory)
+    if not check.passed:
+        raise UserError(
+            f"release {directory} does not verify ({check.problems[0]}); a replay needs the release as released "
+            "(ferry release verify names every problem)"
+        )
+    recorded = read_metrics(directory / entry["dir"])
+    recorded_steps = [record["step"] for record in recorded if isinstance(record.get("step"), int)]
+    base = _as_recorded(_read_config(directory / entry["config"]), directory / entry["dir"] / "run.json")
+    total = base.get("train", {}).get("steps")
+    first = min(recorded_steps) if recorded_steps else 1
+    count = len(recorded_steps) if steps is None else min(steps, len(recorded_steps))
+    overrides = _start(directory, release, entry, stage)
+    overrides.update(_data(directory, release, entry, base))
+    work = Path(work) if work is not None else Path("runs") / "release-replay" / f"{release['pipeline']['name']}-{stage}"
+    run_dir = work / "replay"
+    stop_at = first - 1 + count
+    overrides.update({"run.dir": str(run_dir), "run.overwrite": True, "train.stop_at": stop_at if stop_at < total else None})
+    overrides["metrics.sinks.console"] = False
+    # the replay's own settings (where it starts, runs and stops) on both sides: only the environment differs
+    recorded_config = _validated(base, overrides, f"stage {stage}'s config")
+    environment = (
+        load_environment(env) if env is not None else
+        Environment(name="this machine (the recorded config)", nproc=entry.get("world_size") or 1)
+    )
+    config = environment.run_config(base, overrides)
+    profile, reason = judging_profile(recorded_config, entry.get("world_size") or 1, config, environment.nproc)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    say(f"ferry: replay of stage {stage}: {count} step(s) on {environment.name}, judged under {profile} ({reason})")
+    leg = run_leg("replay", environment, config, work, say, steps=count)
+    if not leg.ok:
+        return Replay(stage, count, environment.name, profile, reason, None,
+                      f"the replay failed (exit {leg.returncode}): {leg.failure()}", run_dir)
+    verdict = compare_runs(
+        directory / entry["dir"], run_dir, profile=profile, steps=count, output_dir=work / "compare"
+    )
+    return Replay(stage, count, environment.name, profile, reason, verdict, None, run_dir)
+
+
+def _as_recorded(base: dict[str, Any], run_record: Path) -> dict[str, Any]:
+    """The config with what it left to `auto` (device, hardware profile, dtypes) set to what the recorded run
+    resolved it to (its run.json): a replay without --env runs as recorded, and a move is judged from there."""
+    try:
+        record = json.loads(run_record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return base
+    raw = copy.deepcopy(base)
+    resolved = {
+        ("run", "device"): (record.get("environment") or {}).get("device_type"),
+        ("hardware",): (record.get("hardware") or {}).get("profile"),
+        **{("precision", key): (record.get("precision") or {}).get(key)
+           for key in ("param_dtype", "compute_dtype", "reduce_dtype")},
+    }
+    for keys, value in resolved.items():
+        section = raw
+        for key in keys[:-1]:
+            section = section.setdefault(key, {})
+        if value is not None and section.get(keys[-1]) in (None, "auto"):
+            section[keys[-1]] = value
+    return raw
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: not a run config")
+    return raw
+
+
+def _validated(base: dict[str, Any], overrides: dict[str, Any], origin: str) -> RunConfig:
+    try:
+        return validate(RunConfig, apply_override_mapping(copy.deepcopy(base), overrides, origin))
+    except ConfigError as exc:
+        raise UserError(f"{origin}: {exc}") from None
+
+
+def _start(directory: Path, release: dict[str, Any], entry: dict[str, Any], stage: str) -> dict[str, Any]:
+    """Where the stage starts: scratch, or its parent stage's checkpoint in the release."""
+    parent = entry.get("parent")
+    overrides: dict[str, Any] = {"init_from": None, "init_optimizer": False, "resume": None}
+    if parent is None:
+        return overrides
+    stages = {other["name"]: other for other in release["stages"]}
+    if parent.get("stage") not in stages:
+        raise UserError(
+            f"stage {stage} starts from {parent['checkpoint']}, which is no stage of this release: its parent is "
+            "not in it to replay from"
+        )
+    checkpoint = stages[parent["stage"]]["checkpoint"]
+    if checkpoint["lineage_digest"] != parent["digest"]:
+        raise UserError(f"stage {stage}'s parent digest is not stage {parent['stage']}'s checkpoint in the release")
+    path = str(directory / checkpoint["path"])
+    start = entry["start"]
+    needs_optimizer = start["carry"] == "weights+optimizer"
+    if needs_optimizer and not checkpoint["optimizer"]:
+        raise UserError(
+            f"stage {stage} starts from {parent['stage']}'s weights and AdamW state, and this release carries no "
+            "AdamW state: release the pipeline with --optimizer to replay it"
+        )
+    if start["steps"] == "continue":
+        overrides["resume"] = path
+    else:
+        overrides.update({"init_from": path, "init_optimizer": needs_optimizer})
+    return overrides
+
+
+def _data(directory: Path, release: dict[str, Any], entry: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Each dataset of the stage's config: the release's copy, else the path the config names, refused unless its
+    manifest is the one the release records."""
+    sources = {source["key"]: source for source in release["data"]}
+    overrides: dict[str, Any] = {}
+    for section, uses in (("data", entry["data"]), ("eval", entry["eval_data"])):
+        configured = copy.deepcopy(base.get(section, {}).get("sources", []))
+        for index, source in enumerate(configured):
+            use = next((use for use in uses if use["name"] == source["name"]), None)
+            released = sources.get(use["source"]) if use is not None else None
+            if released is None:
+                raise UserError(f"stage {entry['name']}: {section} source {source['name']} is not in the release")
+            path = directory / released["dir"] if released["files_included"] else Path(source["path"])
+            manifest = path / MANIFEST_NAME
+            if not manifest.is_file():
+                raise UserError(
+                    f"stage {entry['name']}: data source {source['name']} is not at {path} (the release carries its "
+                    "manifest only; prepare it again there, or release with --data)"
+                )
+            if sha256_file(manifest) != released["manifest_sha256"]:
+                raise UserError(
+                    f"stage {entry['name']}: data source {source['name']} at {path} is not the data the stage "
+                    f"trained on: its manifest's sha256 is not the recorded {released['manifest_sha256'][:12]}"
+                )
+            source["path"] = str(path)
+        if configured:
+            overrides[f"{section}.sources"] = configured
+    return overrides
+
+
+def replay_summary(replay: Replay) -> dict[str, Any]:
+    return {
+        "stage": replay.stage, "steps": replay.steps, "environment": replay.environment, "profile": replay.profile,
+        "reason": replay.reason, "passed": replay.passed, "failure": replay.failure,
+        "verdict": replay.verdict.as_dict() if replay.verdict is not None else None,
+    }
+
+
+def write_summary(replay: Replay, path: Path) -> None:
+    path.write_text(json.dumps(replay_summary(replay), indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,165 @@
+"""Releases: a finished pipeline packaged whole, verified file by file and along its chain, replayed from the
+release alone and judged under the rehearsal's profiles, and branched from."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ferry.checkpoint import list_checkpoints
+from ferry.cli.main import main
+from ferry.data.manifest import sha256_file
+from ferry.pipeline import run_pipeline
+from ferry.portability.release import build_release
+from ferry.train import Trainer
+
+from conftest import TINY_RUN, tiny_config
+
+PRETRAIN_STEPS = 40  # long enough for a 20% learning-rate change to leave the cross-accelerator band (step ~22)
+
+
+def _write_pipeline(root: Path, dataset: Path) -> Path:
+    config = {**TINY_RUN, "data": {**TINY_RUN["data"], "sources": [{"name": "stdlib", "path": str(dataset)}]}}
+    config["metrics"] = {"sinks": {"console": False}}
+    (root / "tiny.yaml").write_text(yaml.safe_dump(config))
+    pretrain = {"name": "pretrain", "config": "tiny.yaml",
+                "overrides": {"train.steps": PRETRAIN_STEPS, "checkpoint.interval": 20, "optim.schedule": "wsd"}}
+    midtrain = {"name": "midtrain", "init_from": "previous", "carry": "weights+optimizer", "lr": "parent",
+                "overrides": {"train.steps": 4, "checkpoint.interval": 4, "optim.schedule": "linear",
+                              "optim.warmup_steps": 0, "run.seed": 1}}
+    path = root / "pipeline.yaml"
+    path.write_text(yaml.safe_dump({"name": "test", "stages": [pretrain, midtrain]}, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def released(stdlib_dataset, tmp_path_factory):
+    """The two-stage pipeline run once and released twice: with AdamW state, and weights only (tests copy them
+    before changing anything)."""
+    root = tmp_path_factory.mktemp("release")
+    run_pipeline(_write_pipeline(root, stdlib_dataset), root / "pipeline", say=lambda line: None)
+    assert main(["release", str(root / "pipeline"), "--out", str(root / "full"), "--optimizer"]) == 0
+    build_release(root / "pipeline", root / "weights", say=lambda line: None)
+    return root
+
+
+def _copy(released: Path, tmp_path: Path, name: str = "full") -> Path:
+    return Path(shutil.copytree(released / name, tmp_path / name))
+
+
+def test_a_release_holds_every_stage_and_verifies(released, capsys):
+    full = released / "full"
+    content = json.loads((full / "release.json").read_text())
+    assert [stage["name"] for stage in content["stages"]] == ["pretrain", "midtrain"]
+    for stage in content["stages"]:
+        for file in ("config.yaml", "run.json", "metrics.jsonl", "tokenizer.json"):
+            assert f"stages/{stage['name']}/{file}" in content["files"]
+        assert stage["checkpoint"]["optimizer"] and stage["checkpoint"]["digest"] == stage["checkpoint"]["lineage_digest"]
+        assert "path" in stage["export"] or stage["export"]["skipped"]
+    midtrain = content["stages"][1]
+    assert midtrain["parent"]["digest"] == content["stages"][0]["checkpoint"]["lineage_digest"]
+    assert content["data"][0]["manifest_sha256"] and content["data"][0]["tokens"] > 0
+    assert content["code"]["ferry"] and "lineage.json" in content["files"] and "data/stdlib/manifest.json" in content["files"]
+    assert all(sha256_file(full / name) == record["sha256"] for name, record in content["files"].items())
+    card = (full / "README.md").read_text()
+    assert "| pretrain | lm | scratch | 40 |" in card and "ferry release replay . --stage pretrain" in card
+    assert "init_from=stages/midtrain/checkpoints init_optimizer=true" in card
+    assert main(["release", "verify", str(full)]) == 0
+    assert "PASS" in capsys.readouterr().out
+    weights = json.loads((released / "weights" / "release.json").read_text())
+    assert not any("optim-" in name for name in weights["files"])
+    assert "stages/pretrain/source-manifest.json" in weights["files"]
+    assert main(["release", "verify", str(released / "weights")]) == 0
+
+
+@pytest.mark.parametrize(
+    "file",
+    ["stages/pretrain/checkpoints/step-00000040/model-rank00000-part0000.safetensors",
+     "stages/midtrain/metrics.jsonl", "README.md", "data/stdlib/manifest.json"],
+)
+def test_a_flipped_byte_fails_naming_the_file(released, tmp_path, file, capsys):
+    release = _copy(released, tmp_path)
+    data = bytearray((release / file).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (release / file).write_bytes(bytes(data))
+    assert main(["release", "verify", str(release)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and f"{file}: sha256 differs" in out
+
+
+def test_a_chain_that_does_not_hold_fails_even_with_the_digests_rewritten(released, tmp_path, capsys):
+    release = _copy(released, tmp_path, "weights")
+    lineage = json.loads((release / "lineage.json").read_text())
+    lineage["stages"][1]["parent"]["digest"] = "0" * 64
+    (release / "lineage.json").write_text(json.dumps(lineage))
+    (release / "extra.txt").write_text("slipped in")
+    content = json.loads((release / "release.json").read_text())
+    content["files"]["lineage.json"] = {"bytes": (release / "lineage.json").stat().st_size,
+                                        "sha256": sha256_file(release / "lineage.json")}
+    (release / "release.json").write_text(json.dumps(content))
+    assert main(["release", "verify", str(release)]) == 1
+    out = capsys.readouterr().out
+    assert "stage midtrain's parent digest 000000000000 is not stage pretrain's final checkpoint" in out
+    assert "extra.txt: not listed in release.json" in out
+
+
+def test_what_is_no_release_exits_2(released, tmp_path, capsys):
+    assert main(["release", "verify", str(tmp_path)]) == 2
+    assert "is not a ferry release: release.json is missing" in capsys.readouterr().err
+    assert main(["release", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "holds no pipeline" in capsys.readouterr().err
+    assert main(["release", str(released / "pipeline"), "--out", str(released / "full")]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_a_replay_of_a_token_stage_passes_and_one_with_lr_x1_2_fails_naming_the_profile(released, tmp_path, capsys):
+    release = _copy(released, tmp_path)  # a copy elsewhere: the release alone, not the pipeline directory
+    assert main(["release", "replay", str(release), "--stage", "pretrain", "--steps", "30",
+                 "--work", str(tmp_path / "same")]) == 0
+    out = capsys.readouterr().out
+    assert "PASS under profile same-hardware (the environments do not differ)" in out
+    verdict = json.loads((tmp_path / "same" / "replay.json").read_text())
+    assert verdict["passed"] and verdict["verdict"]["steps_compared"] == 30
+    lr = yaml.safe_load((release / "stages" / "pretrain" / "config.yaml").read_text())["optim"]["lr"]
+    (tmp_path / "lr.yaml").write_text(yaml.safe_dump({"name": "lr-x1.2", "overrides": {"optim.lr": lr * 1.2}}))
+    assert main(["release", "replay", str(release), "--stage", "pretrain", "--steps", "30",
+                 "--env", str(tmp_path / "lr.yaml"), "--work", str(tmp_path / "lr")]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL under profile cross-accelerator (the environments differ in optim.lr)" in out
+    assert "FAIL (first outside tolerance at step" in out
+
+
+def test_a_stage_from_its_parent_replays_from_the_release(released, tmp_path, capsys):
+    assert main(["release", "replay", str(released / "full"), "--stage", "midtrain",
+                 "--work", str(tmp_path / "mid")]) == 0
+    out = capsys.readouterr().out
+    assert "replay of stage midtrain (4 steps" in out and "max |diff| 0 " in out
+    assert main(["release", "replay", str(released / "weights"), "--stage", "midtrain",
+                 "--work", str(tmp_path / "weights")]) == 2
+    assert "release the pipeline with --optimizer to replay it" in capsys.readouterr().err
+
+
+def test_a_sampling_stage_or_a_tampered_release_is_refused(released, tmp_path, capsys):
+    release = _copy(released, tmp_path)
+    content = json.loads((release / "release.json").read_text())
+    content["stages"][1]["objective"] = "grpo"
+    (release / "release.json").write_text(json.dumps(content))
+    assert main(["release", "replay", str(release), "--stage", "midtrain", "--work", str(tmp_path / "w")]) == 2
+    assert "judged by profile sampled" in capsys.readouterr().err
+    (release / "README.md").write_text("changed")
+    assert main(["release", "replay", str(release), "--stage", "pretrain", "--work", str(tmp_path / "w")]) == 2
+    assert "does not verify (README.md: " in capsys.readouterr().err
+
+
+def test_training_continues_from_any_stage_of_a_release(released, stdlib_dataset, tmp_path):
+    checkpoints = released / "weights" / "stages" / "midtrain" / "checkpoints"
+    config = tiny_config(stdlib_dataset, tmp_path / "branch", "train.steps=2", f"init_from={checkpoints}",
+                         "metrics.sinks.console=false")
+    Trainer(config).fit()
+    run = json.loads((tmp_path / "branch" / "run.json").read_text())
+    assert run["status"] == "completed" and list_checkpoints(tmp_path / "branch" / "checkpoints")
+    assert main(["release", "verify", str(released / "weights")]) == 0  # branching wrote nothing into the release

@@ -220,6 +220,11 @@ MALFORMED = {
                             (p / "data-00001-of-00002.arrow").unlink()),
         ["state.json lists", "data-00001-of-00002.arrow, which does not exist"],
     ),
+    "a DatasetDict rather than one split": (
+        "splits", lambda p: (_save_to_disk(p / "train", pa.table({"text": ["a"]}), 1),
+                             (p / "dataset_dict.json").write_text('{"splits": ["train"]}')),
+        ["is a DatasetDict of splits train: give the directory of the split to prepare"],
+    ),
     "a parquet file that is not one": (
         "rows.parquet", lambda p: p.write_bytes(b"PAR1 but nothing else"), ["cannot be read as Parquet"],
     ),

@@ -23,6 +23,7 @@ import gzip
 import json
 import zlib
 from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +46,10 @@ _SUFFIXES = {
     ".txt": "text",
 }
 RECORD_FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow")
-DESCRIBED = ".txt, .jsonl, .jsonl.gz, .json.gz, .jsonl.zst, .json.zst, .parquet, .arrow, or a save_to_disk directory"
+_ROWS_DESCRIBED = ".jsonl, .jsonl.gz, .json.gz, .jsonl.zst, .json.zst, .parquet, .arrow, or a save_to_disk directory"
+DESCRIBED = f".txt, {_ROWS_DESCRIBED}"
 ARROW_STATE = "state.json"
+DATASET_DICT = "dataset_dict.json"
 _BATCH_ROWS = 1024
 _ZSTD_READ = 1 << 16
 
@@ -78,6 +81,12 @@ def collect_files(inputs: Iterable[str]) -> list[Path]:
     files: list[Path] = []
     for text in inputs:
         path = Path(text)
+        if (path / DATASET_DICT).is_file():
+            splits = sorted(child.name for child in path.iterdir() if is_arrow_dataset(child))
+            raise UserError(
+                f"input {text!r} is a DatasetDict of splits {', '.join(splits) or '(none)'}: give the directory of "
+                f"the split to prepare, e.g. {str(path / (splits[0] if splits else 'train'))!r}"
+            )
         if path.is_dir():
             found = _directory_files(path)
             if not found:
@@ -97,7 +106,8 @@ def parts(path: Path) -> list[Part]:
     kind = file_format(path)
     if kind != "parquet":
         return [Part(path, kind)]
-    metadata = _parquet(path).metadata
+    with _parquet(path) as table:
+        metadata = table.metadata
     found, first = [], 0
     for index in range(metadata.num_row_groups):
         found.append(Part(path, kind, index, first))
@@ -114,11 +124,11 @@ def read_texts(part: Part, field: str) -> Iterator[Document]:
             raise UserError(f"input {str(part.path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         return
     if part.format in ("parquet", "arrow"):
-        for row, value in _column_rows(part, [field], "--text-field names the column of text"):
-            text = value[field]
-            if not isinstance(text, str):
-                raise UserError(f"{part.path} row {row}: {field!r} is {_kind(text)}, not text")
-            yield Document(str(part.path), text, row=row)
+        for first, batch in _batches(part, [field], "--text-field names the column of text"):
+            for row, text in enumerate(batch.column(0).to_pylist(), start=first):
+                if not isinstance(text, str):
+                    raise UserError(f"{part.path} row {row}: {field!r} is {_kind(text)}, not text")
+                yield Document(str(part.path), text, row=row)
         return
     for number, record in json_lines(part):
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
@@ -131,10 +141,11 @@ def read_records(part: Part, fields: list[str], what: str) -> Iterator[tuple[int
     only (a table without one of them is refused, naming its columns). `what` names the rows in errors:
     conversation, preferences, prompts."""
     if part.format not in RECORD_FORMATS:
-        raise UserError(f"{what} input {str(part.path)!r} is not a file of rows ({DESCRIBED.replace('.txt, ', '')})")
+        raise UserError(f"{what} input {str(part.path)!r} is not a file of rows ({_ROWS_DESCRIBED})")
     if part.format in ("parquet", "arrow"):
-        for row, record in _column_rows(part, fields, f"{what} rows need {', '.join(fields)}"):
-            yield None, row, record
+        for first, batch in _batches(part, fields, f"{what} rows need {', '.join(fields)}"):
+            for row, record in enumerate(batch.to_pylist(), start=first):
+                yield None, row, record
         return
     for number, record in json_lines(part):
         yield number, None, record
@@ -146,7 +157,8 @@ def json_lines(part: Part) -> Iterator[tuple[int, object]]:
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise UserError(f"{part.path}:{number}: not UTF-8 text ({exc.reason} at byte {exc.start} of the line)") from None
+            reason = f"{exc.reason} at byte {exc.start} of the line"
+            raise UserError(f"{part.path}:{number}: not UTF-8 text ({reason})") from None
         if not text.strip():
             continue
         try:
@@ -156,7 +168,8 @@ def json_lines(part: Part) -> Iterator[tuple[int, object]]:
 
 
 def _lines(part: Part) -> Iterator[tuple[int, bytes]]:
-    """(number, bytes) of each line; a compressed stream cut short or corrupt is named after the last good line."""
+    """(number, bytes) of each line; a compressed stream cut short or corrupt is refused naming the line
+    it stopped before."""
     number = 0
     try:
         if part.format == "jsonl":
@@ -175,7 +188,9 @@ def _lines(part: Part) -> Iterator[tuple[int, bytes]]:
         if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile):
             raise UserError(f"input {str(part.path)!r} cannot be read: {exc}") from None
         codec = "gzip" if part.format == "jsonl.gz" else "zstd"
-        raise UserError(f"{part.path}:{number + 1}: the {codec} stream is corrupt or cut short before this line ({exc})") from None
+        raise UserError(
+            f"{part.path}:{number + 1}: the {codec} stream is corrupt or cut short before this line ({exc})"
+        ) from None
 
 
 def _zstd_chunks(handle) -> Iterator[bytes]:
@@ -213,23 +228,23 @@ def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
         yield b"".join(pending)
 
 
-def _column_rows(part: Part, fields: list[str], why: str) -> Iterator[tuple[int, dict]]:
-    """(row number, {field: value}) of a Parquet row group or an Arrow file, a batch of rows at a time;
+def _batches(part: Part, fields: list[str], why: str) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(number of its first row, batch of the columns `fields`) of a Parquet row group or an Arrow file;
     `why` the columns are needed, for the message refusing a table that lacks one."""
     try:
-        if part.format == "parquet":
-            table = _parquet(part.path)
-            _check_columns(part.path, table.schema_arrow, fields, why)
-            batches = table.iter_batches(batch_size=_BATCH_ROWS, row_groups=[part.row_group], columns=fields)
-        else:
-            schema, batches = _arrow_batches(part.path)
-            _check_columns(part.path, schema, fields, why)
-            batches = (batch.select(fields) for batch in batches)
-        row = part.first_row
-        for batch in batches:
-            for record in batch.to_pylist():
-                yield row, record
-                row += 1
+        with ExitStack() as opened:
+            if part.format == "parquet":
+                table = opened.enter_context(_parquet(part.path))
+                _check_columns(part.path, table.schema_arrow, fields, why)
+                batches = table.iter_batches(batch_size=_BATCH_ROWS, row_groups=[part.row_group], columns=fields)
+            else:
+                schema, batches = _arrow_batches(opened.enter_context(pa.memory_map(str(part.path))))
+                _check_columns(part.path, schema, fields, why)
+                batches = (batch.select(fields) for batch in batches)
+            row = part.first_row
+            for batch in batches:
+                yield row, batch
+                row += batch.num_rows
     except (pa.ArrowException, OSError) as exc:
         raise UserError(f"input {str(part.path)!r} cannot be read as {part.format}: {exc}") from None
 
@@ -250,10 +265,9 @@ def _parquet(path: Path) -> pq.ParquetFile:
         raise UserError(f"input {str(path)!r} cannot be read as Parquet: {exc}") from None
 
 
-def _arrow_batches(path: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
-    """The schema and record batches of an Arrow IPC stream (what `datasets` writes) or file, memory-mapped:
+def _arrow_batches(source: pa.MemoryMappedFile) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    """The schema and record batches of an Arrow IPC stream (what `datasets` writes) or file; memory-mapped,
     a batch is paged in when it is read."""
-    source = pa.memory_map(str(path))
     try:
         stream = pa.ipc.open_stream(source)
         return stream.schema, iter(stream)
@@ -285,7 +299,9 @@ def _arrow_dataset_files(directory: Path) -> list[Path]:
         state = json.loads(state_path.read_text(encoding="utf-8"))
         names = [entry["filename"] for entry in state["_data_files"]]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise UserError(f"{state_path} does not list the dataset's files as save_to_disk writes them ({exc!r})") from None
+        raise UserError(
+            f"{state_path} does not list the dataset's files as save_to_disk writes them ({exc!r})"
+        ) from None
     files = [directory / name for name in names]
     absent = [str(path) for path in files if not path.is_file()]
     if absent:

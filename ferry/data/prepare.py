@@ -1,9 +1,9 @@
 """`ferry data prepare`: text in, memory-mappable token shards plus a manifest out.
 
 The inputs are text files, JSON lines (plain, gzip or zstd), Parquet, Arrow, or a `datasets`
-`save_to_disk` directory (`ferry.data.formats`), each read as a stream. The output directory holds `tokenizer.json`, `shard-NNNNN.npy` files (one token
-stream, every document followed by end-of-text) and `manifest.json` with token
-counts and the sha256 of every source and shard. Conversations (`--chat`) are
+`save_to_disk` directory (`ferry.data.formats`), each read as a stream. The output directory
+holds `tokenizer.json`, `shard-NNNNN.npy` files (one token stream, every document followed by
+end-of-text) and `manifest.json` with token counts and the sha256 of every source and shard. Conversations (`--chat`) are
 rendered with the chat template, packed into rows of `seq_len` tokens, and get a
 parallel `mask-NNNNN.npy` stream: 1 where a token is trained (assistant text). Preference pairs
 (`--preferences`) and prompts with answers (`--prompts`) are kept as whole records

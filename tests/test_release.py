@@ -15,15 +15,16 @@ from ferry.cli.main import main
 from ferry.data.manifest import sha256_file
 from ferry.pipeline import run_pipeline
 from ferry.portability.release import build_release
-from ferry.train import Trainer
+from ferry.train import Trainer, load_run_config
 
-from conftest import TINY_RUN, tiny_config
+from conftest import TINY_RUN
 
 PRETRAIN_STEPS = 40  # long enough for a 20% learning-rate change to leave the cross-accelerator band (step ~22)
 
 
-def _write_pipeline(root: Path, dataset: Path) -> Path:
+def _write_pipeline(root: Path, dataset: Path, stages: list[dict] | None = None) -> Path:
     config = {**TINY_RUN, "data": {**TINY_RUN["data"], "sources": [{"name": "stdlib", "path": str(dataset)}]}}
+    config["model"] = {**config["model"], "qk_norm": True, "qk_norm_scope": "head"}  # as qwen3_moe: exported
     config["metrics"] = {"sinks": {"console": False}}
     (root / "tiny.yaml").write_text(yaml.safe_dump(config))
     pretrain = {"name": "pretrain", "config": "tiny.yaml",
@@ -32,18 +33,20 @@ def _write_pipeline(root: Path, dataset: Path) -> Path:
                 "overrides": {"train.steps": 4, "checkpoint.interval": 4, "optim.schedule": "linear",
                               "optim.warmup_steps": 0, "run.seed": 1}}
     path = root / "pipeline.yaml"
-    path.write_text(yaml.safe_dump({"name": "test", "stages": [pretrain, midtrain]}, sort_keys=False))
+    spec = {"name": "test" if stages is None else "branch", "stages": stages or [pretrain, midtrain]}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
 
 @pytest.fixture(scope="module")
 def released(stdlib_dataset, tmp_path_factory):
-    """The two-stage pipeline run once and released twice: with AdamW state, and weights only (tests copy them
-    before changing anything)."""
+    """The two-stage pipeline (on its own copy of the data) run once and released twice: with AdamW state, and
+    weights only with the data files (tests copy them before changing anything)."""
     root = tmp_path_factory.mktemp("release")
-    run_pipeline(_write_pipeline(root, stdlib_dataset), root / "pipeline", say=lambda line: None)
+    dataset = Path(shutil.copytree(stdlib_dataset, root / "stdlib"))
+    run_pipeline(_write_pipeline(root, dataset), root / "pipeline", say=lambda line: None)
     assert main(["release", str(root / "pipeline"), "--out", str(root / "full"), "--optimizer"]) == 0
-    build_release(root / "pipeline", root / "weights", say=lambda line: None)
+    build_release(root / "pipeline", root / "weights", data=True, say=lambda line: None)
     return root
 
 
@@ -59,7 +62,8 @@ def test_a_release_holds_every_stage_and_verifies(released, capsys):
         for file in ("config.yaml", "run.json", "metrics.jsonl", "tokenizer.json"):
             assert f"stages/{stage['name']}/{file}" in content["files"]
         assert stage["checkpoint"]["optimizer"] and stage["checkpoint"]["digest"] == stage["checkpoint"]["lineage_digest"]
-        assert "path" in stage["export"] or stage["export"]["skipped"]
+        assert stage["export"]["arch"] == "qwen3_moe", stage["export"]
+        assert f"stages/{stage['name']}/transformers/config.json" in content["files"]
     midtrain = content["stages"][1]
     assert midtrain["parent"]["digest"] == content["stages"][0]["checkpoint"]["lineage_digest"]
     assert content["data"][0]["manifest_sha256"] and content["data"][0]["tokens"] > 0
@@ -68,10 +72,13 @@ def test_a_release_holds_every_stage_and_verifies(released, capsys):
     card = (full / "README.md").read_text()
     assert "| pretrain | lm | scratch | 40 |" in card and "ferry release replay . --stage pretrain" in card
     assert "init_from=stages/midtrain/checkpoints init_optimizer=true" in card
+    card = (released / "weights" / "README.md").read_text()
+    assert "ferry train stages/midtrain/config.yaml init_from=stages/midtrain/checkpoints init_optimizer=false" in card
     assert main(["release", "verify", str(full)]) == 0
     assert "PASS" in capsys.readouterr().out
     weights = json.loads((released / "weights" / "release.json").read_text())
     assert not any("optim-" in name for name in weights["files"])
+    assert "data/stdlib/shard-00000.npy" in weights["files"] and weights["data"][0]["files_included"]
     assert "stages/pretrain/source-manifest.json" in weights["files"]
     assert main(["release", "verify", str(released / "weights")]) == 0
 
@@ -155,11 +162,47 @@ def test_a_sampling_stage_or_a_tampered_release_is_refused(released, tmp_path, c
     assert "does not verify (README.md: " in capsys.readouterr().err
 
 
-def test_training_continues_from_any_stage_of_a_release(released, stdlib_dataset, tmp_path):
-    checkpoints = released / "weights" / "stages" / "midtrain" / "checkpoints"
-    config = tiny_config(stdlib_dataset, tmp_path / "branch", "train.steps=2", f"init_from={checkpoints}",
-                         "metrics.sinks.console=false")
+def test_training_continues_from_any_stage_of_a_release(released, tmp_path):
+    stage = released / "weights" / "stages" / "midtrain"  # as the model card says: its config, its checkpoints
+    config = load_run_config(str(stage / "config.yaml"), [
+        f"init_from={stage / 'checkpoints'}", "init_optimizer=false", f"run.dir={tmp_path / 'branch'}", "train.steps=2"
+    ])
     Trainer(config).fit()
     run = json.loads((tmp_path / "branch" / "run.json").read_text())
     assert run["status"] == "completed" and list_checkpoints(tmp_path / "branch" / "checkpoints")
     assert main(["release", "verify", str(released / "weights")]) == 0  # branching wrote nothing into the release
+
+
+def test_a_replay_takes_the_released_data_or_refuses_other_data(released, tmp_path, capsys):
+    weights = released / "weights"  # holds the data files: the pipeline's copy is not read
+    dataset = released / "stdlib"
+    aside = Path(shutil.move(dataset, tmp_path / "aside"))
+    try:
+        assert main(["release", "replay", str(weights), "--stage", "pretrain", "--steps", "3",
+                     "--work", str(tmp_path / "released-data")]) == 0
+        assert "PASS under profile same-hardware" in capsys.readouterr().out
+        shutil.copytree(aside, dataset)
+        manifest = json.loads((dataset / "manifest.json").read_text())
+        manifest["documents"] += 1
+        (dataset / "manifest.json").write_text(json.dumps(manifest))
+        assert main(["release", "replay", str(released / "full"), "--stage", "pretrain", "--steps", "3",
+                     "--work", str(tmp_path / "other-data")]) == 2
+        assert "data source stdlib at " in (err := capsys.readouterr().err) and "is not the data the stage" in err
+    finally:
+        shutil.rmtree(dataset, ignore_errors=True)
+        shutil.move(aside, dataset)
+
+
+def test_a_pipeline_branches_from_a_released_stage_with_its_lineage_pointing_into_the_release(
+    released, tmp_path, capsys
+):
+    checkpoints = released / "weights" / "stages" / "midtrain" / "checkpoints"
+    branch = {"name": "sft", "config": "tiny.yaml", "init_from": str(checkpoints),
+              "overrides": {"train.steps": 2, "checkpoint.interval": 2}}
+    path = _write_pipeline(tmp_path, released / "stdlib", stages=[branch])
+    lineage = run_pipeline(path, tmp_path / "branch", say=lambda line: None)
+    parent = lineage.stages["sft"]["parent"]
+    released_checkpoint = json.loads((released / "weights" / "release.json").read_text())["stages"][1]["checkpoint"]
+    assert lineage.stages["sft"]["status"] == "finished"
+    assert parent["checkpoint"] == str(checkpoints / "step-00000004") and parent["digest"] == released_checkpoint["digest"]
+    assert main(["release", "verify", str(released / "weights")]) == 0

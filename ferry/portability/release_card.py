@@ -100,7 +100,7 @@ def model_card(release: dict[str, Any]) -> str:
         "```sh",
     ]
     for stage in stages:
-        optimizer = " init_optimizer=true" if stage["checkpoint"]["optimizer"] else ""
+        optimizer = f" init_optimizer={'true' if stage['checkpoint']['optimizer'] else 'false'}"
         lines.append(f"ferry train {stage['config']} init_from={stage['dir']}/checkpoints{optimizer} run.dir=runs/branch")
     lines += [
         "```",

@@ -77,6 +77,7 @@ def verify_release(directory: str | Path) -> ReleaseCheck:
     lineage = _lineage(directory, check)
     if lineage is not None:
         _check_chain(directory, content, lineage, check)
+        _check_data(directory, content, lineage, check)
     return check
 
 
@@ -142,6 +143,28 @@ def _check_chain(directory: Path, content: dict[str, Any], lineage: dict[str, An
                 check.problems.append(
                     f"{LINEAGE_FILE}: stage {name}'s parent digest {str(parent.get('digest'))[:12]} is not stage "
                     f"{parent['stage']}'s final checkpoint ({str((before.get('result') or {}).get('digest'))[:12]})"
+                )
+
+
+def _check_data(directory: Path, content: dict[str, Any], lineage: dict[str, Any], check: ReleaseCheck) -> None:
+    """Each dataset's released manifest is the one the release and every stage of the lineage name."""
+    by_path = {}
+    for source in content["data"]:
+        by_path[source.get("path")] = source
+        relative = f"{source.get('dir')}/{MANIFEST_NAME}"
+        path = directory / relative
+        if path.is_file() and sha256_file(path) != source.get("manifest_sha256"):
+            check.problems.append(
+                f"{relative}: not the manifest of data source {source.get('name')} the release records "
+                f"({str(source.get('manifest_sha256'))[:12]})"
+            )
+    for stage in lineage.get("stages", []):
+        for use in [*stage.get("data", []), *stage.get("eval_data", [])]:
+            source = by_path.get(use.get("path"))
+            if source is None or source.get("manifest_sha256") != use.get("manifest_sha256"):
+                check.problems.append(
+                    f"{LINEAGE_FILE}: stage {stage.get('name')}'s data source {use.get('name')} "
+                    f"({str(use.get('manifest_sha256'))[:12]}) is not a dataset of the release"
                 )
 
 

@@ -25,6 +25,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -197,7 +198,8 @@ def _zstd_chunks(handle) -> Iterator[bytes]:
     """Decompressed bytes of every zstd frame in `handle`; a last frame without its end is an error
     (zstandard's stream reader would end quietly there)."""
     decompressor = zstandard.ZstdDecompressor()
-    frame = decompressor.decompressobj()
+    next_frame = partial(decompressor.decompressobj, read_across_frames=False)  # frame ends are seen here
+    frame = next_frame()
     in_frame = False
     while compressed := handle.read(_ZSTD_READ):
         while compressed:
@@ -207,7 +209,7 @@ def _zstd_chunks(handle) -> Iterator[bytes]:
             if not frame.eof:
                 break
             compressed = frame.unused_data
-            frame = decompressor.decompressobj()
+            frame = next_frame()
             in_frame = False
     if in_frame:
         raise zstandard.ZstdError("the file ends inside a frame: it is truncated")

@@ -63,6 +63,8 @@ def one_node_losses(stdlib_dataset, tmp_path_factory) -> list[float]:
     run_dir = tmp_path / "run"
     overrides = ["parallel.ep=2", f"run.dir={run_dir}", "resume=latest"]
     assert main(["train", str(config), "--nproc", "2", *overrides]) == 0
+    environment = json.loads((run_dir / "run.json").read_text())["environment"]
+    assert environment["cpu_threads"] == 1, "two ranks on one node: one thread each, as torchrun's command sets"
     return _losses(run_dir)
 
 

@@ -9,9 +9,12 @@ a launcher that dies takes its ranks with it (`ferry.platform.process.die_with_p
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -47,6 +50,20 @@ class Outcome:
         return 0 if self.ok else 2 if self.bad_input else 1
 
 
+@contextmanager
+def _one_thread_per_rank(nproc: int) -> Iterator[None]:
+    """OMP_NUM_THREADS=1 for the ranks when several share the node and it is unset, as torchrun's command sets it
+    (torch's launch API does not): otherwise each rank takes every core, and 2 ranks on 2 cores run 4 threads."""
+    if nproc == 1 or "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
+
+
 def run_ranks(nproc: int, argv: list[str], report: bool = True) -> Outcome:
     """Run `python -m ferry *argv` on `nproc` local ranks once; every failure is named by rank."""
     config = LaunchConfig(
@@ -60,7 +77,8 @@ def run_ranks(nproc: int, argv: list[str], report: bool = True) -> Outcome:
         monitor_interval=0.2,
     )
     try:
-        elastic_launch(config, sys.executable)("-m", "ferry", *argv)
+        with _one_thread_per_rank(nproc):
+            elastic_launch(config, sys.executable)("-m", "ferry", *argv)
     except SignalException as exc:  # the launcher was told to stop; the agent has stopped the ranks with SIGTERM
         raise Stopped(exc.sigval) from None
     except ChildFailedError as exc:

@@ -124,13 +124,19 @@ def test_what_is_no_release_exits_2(released, tmp_path, capsys):
 
 
 def test_a_replay_of_a_token_stage_passes_and_one_with_lr_x1_2_fails_naming_the_profile(released, tmp_path, capsys):
-    release = _copy(released, tmp_path)  # a copy elsewhere: the release alone, not the pipeline directory
-    assert main(["release", "replay", str(release), "--stage", "pretrain", "--steps", "30",
-                 "--work", str(tmp_path / "same")]) == 0
+    weights = released / "weights"  # it holds the data files: with the pipeline's data moved away, it is the source
+    dataset = released / "stdlib"
+    aside = Path(shutil.move(dataset, tmp_path / "aside"))
+    try:
+        assert main(["release", "replay", str(weights), "--stage", "pretrain", "--steps", "30",
+                     "--work", str(tmp_path / "same")]) == 0
+    finally:
+        shutil.move(aside, dataset)
     out = capsys.readouterr().out
     assert "PASS under profile same-hardware (the environments do not differ)" in out
     verdict = json.loads((tmp_path / "same" / "replay.json").read_text())
     assert verdict["passed"] and verdict["verdict"]["steps_compared"] == 30
+    release = _copy(released, tmp_path)  # a copy elsewhere, which reads the data where the config names it
     lr = yaml.safe_load((release / "stages" / "pretrain" / "config.yaml").read_text())["optim"]["lr"]
     (tmp_path / "lr.yaml").write_text(yaml.safe_dump({"name": "lr-x1.2", "overrides": {"optim.lr": lr * 1.2}}))
     assert main(["release", "replay", str(release), "--stage", "pretrain", "--steps", "30",
@@ -138,6 +144,27 @@ def test_a_replay_of_a_token_stage_passes_and_one_with_lr_x1_2_fails_naming_the_
     out = capsys.readouterr().out
     assert "FAIL under profile cross-accelerator (the environments differ in optim.lr)" in out
     assert "FAIL (first outside tolerance at step" in out
+
+
+def test_a_replay_refuses_data_that_is_not_the_recorded_data(released, tmp_path, capsys):
+    dataset = released / "stdlib"
+    aside = Path(shutil.move(dataset, tmp_path / "aside"))
+    try:
+        assert main(["release", "replay", str(released / "full"), "--stage", "pretrain",
+                     "--work", str(tmp_path / "missing")]) == 2
+        assert "data source stdlib is not at" in capsys.readouterr().err
+        shutil.copytree(aside, dataset)
+        manifest = json.loads((dataset / "manifest.json").read_text())
+        manifest["documents"] += 1
+        (dataset / "manifest.json").write_text(json.dumps(manifest))
+        assert main(["release", "replay", str(released / "full"), "--stage", "pretrain",
+                     "--work", str(tmp_path / "other")]) == 2
+        err = capsys.readouterr().err
+        assert "data source stdlib at " in err and "is not the data the stage trained on" in err
+    finally:
+        shutil.rmtree(dataset, ignore_errors=True)
+        shutil.move(aside, dataset)
+    assert not (tmp_path / "other").exists()
 
 
 def test_a_stage_from_its_parent_replays_from_the_release(released, tmp_path, capsys):
@@ -150,13 +177,10 @@ def test_a_stage_from_its_parent_replays_from_the_release(released, tmp_path, ca
     assert "release the pipeline with --optimizer to replay it" in capsys.readouterr().err
 
 
-def test_a_sampling_stage_or_a_tampered_release_is_refused(released, tmp_path, capsys):
+def test_a_replay_of_a_tampered_release_or_of_no_stage_is_refused(released, tmp_path, capsys):
     release = _copy(released, tmp_path)
-    content = json.loads((release / "release.json").read_text())
-    content["stages"][1]["objective"] = "grpo"
-    (release / "release.json").write_text(json.dumps(content))
-    assert main(["release", "replay", str(release), "--stage", "midtrain", "--work", str(tmp_path / "w")]) == 2
-    assert "judged by profile sampled" in capsys.readouterr().err
+    assert main(["release", "replay", str(release), "--stage", "sft", "--work", str(tmp_path / "w")]) == 2
+    assert "--stage 'sft': the release's stages are pretrain, midtrain" in capsys.readouterr().err
     (release / "README.md").write_text("changed")
     assert main(["release", "replay", str(release), "--stage", "pretrain", "--work", str(tmp_path / "w")]) == 2
     assert "does not verify (README.md: " in capsys.readouterr().err
@@ -173,26 +197,6 @@ def test_training_continues_from_any_stage_of_a_release(released, tmp_path):
     assert main(["release", "verify", str(released / "weights")]) == 0  # branching wrote nothing into the release
 
 
-def test_a_replay_takes_the_released_data_or_refuses_other_data(released, tmp_path, capsys):
-    weights = released / "weights"  # holds the data files: the pipeline's copy is not read
-    dataset = released / "stdlib"
-    aside = Path(shutil.move(dataset, tmp_path / "aside"))
-    try:
-        assert main(["release", "replay", str(weights), "--stage", "pretrain", "--steps", "3",
-                     "--work", str(tmp_path / "released-data")]) == 0
-        assert "PASS under profile same-hardware" in capsys.readouterr().out
-        shutil.copytree(aside, dataset)
-        manifest = json.loads((dataset / "manifest.json").read_text())
-        manifest["documents"] += 1
-        (dataset / "manifest.json").write_text(json.dumps(manifest))
-        assert main(["release", "replay", str(released / "full"), "--stage", "pretrain", "--steps", "3",
-                     "--work", str(tmp_path / "other-data")]) == 2
-        assert "data source stdlib at " in (err := capsys.readouterr().err) and "is not the data the stage" in err
-    finally:
-        shutil.rmtree(dataset, ignore_errors=True)
-        shutil.move(aside, dataset)
-
-
 def test_a_pipeline_branches_from_a_released_stage_with_its_lineage_pointing_into_the_release(
     released, tmp_path, capsys
 ):
@@ -206,3 +210,42 @@ def test_a_pipeline_branches_from_a_released_stage_with_its_lineage_pointing_int
     assert lineage.stages["sft"]["status"] == "finished"
     assert parent["checkpoint"] == str(checkpoints / "step-00000004") and parent["digest"] == released_checkpoint["digest"]
     assert main(["release", "verify", str(released / "weights")]) == 0
+
+
+@pytest.fixture(scope="module")
+def grpo_release(stdlib_dataset, tmp_path_factory):
+    """A two-stage chain that ends in GRPO (SFT on the largest-digit task's chat, then GRPO on its prompts),
+    released with its data."""
+    from ferry.data import PrepareSpec, prepare_dataset
+
+    root = tmp_path_factory.mktemp("grpo-release")
+    tokenizer = str(stdlib_dataset / "tokenizer.json")
+    prepare_dataset(PrepareSpec(embedded="largest", tokenizer=tokenizer, embedded_max_bytes=60_000, chat=True,
+                                seq_len=64), root / "chat")
+    prepare_dataset(PrepareSpec(embedded="largest", tokenizer=tokenizer, embedded_max_bytes=60_000,
+                                records="prompts"), root / "prompts")
+    config = {**TINY_RUN, "model": {**TINY_RUN["model"], "vocab_size": 576},
+              "data": {"seq_len": 64, "sources": [{"name": "chat", "path": str(root / "chat")}]},
+              "metrics": {"sinks": {"console": False}}}
+    (root / "tiny.yaml").write_text(yaml.safe_dump(config))
+    sft = {"name": "sft", "config": "tiny.yaml",
+           "overrides": {"train.steps": 120, "optim.lr": 1e-2, "checkpoint.interval": 120}}
+    grpo = {"name": "grpo", "init_from": "previous", "overrides": {
+        "train.objective": "grpo", "data.sources": [{"name": "prompts", "path": str(root / "prompts")}],
+        "train.global_batch": 8, "train.micro_batch": 4, "grpo.group_size": 4, "grpo.max_new_tokens": 3,
+        "grpo.verifier": "numeric", "optim.lr": 1e-3, "train.steps": 6, "checkpoint.interval": 6}}
+    (root / "pipeline.yaml").write_text(yaml.safe_dump({"name": "rl", "stages": [sft, grpo]}, sort_keys=False))
+    run_pipeline(root / "pipeline.yaml", root / "pipeline", say=lambda line: None)
+    build_release(root / "pipeline", root / "release", data=True, say=lambda line: None)
+    return root / "release"
+
+
+def test_a_grpo_replay_trains_its_seed_runs_and_is_judged_by_sampled(grpo_release, tmp_path, capsys):
+    assert main(["release", "verify", str(grpo_release)]) == 0
+    assert main(["release", "replay", str(grpo_release), "--stage", "grpo", "--work", str(tmp_path / "w")]) == 0
+    captured = capsys.readouterr()
+    assert "the release carries no seed runs, so 2 are trained here" in captured.err
+    assert "PASS under profile sampled (objective grpo draws its own training data" in captured.out
+    summary = json.loads((tmp_path / "w" / "replay.json").read_text())
+    assert len(summary["seed_runs"]) == 2 and summary["verdict"]["metric"] == "reward"
+    assert summary["verdict"]["seed_spread"] > 0

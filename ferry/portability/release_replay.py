@@ -7,8 +7,9 @@ so its schedule is the recorded one. The replayed curve is judged against the re
 `ferry rehearse` would choose for the move from the recorded environment to the replay's (`judging_profile`):
 same-hardware when only layout, kernels or collectives differ, cross-accelerator otherwise.
 
-A stage whose objective samples its own data (GRPO) is judged by `sampled`, against the spread between seed
-runs; a release carries no seed runs, and training them here is not done yet, so its replay is refused.
+A stage whose objective samples its own data (GRPO) is judged by `sampled`, on its reward against the spread
+between runs that differ only in their seed: a release carries none, so the replay trains them first (the
+recorded config with the next seeds, on this machine) and says so.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import copy
 import json
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,6 @@ from ferry.portability.legs import run_leg
 from ferry.portability.release_verify import read_release, verify_release
 from ferry.portability.tolerances import SAMPLED_PROFILE, tolerance_profile
 from ferry.train.config import RunConfig
-from ferry.train.objectives.kinds import SAMPLING_OBJECTIVES
 
 Say = Callable[[str], None]
 
@@ -49,6 +49,7 @@ class Replay:
     verdict: Verdict | None
     failure: str | None
     run_dir: Path
+    seed_runs: list[Path] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -82,13 +83,6 @@ def replay_stage(
     if steps is not None and steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
     entry = stages[stage]
-    if entry["objective"] in SAMPLING_OBJECTIVES:
-        raise UserError(
-            f"stage {stage} trains with objective {entry['objective']}, which samples its own data: its replay is "
-            f"judged by profile {SAMPLED_PROFILE}, against runs that differ only in their seed "
-            f"({tolerance_profile(SAMPLED_PROFILE).seeds} needed), which a release does not carry and replay does not "
-            "train yet; replay a token stage, or rehearse this one with `ferry rehearse`"
-        )
     check = verify_release(directory)
     if not check.passed:
         raise UserError(
@@ -119,14 +113,46 @@ def replay_stage(
     if run_dir.exists():
         shutil.rmtree(run_dir)
     say(f"ferry: replay of stage {stage}: {count} step(s) on {environment.name}, judged under {profile} ({reason})")
+    seed_runs: list[Path] = []
+    if tolerance_profile(profile).seeds:
+        seed_runs, failure = _seed_runs(base, overrides, entry, count, work, say)
+        if failure is not None:
+            return Replay(stage, count, environment.name, profile, reason, None, failure, run_dir)
     leg = run_leg("replay", environment, config, work, say, steps=count)
     if not leg.ok:
         return Replay(stage, count, environment.name, profile, reason, None,
                       f"the replay failed (exit {leg.returncode}): {leg.failure()}", run_dir)
     verdict = compare_runs(
-        directory / entry["dir"], run_dir, profile=profile, steps=count, output_dir=work / "compare"
+        directory / entry["dir"], run_dir, profile=profile, steps=count, output_dir=work / "compare",
+        seed_runs=seed_runs,
     )
-    return Replay(stage, count, environment.name, profile, reason, verdict, None, run_dir)
+    return Replay(stage, count, environment.name, profile, reason, verdict, None, run_dir, seed_runs)
+
+
+def _seed_runs(
+    base: dict[str, Any], overrides: dict[str, Any], entry: dict[str, Any], steps: int, work: Path, say: Say
+) -> tuple[list[Path], str | None]:
+    """The runs of the stage's recorded config with the next seeds, which measure the spread a `sampled` verdict
+    is judged against. A release carries none: the replay trains them here, on the recorded config, and says so."""
+    count = tolerance_profile(SAMPLED_PROFILE).seeds
+    recorded = Environment(name="the recorded config", nproc=entry.get("world_size") or 1)
+    seed = int(base.get("run", {}).get("seed", 0))
+    say(
+        f"ferry: replay of stage {entry['name']}: objective {entry['objective']} samples its training data; the "
+        f"release carries no seed runs, so {count} are trained here (seeds {seed + 1}..{seed + count}, the recorded "
+        f"config) to measure the spread profile {SAMPLED_PROFILE} judges against"
+    )
+    runs = []
+    for other in range(seed + 1, seed + 1 + count):
+        run_dir = work / f"seed-{other}"
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        config = recorded.run_config(base, {**overrides, "run.dir": str(run_dir), "run.seed": other})
+        leg = run_leg(f"seed-{other}", recorded, config, work, say, steps=steps)
+        if not leg.ok:
+            return runs, f"the seed run {other} failed (exit {leg.returncode}): {leg.failure()}"
+        runs.append(run_dir)
+    return runs, None
 
 
 def _as_recorded(base: dict[str, Any], run_record: Path) -> dict[str, Any]:
@@ -233,6 +259,7 @@ def replay_summary(replay: Replay) -> dict[str, Any]:
     return {
         "stage": replay.stage, "steps": replay.steps, "environment": replay.environment, "profile": replay.profile,
         "reason": replay.reason, "passed": replay.passed, "failure": replay.failure,
+        "seed_runs": [str(run) for run in replay.seed_runs],
         "verdict": replay.verdict.as_dict() if replay.verdict is not None else None,
     }
 

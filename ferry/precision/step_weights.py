@@ -24,12 +24,8 @@ kernel does, `ferry/kernels/vendor/cpu_fused_experts.py`) or fewer, larger micro
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import nn
-
-StepWeightsMode = Literal["step", "micro_batch"]
 
 
 class StepWeights:

@@ -230,23 +230,10 @@ def run_variant(name: str, overrides: dict, args: argparse.Namespace, root: Path
 
 
 def micro_batch_used(run: dict) -> int | None:
-    """The sequences per micro-batch a run trained with, from its run.json: the choice it recorded under
-    `train.micro_batch: auto` where it records one, else the config's number; None if neither says."""
-    train = run.get("train") or {}
-    config_train = (run.get("config") or {}).get("train") or {}
-    candidates = (
-        run.get("train.micro_batch_choice"),
-        run.get("micro_batch_choice"),
-        train.get("micro_batch_choice"),
-        config_train.get("micro_batch_choice"),
-        config_train.get("micro_batch"),
-    )
-    for found in candidates:
-        if isinstance(found, dict):
-            found = found.get("micro_batch")
-        if isinstance(found, int) and not isinstance(found, bool):
-            return found
-    return None
+    """The sequences per micro-batch a run trained with, from its run.json: `micro_batch.chosen` (what
+    `train.micro_batch: auto` picked, or the number it was given); None from a run.json without it."""
+    chosen = (run.get("micro_batch") or {}).get("chosen")
+    return chosen if isinstance(chosen, int) and not isinstance(chosen, bool) else None
 
 
 def _summarise_trace(run_dir: Path) -> dict:

@@ -96,10 +96,9 @@ def test_the_traced_variant_must_run_and_have_a_step_left_to_measure(harness, ca
 @pytest.mark.parametrize(
     ("run", "expected"),
     [
-        ({"config": {"train": {"micro_batch": 2}}}, 2),
-        ({"config": {"train": {"micro_batch": "auto"}}, "train": {"micro_batch_choice": 4}}, 4),
-        ({"config": {"train": {"micro_batch": "auto"}}, "train.micro_batch_choice": {"micro_batch": 3}}, 3),
-        ({"config": {"train": {"micro_batch": "auto"}}}, None),
+        ({"micro_batch": {"requested": 2, "chosen": 2}}, 2),
+        ({"micro_batch": {"requested": "auto", "chosen": 8, "estimate_gib": 128.9}}, 8),
+        ({"config": {"train": {"micro_batch": 4}}}, None),
         ({}, None),
     ],
 )

@@ -110,8 +110,26 @@ def _build_parser() -> argparse.ArgumentParser:
         "--prompts", action="store_const", const="prompts", dest="records",
         help="prompts with verifiable answers for GRPO (rows with prompt, answer)",
     )
+    prepare.add_argument(
+        "--workers", type=int, default=None, metavar="N",
+        help="tokenise the input files (Parquet: row groups) in N processes, one core each; the dataset is the "
+        "same for any N",
+    )
+    prepare.add_argument(
+        "--task", type=int, default=None, metavar="I",
+        help="with --tasks N: prepare only the I-th of N slices of the inputs, as a partial dataset for "
+        "`ferry data merge` (needs --tokenizer PATH or byte)",
+    )
+    prepare.add_argument("--tasks", type=int, default=None, metavar="N", help="the number of tasks (with --task)")
     prepare.add_argument("--overwrite", action="store_true", help="replace a dataset prepared from other inputs")
     prepare.set_defaults(handler=_data_prepare)
+    merge = data_commands.add_parser(
+        "merge", help="join the partial datasets of `prepare --task I --tasks N` into the dataset one process makes"
+    )
+    merge.add_argument("partials", nargs="+", metavar="PARTIAL_DIR", help="the partial datasets of every task")
+    merge.add_argument("--output", required=True, help="dataset directory to write")
+    merge.add_argument("--overwrite", action="store_true", help="replace a dataset prepared from other inputs")
+    merge.set_defaults(handler=_data_merge)
     verify = data_commands.add_parser(
         "verify", help="check every file of prepared datasets against every digest its manifest records; "
         "exit 0 valid, 1 invalid",
@@ -226,7 +244,37 @@ def _data_prepare(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         records=args.records,
     )
-    result = prepare_dataset(spec, args.output, overwrite=args.overwrite)
+    if (args.task is None) != (args.tasks is None):
+        raise UserError("--task I and --tasks N go together: this task's index and the number of tasks")
+    if args.tasks is not None and args.tasks < 1:
+        raise UserError(f"--tasks must be at least 1, got {args.tasks}")
+    if args.task is not None:
+        return _data_prepare_task(spec, args)
+    result = prepare_dataset(spec, args.output, overwrite=args.overwrite, workers=args.workers)
+    return _print_dataset(result)
+
+
+def _data_prepare_task(spec, args: argparse.Namespace) -> int:
+    from ferry.data.partial import prepare_task
+
+    result = prepare_task(spec, args.output, args.task, args.tasks, workers=args.workers, overwrite=args.overwrite)
+    partial = result.partial
+    state = "prepared" if result.rebuilt else "up to date"
+    print(
+        f"ferry: partial dataset {state}: {result.output} — task {partial['task']} of {partial['tasks']}: "
+        f"{len(partial['part_files']):,} of {partial['parts']:,} parts, {partial['tokens']:,} tokens from "
+        f"{partial['documents']:,} documents; join all {partial['tasks']} with `ferry data merge`"
+    )
+    return 0
+
+
+def _data_merge(args: argparse.Namespace) -> int:
+    from ferry.data.partial import merge_partials
+
+    return _print_dataset(merge_partials(args.partials, args.output, overwrite=args.overwrite))
+
+
+def _print_dataset(result) -> int:
     manifest = result.manifest
     if result.repaired:
         print(f"ferry: warning: {result.repaired} no longer matched its manifest; written again from the same inputs")

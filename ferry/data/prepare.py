@@ -7,7 +7,8 @@ end-of-text) and `manifest.json` with token counts and the sha256 of every sourc
 rendered with the chat template, packed into rows of `seq_len` tokens, and get a
 parallel `mask-NNNNN.npy` stream: 1 where a token is trained (assistant text). Preference pairs
 (`--preferences`) and prompts with answers (`--prompts`) are kept as whole records
-(`ferry.data.records`). Everything is written to a temporary
+(`ferry.data.records`). With `workers`, text is tokenised by several processes into the same dataset
+(`ferry.data.workers`); `ferry.data.partial` splits it into tasks for many machines. Everything is written to a temporary
 directory and renamed into place, so an interrupted prepare never leaves a
 half-written dataset behind, and an up-to-date dataset (the same inputs and settings, every file still
 matching its manifest) is not rebuilt.
@@ -45,6 +46,7 @@ from ferry.data.records import RECORD_FIELDS
 from ferry.data.tasks import EMBEDDED_TASKS, task_documents
 from ferry.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, encode_documents, load_tokenizer
 from ferry.data.verification import DatasetMismatch, verify_files
+from ferry.data.workers import read_part_file, source_entries, tokenize_parts
 from ferry.platform.digests import FAST
 
 _ENCODE_BATCH = 256
@@ -75,21 +77,61 @@ class PrepareResult:
     repaired: Path | None = None  # the file that no longer matched its manifest, why the same inputs were written again
 
 
-def prepare_dataset(spec: PrepareSpec, output: str | Path, overwrite: bool = False) -> PrepareResult:
-    """Tokenize the inputs of `spec` into `output`; reuse it when already prepared from the same inputs."""
+def prepare_dataset(
+    spec: PrepareSpec, output: str | Path, overwrite: bool = False, workers: int | None = None
+) -> PrepareResult:
+    """Tokenize the inputs of `spec` into `output`; reuse it when already prepared from the same inputs.
+
+    With `workers`, the parts of the input files are tokenised by that many processes
+    (`ferry.data.workers`); the dataset is the one this process alone would write."""
     output = Path(output)
-    _check_spec(spec)
-    documents = _document_source(spec)
-    source_hashes = _hash_sources(documents())
-    settings = _settings(spec)
+    check_spec(spec)
+    check_parallel(spec, workers)
+    settings = spec_settings(spec)
+    if workers is None:
+        documents = _document_source(spec)
+        source_hashes = _hash_sources(documents())
+    else:  # the files' digests decide, not a pass over their documents, which would be one process's work
+        files = collect_files(spec.inputs)
+        file_sha256 = {str(path): sha256_file(path) for path in files}
+
+    def is_current(manifest: dict) -> bool:
+        if workers is None:
+            return manifest.get("source_hashes") == source_hashes
+        return _same_files(manifest.get("source_hashes"), file_sha256, spec.text_field)
+
+    current, repaired = claim_output(output, overwrite, settings, is_current, spec.inputs)
+    if current is not None:
+        return PrepareResult(output, current, rebuilt=False)
+
+    def build(staging: Path) -> dict:
+        if workers is None:
+            manifest, hashes = _write_dataset(spec, documents, staging), source_hashes
+        else:
+            manifest, hashes = _write_parts(spec, files, file_sha256, staging, workers)
+        manifest["settings"] = settings
+        manifest["source_hashes"] = hashes
+        write_json(staging / MANIFEST_NAME, manifest)
+        return manifest
+
+    return PrepareResult(output, write_staged(output, build), rebuilt=True, repaired=repaired)
+
+
+def claim_output(
+    output: Path, overwrite: bool, settings: dict, is_current: Callable[[dict], bool], inputs: list[str]
+) -> tuple[dict | None, Path | None]:
+    """May a dataset be written to `output`? (The manifest of the dataset already there when it is up to
+    date: the same settings, `is_current`, every file matching its digest; else None. And the file that no
+    longer matched, when the same inputs are written again to repair it.) Refuses to replace anything but
+    a dataset, a dataset of other inputs without `overwrite`, or a directory holding one of the `inputs`."""
     existing = output / MANIFEST_NAME
     repaired = None
     if existing.is_file():
-        manifest = _read_json(existing)
-        if manifest.get("settings") == settings and manifest.get("source_hashes") == source_hashes:
+        manifest = read_json(existing)
+        if manifest.get("settings") == settings and is_current(manifest):
             try:
                 verify_files(output, manifest, f"output {str(output)!r}", FAST)
-                return PrepareResult(output, manifest, rebuilt=False)
+                return manifest, None
             except DatasetMismatch as exc:  # the same inputs: writing it again replaces only what it was
                 repaired = exc.path
         elif not overwrite:
@@ -101,25 +143,46 @@ def prepare_dataset(spec: PrepareSpec, output: str | Path, overwrite: bool = Fal
         raise UserError(f"output {str(output)!r} is a file, not a directory")
     elif output.exists() and any(output.iterdir()):  # --overwrite replaces a dataset, never anything else
         raise UserError(f"output {str(output)!r} exists and is not a ferry dataset; choose another directory")
-    inside = [path for path in spec.inputs if Path(path).resolve().is_relative_to(output.resolve())]
+    refuse_inputs_inside(output, inputs)
+    return None, repaired
+
+
+def refuse_inputs_inside(output: Path, inputs: list[str]) -> None:
+    inside = [path for path in inputs if Path(path).resolve().is_relative_to(output.resolve())]
     if inside:
         raise UserError(f"output {str(output)!r} holds the input {inside[0]!r}, which replacing it would delete")
 
+
+def write_staged(output: Path, build: Callable[[Path], dict]) -> dict:
+    """`build` the directory in a staging directory beside `output` and rename it into place: an
+    interrupted or failed write leaves nothing half-written, and the old directory stays until the new
+    one is there."""
     staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        manifest = _write_dataset(spec, documents, staging)
-        manifest["settings"] = settings
-        manifest["source_hashes"] = source_hashes
-        _write_json(staging / MANIFEST_NAME, manifest)
-        _replace_directory(staging, output)
+        record = build(staging)
+        replace_directory(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return PrepareResult(output, manifest, rebuilt=True, repaired=repaired)
+    return record
 
 
-def _check_spec(spec: PrepareSpec) -> None:
+def check_parallel(spec: PrepareSpec, workers: int | None, task: str = "") -> None:
+    """--workers and --task share out the parts of input files of text; `task` names --task in messages."""
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers must be at least 1, got {workers}")
+    if workers is None and not task:
+        return
+    flag = task or "--workers"
+    if spec.embedded:
+        raise UserError(f"{flag} shares out the parts of input files; --embedded {spec.embedded} is read in one piece")
+    if spec.chat or spec.records:
+        kind = "--chat" if spec.chat else f"--{spec.records}"
+        raise UserError(f"{flag} tokenises text corpora; {kind} datasets are prepared by one process (leave {flag} out)")
+
+
+def check_spec(spec: PrepareSpec) -> None:
     if bool(spec.inputs) == bool(spec.embedded):
         raise UserError("give either input files/directories or --embedded NAME, not both or neither")
     if spec.tokenizer == "bpe" and not 258 <= spec.vocab_size <= 1 << 20:
@@ -203,7 +266,7 @@ def _hash_sources(documents: Iterator[Document]) -> list[dict]:
     return list(by_source.values())
 
 
-def _settings(spec: PrepareSpec) -> dict:
+def spec_settings(spec: PrepareSpec) -> dict:
     settings = {
         "tokenizer": spec.tokenizer,
         "text_field": spec.text_field,
@@ -238,7 +301,7 @@ def _write_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Document]
     if spec.chat:
         return _write_conversations(spec, documents, staging)
     tokenizer = _make_tokenizer(spec, documents)
-    writer = _ShardWriter(staging, _token_dtype(tokenizer), spec.shard_tokens)
+    writer = ShardWriter(staging, token_dtype(tokenizer), spec.shard_tokens)
     document_count = 0
     batch: list[str] = []
     for document in documents():
@@ -248,7 +311,49 @@ def _write_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Document]
             batch = []
     document_count += _write_batch(tokenizer, batch, writer)
     writer.close()
-    return _manifest(tokenizer, staging, writer, document_count)
+    return token_manifest(tokenizer, staging, writer, document_count)
+
+
+def _write_parts(
+    spec: PrepareSpec, files: list[Path], file_sha256: dict[str, str], staging: Path, workers: int
+) -> tuple[dict, list[dict]]:
+    """The dataset and its `source_hashes`, the parts of `files` tokenised by `workers` processes and their
+    part files appended to the shards in input order. A BPE tokenizer is trained first, here, on every
+    document, as one process would."""
+    tokenizer = _make_tokenizer(spec, _document_source(spec))
+    dtype = token_dtype(tokenizer)
+    writer = ShardWriter(staging, dtype, spec.shard_tokens)
+    every = list(enumerate(part for path in files for part in parts(path)))
+    spill = staging / ".parts"
+    spill.mkdir()
+    results = []
+    for result in tokenize_parts(every, tokenizer, spec.text_field, dtype, spill, workers):
+        for tokens in read_part_file(result.path, dtype, result.tokens, result.sha256):
+            writer.add(tokens)
+        result.path.unlink()
+        results.append(result)
+    spill.rmdir()
+    writer.close()
+    manifest = token_manifest(tokenizer, staging, writer, sum(result.documents for result in results))
+    return manifest, source_entries(results, file_sha256)
+
+
+def _same_files(recorded: object, file_sha256: dict[str, str], text_field: str) -> bool:
+    """Whether `source_hashes` a manifest recorded are what these files give, without tokenising them: every
+    recorded source has its sha256 still, in the same order, and a file it does not name (one that held no
+    document) still holds none."""
+    if not isinstance(recorded, list) or not all(isinstance(entry, dict) for entry in recorded):
+        return False
+    recorded_sha256 = {entry.get("source"): entry.get("sha256") for entry in recorded}
+    order = []
+    for source, sha256 in file_sha256.items():
+        if source in recorded_sha256:
+            if recorded_sha256[source] != sha256:
+                return False
+            order.append(source)
+        elif any(True for part in parts(Path(source)) for _ in read_texts(part, text_field)):
+            return False
+    return order == [entry.get("source") for entry in recorded]
 
 
 def _write_conversations(spec: PrepareSpec, documents: Callable[[], Iterator[Document]], staging: Path) -> dict:
@@ -257,8 +362,8 @@ def _write_conversations(spec: PrepareSpec, documents: Callable[[], Iterator[Doc
     tokenizer = with_chat_tokens(load_tokenizer(spec.tokenizer))
     encoder = ChatEncoder(tokenizer)
     packer = RowPacker(spec.seq_len, tokenizer.eos_id)
-    writer = _ShardWriter(staging, _token_dtype(tokenizer), spec.shard_tokens)
-    mask_writer = _ShardWriter(staging, np.uint8, spec.shard_tokens, prefix="mask")
+    writer = ShardWriter(staging, token_dtype(tokenizer), spec.shard_tokens)
+    mask_writer = ShardWriter(staging, np.uint8, spec.shard_tokens, prefix="mask")
 
     def write(rows: list[tuple[np.ndarray, np.ndarray] | None]) -> None:
         for row in rows:
@@ -281,7 +386,7 @@ def _write_conversations(spec: PrepareSpec, documents: Callable[[], Iterator[Doc
         )
     writer.close()
     mask_writer.close()
-    manifest = _manifest(tokenizer, staging, writer, packer.stats.conversations)
+    manifest = token_manifest(tokenizer, staging, writer, packer.stats.conversations)
     manifest["chat"] = {"template": CHAT_TEMPLATE, "seq_len": spec.seq_len, **packer.stats.as_record()}
     manifest["loss_mask"] = {"shards": mask_writer.shards}
     return manifest
@@ -304,11 +409,11 @@ def _write_record_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Do
     }
 
 
-def _token_dtype(tokenizer: Tokenizer) -> type:
+def token_dtype(tokenizer: Tokenizer) -> type:
     return np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
-def _manifest(tokenizer: Tokenizer, staging: Path, writer: _ShardWriter, document_count: int) -> dict:
+def token_manifest(tokenizer: Tokenizer, staging: Path, writer: ShardWriter, document_count: int) -> dict:
     """The manifest of a finished dataset (written with its tokenizer into `staging`)."""
     (staging / TOKENIZER_NAME).write_text(tokenizer.to_json(), encoding="utf-8")
     return {
@@ -331,14 +436,14 @@ def _tokenizer_record(tokenizer: Tokenizer, staging: Path) -> dict:
     }
 
 
-def _write_batch(tokenizer: Tokenizer, texts: list[str], writer: _ShardWriter) -> int:
+def _write_batch(tokenizer: Tokenizer, texts: list[str], writer: ShardWriter) -> int:
     for ids in encode_documents(tokenizer, texts):
         writer.add(ids)
         writer.add(np.asarray([tokenizer.eos_id]))
     return len(texts)
 
 
-class _ShardWriter:
+class ShardWriter:
     """Appends token ids and cuts them into `.npy` shards of `shard_tokens` tokens."""
 
     def __init__(self, directory: Path, dtype: type, shard_tokens: int, prefix: str = "shard"):
@@ -375,7 +480,7 @@ class _ShardWriter:
         self.total_tokens += int(len(tokens))
 
 
-def _replace_directory(staging: Path, output: Path) -> None:
+def replace_directory(staging: Path, output: Path) -> None:
     """Move the finished dataset into place; an old dataset is removed only after the new one is there."""
     for path in staging.iterdir():
         with open(path, "rb") as handle:
@@ -388,12 +493,12 @@ def _replace_directory(staging: Path, output: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"{str(path)!r} cannot be read as JSON: {exc}") from None
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=1), encoding="utf-8")

@@ -6,8 +6,8 @@ dtype) to a part file of its own; the caller takes the part files back in input 
 finished first, and appends them to the shard writer. So the stream, its shards and their digests are
 those of one process reading the parts in order. At most `2 * workers` parts are read ahead, and a part
 file is deleted once taken, so memory holds one batch of documents per worker and the disk holds a few
-parts beside the dataset. Workers are started with `spawn` (no forked copy of the parent's threads or
-tensors) and encode on one thread each: N workers use N cores.
+parts beside the dataset. Workers fork from a `forkserver` (`spawn` where there is none): no copy of the
+caller's threads or tensors; and encode on one thread each: N workers use N cores.
 
 A worker's error (a malformed line or row) reaches the caller as it was raised, naming the file and the
 line or row; the other workers stop at their next batch.
@@ -82,7 +82,7 @@ def tokenize_parts(
         for index, part in parts:
             yield tokenize_part(index, part, tokenizer, text_field, dtype, part_file(directory, index))
         return
-    context = multiprocessing.get_context("spawn")
+    context = _worker_context()
     stop = context.Event()
     initargs = (tokenizer.to_json(), text_field, np.dtype(dtype).name, stop)
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=initargs) as pool:
@@ -165,6 +165,16 @@ def source_entries(results: list[PartTokens] | Iterator[PartTokens], file_sha256
     if not by_source:
         raise UserError("the inputs hold no documents")
     return list(by_source.values())
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """forkserver where there is one: workers fork from a clean server process that imported this module
+    once (no copy of the caller's threads, and one import, not one per worker); spawn elsewhere."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
 
 
 class _Stopped(Exception):

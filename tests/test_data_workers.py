@@ -1,0 +1,98 @@
+"""`ferry data prepare --workers N` and `--task I --tasks N` + `ferry data merge` write the dataset one process
+writes, byte for byte (shards, tokenizer, manifest with its digests); a malformed file read by a worker exits 2
+naming the file and the line, leaving nothing behind. The corpus is built here: several JSON-lines files,
+a gzip one, a Parquet file of several row groups and an empty file."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ferry.cli.main import main
+
+
+def _rows(start: int, count: int) -> list[dict]:
+    words = ("ferry", "expert", "router", "tëxt", "шард", "日本", "token", "batch", "loss", "<|endoftext|>")
+    return [
+        {"text": f"doc {index}: " + " ".join(words[(index * 7 + k) % len(words)] for k in range(2 + index % 17))}
+        for index in range(start, start + count)
+    ]
+
+
+def _lines(rows: list[dict]) -> str:
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("corpus")
+    for index in range(3):
+        (directory / f"a{index}.jsonl").write_text(_lines(_rows(index * 150, 150)), encoding="utf-8")
+    (directory / "b.jsonl.gz").write_bytes(gzip.compress(_lines(_rows(450, 120)).encode("utf-8")))
+    pq.write_table(pa.Table.from_pylist(_rows(570, 400)), directory / "c.parquet", row_group_size=60)
+    (directory / "d.jsonl").write_text("", encoding="utf-8")
+    return directory
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def _prepare(corpus: Path, output: Path, *flags: str) -> int:
+    return main(["data", "prepare", str(corpus), "--output", str(output), "--shard-tokens", "700", *flags])
+
+
+def test_one_and_two_workers_write_the_dataset_one_process_writes(corpus, tmp_path, capsys):
+    assert _prepare(corpus, tmp_path / "alone", "--vocab-size", "300") == 0
+    assert _prepare(corpus, tmp_path / "one", "--vocab-size", "300", "--workers", "1") == 0
+    assert _prepare(corpus, tmp_path / "two", "--vocab-size", "300", "--workers", "2") == 0
+    alone = _files(tmp_path / "alone")
+    assert len([name for name in alone if name.startswith("shard-")]) > 5
+    assert _files(tmp_path / "one") == alone
+    assert _files(tmp_path / "two") == alone
+    manifest = json.loads(alone["manifest.json"])
+    assert [entry["source"] for entry in manifest["source_hashes"]] == [
+        str(corpus / name) for name in ("a0.jsonl", "a1.jsonl", "a2.jsonl", "b.jsonl.gz", "c.parquet")
+    ]
+    capsys.readouterr()
+    assert _prepare(corpus, tmp_path / "alone", "--vocab-size", "300", "--workers", "2") == 0
+    assert "dataset up to date" in capsys.readouterr().out
+
+
+def test_two_tasks_merged_equal_one_process(corpus, tmp_path, capsys):
+    assert _prepare(corpus, tmp_path / "trained", "--vocab-size", "300") == 0
+    tokenizer = str(tmp_path / "tokenizer.json")
+    Path(tokenizer).write_bytes((tmp_path / "trained" / "tokenizer.json").read_bytes())
+    assert _prepare(corpus, tmp_path / "alone", "--tokenizer", tokenizer) == 0
+    capsys.readouterr()
+    assert _prepare(corpus, tmp_path / "task0", "--tokenizer", tokenizer, "--task", "0", "--tasks", "2") == 0
+    assert _prepare(corpus, tmp_path / "task1", "--tokenizer", tokenizer, "--task", "1", "--tasks", "2") == 0
+    out = capsys.readouterr().out
+    assert "task 0 of 2" in out and "task 1 of 2" in out
+    assert not (tmp_path / "task0" / "manifest.json").exists()  # nothing trains on a partial dataset
+    held = [json.loads((tmp_path / task / "partial.json").read_text())["part_files"] for task in ("task0", "task1")]
+    assert held[0] and held[1]
+
+    assert main(["data", "merge", str(tmp_path / "task0"), "--output", str(tmp_path / "lone")]) == 2
+    assert "task(s) 1 of 2 missing" in capsys.readouterr().err
+    assert not (tmp_path / "lone").exists()
+    assert main(["data", "merge", str(tmp_path / "task1"), str(tmp_path / "task0"), "--output", str(tmp_path / "merged")]) == 0
+    assert _files(tmp_path / "merged") == _files(tmp_path / "alone")
+
+    assert _prepare(corpus, tmp_path / "task2", "--task", "0", "--tasks", "2") == 2
+    assert "--tokenizer PATH" in capsys.readouterr().err
+
+
+def test_a_malformed_file_read_by_a_worker_exits_2_naming_it_and_leaves_nothing(corpus, tmp_path, capsys):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    for name in ("a0.jsonl", "a1.jsonl", "c.parquet"):
+        (inputs / name).write_bytes((corpus / name).read_bytes())
+    (inputs / "b.jsonl").write_text(_lines(_rows(0, 40)) + '{"text": "cut short\n' + _lines(_rows(40, 5)), encoding="utf-8")
+    for flags in (["--workers", "2"], ["--task", "0", "--tasks", "1"]):
+        assert _prepare(inputs, tmp_path / "out", "--tokenizer", "byte", *flags) == 2
+        assert f"{inputs / 'b.jsonl'}:41: not valid JSON" in capsys.readouterr().err
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["inputs"]

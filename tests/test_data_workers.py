@@ -1,10 +1,13 @@
 """`ferry data prepare --workers N` and `--task I --tasks N` + `ferry data merge` write the dataset one process
 writes, byte for byte (shards, tokenizer, manifest with its digests); a malformed file read by a worker exits 2
-naming the file and the line, leaving nothing behind. The corpus is built here: several JSON-lines files,
-a gzip one, a Parquet file of several row groups and an empty file."""
+naming the file and the line, leaving nothing behind; the Slurm array `--render` writes does the same when
+run. The corpus is built here: several JSON-lines files, a gzip one, a Parquet file of several row groups and
+an empty file."""
 
 import gzip
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pyarrow as pa
@@ -96,3 +99,23 @@ def test_a_malformed_file_read_by_a_worker_exits_2_naming_it_and_leaves_nothing(
         assert _prepare(inputs, tmp_path / "out", "--tokenizer", "byte", *flags) == 2
         assert f"{inputs / 'b.jsonl'}:41: not valid JSON" in capsys.readouterr().err
         assert sorted(path.name for path in tmp_path.iterdir()) == ["inputs"]
+
+
+def test_the_rendered_slurm_array_prepares_and_merges_the_same_dataset(corpus, tmp_path, monkeypatch, capsys):
+    """The scripts run as Slurm would run them, every array index and then the merge: bash expands each
+    script's `ferry` command line (the #SBATCH lines are comments to it), which runs here, in this process."""
+    monkeypatch.chdir(tmp_path)
+    assert _prepare(corpus, tmp_path / "alone", "--tokenizer", "byte") == 0
+    flags = ["--tokenizer", "byte", "--shard-tokens", "700", "--tasks", "2", "--render", "job"]
+    assert main(["data", "prepare", str(corpus), "--output", "dataset", *flags]) == 0
+    assert "2 task(s) of 1 worker(s)" in capsys.readouterr().out
+    script = (tmp_path / "job" / "prepare.sbatch").read_text()
+    assert "#SBATCH --array=0-1" in script and '--task "$SLURM_ARRAY_TASK_ID" --tasks 2' in script
+    for name, index in (("prepare", "0"), ("prepare", "1"), ("merge", "")):
+        expanded = subprocess.run(
+            ["bash", "-c", f'ferry() {{ printf "%s\\0" "$@"; }}; source job/{name}.sbatch'],
+            check=True, capture_output=True, env={**os.environ, "SLURM_ARRAY_TASK_ID": index},
+        ).stdout
+        assert main(expanded.decode().split("\0")[:-1]) == 0
+    assert sorted(path.name for path in (tmp_path / "dataset.tasks").iterdir()) == ["task-0", "task-1"]
+    assert _files(tmp_path / "dataset") == _files(tmp_path / "alone")

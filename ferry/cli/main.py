@@ -121,6 +121,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "`ferry data merge` (needs --tokenizer PATH or byte)",
     )
     prepare.add_argument("--tasks", type=int, default=None, metavar="N", help="the number of tasks (with --task)")
+    prepare.add_argument(
+        "--render", default=None, metavar="DIR",
+        help="with --tasks N (no --task): write a Slurm array job running the N tasks, and their merge into "
+        "--output, to DIR instead of preparing",
+    )
     prepare.add_argument("--overwrite", action="store_true", help="replace a dataset prepared from other inputs")
     prepare.set_defaults(handler=_data_prepare)
     merge = data_commands.add_parser(
@@ -135,6 +140,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "exit 0 valid, 1 invalid",
     )
     verify.add_argument("datasets", nargs="+", metavar="DIR", help="prepared dataset directories")
+    verify.add_argument(
+        "--sample", metavar="K", default=None,
+        help="check K data files chosen at random (or a fraction of them, 0.01), the tokenizer, and every file's "
+        "presence and size: a quick check of a huge set",
+    )
+    verify.add_argument(
+        "--seed", type=int, default=None, help="with --sample: the seed that chooses the files (printed when drawn)"
+    )
     verify.set_defaults(handler=_data_verify)
 
     ckpt.register(commands)
@@ -198,15 +211,22 @@ def _launch(args: argparse.Namespace, config) -> int:
 
 
 def _data_verify(args: argparse.Namespace) -> int:
-    """Invalid is an answer, not a usage error: exit 1 naming the file (a path that is no dataset exits 2)."""
-    from ferry.data.verification import DatasetMismatch, verify_dataset
+    """Invalid is an answer, not a usage error: exit 1 naming the file (a path that is no dataset exits 2).
+    A sample's seed is drawn when not given, and printed with the answer, so a failure can be repeated."""
+    import secrets
 
+    from ferry.data.verification import DatasetMismatch, sample_size, verify_dataset, verify_sample
+
+    if args.seed is not None and args.sample is None:
+        raise UserError("--seed chooses the files of --sample K; give --sample too")
+    size = sample_size(args.sample) if args.sample is not None else None
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     invalid = 0
     for path in args.datasets:
         try:
-            print(verify_dataset(Path(path)))
+            print(verify_dataset(Path(path)) if size is None else verify_sample(Path(path), size, seed))
         except DatasetMismatch as exc:
-            print(f"ferry: invalid {exc}")
+            print(f"ferry: invalid {exc}" + (f" (--sample {args.sample} --seed {seed})" if size is not None else ""))
             invalid += 1
     return 1 if invalid else 0
 
@@ -244,10 +264,14 @@ def _data_prepare(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         records=args.records,
     )
-    if (args.task is None) != (args.tasks is None):
+    if args.render is not None and (args.tasks is None or args.task is not None):
+        raise UserError("--render DIR writes the job of every task: give --tasks N, without --task")
+    if args.render is None and (args.task is None) != (args.tasks is None):
         raise UserError("--task I and --tasks N go together: this task's index and the number of tasks")
     if args.tasks is not None and args.tasks < 1:
         raise UserError(f"--tasks must be at least 1, got {args.tasks}")
+    if args.render is not None:
+        return _data_render_job(spec, args)
     if args.task is not None:
         return _data_prepare_task(spec, args)
     result = prepare_dataset(spec, args.output, overwrite=args.overwrite, workers=args.workers)
@@ -265,6 +289,30 @@ def _data_prepare_task(spec, args: argparse.Namespace) -> int:
         f"{len(partial['part_files']):,} of {partial['parts']:,} parts, {partial['tokens']:,} tokens from "
         f"{partial['documents']:,} documents; join all {partial['tasks']} with `ferry data merge`"
     )
+    return 0
+
+
+def _data_render_job(spec, args: argparse.Namespace) -> int:
+    from ferry.data.partial import check_task_spec
+    from ferry.launch.data_job import render_data_job, write_data_job
+
+    check_task_spec(spec, args.workers)
+    shared = [*spec.inputs, "--tokenizer", spec.tokenizer]
+    if args.text_field is not None:
+        shared += ["--text-field", args.text_field]
+    if args.shard_tokens is not None:
+        shared += ["--shard-tokens", str(args.shard_tokens)]
+    workers = args.workers or 1
+    out = Path(args.render)
+    job_name = f"ferry-data-{Path(args.output).name}"
+    files = render_data_job(shared, args.output, args.tasks, workers, job_name, out)
+    write_data_job(files, out, overwrite=args.overwrite)
+    print(
+        f"ferry: {job_name}: {args.tasks} task(s) of {workers} worker(s), then a merge into {args.output}; "
+        f"wrote {len(files)} file(s) to {out}/ (submit with {out / 'submit.sh'})"
+    )
+    for name in files:
+        print(f"  {out / name}")
     return 0
 
 

@@ -90,16 +90,9 @@ def prepare_task(
     """Tokenise slice `task` of `tasks` of the inputs into the partial dataset `output`; a partial dataset
     already there from the same inputs, settings and slice is kept."""
     output = Path(output)
-    check_spec(spec)
-    check_parallel(spec, workers, task="--task")
+    check_task_spec(spec, workers)
     if not 0 <= task < tasks:
         raise UserError(f"--task must be in 0..{tasks - 1} for --tasks {tasks}, got {task}")
-    if spec.tokenizer == "bpe":
-        raise UserError(
-            "--task: every task must tokenise with the same tokenizer, so tasks cannot each train one; train it "
-            "once (ferry data prepare --tokenizer bpe on the corpus or a sample of it) and give every task its "
-            "tokenizer.json with --tokenizer PATH"
-        )
     every = [part for path in collect_files(spec.inputs) for part in parts(path)]
     mine = task_parts(every, task, tasks)
     tokenizer = ByteTokenizer() if spec.tokenizer == "byte" else load_tokenizer(spec.tokenizer)
@@ -138,6 +131,18 @@ def prepare_task(
         return partial
 
     return PartialResult(output, write_staged(output, build), rebuilt=True)
+
+
+def check_task_spec(spec: PrepareSpec, workers: int | None) -> None:
+    """What every task of a preparation needs: text inputs, and a tokenizer file they all share."""
+    check_spec(spec)
+    check_parallel(spec, workers, task="--task")
+    if spec.tokenizer == "bpe":
+        raise UserError(
+            "--task: every task must tokenise with the same tokenizer, so tasks cannot each train one; train it "
+            "once (ferry data prepare --tokenizer bpe on the corpus or a sample of it) and give every task its "
+            "tokenizer.json with --tokenizer PATH"
+        )
 
 
 def merge_partials(directories: list[str | Path], output: str | Path, overwrite: bool = False) -> PrepareResult:

@@ -1,6 +1,7 @@
 """Expert parallelism, ZeRO-1 and failure handling on 2 CPU processes with gloo."""
 
 import pytest
+import torch
 
 from ferry.comm.spawn import RankFailure, run_on_ranks
 
@@ -44,3 +45,20 @@ def test_the_whole_model_under_each_layout_equals_one_process(mode, ep):
     for logits_error, worst_grad_error in run_on_ranks(cases.model_ep_equals_single, 2, mode, ep):
         assert logits_error < 1e-5
         assert worst_grad_error < 1e-5
+
+
+def test_a_chunked_exchange_takes_every_expert_row_once_in_order():
+    """Part k takes the k-th share of each expert's rows; together the parts take every row exactly once, and
+    within a part the rows stay sorted by expert (so each destination rank's rows are contiguous)."""
+    from ferry.parallel.expert_parallel import _chunk_rows
+
+    generator = torch.Generator().manual_seed(0)
+    for chunks in (2, 3, 4):
+        tokens_per_expert_E = torch.randint(0, 7, (8,), generator=generator)
+        tokens_per_expert_E[3] = 0
+        counts_KE, rows_K = _chunk_rows(tokens_per_expert_E, chunks)
+        assert torch.equal(counts_KE.sum(0), tokens_per_expert_E)
+        assert torch.equal(torch.cat(rows_K).sort().values, torch.arange(int(tokens_per_expert_E.sum())))
+        expert_of_row_N = torch.repeat_interleave(torch.arange(8), tokens_per_expert_E)
+        for counts_E, rows_M in zip(counts_KE, rows_K):
+            assert torch.equal(expert_of_row_N[rows_M], torch.repeat_interleave(torch.arange(8), counts_E))

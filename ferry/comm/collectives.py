@@ -78,6 +78,21 @@ class Collectives:
         """The step timer's region `name` when a timer is attached (comm sits below metrics, so it is handed one)."""
         return self.timer.region(name) if self.timer is not None else nullcontext()
 
+    @contextmanager
+    def blocked(self, op: str):
+        """Time blocked waiting for an exchange issued earlier (`ferry/comm/pending.py`): the comm region, and the
+        collective a hang's report names."""
+        with self.region("comm"):
+            _WAITING.append(op)
+            try:
+                yield
+            finally:
+                _WAITING.pop()
+
+    def defer(self, op: str, num_bytes: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        """Record an op timed by CUDA events once they have completed (`flush`)."""
+        self._pending.append((op, num_bytes, start, end))
+
     def flush(self) -> None:
         """Resolve CUDA event timings into the stats (call once per step, after a sync point)."""
         for op, num_bytes, start, end in self._pending:

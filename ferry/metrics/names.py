@@ -74,7 +74,14 @@ METRICS: tuple[Metric, ...] = (
     _step("compute_s", "compute_seconds", "forward + backward + optimizer + generate time not blocked in comms"),
     _step("comm_s", "comm_seconds", "time blocked in collectives"),
     _step("comm_compute_ratio", "comm_compute_ratio", "comm_s / compute_s"),
-    _step("ep_wait_s", "ep_wait_seconds", "time blocked in MoE dispatch and combine"),
+    _step("ep_wait_s", "ep_wait_seconds", "time blocked in MoE dispatch and combine: the exposed part of ep_comm_s"),
+    _step(
+        "ep_comm_s", "ep_comm_seconds", "time the forward's MoE exchanges (counts, dispatch, combine) were in flight"
+    ),
+    _step(
+        "ep_overlap_share", "ep_overlap_share",
+        "share of ep_comm_s the rank computed through: 1 - ep_wait_s / ep_comm_s (0 with ep_overlap: none)",
+    ),
     _step("tokens_per_s", "tokens_per_second", "tokens of the step over all devices / step_s"),
     _step("tokens_per_s_per_device", "tokens_per_second_per_device", "tokens_per_s / devices"),
     _step("mfu", "mfu", "model FLOPs utilisation against the hardware profile's peak for the dtype in use"),

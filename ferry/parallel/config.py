@@ -16,3 +16,10 @@ class ParallelConfig(Section):
     mode: Literal["ep", "fsdp"] = "ep"
     ep: int = Field(1, ge=1, description="expert-parallel degree; divides the world size and num_experts")
     bucket_mib: float = Field(25.0, gt=0.0, description="gradient all-reduce bucket size")
+    ep_overlap: Literal["none", "chunked"] = Field(
+        "none",
+        description="none: each MoE layer's dispatch, experts and combine in turn; chunked: each expert's rows split "
+        "into ep_chunks parts, the dispatch of part k+1 and the combine of part k in flight while the experts "
+        "compute part k (ferry/parallel/expert_parallel.py); the same numbers within float rounding",
+    )
+    ep_chunks: int = Field(2, ge=2, le=64, description="parts of a chunked exchange (ep_overlap: chunked)")

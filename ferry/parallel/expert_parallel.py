@@ -5,6 +5,12 @@ exchanges per-expert counts, sends every routed token to the rank owning its
 expert (all-to-all), runs the local experts as grouped GEMMs on contiguous groups,
 and returns the results by a second all-to-all; the layer then combines as on one
 device. Only activations move; expert weights never leave their rank.
+
+With `parallel.ep_overlap: chunked` each expert's rows travel in `ep_chunks` parts, each
+exchange issued asynchronously (`ferry/comm/pending.py`): while the local experts compute
+part k, part k+1's dispatch and part k-1's combine are in flight. It costs a gather of
+the rows into parts and a scatter of the outputs back, and more, smaller messages; the
+step record's `ep_overlap_share` and benchmarks/ep_overlap.py say whether it pays.
 """
 
 from __future__ import annotations
@@ -13,15 +19,20 @@ import torch
 from torch import nn
 
 from ferry.comm import Collectives
+from ferry.comm.pending import start_all_to_all
+
+EP_EXCHANGES = ("ep_counts", "ep_dispatch", "ep_combine")  # a forward's exchanges, the ep_wait region's
 
 
 class AllToAllDispatcher:
-    """Runs the routed tokens of one MoE layer through experts spread over an EP group."""
+    """Runs the routed tokens of one MoE layer through experts spread over an EP group: in one exchange each way,
+    or (`chunks` > 1) in parts whose exchanges are in flight while the experts compute another part."""
 
-    def __init__(self, collectives: Collectives, num_experts: int):
+    def __init__(self, collectives: Collectives, num_experts: int, chunks: int = 1):
         self.collectives = collectives
         self.ep_size = collectives.size
         self.num_local = num_experts // self.ep_size
+        self.chunks = chunks
 
     @torch.compiler.disable
     def __call__(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
@@ -30,11 +41,47 @@ class AllToAllDispatcher:
         Its one host read is the exchange of the per-rank row counts that the all-to-all needs for
         its split sizes; a compiled block runs it eagerly (a graph break) for the same reason.
         """
+        if self.chunks > 1:
+            return self._chunked(x_ND, tokens_per_expert_E, experts)
         with self.collectives.region("ep_wait"):
             received_counts_PL, send_splits, receive_splits, x_RD = self._dispatch(x_ND, tokens_per_expert_E)
         y_RD = self._run_local_experts(x_RD, received_counts_PL, experts)
         with self.collectives.region("ep_wait"):
             return self.collectives.all_to_all(y_RD, send_splits, receive_splits, op="ep_combine")
+
+    def _chunked(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """Each expert's rows split into `chunks` parts (part k: its k-th share, in order); part k+1's dispatch and
+        part k's combine are in flight while the experts compute part k. One exchange of the counts of every
+        part, one host read of them; then per part an asynchronous dispatch, the local experts, an asynchronous
+        combine; the parts' outputs are put back in the rows' order at the end. The rows an expert computes are
+        the same, in parts: equal to the unchunked result but for the float rounding of the weight gradients,
+        summed over the parts."""
+        ep, local, chunks = self.ep_size, self.num_local, self.chunks
+        counts_KE, rows_K = _chunk_rows(tokens_per_expert_E, chunks)
+        with self.collectives.region("ep_wait"):
+            received_KPL = self.collectives.all_to_all_raw(
+                counts_KE.view(chunks, ep, local).transpose(0, 1).contiguous(), None, None, op="ep_counts"
+            ).transpose(0, 1)
+        send_KP = counts_KE.view(chunks, ep, local).sum(2).tolist()
+        receive_KP = received_KPL.sum(2).tolist()
+        dispatches = [None] * chunks
+        dispatches[0] = start_all_to_all(
+            self.collectives, x_ND.index_select(0, rows_K[0]), receive_KP[0], send_KP[0], "ep_dispatch"
+        )
+        combines = []
+        for part in range(chunks):
+            if part + 1 < chunks:
+                dispatches[part + 1] = start_all_to_all(
+                    self.collectives, x_ND.index_select(0, rows_K[part + 1]), receive_KP[part + 1], send_KP[part + 1],
+                    "ep_dispatch",
+                )
+            y_RD = self._run_local_experts(dispatches[part].wait(), received_KPL[part], experts)
+            combines.append(start_all_to_all(self.collectives, y_RD, send_KP[part], receive_KP[part], "ep_combine"))
+        y_ND = torch.cat([combine.wait() for combine in combines])
+        order_N = torch.cat(rows_K)
+        inverse_N = torch.empty_like(order_N)
+        inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+        return y_ND.index_select(0, inverse_N)
 
     def _dispatch(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor):
         """Exchange per-expert counts, then send each token to the rank holding its expert."""
@@ -57,6 +104,26 @@ class AllToAllDispatcher:
         inverse_R = torch.empty_like(order_R)
         inverse_R[order_R] = torch.arange(order_R.numel(), device=order_R.device)
         return y_sorted_RD.index_select(0, inverse_R)
+
+
+def _chunk_rows(tokens_per_expert_E: torch.Tensor, chunks: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Per part, the rows it takes of every expert (counts [chunks, E]) and their indices in the expert-sorted rows:
+    part k takes rows [floor(k n_e / chunks), floor((k+1) n_e / chunks)) of expert e's n_e."""
+    n_E = tokens_per_expert_E.to(torch.int64)
+    starts_E = torch.cumsum(n_E, 0) - n_E
+    parts_K1 = torch.arange(chunks + 1, device=n_E.device)[:, None]
+    bounds_KE = torch.div(parts_K1 * n_E, chunks, rounding_mode="floor")
+    counts_KE = bounds_KE[1:] - bounds_KE[:-1]
+    rows_K = []
+    for part in range(chunks):
+        counts_E = counts_KE[part]
+        first_E = starts_E + bounds_KE[part]
+        total = int(counts_E.sum())
+        offsets_E = torch.cumsum(counts_E, 0) - counts_E
+        offset_M = torch.repeat_interleave(offsets_E, counts_E, output_size=total)
+        within_M = torch.arange(total, device=n_E.device) - offset_M
+        rows_K.append(torch.repeat_interleave(first_E, counts_E, output_size=total) + within_M)
+    return counts_KE, rows_K
 
 
 def shard_experts(experts: nn.Module, ep_rank: int, ep_size: int) -> tuple[int, int]:

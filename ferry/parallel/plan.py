@@ -84,7 +84,7 @@ class ParallelPlan:
             num_experts = model.config.moe.num_experts
             for layer in model.moe_layers():
                 shard_experts(layer.experts, self.ep.rank, self.config.ep)
-                layer.dispatcher = AllToAllDispatcher(self.ep, num_experts)
+                layer.dispatcher = AllToAllDispatcher(self.ep, num_experts, _chunks(self.config))
 
     def layout(self) -> dict:
         return {"world_size": self.context.world_size, "ep": self.config.ep, "mode": self.config.mode}
@@ -155,7 +155,7 @@ def build_plan(
         if config.mode == "ep" and config.ep > 1:
             for layer in model.moe_layers():
                 shard_experts(layer.experts, plan.ep.rank, config.ep)
-                layer.dispatcher = AllToAllDispatcher(plan.ep, num_experts)
+                layer.dispatcher = AllToAllDispatcher(plan.ep, num_experts, _chunks(config))
         if config.mode == "fsdp":
             apply_fsdp(model, device, plan.world)
     expert_modules = {name for name, module in model.named_modules() if isinstance(module, Experts)}
@@ -168,3 +168,8 @@ def build_plan(
         else:
             plan.dense_params.append((name, param))
     return plan
+
+
+def _chunks(config: ParallelConfig) -> int:
+    """Parts of each MoE layer's exchange: one, or `ep_chunks` with `ep_overlap: chunked`."""
+    return config.ep_chunks if config.ep_overlap == "chunked" else 1

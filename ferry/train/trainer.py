@@ -20,10 +20,12 @@ import torch.distributed as dist
 from ferry.checkpoint import CheckpointManager, Found, list_checkpoints
 from ferry.comm.process_group import shutdown
 from ferry.data import DataCursor
+from ferry.data.loader import realised_counts
 from ferry.inference import eval_record
 from ferry.metrics import MetricsHub, TorchTrace, moe_diagnostics
 from ferry.model import Transformer
 from ferry.model.compilation import compile_seconds
+from ferry.parallel.expert_parallel import EP_EXCHANGES
 from ferry.parallel.zero import optimizer_state_bytes
 from ferry.train.assembly import RunParts, assemble
 from ferry.train.checkpointing import save_on_all_ranks
@@ -176,6 +178,7 @@ class Trainer:
         records = RecordsHook(
             hub, record, parts.instruments.metrics, resilience, checkpoints, config.run.path, config.train.steps,
             config.train.stop_at, partial(describe_hardware, parts),
+            data_realised=lambda: realised_counts(parts.data.loader, self.state.cursor),
         )
         saves = CheckpointHook(
             resilience, checkpoints, lambda: checkpoint_state(parts, self.state), config.checkpoint.enabled
@@ -213,7 +216,9 @@ class Trainer:
         for collectives in model.plan.collectives:
             collectives.flush()
         times = timer.stop()
-        comm_bytes = sum(op.bytes for op in model.plan.stats.take().values())
+        exchanged = model.plan.stats.take()
+        comm_bytes = sum(op.bytes for op in exchanged.values())
+        ep_comm_s = sum(exchanged[op].seconds for op in EP_EXCHANGES if op in exchanged)
         _, _, aux, z = statistics.losses()
         figures = objective.figures(statistics, outcome)
         self.state = self.state.advanced(cursor, outcome.tokens)
@@ -230,6 +235,8 @@ class Trainer:
             "tokens": self.state.tokens_seen,
             **metrics.record(times, tokens=outcome.tokens),
             "comm_bytes": comm_bytes,
+            "ep_comm_s": ep_comm_s,
+            "ep_overlap_share": max(0.0, 1.0 - times.ep_wait_s / ep_comm_s) if ep_comm_s > 0 else None,
             "optimizer_state_mib": optimizer_state_bytes(model.optimizer) / 2**20,
             "loss_scale": scaler.scale,
             "skipped_steps": scaler.skipped_steps,

@@ -249,3 +249,5 @@ def test_a_grpo_replay_trains_its_seed_runs_and_is_judged_by_sampled(grpo_releas
     summary = json.loads((tmp_path / "w" / "replay.json").read_text())
     assert len(summary["seed_runs"]) == 2 and summary["verdict"]["metric"] == "reward"
     assert summary["verdict"]["seed_spread"] > 0
+    assert main(["release", "replay", str(grpo_release), "--stage", "grpo", "--work", str(tmp_path / "w")]) == 0
+    assert capsys.readouterr().err.count("trained earlier with this config") == 2, "the seed runs are reused"

@@ -26,7 +26,7 @@ import yaml
 
 from ferry.checkpoint.format import MANIFEST_NAME
 from ferry.config import ConfigError, UserError, apply_override_mapping
-from ferry.config.loader import validate
+from ferry.config.loader import dump_yaml, validate
 from ferry.data.manifest import sha256_file
 from ferry.metrics.jsonl import read_metrics
 from ferry.portability.compare import Verdict, compare_runs
@@ -145,14 +145,28 @@ def _seed_runs(
     runs = []
     for other in range(seed + 1, seed + 1 + count):
         run_dir = work / f"seed-{other}"
+        config = recorded.run_config(base, {**overrides, "run.dir": str(run_dir), "run.seed": other})
+        if _trained_earlier(config, work / "configs" / f"seed-{other}.yaml", steps):
+            say(f"ferry: seed-{other}: trained earlier with this config in {run_dir}; reused")
+            runs.append(run_dir)
+            continue
         if run_dir.exists():
             shutil.rmtree(run_dir)
-        config = recorded.run_config(base, {**overrides, "run.dir": str(run_dir), "run.seed": other})
         leg = run_leg(f"seed-{other}", recorded, config, work, say, steps=steps)
         if not leg.ok:
             return runs, f"the seed run {other} failed (exit {leg.returncode}): {leg.failure()}"
         runs.append(run_dir)
     return runs, None
+
+
+def _trained_earlier(config: RunConfig, config_path: Path, steps: int) -> bool:
+    """A seed run of an earlier replay in the same --work with the same config and every step: kept (a replay
+    of the same stage on another environment is judged against the same spread)."""
+    try:
+        same = config_path.read_text(encoding="utf-8") == dump_yaml(config)
+        return same and len(read_metrics(config.run.path)) >= steps
+    except (OSError, UserError):
+        return False
 
 
 def _as_recorded(base: dict[str, Any], run_record: Path) -> dict[str, Any]:

@@ -237,3 +237,32 @@ def test_a_chunked_expert_parallel_exchange_trains_as_the_single_exchange(stdlib
     recomputed = done["chunked2-recomputed"]
     assert recomputed["losses"] == done["chunked2"]["losses"]
     assert recomputed["exchanges"] == done["chunked2"]["exchanges"]
+
+
+def test_ep_overlap_auto_measures_every_candidate_and_trains_as_the_one_it_keeps(stdlib_dataset, tmp_path):
+    """The trial steps restore the run after each candidate, so the run that follows is, bit for bit, the run
+    that set the kept candidate from the start; run.json holds every candidate's figures and the choice is the
+    fastest of them."""
+    auto = run_on_ranks(
+        runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "auto"), "parallel.ep=2", "train.steps=3",
+        "parallel.ep_overlap=auto", "parallel.ep_overlap_trial_steps=1",
+    )[0]
+    record = json.loads((tmp_path / "auto" / "run.json").read_text())["ep_overlap"]
+    candidates = record["candidates"]
+    assert set(candidates) == {"none", "chunked2", "chunked4"} and record["trial_steps"] == 1
+    assert record["chosen"] == min(candidates, key=lambda name: candidates[name]["step_s"])
+    assert candidates["none"]["ep_overlap_share"] == 0 and candidates["chunked2"]["ep_overlap_share"] > 0
+    kept = {"none": ("parallel.ep_overlap=none",), "chunked2": ("parallel.ep_overlap=chunked",),
+            "chunked4": ("parallel.ep_overlap=chunked", "parallel.ep_chunks=4")}[record["chosen"]]
+    fixed = run_on_ranks(
+        runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "fixed"), "parallel.ep=2", "train.steps=3", *kept
+    )[0]
+    assert auto["losses"] == fixed["losses"]
+    assert len(auto["records"]) == 3, "the trial steps are not the run's steps"
+
+
+def test_ep_overlap_auto_is_refused_for_objectives_that_use_up_what_a_trial_step_reads(stdlib_dataset, tmp_path):
+    from ferry.config import ConfigError
+
+    with pytest.raises(ConfigError, match="ep_overlap auto measures trial steps of next-token training"):
+        runs.tiny_config(str(stdlib_dataset), str(tmp_path), "train.objective=dpo", "parallel.ep_overlap=auto")

@@ -16,10 +16,13 @@ class ParallelConfig(Section):
     mode: Literal["ep", "fsdp"] = "ep"
     ep: int = Field(1, ge=1, description="expert-parallel degree; divides the world size and num_experts")
     bucket_mib: float = Field(25.0, gt=0.0, description="gradient all-reduce bucket size")
-    ep_overlap: Literal["none", "chunked"] = Field(
+    ep_overlap: Literal["none", "chunked", "auto"] = Field(
         "none",
         description="none: each MoE layer's dispatch, experts and combine in turn; chunked: each expert's rows split "
         "into ep_chunks parts, the dispatch of part k+1 and the combine of part k in flight while the experts "
-        "compute part k (ferry/parallel/expert_parallel.py); the same numbers within float rounding",
+        "compute part k (ferry/parallel/expert_parallel.py); the same numbers within float rounding. auto: trial "
+        "steps of none and of 2 and 4 parts before the first step, the run restored after each, the fastest kept "
+        "and every candidate's figures in run.json (ferry/train/overlap_trial.py; objective lm)",
     )
+    ep_overlap_trial_steps: int = Field(3, ge=1, le=20, description="measured steps per candidate of auto")
     ep_chunks: int = Field(2, ge=2, le=64, description="parts of a chunked exchange (ep_overlap: chunked)")

@@ -47,6 +47,7 @@ class ParallelPlan:
     expert_params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     expert_slices: dict[str, ExpertSlice] = field(default_factory=dict)
     reduce_dtype: torch.dtype = torch.float32
+    ep_overlap: dict = field(default_factory=dict)  # how the MoE exchanges run; `auto`'s trial adds its figures
 
     @property
     def ep_size(self) -> int:
@@ -147,6 +148,7 @@ def build_plan(
     if config.mode == "fsdp" and config.ep != 1:
         raise UserError(f"parallel.ep: FSDP mode replicates experts; use parallel.ep=1 (got {config.ep})")
     plan = ParallelPlan(config=config, context=context, stats=CommStats(), reduce_dtype=reduce_dtype)
+    plan.ep_overlap = {"mode": config.ep_overlap, "chunks": _chunks(config)}
     if context.is_distributed:
         mesh = build_mesh(context, config.ep, device)
         plan.world = Collectives(None, plan.stats, device)
@@ -171,5 +173,6 @@ def build_plan(
 
 
 def _chunks(config: ParallelConfig) -> int:
-    """Parts of each MoE layer's exchange: one, or `ep_chunks` with `ep_overlap: chunked`."""
+    """Parts of each MoE layer's exchange: one, or `ep_chunks` with `ep_overlap: chunked` (`auto` starts with
+    one; its trial sets the fastest, `ferry/train/overlap_trial.py`)."""
     return config.ep_chunks if config.ep_overlap == "chunked" else 1

@@ -205,6 +205,17 @@ class RunConfig(Section):
                 f"divisors of {world_size} that also divide model.moe.num_experts, {num_experts})"
             )
 
+    @field_validator("parallel")
+    @classmethod
+    def _overlap_trial_trains_the_next_token(cls, parallel: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
+        train = info.data.get("train")
+        if parallel.ep_overlap == "auto" and train is not None and train.objective != "lm":
+            raise ValueError(
+                f"ep_overlap auto measures trial steps of next-token training, restoring the run after them; "
+                f"objective {train.objective} samples or caches what a trial step would use up: set none or chunked"
+            )
+        return parallel
+
     @field_validator("fault")
     @classmethod
     def _faults_within_the_run(cls, fault: FaultConfig, info: ValidationInfo) -> FaultConfig:

@@ -33,6 +33,7 @@ from ferry.train.config import RunConfig
 from ferry.train.hook_points import Hooks, RunEnd
 from ferry.train.hooks import CheckpointHook, EvaluationHook, RecordsHook, TraceHook
 from ferry.train.optimizer import learning_rate
+from ferry.train.overlap_trial import choose_overlap
 from ferry.train.resilience.core import Resilience, restarted_by_torchrun
 from ferry.train.restore import checkpoint_state, draw_deferred_weights, initialize_from, resume_from
 from ferry.train.run_dir.announcements import announce, describe_hardware
@@ -134,6 +135,8 @@ class Trainer:
         found, self.state, notes, resume_times = resume_from(parts, resume, self.state)
         notes += self._weights_if_not_resumed(found)
         notes += parts.objective.prepare(self.context)
+        if config.parallel.ep_overlap == "auto":
+            parts.model.plan.ep_overlap = choose_overlap(self, config.parallel.ep_overlap_trial_steps)
         # `latest` with nothing to resume from is a run resumed at step 0: its records are its own
         resumed_step = found.checkpoint.step if found and found.checkpoint else (0 if resume == "latest" else None)
         opened = open_run(parts, self.state, self.initial_weights, found, resumed_step, resume_times)

@@ -40,6 +40,14 @@ def announce(parts: RunParts, hub: MetricsHub, run_dir: Path, found: Found | Non
             + (f"; eager inside them: {', '.join(eager)}" if eager else "")
         )
     say(f"ferry: step shape: {step_shape_line(parts)}")
+    overlap = parts.model.plan.ep_overlap
+    if "candidates" in overlap:
+        measured = ", ".join(
+            f"{name} {1000 * figure['step_s']:.1f} ms ({figure['ep_overlap_share']:.0%} overlapped)"
+            for name, figure in overlap["candidates"].items()
+        )
+        steps = overlap["trial_steps"]
+        say(f"ferry: ep_overlap auto: {overlap['chosen']}, the fastest of {measured} ({steps} steps each)")
     layout = job.layout()
     size = parts.instruments.size
     step_size = parts.data.kind.step_unit(config, parts.instruments.tokens_per_step)
@@ -80,6 +88,7 @@ def describe(parts: RunParts, initial_weights: str | None) -> dict:
         "micro_batch": job.micro_batch,
         "activation_checkpointing": parts.model.recompute,
         "weight_casts": _weight_casts(parts),
+        "ep_overlap": parts.model.plan.ep_overlap,
         "environment": {**parts.instruments.environment, "comm_backend": job.context.backend},
     }
 

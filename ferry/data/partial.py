@@ -106,10 +106,8 @@ def prepare_task(
         "parts": len(every),
         "parts_sha256": parts_digest(every),
         "dtype": np.dtype(dtype).name,
-        "sources": {str(part.path): None for _, part in mine},
+        "sources": {source: sha256_file(Path(source)) for source in dict.fromkeys(str(part.path) for _, part in mine)},
     }
-    for source in identity["sources"]:
-        identity["sources"][source] = sha256_file(Path(source))
     existing = _claim_partial(output, identity, overwrite, spec.inputs)
     if existing is not None:
         return PartialResult(output, existing, rebuilt=False)

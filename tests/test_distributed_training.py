@@ -214,8 +214,8 @@ def test_a_chunked_expert_parallel_exchange_trains_as_the_single_exchange(stdlib
     """EP2, `parallel.ep_overlap: chunked` in 2 and 4 parts: every expert computes the same rows, in parts, so the
     losses equal the single exchange's to 1e-8 relative over 4 steps (measured 1e-10) and the gradient norms to
     1e-6 (measured 3e-8 at the fourth step, 3e-12 at the first: the weight gradients are summed over the parts,
-    in another order, and the weights drift apart by as much). The exchanges in flight while the experts compute show as an
-    overlapped share; the single exchange has none. Recomputed under activation checkpointing, the chunked
+    in another order, and the weights drift apart by as much). The exchanges in flight while the experts compute
+    show as an overlapped share; the single exchange has none. Recomputed under activation checkpointing, the chunked
     exchange is the same bit for bit, with no exchange issued again."""
     layout = (str(stdlib_dataset), "parallel.ep=2", "train.steps=4")
     variants = {
@@ -249,11 +249,12 @@ def test_ep_overlap_auto_measures_every_candidate_and_trains_as_the_one_it_keeps
     )[0]
     record = json.loads((tmp_path / "auto" / "run.json").read_text())["ep_overlap"]
     candidates = record["candidates"]
-    assert set(candidates) == {"none", "chunked2", "chunked4"} and record["trial_steps"] == 1
+    assert set(candidates) == {"none", "chunked2", "chunked4", "rowwise"} and record["trial_steps"] == 1
     assert record["chosen"] == min(candidates, key=lambda name: candidates[name]["step_s"])
     assert candidates["none"]["ep_overlap_share"] == 0 and candidates["chunked2"]["ep_overlap_share"] > 0
     kept = {"none": ("parallel.ep_overlap=none",), "chunked2": ("parallel.ep_overlap=chunked",),
-            "chunked4": ("parallel.ep_overlap=chunked", "parallel.ep_chunks=4")}[record["chosen"]]
+            "chunked4": ("parallel.ep_overlap=chunked", "parallel.ep_chunks=4"),
+            "rowwise": ("parallel.ep_dispatch=rowwise",)}[record["chosen"]]
     fixed = run_on_ranks(
         runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "fixed"), "parallel.ep=2", "train.steps=3", *kept
     )[0]
@@ -266,3 +267,33 @@ def test_ep_overlap_auto_is_refused_for_objectives_that_use_up_what_a_trial_step
 
     with pytest.raises(ConfigError, match="ep_overlap auto measures trial steps of next-token training"):
         runs.tiny_config(str(stdlib_dataset), str(tmp_path), "train.objective=dpo", "parallel.ep_overlap=auto")
+
+
+def test_the_rowwise_exchange_trains_as_the_permuted_one(stdlib_dataset, tmp_path):
+    """EP2, `parallel.ep_dispatch: rowwise`: the rows reach the experts in the order the permuted exchange copies
+    them into, so the losses and gradient norms are the same bit for bit over 4 steps, with the same bytes moved in
+    one exchange per local expert; recomputed under activation checkpointing, nothing is sent again."""
+    layout = ("parallel.ep=2", "train.steps=4")
+    variants = {
+        "permuted": (), "rowwise": ("parallel.ep_dispatch=rowwise",),
+        "rowwise-recomputed": ("parallel.ep_dispatch=rowwise", "train.activation_checkpointing=selective"),
+    }
+    done = {
+        name: run_on_ranks(
+            runs.train_counting_exchanges, 2, str(stdlib_dataset), str(tmp_path / name), *layout, *extra
+        )[0]
+        for name, extra in variants.items()
+    }
+    permuted, rowwise = done["permuted"], done["rowwise"]
+    assert rowwise["losses"] == permuted["losses"]
+    for key in ("grad_norm", "comm_bytes"):
+        assert [r[key] for r in rowwise["records"]] == [r[key] for r in permuted["records"]]
+    assert rowwise["exchanges"] > permuted["exchanges"], "one exchange per local expert"
+    assert done["rowwise-recomputed"]["losses"] == rowwise["losses"]
+    assert done["rowwise-recomputed"]["exchanges"] == rowwise["exchanges"]
+    from ferry.config import ConfigError
+
+    with pytest.raises(ConfigError, match="ep_dispatch rowwise exchanges per local expert"):
+        runs.tiny_config(
+            str(stdlib_dataset), str(tmp_path), "parallel.ep_dispatch=rowwise", "parallel.ep_overlap=chunked"
+        )

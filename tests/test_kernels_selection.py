@@ -18,6 +18,8 @@ from ferry.config.loader import validate
 from ferry.kernels import KernelsConfig, Ledger, LedgerEntry, load_ledger, select_kernels
 from ferry.model import ModelConfig, MoEConfig, MoELayer, Transformer
 
+from test_model import LocalDispatcher
+
 VENDOR_DIR = Path(ferry.kernels.vendor.__file__).parent
 MODEL_DIR = Path(ferry.kernels.__file__).parent.parent / "model"
 TODAY = datetime.date(2026, 11, 30)
@@ -152,7 +154,7 @@ def test_a_composed_op_follows_the_choice_for_its_parts():
     for param in layer.parameters():
         torch.nn.init.normal_(param, std=0.2)
     x_BSD = torch.randn(2, 5, 32)
-    for dispatcher in (None, lambda x_ND, counts_E, experts: experts(x_ND, counts_E)):
+    for dispatcher in (None, LocalDispatcher()):
         layer.dispatcher = dispatcher
         with _VendorTrace() as seen:
             layer(x_BSD)[0].sum().backward()

@@ -159,7 +159,7 @@ def test_under_autocast_experts_compute_in_its_dtype_on_the_local_and_the_dispat
             param.normal_(0.0, 0.2)
     x_BSD = torch.randn(2, 5, 16)
     results = []
-    for dispatcher in (None, lambda x_ND, tokens_per_expert_E, experts: experts(x_ND, tokens_per_expert_E)):
+    for dispatcher in (None, LocalDispatcher()):
         layer.dispatcher = dispatcher
         layer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -196,3 +196,13 @@ def test_padding_is_routed_but_left_out_of_the_routers_losses_and_statistics():
     assert routing.load_E.sum() == 11 * 2
     (routing.aux_loss + routing.z_loss).backward()
     assert x_TD.grad[11:].abs().max() == 0 and x_TD.grad[:11].abs().max() > 0
+
+
+class LocalDispatcher:
+    """A dispatcher that runs the sorted rows on the layer's own experts: the dispatched path, without ranks."""
+
+    def __call__(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts) -> torch.Tensor:
+        return experts(x_ND, tokens_per_expert_E)
+
+    def expert_order(self, expert_ids_TK: torch.Tensor) -> torch.Tensor:
+        return expert_ids_TK

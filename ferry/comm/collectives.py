@@ -54,6 +54,15 @@ class Collectives:
             dist.all_to_all_single(out, x_RX.contiguous(), out_splits, in_splits, group=self.group)
         return torch.ops.aten.alias(out)
 
+    def all_to_all_into(
+        self, out_RX: torch.Tensor, x_RX: torch.Tensor, out_splits: list[int], in_splits: list[int], op: str
+    ) -> None:
+        """The all-to-all of rows written into `out_RX`, a slice of a larger buffer (`ferry/parallel/rowwise.py`).
+        Not counted again when a recompute replays it."""
+        timing = nullcontext() if replaying() else self.timed(op, x_RX.numel() * x_RX.element_size())
+        with timing:
+            dist.all_to_all_single(out_RX, x_RX, out_splits, in_splits, group=self.group)
+
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         with self.timed("all_reduce", tensor.numel() * tensor.element_size()):
             dist.all_reduce(tensor, op=op, group=self.group)

@@ -17,9 +17,12 @@ from ferry.model.router import Router, Routing
 
 
 class ExpertDispatcher(Protocol):
-    """Runs expert-sorted tokens through experts that may live elsewhere (set by the parallel layer)."""
+    """Runs expert-sorted tokens through experts that may live elsewhere (set by the parallel layer); the rows come
+    sorted by the key `expert_order` gives each assignment's expert."""
 
     def __call__(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor: ...
+
+    def expert_order(self, expert_ids_TK: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -61,7 +64,7 @@ class MoELayer(nn.Module):
         if self.dispatcher is None:
             return self.experts.routed(x_TD, routing)
         x_TD, weights_TK = in_autocast_dtype(x_TD, routing.weights_TK)  # tokens travel in the compute dtype
-        x_ND, dispatch = self._permute(x_TD, routing.expert_ids_TK)
+        x_ND, dispatch = self._permute(x_TD, self.dispatcher.expert_order(routing.expert_ids_TK))
         y_ND = self.dispatcher(x_ND, routing.tokens_per_expert_E, self.experts)
         return self._combine(y_ND, weights_TK, dispatch)
 

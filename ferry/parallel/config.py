@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ferry.config.section import Section
 
@@ -25,4 +25,20 @@ class ParallelConfig(Section):
         "and every candidate's figures in run.json (ferry/train/overlap_trial.py; objective lm)",
     )
     ep_overlap_trial_steps: int = Field(3, ge=1, le=20, description="measured steps per candidate of auto")
+    ep_dispatch: Literal["permuted", "rowwise"] = Field(
+        "permuted",
+        description="permuted: one exchange each way, the received rows copied into expert order and the outputs "
+        "back; rowwise: one exchange per local expert, rows received straight into the experts' input and sent "
+        "back from their output, no permutation copy (ferry/parallel/rowwise.py)",
+    )
+
+    @model_validator(mode="after")
+    def _one_way_of_exchanging(self) -> ParallelConfig:
+        if self.ep_dispatch == "rowwise" and self.ep_overlap != "none":
+            raise ValueError(
+                f"ep_dispatch rowwise exchanges per local expert, in one piece; ep_overlap {self.ep_overlap} splits "
+                "the permuted exchange into parts: set one of them (ep_overlap auto measures rowwise among its "
+                "candidates)"
+            )
+        return self
     ep_chunks: int = Field(2, ge=2, le=64, description="parts of a chunked exchange (ep_overlap: chunked)")

@@ -20,6 +20,7 @@ from torch import nn
 
 from ferry.comm import Collectives
 from ferry.comm.pending import start_all_to_all
+from ferry.parallel.rowwise import RowLayout, exchange, expert_order
 
 EP_EXCHANGES = ("ep_counts", "ep_dispatch", "ep_combine")  # a forward's exchanges, the ep_wait region's
 
@@ -28,11 +29,12 @@ class AllToAllDispatcher:
     """Runs the routed tokens of one MoE layer through experts spread over an EP group: in one exchange each way,
     or (`chunks` > 1) in parts whose exchanges are in flight while the experts compute another part."""
 
-    def __init__(self, collectives: Collectives, num_experts: int, chunks: int = 1):
+    def __init__(self, collectives: Collectives, num_experts: int, chunks: int = 1, rowwise: bool = False):
         self.collectives = collectives
         self.ep_size = collectives.size
         self.num_local = num_experts // self.ep_size
         self.chunks = chunks
+        self.rowwise = rowwise
 
     @torch.compiler.disable
     def __call__(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
@@ -41,6 +43,8 @@ class AllToAllDispatcher:
         Its one host read is the exchange of the per-rank row counts that the all-to-all needs for
         its split sizes; a compiled block runs it eagerly (a graph break) for the same reason.
         """
+        if self.rowwise:
+            return self._rowwise(x_ND, tokens_per_expert_E, experts)
         if self.chunks > 1:
             return self._chunked(x_ND, tokens_per_expert_E, experts)
         with self.collectives.region("ep_wait"):
@@ -48,6 +52,25 @@ class AllToAllDispatcher:
         y_RD = self._run_local_experts(x_RD, received_counts_PL, experts)
         with self.collectives.region("ep_wait"):
             return self.collectives.all_to_all(y_RD, send_splits, receive_splits, op="ep_combine")
+
+    def expert_order(self, expert_ids_TK: torch.Tensor) -> torch.Tensor:
+        """What the MoE layer sorts its rows by before handing them over: the global expert, or for the rowwise
+        exchange (local expert, owning rank)."""
+        return expert_order(expert_ids_TK, self.ep_size, self.num_local) if self.rowwise else expert_ids_TK
+
+    def _rowwise(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """`x_ND` sorted by (local expert, rank): the exchange once per local expert, each row received straight
+        into the experts' expert-major input and each output sent back from it (`ferry/parallel/rowwise.py`), no
+        permutation copy either way; the outputs come back in `x_ND`'s order."""
+        ep, local = self.ep_size, self.num_local
+        with self.collectives.region("ep_wait"):
+            received = self.collectives.all_to_all_raw(tokens_per_expert_E, None, None, op="ep_counts")
+            received_PL = received.view(ep, local)
+            layout = RowLayout(tokens_per_expert_E.view(ep, local).tolist(), received_PL.tolist())
+            x_RD = exchange(self.collectives, x_ND, layout, "ep_dispatch")
+        y_RD = experts(x_RD, received_PL.sum(0))
+        with self.collectives.region("ep_wait"):
+            return exchange(self.collectives, y_RD, layout, "ep_combine", reverse=True)
 
     def _chunked(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """Each expert's rows split into `chunks` parts (part k: its k-th share, in order); part k+1's dispatch and

@@ -85,7 +85,7 @@ class ParallelPlan:
             num_experts = model.config.moe.num_experts
             for layer in model.moe_layers():
                 shard_experts(layer.experts, self.ep.rank, self.config.ep)
-                layer.dispatcher = AllToAllDispatcher(self.ep, num_experts, _chunks(self.config))
+                layer.dispatcher = AllToAllDispatcher(self.ep, num_experts, _chunks(self.config), _rowwise(self.config))
 
     def layout(self) -> dict:
         return {"world_size": self.context.world_size, "ep": self.config.ep, "mode": self.config.mode}
@@ -148,7 +148,7 @@ def build_plan(
     if config.mode == "fsdp" and config.ep != 1:
         raise UserError(f"parallel.ep: FSDP mode replicates experts; use parallel.ep=1 (got {config.ep})")
     plan = ParallelPlan(config=config, context=context, stats=CommStats(), reduce_dtype=reduce_dtype)
-    plan.ep_overlap = {"mode": config.ep_overlap, "chunks": _chunks(config)}
+    plan.ep_overlap = {"mode": config.ep_overlap, "chunks": _chunks(config), "dispatch": config.ep_dispatch}
     if context.is_distributed:
         mesh = build_mesh(context, config.ep, device)
         plan.world = Collectives(None, plan.stats, device)
@@ -157,7 +157,7 @@ def build_plan(
         if config.mode == "ep" and config.ep > 1:
             for layer in model.moe_layers():
                 shard_experts(layer.experts, plan.ep.rank, config.ep)
-                layer.dispatcher = AllToAllDispatcher(plan.ep, num_experts, _chunks(config))
+                layer.dispatcher = AllToAllDispatcher(plan.ep, num_experts, _chunks(config), _rowwise(config))
         if config.mode == "fsdp":
             apply_fsdp(model, device, plan.world)
     expert_modules = {name for name, module in model.named_modules() if isinstance(module, Experts)}
@@ -176,3 +176,7 @@ def _chunks(config: ParallelConfig) -> int:
     """Parts of each MoE layer's exchange: one, or `ep_chunks` with `ep_overlap: chunked` (`auto` starts with
     one; its trial sets the fastest, `ferry/train/overlap_trial.py`)."""
     return config.ep_chunks if config.ep_overlap == "chunked" else 1
+
+
+def _rowwise(config: ParallelConfig) -> bool:
+    return config.ep_dispatch == "rowwise"

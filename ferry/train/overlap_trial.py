@@ -2,7 +2,7 @@
 
 Whether overlapping the exchange with the experts' computation pays depends on the shape, the interconnect and
 the kernels (OLMo-core found it sometimes slowed the step), so no setting is right everywhere. Before its first
-step the run trains a few trial steps with each candidate (one exchange; 2 parts; 4 parts), on the same data
+step the run trains a few trial steps with each candidate (one exchange; 2 parts; 4 parts; rowwise), on the same data
 from the same state, puts everything back (weights, router biases, AdamW moments, the loss scale, the data
 position, the random generators), and keeps the fastest by the slowest rank's median step time. Every
 candidate's figures and the choice go to run.json, so a slower overlap is never kept silently. The trial costs
@@ -19,7 +19,7 @@ import torch
 if TYPE_CHECKING:
     from ferry.train.trainer import Trainer
 
-CANDIDATES = {"none": 1, "chunked2": 2, "chunked4": 4}
+CANDIDATES = {"none": (1, False), "chunked2": (2, False), "chunked4": (4, False), "rowwise": (1, True)}
 
 
 def choose_overlap(trainer: Trainer, steps: int) -> dict:
@@ -30,9 +30,9 @@ def choose_overlap(trainer: Trainer, steps: int) -> dict:
         return {"mode": "auto", "chosen": "none", "reason": "no expert-parallel exchange (parallel.ep 1)"}
     snapshot = _RunSnapshot(trainer)
     figures = {}
-    for name, chunks in CANDIDATES.items():
+    for name, (chunks, rowwise) in CANDIDATES.items():
         for dispatcher in dispatchers:
-            dispatcher.chunks = chunks
+            dispatcher.chunks, dispatcher.rowwise = chunks, rowwise
         records = [trainer.train_step() for _ in range(steps + 1)][1:]
         snapshot.restore(trainer)
         step_s = statistics.median(record["step_s"] for record in records)
@@ -42,9 +42,13 @@ def choose_overlap(trainer: Trainer, steps: int) -> dict:
     for figure, step_s in zip(figures.values(), slowest):
         figure["step_s"] = step_s  # the slowest rank's: every rank then picks the same
     chosen = min(figures, key=lambda name: figures[name]["step_s"])
+    chunks, rowwise = CANDIDATES[chosen]
     for dispatcher in dispatchers:
-        dispatcher.chunks = CANDIDATES[chosen]
-    return {"mode": "auto", "chosen": chosen, "chunks": CANDIDATES[chosen], "trial_steps": steps, "candidates": figures}
+        dispatcher.chunks, dispatcher.rowwise = chunks, rowwise
+    return {
+        "mode": "auto", "chosen": chosen, "chunks": chunks, "dispatch": "rowwise" if rowwise else "permuted",
+        "trial_steps": steps, "candidates": figures,
+    }
 
 
 class _RunSnapshot:

@@ -122,7 +122,12 @@ def model_card(release: dict[str, Any]) -> str:
         for stage in evals:
             sources = {source["key"]: source for source in release["data"]}
             data = " ".join(_data_dir(sources.get(use["source"]), use) for use in stage["eval_data"])
-            lines.append(f"ferry eval {stage['dir']}/checkpoints --data {data}   # {held_out(stage['result'])}")
+            reference = ""
+            if stage["objective"] == "dpo" and (stage.get("parent") or {}).get("stage"):
+                reference = f" --reference stages/{stage['parent']['stage']}/checkpoints"  # its DPO reference
+            lines.append(
+                f"ferry eval {stage['dir']}/checkpoints --data {data}{reference}   # {held_out(stage['result'])}"
+            )
         lines.append("```")
     lines += ["", "## Files", "", "`release.json` lists every file of this directory with its size and sha256.", ""]
     return "\n".join(lines)

@@ -239,6 +239,8 @@ def _rank_prefix() -> str:
 def _data_prepare(args: argparse.Namespace) -> int:
     from ferry.data import PrepareSpec, prepare_dataset
 
+    stop_on_sigterm()  # a Slurm time limit or preemption: the staging directory is removed, the workers stopped
+
     if args.max_bytes is not None and not args.embedded:
         raise UserError("--max-bytes is the text budget of an embedded corpus; it needs --embedded NAME")
     if args.shard_tokens is not None and args.records:
@@ -319,6 +321,7 @@ def _data_render_job(spec, args: argparse.Namespace) -> int:
 def _data_merge(args: argparse.Namespace) -> int:
     from ferry.data.partial import merge_partials
 
+    stop_on_sigterm()
     return _print_dataset(merge_partials(args.partials, args.output, overwrite=args.overwrite))
 
 

@@ -44,7 +44,10 @@ def released(stdlib_dataset, tmp_path_factory):
     weights only with the data files (tests copy them before changing anything)."""
     root = tmp_path_factory.mktemp("release")
     dataset = Path(shutil.copytree(stdlib_dataset, root / "stdlib"))
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    (dataset / "manifest.json").write_text(json.dumps({**manifest, "licence": "PSF-2.0"}))  # as a corpus may say
     run_pipeline(_write_pipeline(root, dataset), root / "pipeline", say=lambda line: None)
+    (root / "pipeline" / "cost.json").write_text("{}")  # a cost record beside the stages
     assert main(["release", str(root / "pipeline"), "--out", str(root / "full"), "--optimizer"]) == 0
     build_release(root / "pipeline", root / "weights", data=True, say=lambda line: None)
     return root
@@ -68,9 +71,10 @@ def test_a_release_holds_every_stage_and_verifies(released, capsys):
     assert midtrain["parent"]["digest"] == content["stages"][0]["checkpoint"]["lineage_digest"]
     assert content["data"][0]["manifest_sha256"] and content["data"][0]["tokens"] > 0
     assert content["code"]["ferry"] and "lineage.json" in content["files"] and "data/stdlib/manifest.json" in content["files"]
+    assert content["data"][0]["licence"] == "PSF-2.0" and content["extras"] == ["extras/cost.json"]
     assert all(sha256_file(full / name) == record["sha256"] for name, record in content["files"].items())
     card = (full / "README.md").read_text()
-    assert "| pretrain | lm | scratch | 40 |" in card and "ferry release replay . --stage pretrain" in card
+    assert "| pretrain | lm | scratch | 40 |" in card and "| PSF-2.0 |" in card and "ferry release replay . --stage pretrain" in card
     assert "init_from=stages/midtrain/checkpoints init_optimizer=true" in card
     card = (released / "weights" / "README.md").read_text()
     assert "ferry train stages/midtrain/config.yaml init_from=stages/midtrain/checkpoints init_optimizer=false" in card

@@ -1,8 +1,8 @@
-"""Data configuration: a weighted mix of prepared token datasets."""
+"""Data configuration: a weighted mix of prepared token datasets, each with an optional budget."""
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ferry.config.section import Section, check_unique_names
 from ferry.data.verification import DataVerification
@@ -14,6 +14,27 @@ class SourceConfig(Section):
     name: str = Field(min_length=1)
     path: str = Field(min_length=1)
     weight: float = Field(1.0, gt=0.0)
+    tokens: int | None = Field(
+        None,
+        gt=0,
+        description="a budget: read this many tokens of the source (rounded down to whole windows of data.seq_len), "
+        "repeating it past its end if it holds fewer, then leave the mix; its rows go to the other sources by weight",
+    )
+    epochs: float | None = Field(
+        None,
+        gt=0.0,
+        description="a budget: read the source this many times over (2: every window twice, each pass in its own "
+        "order; 0.5: half its windows), then leave the mix; its rows go to the other sources by weight",
+    )
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "SourceConfig":
+        if self.tokens is not None and self.epochs is not None:
+            raise ValueError(
+                f"source {self.name!r} sets both tokens ({self.tokens}) and epochs ({self.epochs}): each is a budget "
+                "of the source; keep one"
+            )
+        return self
 
 
 class DataConfig(Section):
@@ -29,8 +50,16 @@ class DataConfig(Section):
     verify: DataVerification = Field(
         "xxh3_128",
         description="the digest of every file of the sources checked against their manifests before the run reads "
-        "them (xxh3_128: ~8 GB/s a core; sha256 where the manifests are kept out of a forger's reach; none for a "
-        "mix so large that hashing it on every start costs more than it saves); held-out sources are always checked",
+        "them (xxh3_128: ~8 GB/s a core; sha256 where the manifests are kept out of a forger's reach; none to read "
+        "them unchecked, where `ferry data verify` checks them apart); held-out sources are always checked",
+    )
+    verify_upfront: int = Field(
+        1 << 30,
+        ge=0,
+        description="a mix whose files add up to at most this many bytes (each file counted as at least 1 MiB, about "
+        "what opening one costs on a network file system) is checked whole before the run starts, so a changed file "
+        "is refused before the run directory is touched; a larger mix is checked shard by shard when each is first "
+        "read, before any of its tokens is, so a run over 10,000 shards starts without reading them (0: always so)",
     )
 
     @field_validator("sources")

@@ -18,8 +18,9 @@ def sha256_file(path: Path) -> str:
 
 
 def file_entry(path: Path, **fields) -> dict:
-    """What a manifest records of a file it names: its name, `fields`, and its sha256 and xxh3-128."""
-    return {"file": path.name, **fields, **digest_file(path)}
+    """What a manifest records of a file it names: its name, `fields`, its size in bytes (checked by a `stat`
+    alone, `ferry data verify --sample`), and its sha256 and xxh3-128."""
+    return {"file": path.name, **fields, "bytes": path.stat().st_size, **digest_file(path)}
 
 
 _READERS = {"preferences": "train.objective: dpo", "prompts": "train.objective: grpo"}

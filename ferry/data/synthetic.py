@@ -32,13 +32,21 @@ def synthetic_tokens(seed: int, vocab_size: int, count: int, exponent: float) ->
     return np.minimum(np.searchsorted(cdf_V, uniform, side="right"), vocab_size - 1)
 
 
-def write_synthetic_dataset(path: Path, seed: int, vocab_size: int, count: int, exponent: float) -> Path:
-    """Write the tokens as a one-shard dataset with its manifest (no tokenizer: the ids are the data)."""
+def write_synthetic_dataset(
+    path: Path, seed: int, vocab_size: int, count: int, exponent: float, shard_tokens: int | None = None
+) -> Path:
+    """Write the tokens as a dataset with its manifest (no tokenizer: the ids are the data), in one shard or,
+    with `shard_tokens`, in shards of that many tokens (the last one holds the rest): the same stream either
+    way, so a set of many shards (a start-up benchmark's) reads as the one-shard set does."""
     path.mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     tokens = synthetic_tokens(seed, vocab_size, count, exponent).astype(dtype)
-    shard = path / "shard-00000.npy"
-    np.save(shard, tokens)
+    step = shard_tokens or max(count, 1)
+    shards = []
+    for index, start in enumerate(range(0, count, step)):
+        shard = path / f"shard-{index:05d}.npy"
+        np.save(shard, tokens[start : start + step])
+        shards.append(file_entry(shard, tokens=min(step, count - start)))
     generator = {"seed": seed, "vocab_size": vocab_size, "tokens": count, "zipf_exponent": exponent}
     manifest = {
         "format": DATASET_FORMAT,
@@ -53,7 +61,7 @@ def write_synthetic_dataset(path: Path, seed: int, vocab_size: int, count: int, 
         "dtype": np.dtype(dtype).name,
         "documents": 1,
         "total_tokens": count,
-        "shards": [file_entry(shard, tokens=count)],
+        "shards": shards,
         "settings": {"synthetic": generator},
     }
     (path / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1), encoding="utf-8")

@@ -3,14 +3,20 @@
 A manifest records the sha256 and the xxh3-128 of every file it names (token and loss-mask shards, record
 files, the tokenizer); datasets written before the xxh3-128 was recorded hold the sha256 alone. A reader
 checks one of them (`data.verify`) before it reads any token: a flipped bit in a shard would otherwise be
-trained on silently, under a run record that names the shard's digest as if it had been read.
+trained on silently, under a run record that names the shard's digest as if it had been read. A small set is
+checked whole before a run starts; a large one shard by shard as each is first read (`TokenDataset`), so a run
+over 10,000 shards does not read them all to start. `ferry data verify` checks every file, or with `--sample K`
+a seeded subset of the data files (the seed printed, so a failure can be repeated) and every file's size.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Literal
+
+import xxhash
 
 from ferry.config.errors import UserError
 from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME
@@ -47,17 +53,58 @@ def verify_files(directory: Path, manifest: dict, label: str, digest: DataVerifi
     for `none`."""
     if digest == "none":
         return None
-    used: set[str] = set()
     for entry in named_files(manifest):
-        name = digest if digest in entry else "sha256"
-        _check(directory, entry, (name,), label)
-        used.add(name)
+        verify_entry(directory, entry, label, digest)
+    return digests_checked(manifest, digest)
+
+
+def digests_checked(manifest: dict, digest: DataVerification) -> str | None:
+    """What checking the manifest's files with `digest` checks: `digest`, and `sha256` too where older entries
+    record only that; None for `none`."""
+    if digest == "none":
+        return None
+    used = {digest if digest in entry else "sha256" for entry in named_files(manifest)}
     return "+".join(sorted(used)) or digest
 
 
-def verify_dataset(path: Path) -> str:
-    """One line saying that every file of the dataset at `path` matches every digest its manifest records;
-    `DatasetMismatch` names the first that does not (a `UserError` when `path` is no dataset)."""
+def verify_entry(directory: Path, entry: dict, label: str, digest: str) -> str:
+    """Check one file against its recorded `digest` (its sha256 where the entry records no such digest); the
+    name of the digest checked."""
+    name = digest if digest in entry else "sha256"
+    _check(directory, entry, (name,), label)
+    return name
+
+
+def sample_size(text: str) -> float | int:
+    """`--sample`'s value: a count of files (an integer, at least 1) or a fraction of them (in (0, 1])."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = None
+    if count is not None:
+        if count < 1:
+            raise UserError(f"--sample {text}: give a number of files (at least 1) or a fraction in (0, 1]")
+        return count
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = math.nan
+    if not 0.0 < fraction <= 1.0:
+        raise UserError(f"--sample {text}: give a number of files (at least 1) or a fraction in (0, 1]")
+    return fraction
+
+
+def sampled(entries: list[dict], size: float | int, seed: int) -> list[dict]:
+    """`size` of `entries` (a count, or a fraction rounded up), chosen by `seed` alone: each file is ranked by
+    the xxh3-64 of the seed and its name, so the same seed picks the same files on any machine and any version
+    of Python or numpy; kept in manifest order."""
+    count = min(len(entries), size if isinstance(size, int) else math.ceil(round(size * len(entries), 9)))
+    ranked = sorted(range(len(entries)), key=lambda i: xxhash.xxh3_64_intdigest(f"{seed}:{entries[i]['file']}".encode()))
+    return [entries[i] for i in sorted(ranked[:count])]
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of the dataset at `path`; a `UserError` when `path` holds no dataset ferry can read."""
     manifest_path = path / MANIFEST_NAME
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -70,7 +117,13 @@ def verify_dataset(path: Path) -> str:
         DATASET_VERSION,
     ):
         raise UserError(f"{str(manifest_path)!r} is not a {DATASET_FORMAT} v{DATASET_VERSION} manifest")
-    entries = named_files(manifest)
+    return manifest
+
+
+def verify_dataset(path: Path) -> str:
+    """One line saying that every file of the dataset at `path` matches every digest its manifest records;
+    `DatasetMismatch` names the first that does not (a `UserError` when `path` is no dataset)."""
+    entries = named_files(read_manifest(path))
     checked: set[str] = set()
     total = 0
     for entry in entries:
@@ -82,6 +135,49 @@ def verify_dataset(path: Path) -> str:
         f"ferry: dataset {path} is valid — {len(entries)} files ({total:,} bytes), every file's "
         f"{' and '.join(sorted(checked))} match"
     )
+
+
+def verify_sample(path: Path, size: float | int, seed: int) -> str:
+    """`verify_dataset` on a seeded sample of the data files (token and loss-mask shards, record files), with
+    the tokenizer always checked and every file's presence and size: a quick check of a huge set, repeatable
+    with the seed the line names."""
+    manifest = read_manifest(path)
+    entries = named_files(manifest)
+    tokenizer = [entry for entry in entries if entry is manifest.get("tokenizer")]
+    data = [entry for entry in entries if entry is not manifest.get("tokenizer")]
+    label = f"dataset {path}"
+    for entry in entries:
+        check_size(path, entry, label)
+    chosen = sampled(data, size, seed)
+    checked: set[str] = set()
+    total = 0
+    for entry in tokenizer + chosen:
+        names = tuple(name for name in RECORDED if name in entry)
+        _check(path, entry, names, label)
+        checked.update(names)
+        total += (path / entry["file"]).stat().st_size
+    sizes = ", of the size its manifest records" if all("bytes" in entry for entry in entries) else ""
+    return (
+        f"ferry: dataset {path} is valid in the sample — {len(chosen)} of {len(data)} data files (seed {seed}; "
+        f"`--sample {len(chosen)} --seed {seed}` checks the same ones){' and the tokenizer' if tokenizer else ''}, "
+        f"{total:,} bytes, every checked file's {' and '.join(sorted(checked))} match; every file present{sizes}"
+    )
+
+
+def check_size(directory: Path, entry: dict, label: str) -> None:
+    """A file the manifest names is there and, where the entry records its size (`bytes`), of that size:
+    a missing or cut-short file found by a `stat`, without reading it."""
+    path = directory / entry["file"]
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise DatasetMismatch(f"{label}: {str(path)!r} cannot be read: {exc}", path) from None
+    if "bytes" in entry and size != entry["bytes"]:
+        raise DatasetMismatch(
+            f"{label}: {str(path)!r} holds {size:,} bytes, its manifest records {entry['bytes']:,}: it changed "
+            "after `ferry data prepare` wrote it (cut short or replaced); prepare the dataset again",
+            path,
+        )
 
 
 def _check(directory: Path, entry: dict, names: tuple[str, ...], label: str) -> None:

@@ -113,10 +113,12 @@ class RecordsHook(Hook):
         steps: int,
         stop_after: int | None,
         describe_hardware: Callable[[], dict],
+        data_realised: Callable[[], list[dict]] = list,
     ):
         """`steps`: the run's last step; `stop_after`: `train.stop_at` as configured (for the closing line);
         `describe_hardware()`: run.json's hardware section, written again at the end (a measured peak may have
-        been measured again)."""
+        been measured again); `data_realised()`: what each data source gave the run so far (run.json's
+        `data_realised`, written at the end however the run ends)."""
         self.hub = hub
         self.record = record
         self.metrics = metrics
@@ -126,6 +128,7 @@ class RecordsHook(Hook):
         self.steps = steps
         self.stop_after = stop_after
         self.describe_hardware = describe_hardware
+        self.data_realised = data_realised
 
     def after_step(self, step: int, record: dict) -> None:
         self.hub.write(record)
@@ -139,10 +142,14 @@ class RecordsHook(Hook):
             return
         if isinstance(exc, (KeyboardInterrupt, Stopped)):  # stopped from outside: no failure of the run
             stopped_by = exc.args[0] if isinstance(exc, Stopped) else "SIGINT"
-            self.record.finish("interrupted", signal=stopped_by, last_step=last, **self.resilience.finish())
+            self.record.finish(
+                "interrupted", signal=stopped_by, last_step=last, data_realised=self.data_realised(),
+                **self.resilience.finish()
+            )
         else:
             self.record.finish(
-                "failed", error=f"{type(exc).__name__}: {exc}", last_step=last, **self.resilience.finish()
+                "failed", error=f"{type(exc).__name__}: {exc}", last_step=last, data_realised=self.data_realised(),
+                **self.resilience.finish()
             )
 
     def at_close(self, end: RunEnd | None) -> None:
@@ -156,7 +163,7 @@ class RecordsHook(Hook):
         if self.record is not None:
             self.record.finish(
                 status, last_step=end.last, checkpoints=[str(path) for path in self.checkpoints.saved],
-                hardware=self.describe_hardware(), **outcome
+                hardware=self.describe_hardware(), data_realised=self.data_realised(), **outcome
             )
         if outcome.get("restarts"):
             good = outcome["goodput"]

@@ -48,7 +48,9 @@ class LanguageModelling:
     samples_its_data: ClassVar[bool] = False
 
     def loader(self, config: RunConfig) -> MixedLoader:
-        return MixedLoader(config.data, seed=config.run.seed, global_batch=config.train.global_batch)
+        return MixedLoader(
+            config.data, seed=config.run.seed, global_batch=config.train.global_batch, steps=config.train.steps
+        )
 
     def token_evaluation(self, config: RunConfig) -> EvalConfig:
         """Held-out token windows: the `eval` sources are token datasets."""

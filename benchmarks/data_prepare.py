@@ -17,7 +17,10 @@ the first 4 MB of it and saved; every run below tokenises with that file.
 Each prepare writes the whole dataset (shards, sha256 and xxh3 digests, manifest). The scaling
 ratio is (workers=N MB/s) / (workers=1 MB/s); the datasets of every worker count are checked to be
 identical. MB are 10^6 bytes of the JSON-lines files. The 1-minute load average is printed before
-and after: a machine shared with other work lowers the ratio. The last line is one JSON object.
+and after, and beside each figure the cores it ran on on average (CPU seconds of the process and its
+workers over the wall time): a machine shared with other work lowers the ratio, and where the kernel
+shares the CPU fairly between sessions (Linux's autogroup), two workers get no more than this session's
+share while another session is busy. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -103,6 +107,21 @@ def prepare(corpus: Path, tokenizer_path: Path, output: Path, workers: int | Non
     return time.perf_counter() - start, result.manifest
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process (every thread) and of the worker processes it has had: those are forked by
+    multiprocessing's forkserver, a child of this process that reaps them (its children's time in procfs)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    total = usage.ru_utime + usage.ru_stime
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == os.getpid() and b"forkserver" in (stat.parent / "cmdline").read_bytes():
+                total += sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while it was read
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=300, help="corpus size in MB (10^6 bytes)")
@@ -123,8 +142,11 @@ def main() -> None:
         print(f"corpus: {size / 1e6:.0f} MB in {args.files} JSON-lines files, BPE {_VOCAB:,} tokens, "
               f"{os.cpu_count()} cores, load average {load_before:.2f}")
         rows = {}
+        cores = {}
+        used = cpu_seconds()
         seconds, tokens = anchor(corpus, tokenizer_path)
         rows["anchor"] = (seconds, tokens)
+        cores["anchor"], used = (cpu_seconds() - used) / seconds, cpu_seconds()
         runs = [("in-process", None)] + [(f"workers={count}", count) for count in range(1, args.workers + 1)]
         manifests = {}
         for name, workers in runs:
@@ -132,11 +154,15 @@ def main() -> None:
             shutil.rmtree(output, ignore_errors=True)
             seconds, manifest = prepare(corpus, tokenizer_path, output, workers)
             rows[name] = (seconds, manifest["total_tokens"])
+            cores[name], used = (cpu_seconds() - used) / seconds, cpu_seconds()
             manifests[name] = {key: manifest[key] for key in ("shards", "tokenizer", "total_tokens", "source_hashes")}
             shutil.rmtree(output)
         identical = all(manifest == manifests["workers=1"] for manifest in manifests.values())
         for name, (seconds, tokens) in rows.items():
-            print(f"{name:>12}: {size / 1e6 / seconds:7.2f} MB/s  {tokens / seconds / 1e6:6.2f} M tokens/s  ({seconds:.1f} s)")
+            print(
+                f"{name:>12}: {size / 1e6 / seconds:7.2f} MB/s  {tokens / seconds / 1e6:6.2f} M tokens/s  "
+                f"({seconds:.1f} s on {cores[name]:.2f} cores)"
+            )
         one, most = rows["workers=1"][0], rows[f"workers={args.workers}"][0]
         scaling = one / most
         load_after = os.getloadavg()[0]
@@ -148,6 +174,7 @@ def main() -> None:
             "cores": os.cpu_count(),
             **{f"{name}_mb_s": round(size / 1e6 / seconds, 3) for name, (seconds, _) in rows.items()},
             **{f"{name}_tokens_s": round(tokens / seconds) for name, (seconds, tokens) in rows.items()},
+            **{f"{name}_cores": round(used, 2) for name, used in cores.items()},
             "scaling": round(scaling, 3),
             "vs_anchor": round(rows["anchor"][0] / most, 3),
             "identical": identical,

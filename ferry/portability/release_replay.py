@@ -90,7 +90,7 @@ def replay_stage(
             "(ferry release verify names every problem)"
         )
     recorded = read_metrics(directory / entry["dir"])
-    recorded_steps = [record["step"] for record in recorded if isinstance(record.get("step"), int)]
+    recorded_steps = sorted({record["step"] for record in recorded if isinstance(record.get("step"), int)})
     base = _as_recorded(_read_config(directory / entry["config"]), directory / entry["dir"] / "run.json")
     total = base.get("train", {}).get("steps")
     first = min(recorded_steps) if recorded_steps else 1
@@ -139,8 +139,9 @@ def _seed_runs(
     seed = int(base.get("run", {}).get("seed", 0))
     say(
         f"ferry: replay of stage {entry['name']}: objective {entry['objective']} samples its training data; the "
-        f"release carries no seed runs, so {count} are trained here (seeds {seed + 1}..{seed + count}, the recorded "
-        f"config) to measure the spread profile {SAMPLED_PROFILE} judges against"
+        f"release carries no seed runs, so {count} are trained here, or reused from --work (seeds "
+        f"{seed + 1}..{seed + count}, the recorded config), to measure the spread profile {SAMPLED_PROFILE} judges "
+        "against"
     )
     runs = []
     for other in range(seed + 1, seed + 1 + count):

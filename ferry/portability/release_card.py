@@ -54,7 +54,8 @@ def model_card(release: dict[str, Any]) -> str:
     lines += ["", "## Data", "", "| source | tokens | manifest sha256 | licence | used by |", "|---|---|---|---|---|"]
     for source in release["data"]:
         used = ", ".join(
-            f"{use['stage']} ({use['role']}" + (f", weight {use['weight']:g})" if use.get("weight") is not None else ")")
+            f"{use['stage']} ({use['role']}"
+            + (f", weight {use['weight']:g})" if use.get("weight") is not None else ")")
             for use in source["used_by"]
         )
         tokens = f"{source['tokens']:,}" if isinstance(source.get("tokens"), int) else "-"
@@ -101,7 +102,9 @@ def model_card(release: dict[str, Any]) -> str:
     ]
     for stage in stages:
         optimizer = f" init_optimizer={'true' if stage['checkpoint']['optimizer'] else 'false'}"
-        lines.append(f"ferry train {stage['config']} init_from={stage['dir']}/checkpoints{optimizer} run.dir=runs/branch")
+        lines.append(
+            f"ferry train {stage['config']} init_from={stage['dir']}/checkpoints{optimizer} run.dir=runs/branch"
+        )
     lines += [
         "```",
         "",

@@ -97,10 +97,14 @@ def replay_stage(
     count = len(recorded_steps) if steps is None else min(steps, len(recorded_steps))
     overrides = _start(directory, release, entry, stage)
     overrides.update(_data(directory, release, entry, base))
-    work = Path(work) if work is not None else Path("runs") / "release-replay" / f"{release['pipeline']['name']}-{stage}"
+    if work is None:
+        work = Path("runs") / "release-replay" / f"{release['pipeline']['name']}-{stage}"
+    work = Path(work)
     run_dir = work / "replay"
     stop_at = first - 1 + count
-    overrides.update({"run.dir": str(run_dir), "run.overwrite": True, "train.stop_at": stop_at if stop_at < total else None})
+    overrides.update(
+        {"run.dir": str(run_dir), "run.overwrite": True, "train.stop_at": stop_at if stop_at < total else None}
+    )
     overrides["metrics.sinks.console"] = False
     # the replay's own settings (where it starts, runs and stops) on both sides: only the environment differs
     recorded_config = _validated(base, overrides, f"stage {stage}'s config")

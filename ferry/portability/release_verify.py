@@ -62,7 +62,9 @@ def read_release(directory: str | Path) -> dict[str, Any]:
     if not isinstance(content, dict) or content.get("format") != RELEASE_FORMAT:
         raise UserError(f"{path} is not a {RELEASE_FORMAT} file")
     if content.get("version") != RELEASE_VERSION:
-        raise UserError(f"{path}: release format version {content.get('version')!r}; this ferry reads {RELEASE_VERSION}")
+        raise UserError(
+            f"{path}: release format version {content.get('version')!r}; this ferry reads {RELEASE_VERSION}"
+        )
     for key, kind in (("files", dict), ("stages", list), ("data", list)):
         if not isinstance(content.get(key), kind):
             raise UserError(f"{path}: {key!r} is missing or not a {kind.__name__}")

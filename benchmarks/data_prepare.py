@@ -4,8 +4,9 @@
 
 The corpus is generated here, deterministically: paragraphs of the embedded corpus (the standard
 library's documentation and sources) drawn by a seeded generator into documents of 1-12 paragraphs
-under a numbered heading, written as `--files` JSON-lines files (`{"text": ...}`) of `--mb` MB in all. A byte-level BPE tokenizer (8,192 tokens) is trained once on
-the first 4 MB of it and saved; every run below tokenises with that file.
+under a numbered heading, written as `--files` JSON-lines files (`{"text": ...}`) of `--mb` MB in all.
+A byte-level BPE tokenizer (8,192 tokens) is trained once on the first 4 MB of it and saved; every run
+below tokenises with that file.
 
     anchor       the tokenizer through `tokenizers`' own `Tokenizer.encode_batch` (batches of 1,024
                  documents, its thread pool on every core) in one process, reading the same JSON

@@ -82,8 +82,9 @@ def test_two_tasks_merged_equal_one_process(corpus, tmp_path, capsys):
     assert main(["data", "merge", str(tmp_path / "task0"), "--output", str(tmp_path / "lone")]) == 2
     assert "task(s) 1 of 2 missing" in capsys.readouterr().err
     assert not (tmp_path / "lone").exists()
-    assert main(["data", "merge", str(tmp_path / "task1"), str(tmp_path / "task0"), "--output", str(tmp_path / "merged")]) == 0
-    assert _files(tmp_path / "merged") == _files(tmp_path / "alone")
+    merged = tmp_path / "merged"
+    assert main(["data", "merge", str(tmp_path / "task1"), str(tmp_path / "task0"), "--output", str(merged)]) == 0
+    assert _files(merged) == _files(tmp_path / "alone")
 
     assert _prepare(corpus, tmp_path / "task2", "--task", "0", "--tasks", "2") == 2
     assert "--tokenizer PATH" in capsys.readouterr().err
@@ -94,7 +95,8 @@ def test_a_malformed_file_read_by_a_worker_exits_2_naming_it_and_leaves_nothing(
     inputs.mkdir()
     for name in ("a0.jsonl", "a1.jsonl", "c.parquet"):
         (inputs / name).write_bytes((corpus / name).read_bytes())
-    (inputs / "b.jsonl").write_text(_lines(_rows(0, 40)) + '{"text": "cut short\n' + _lines(_rows(40, 5)), encoding="utf-8")
+    malformed = _lines(_rows(0, 40)) + '{"text": "cut short\n' + _lines(_rows(40, 5))
+    (inputs / "b.jsonl").write_text(malformed, encoding="utf-8")
     for flags in (["--workers", "2"], ["--task", "0", "--tasks", "1"]):
         assert _prepare(inputs, tmp_path / "out", "--tokenizer", "byte", *flags) == 2
         assert f"{inputs / 'b.jsonl'}:41: not valid JSON" in capsys.readouterr().err

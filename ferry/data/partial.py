@@ -134,7 +134,7 @@ def prepare_task(
 def check_task_spec(spec: PrepareSpec, workers: int | None) -> None:
     """What every task of a preparation needs: text inputs, and a tokenizer file they all share."""
     check_spec(spec)
-    check_parallel(spec, workers, task="--task")
+    check_parallel(spec, workers, flag="--task")
     if spec.tokenizer == "bpe":
         raise UserError(
             "--task: every task must tokenise with the same tokenizer, so tasks cannot each train one; train it "

@@ -8,8 +8,8 @@ rendered with the chat template, packed into rows of `seq_len` tokens, and get a
 parallel `mask-NNNNN.npy` stream: 1 where a token is trained (assistant text). Preference pairs
 (`--preferences`) and prompts with answers (`--prompts`) are kept as whole records
 (`ferry.data.records`). With `workers`, text is tokenised by several processes into the same dataset
-(`ferry.data.workers`); `ferry.data.partial` splits it into tasks for many machines. Everything is written to a temporary
-directory and renamed into place, so an interrupted prepare never leaves a
+(`ferry.data.workers`); `ferry.data.partial` splits it into tasks for many machines. Everything is
+written to a temporary directory and renamed into place, so an interrupted prepare never leaves a
 half-written dataset behind, and an up-to-date dataset (the same inputs and settings, every file still
 matching its manifest) is not rebuilt.
 """
@@ -168,18 +168,19 @@ def write_staged(output: Path, build: Callable[[Path], dict]) -> dict:
     return record
 
 
-def check_parallel(spec: PrepareSpec, workers: int | None, task: str = "") -> None:
-    """--workers and --task share out the parts of input files of text; `task` names --task in messages."""
+def check_parallel(spec: PrepareSpec, workers: int | None, flag: str = "--workers") -> None:
+    """--workers and --task (`flag`, for the messages) share out the parts of input files of text."""
     if workers is not None and workers < 1:
         raise UserError(f"--workers must be at least 1, got {workers}")
-    if workers is None and not task:
+    if workers is None and flag == "--workers":
         return
-    flag = task or "--workers"
     if spec.embedded:
         raise UserError(f"{flag} shares out the parts of input files; --embedded {spec.embedded} is read in one piece")
     if spec.chat or spec.records:
         kind = "--chat" if spec.chat else f"--{spec.records}"
-        raise UserError(f"{flag} tokenises text corpora; {kind} datasets are prepared by one process (leave {flag} out)")
+        raise UserError(
+            f"{flag} tokenises text corpora; {kind} datasets are prepared by one process (leave {flag} out)"
+        )
 
 
 def check_spec(spec: PrepareSpec) -> None:

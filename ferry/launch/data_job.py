@@ -28,7 +28,9 @@ def task_directory(output: str) -> str:
     return f"{output.rstrip('/')}.tasks"
 
 
-def render_data_job(prepare_argv: list[str], output: str, tasks: int, workers: int, job_name: str, out: Path) -> dict[str, str]:
+def render_data_job(
+    prepare_argv: list[str], output: str, tasks: int, workers: int, job_name: str, out: Path
+) -> dict[str, str]:
     """File name to content. `prepare_argv`: the `ferry data prepare` arguments every task shares (inputs,
     tokenizer, text field, shard size), without --output, --task, --tasks or --workers."""
     where = out.resolve()

@@ -86,6 +86,15 @@ def test_two_tasks_merged_equal_one_process(corpus, tmp_path, capsys):
     assert main(["data", "merge", str(tmp_path / "task1"), str(tmp_path / "task0"), "--output", str(merged)]) == 0
     assert _files(merged) == _files(tmp_path / "alone")
 
+    part = tmp_path / "task0" / held[0][0]["file"]
+    data = bytearray(part.read_bytes())
+    data[3] ^= 1
+    part.write_bytes(bytes(data))
+    partials = [str(tmp_path / "task0"), str(tmp_path / "task1")]
+    assert main(["data", "merge", *partials, "--output", str(tmp_path / "m2")]) == 2
+    assert f"{part} does not match what its task recorded" in capsys.readouterr().err
+    assert not (tmp_path / "m2").exists() and not list(tmp_path.glob(".m2*"))
+
     assert _prepare(corpus, tmp_path / "task2", "--task", "0", "--tasks", "2") == 2
     assert "--tokenizer PATH" in capsys.readouterr().err
 

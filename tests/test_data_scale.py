@@ -193,6 +193,7 @@ def test_budgets_are_taken_exactly_and_their_rows_go_to_the_others(three_sources
     record = {entry["name"]: entry for entry in loader.mix_record()}
     assert record["web"]["budget"] == {"windows": 50, "tokens": 1600, "epochs": round(50 / 64, 6)}
     assert record["code"]["budget"]["epochs"] == 2.0 and "budget" not in record["books"]
+    assert MixedLoader(_budgeted(three_sources, books={"epochs": 0.58}), 0, 8).budgets[2] == 29  # not 28.99999...
 
 
 def test_every_window_of_a_source_read_twice_is_read_exactly_twice(three_sources):

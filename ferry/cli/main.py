@@ -226,7 +226,9 @@ def _data_verify(args: argparse.Namespace) -> int:
         try:
             print(verify_dataset(Path(path)) if size is None else verify_sample(Path(path), size, seed))
         except DatasetMismatch as exc:
-            print(f"ferry: invalid {exc}" + (f" (--sample {args.sample} --seed {seed})" if size is not None else ""))
+            print(f"ferry: invalid {exc}")
+            if size is not None:
+                print(f"ferry: the sample was drawn by --sample {args.sample} --seed {seed}; repeat it with those")
             invalid += 1
     return 1 if invalid else 0
 

@@ -16,6 +16,7 @@ resumed run continues the same mix, and the counts say what each source gave.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,7 +114,7 @@ class MixedLoader:
             budget = source.tokens // self.seq_len
             problem = f"tokens: {source.tokens} is less than one window of data.seq_len {self.seq_len}"
         else:
-            budget = int(source.epochs * windows)
+            budget = math.floor(round(source.epochs * windows, 6))  # 0.29 x 100 is 28.999999999999996
             problem = f"epochs: {source.epochs} of {windows} windows is less than one window"
         if budget < 1:
             raise UserError(f"data.sources.{index}.{problem} ({source.name!r}); raise it")

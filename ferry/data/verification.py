@@ -67,31 +67,25 @@ def digests_checked(manifest: dict, digest: DataVerification) -> str | None:
     return "+".join(sorted(used)) or digest
 
 
-def verify_entry(directory: Path, entry: dict, label: str, digest: str) -> str:
-    """Check one file against its recorded `digest` (its sha256 where the entry records no such digest); the
-    name of the digest checked."""
-    name = digest if digest in entry else "sha256"
-    _check(directory, entry, (name,), label)
-    return name
+def verify_entry(directory: Path, entry: dict, label: str, digest: str) -> None:
+    """Check one file against its recorded `digest` (its sha256 where the entry records no such digest)."""
+    _check(directory, entry, (digest if digest in entry else "sha256",), label)
 
 
 def sample_size(text: str) -> float | int:
     """`--sample`'s value: a count of files (an integer, at least 1) or a fraction of them (in (0, 1])."""
     try:
-        count = int(text)
+        value: float | int = int(text)
+        valid = value >= 1
     except ValueError:
-        count = None
-    if count is not None:
-        if count < 1:
-            raise UserError(f"--sample {text}: give a number of files (at least 1) or a fraction in (0, 1]")
-        return count
-    try:
-        fraction = float(text)
-    except ValueError:
-        fraction = math.nan
-    if not 0.0 < fraction <= 1.0:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        valid = 0.0 < value <= 1.0
+    if not valid:
         raise UserError(f"--sample {text}: give a number of files (at least 1) or a fraction in (0, 1]")
-    return fraction
+    return value
 
 
 def sampled(entries: list[dict], size: float | int, seed: int) -> list[dict]:
@@ -99,8 +93,9 @@ def sampled(entries: list[dict], size: float | int, seed: int) -> list[dict]:
     the xxh3-64 of the seed and its name, so the same seed picks the same files on any machine and any version
     of Python or numpy; kept in manifest order."""
     count = min(len(entries), size if isinstance(size, int) else math.ceil(round(size * len(entries), 9)))
-    ranked = sorted(range(len(entries)), key=lambda i: xxhash.xxh3_64_intdigest(f"{seed}:{entries[i]['file']}".encode()))
-    return [entries[i] for i in sorted(ranked[:count])]
+    rank = [xxhash.xxh3_64_intdigest(f"{seed}:{entry['file']}".encode()) for entry in entries]
+    chosen = sorted(range(len(entries)), key=rank.__getitem__)[:count]
+    return [entries[i] for i in sorted(chosen)]
 
 
 def read_manifest(path: Path) -> dict:

@@ -1,8 +1,9 @@
-"""Expert-parallel exchanges in one piece against chunked ones in flight while the experts compute, on CPU ranks.
+"""Expert-parallel exchanges in one piece against chunked ones in flight while the experts compute, and against the
+rowwise exchange, on CPU ranks.
 
 For each shape and rank count, `ferry train` runs `parallel.ep_overlap: none`, then `chunked` with 2 and 4 parts,
-on the same synthetic tokens (`ferry/data/synthetic.py`) and the same seed; each reports the medians, over the
-steps after the warm-up, of the step time, the time blocked in the MoE exchanges (`ep_wait_s`, the exposed
+then `parallel.ep_dispatch: rowwise`, on the same synthetic tokens (`ferry/data/synthetic.py`) and the same seed;
+each reports the medians, over the steps after the warm-up, of the step time, the time blocked in the MoE exchanges (`ep_wait_s`, the exposed
 part), the time they were in flight (`ep_comm_s`) and the overlapped share, and its step time against `none`'s
 (below 1: faster). Whatever the sign: overlap costs a gather and a scatter of the rows and more, smaller
 messages, and only pays where an exchange takes long enough to hide computation behind.
@@ -44,6 +45,7 @@ MODES = {
     "none": ["parallel.ep_overlap=none"],
     "chunked2": ["parallel.ep_overlap=chunked", "parallel.ep_chunks=2"],
     "chunked4": ["parallel.ep_overlap=chunked", "parallel.ep_chunks=4"],
+    "rowwise": ["parallel.ep_dispatch=rowwise"],
 }
 
 

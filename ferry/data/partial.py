@@ -39,15 +39,11 @@ from ferry.data.prepare import (
     ShardWriter,
     check_parallel,
     check_spec,
-    claim_output,
-    read_json,
-    refuse_inputs_inside,
     spec_settings,
     token_dtype,
     token_manifest,
-    write_json,
-    write_staged,
 )
+from ferry.data.staging import claim_output, read_json, refuse_inputs_inside, write_json, write_staged
 from ferry.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_from_json
 from ferry.data.workers import PartTokens, read_part_file, source_entries, tokenize_parts
 

@@ -12,12 +12,21 @@ candidate's figures and the choice go to run.json, so a slower overlap is never 
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from ferry.train.trainer import Trainer
+from ferry.train.assembly import RunParts
+from ferry.train.state import TrainState
+
+
+class Trainer(Protocol):
+    """What the trial needs of the trainer: its parts, its train state, and one step."""
+
+    parts: RunParts
+    state: TrainState
+
+    def train_step(self) -> dict: ...
 
 CANDIDATES = {"none": (1, False), "chunked2": (2, False), "chunked4": (4, False), "rowwise": (1, True)}
 

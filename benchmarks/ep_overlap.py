@@ -1,12 +1,14 @@
-"""Expert-parallel exchanges in one piece against chunked ones in flight while the experts compute, and against the
-rowwise exchange, on CPU ranks.
+"""Expert-parallel exchanges in one piece against chunked ones in flight while the experts compute, against the
+rowwise exchange, and against FarSkip wiring (the combine in flight during the next block's attention), on CPU ranks.
 
 For each shape and rank count, `ferry train` runs `parallel.ep_overlap: none`, then `chunked` with 2 and 4 parts,
-then `parallel.ep_dispatch: rowwise`, on the same synthetic tokens (`ferry/data/synthetic.py`) and the same seed;
-each reports the medians, over the steps after the warm-up, of the step time, the time blocked in the MoE exchanges (`ep_wait_s`, the exposed
-part), the time they were in flight (`ep_comm_s`) and the overlapped share, and its step time against `none`'s
-(below 1: faster). Whatever the sign: overlap costs a gather and a scatter of the rows and more, smaller
-messages, and only pays where an exchange takes long enough to hide computation behind.
+then `parallel.ep_dispatch: rowwise`, then `model.skip: farskip` with one exchange and with 2 parts (a different
+model: its step time is comparable, its losses are not), on the same synthetic tokens (`ferry/data/synthetic.py`)
+and the same seed; each reports the medians, over the steps after the warm-up, of the step time, the time blocked
+in the MoE exchanges (`ep_wait_s`, the exposed part), the time they were in flight (`ep_comm_s`) and the
+overlapped share, and its step time against `none`'s (below 1: faster). Whatever the sign: overlap costs a gather
+and a scatter of the rows and more, smaller messages, and only pays where an exchange takes long enough to hide
+computation behind.
 
 Shapes: `tiny` (the demo's model, `configs/tiny.yaml`) and `mid` (dim 512, 4 layers, 32 experts of width 512,
 top-4, sequences of 256). Ranks: 2 and 4 gloo processes, one thread each (on a 2-core machine, 4 ranks share
@@ -46,6 +48,8 @@ MODES = {
     "chunked2": ["parallel.ep_overlap=chunked", "parallel.ep_chunks=2"],
     "chunked4": ["parallel.ep_overlap=chunked", "parallel.ep_chunks=4"],
     "rowwise": ["parallel.ep_dispatch=rowwise"],
+    "farskip": ["model.skip=farskip"],
+    "farskip-chunked2": ["model.skip=farskip", "parallel.ep_overlap=chunked", "parallel.ep_chunks=2"],
 }
 
 
@@ -97,10 +101,11 @@ def main() -> None:
                     print(f"{shape}, {ranks} ranks")
                     for mode, figure in figures.items():
                         if "failed" in figure:
-                            print(f"  {mode:<9} FAILED: {figure['failed']}")
+                            print(f"  {mode:<16} FAILED: {figure['failed']}")
                             continue
                         print(
-                            f"  {mode:<9} step {1000 * figure['step_s']:7.1f} ms ({figure['step_vs_none']:.2f}x none)  "
+                            f"  {mode:<16} step {1000 * figure['step_s']:7.1f} ms "
+                            f"({figure['step_vs_none']:.2f}x none)  "
                             f"EP in flight {1000 * figure['ep_comm_s']:6.1f} ms, "
                             f"exposed {1000 * figure['ep_wait_s']:6.1f} ms, overlapped {figure['ep_overlap_share']:.0%}"
                         )

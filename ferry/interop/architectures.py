@@ -26,6 +26,11 @@ def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) 
         return [f"--arch {arch!r}: choose one of {', '.join(ARCHITECTURES)}"]
     moe = config.moe
     problems = []
+    if config.skip != "standard":
+        problems.append(
+            f"model.skip: {config.skip} wires the residual stream otherwise than any transformers model ({arch} "
+            "included): the export would compute another function"
+        )
     if moe.score_func != "softmax":
         problems.append(f"model.moe.score_func: {arch} routes with a softmax, the model uses {moe.score_func}")
     if moe.shared_expert_ffn_dim:

@@ -82,6 +82,12 @@ class ModelConfig(Section):
     dense_layers: int = Field(0, ge=0, description="the first N layers use a dense SwiGLU instead of MoE")
     dense_ffn_dim: int = Field(1024, ge=1)
     tie_embeddings: bool = False
+    skip: Literal["standard", "farskip"] = Field(
+        "standard",
+        description="standard: each block reads the whole residual stream; farskip: a block's attention reads it "
+        "before the previous block's FFN output has joined, so an expert-parallel combine overlaps the next "
+        "attention (ferry/model/farskip.py). A different model: transformers has no such one",
+    )
     init_std: float = Field(0.02, gt=0.0)
     moe: MoEConfig = MoEConfig()
 

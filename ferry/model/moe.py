@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -12,6 +13,7 @@ from ferry.kernels import KernelSelection, portable_kernels
 from ferry.kernels.amp import in_autocast_dtype
 from ferry.model.config import MoEConfig
 from ferry.model.experts import Experts
+from ferry.model.farskip import LateOutput
 from ferry.model.feedforward import SwiGLU
 from ferry.model.router import Router, Routing
 
@@ -23,6 +25,11 @@ class ExpertDispatcher(Protocol):
     def __call__(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor: ...
 
     def expert_order(self, expert_ids_TK: torch.Tensor) -> torch.Tensor: ...
+
+    def start(
+        self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module
+    ) -> Callable[[], torch.Tensor]:
+        """As a call, but the outputs may still be travelling back: the returned function waits for them."""
 
 
 @dataclass
@@ -70,11 +77,39 @@ class MoELayer(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, padding_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
         """The layer's output, and its statistics over the positions that are not padding."""
-        batch, seq_len, dim = x_BSD.shape
-        x_TD = x_BSD.reshape(-1, dim)
-        routing = self.router(x_TD, None if padding_BS is None else padding_BS.reshape(-1))
+        x_TD, routing, stats = self._route(x_BSD, padding_BS)
         out_TD = self.run_experts(x_TD, routing)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
+        return out_TD.view(x_BSD.shape), stats
+
+    def start(self, x_BSD: torch.Tensor, padding_BS: torch.Tensor | None = None) -> tuple[LateOutput, MoEStats]:
+        """The layer's output left in flight (FarSkip wiring, `ferry/model/farskip.py`): behind a dispatcher the
+        combine exchange is still travelling when this returns, and the shared expert computes meanwhile; the
+        statistics are final. The same numbers as `forward`."""
+        x_TD, routing, stats = self._route(x_BSD, padding_BS)
+        if self.dispatcher is None:
+            arrive_routed = LateOutput.ready(self.experts.routed(x_TD, routing)).arrive
+        else:
+            sent_TD, weights_TK = in_autocast_dtype(x_TD, routing.weights_TK)
+            x_ND, dispatch = self._permute(sent_TD, self.dispatcher.expert_order(routing.expert_ids_TK))
+            arrive_rows = self.dispatcher.start(x_ND, routing.tokens_per_expert_E, self.experts)
+
+            def arrive_routed() -> torch.Tensor:
+                return self._combine(arrive_rows(), weights_TK, dispatch)
+
+        shared_TD = self.shared_expert(x_TD) if self.shared_expert is not None else None
+
+        def arrive() -> torch.Tensor:
+            out_TD = arrive_routed()
+            if shared_TD is not None:
+                out_TD = out_TD + shared_TD
+            return out_TD.view(x_BSD.shape)
+
+        return LateOutput(arrive), stats
+
+    def _route(self, x_BSD: torch.Tensor, padding_BS: torch.Tensor | None) -> tuple[torch.Tensor, Routing, MoEStats]:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        routing = self.router(x_TD, None if padding_BS is None else padding_BS.reshape(-1))
         stats = MoEStats(routing.load_E, routing.aux_loss, routing.z_loss, routing.mean_prob_E, routing.entropy)
-        return out_TD.view(batch, seq_len, dim), stats
+        return x_TD, routing, stats

@@ -12,6 +12,7 @@ from torch import nn
 from ferry.kernels import KernelSelection, portable_kernels
 from ferry.model.attention import Attention
 from ferry.model.config import ModelConfig
+from ferry.model.farskip import FarSkipStream, LateOutput
 from ferry.model.feedforward import SwiGLU
 from ferry.model.head_loss import HeadLoss, HeadTargets, chunked_head_loss
 from ferry.model.initialisation import truncated_normal_
@@ -34,7 +35,8 @@ class ModelOutput:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(x)); with `model.skip: farskip` the stream in and
+    out is a `FarSkipStream` and the previous block's FFN output joins after this block's attention."""
 
     def __init__(self, config: ModelConfig, rope: RotaryEmbedding, use_moe: bool, kernels: KernelSelection):
         super().__init__()
@@ -48,16 +50,17 @@ class Block(nn.Module):
 
     def forward(
         self,
-        x_BSD: torch.Tensor,
+        x_BSD: torch.Tensor | FarSkipStream,
         cache: LayerCache | None = None,
         visible_BSS: torch.Tensor | None = None,
         padding_BS: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, MoEStats | None]:
+    ) -> tuple[torch.Tensor | FarSkipStream, MoEStats | None]:
         """The block's output and its MoE statistics; in training, checkpointed as `recompute` says (decoding
         and no-grad forwards keep nothing for a backward, so there is nothing to save)."""
+        forward = self._forward_farskip if isinstance(x_BSD, FarSkipStream) else self._forward
         if self.recompute != "none" and cache is None and torch.is_grad_enabled():
-            return recomputed(self._forward, self.recompute, x_BSD, cache, visible_BSS, padding_BS)
-        return self._forward(x_BSD, cache, visible_BSS, padding_BS)
+            return recomputed(forward, self.recompute, x_BSD, cache, visible_BSS, padding_BS)
+        return forward(x_BSD, cache, visible_BSS, padding_BS)
 
     def _forward(
         self,
@@ -71,6 +74,22 @@ class Block(nn.Module):
             ffn_BSD, stats = self.ffn(self.ffn_norm(h_BSD), padding_BS)
             return h_BSD + ffn_BSD, stats
         return h_BSD + self.ffn(self.ffn_norm(h_BSD)), None
+
+    def _forward_farskip(
+        self,
+        stream: FarSkipStream,
+        cache: LayerCache | None,
+        visible_BSS: torch.Tensor | None,
+        padding_BS: torch.Tensor | None,
+    ) -> tuple[FarSkipStream, MoEStats | None]:
+        """The attention on the stream as it has arrived, while the previous FFN output may still travel; then
+        that output joins, and this block's FFN starts, its output left in flight for the next block."""
+        attended_BSD = self.attn(self.attn_norm(stream.arrived_BSD), cache, visible_BSS)
+        h_BSD = stream.joined() + attended_BSD
+        if isinstance(self.ffn, MoELayer):
+            late, stats = self.ffn.start(self.ffn_norm(h_BSD), padding_BS)
+            return FarSkipStream(h_BSD, late), stats
+        return FarSkipStream(h_BSD, LateOutput.ready(self.ffn(self.ffn_norm(h_BSD)))), None
 
 
 class Transformer(nn.Module):
@@ -147,15 +166,16 @@ class Transformer(nn.Module):
             same_BSS = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]
             visible_BSS = same_BSS.tril()
         x_BSD = self.tok_embeddings(tokens_BS)
+        stream = FarSkipStream(x_BSD) if self.config.skip == "farskip" else x_BSD
         moe_stats = []
         for index, block in enumerate(self.layers):
             layer_cache = cache.layer(index, step) if cache is not None else None
-            x_BSD, stats = block(x_BSD, layer_cache, visible_BSS, padding_BS)
+            stream, stats = block(stream, layer_cache, visible_BSS, padding_BS)
             if stats is not None:
                 moe_stats.append(stats)
         if cache is not None:
             cache.commit(step)
-        h_BSD = self.norm(x_BSD)
+        h_BSD = self.norm(stream.joined() if isinstance(stream, FarSkipStream) else stream)
         if targets is not None:
             return ModelOutput(None, moe_stats, chunked_head_loss(h_BSD, self.output.weight, targets))
         return ModelOutput(self.output(h_BSD), moe_stats)

@@ -15,6 +15,8 @@ step record's `ep_overlap_share` and benchmarks/ep_overlap.py say whether it pay
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -46,12 +48,29 @@ class AllToAllDispatcher:
         if self.rowwise:
             return self._rowwise(x_ND, tokens_per_expert_E, experts)
         if self.chunks > 1:
-            return self._chunked(x_ND, tokens_per_expert_E, experts)
+            return self._chunked(x_ND, tokens_per_expert_E, experts)()
         with self.collectives.region("ep_wait"):
             received_counts_PL, send_splits, receive_splits, x_RD = self._dispatch(x_ND, tokens_per_expert_E)
         y_RD = self._run_local_experts(x_RD, received_counts_PL, experts)
         with self.collectives.region("ep_wait"):
             return self.collectives.all_to_all(y_RD, send_splits, receive_splits, op="ep_combine")
+
+    @torch.compiler.disable
+    def start(
+        self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module
+    ) -> Callable[[], torch.Tensor]:
+        """As a call, but the combine exchange is issued asynchronously and left in flight: the returned function
+        waits for it (`model.skip: farskip` runs the next block's attention in between). The rowwise exchange
+        goes per local expert in one piece, so it returns its outputs already arrived."""
+        if self.rowwise:
+            y_ND = self._rowwise(x_ND, tokens_per_expert_E, experts)
+            return lambda: y_ND
+        if self.chunks > 1:
+            return self._chunked(x_ND, tokens_per_expert_E, experts)
+        with self.collectives.region("ep_wait"):
+            received_counts_PL, send_splits, receive_splits, x_RD = self._dispatch(x_ND, tokens_per_expert_E)
+        y_RD = self._run_local_experts(x_RD, received_counts_PL, experts)
+        return start_all_to_all(self.collectives, y_RD, send_splits, receive_splits, "ep_combine").wait
 
     def expert_order(self, expert_ids_TK: torch.Tensor) -> torch.Tensor:
         """What the MoE layer sorts its rows by before handing them over: the global expert, or for the rowwise
@@ -72,13 +91,15 @@ class AllToAllDispatcher:
         with self.collectives.region("ep_wait"):
             return exchange(self.collectives, y_RD, layout, "ep_combine", reverse=True)
 
-    def _chunked(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    def _chunked(
+        self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module
+    ) -> Callable[[], torch.Tensor]:
         """Each expert's rows split into `chunks` parts (part k: its k-th share, in order); part k+1's dispatch and
         part k's combine are in flight while the experts compute part k. One exchange of the counts of every
         part, one host read of them; then per part an asynchronous dispatch, the local experts, an asynchronous
-        combine; the parts' outputs are put back in the rows' order at the end. The rows an expert computes are
-        the same, in parts: equal to the unchunked result but for the float rounding of the weight gradients,
-        summed over the parts."""
+        combine; the returned function waits for the combines and puts the parts' outputs back in the rows'
+        order. The rows an expert computes are the same, in parts: equal to the unchunked result but for the
+        float rounding of the weight gradients, summed over the parts."""
         ep, local, chunks = self.ep_size, self.num_local, self.chunks
         counts_KE, rows_K = _chunk_rows(tokens_per_expert_E, chunks)
         with self.collectives.region("ep_wait"):
@@ -100,11 +121,14 @@ class AllToAllDispatcher:
                 )
             y_RD = self._run_local_experts(dispatches[part].wait(), received_KPL[part], experts)
             combines.append(start_all_to_all(self.collectives, y_RD, send_KP[part], receive_KP[part], "ep_combine"))
-        y_ND = torch.cat([combine.wait() for combine in combines])
         order_N = torch.cat(rows_K)
         inverse_N = torch.empty_like(order_N)
         inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-        return y_ND.index_select(0, inverse_N)
+
+        def arrive() -> torch.Tensor:
+            return torch.cat([combine.wait() for combine in combines]).index_select(0, inverse_N)
+
+        return arrive
 
     def _dispatch(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor):
         """Exchange per-expert counts, then send each token to the rank holding its expert."""

@@ -31,6 +31,7 @@ from ferry.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointMeta,
+    Difference,
     Manifest,
     Prefetch,
     SharedVerification,
@@ -137,6 +138,14 @@ TRAINING_FIELDS = (
 )
 
 
+# A standard model continued with FarSkip wiring computes another function from the first step on; the FarSkip
+# paper converts trained models so (then distils), so the start is allowed and said (ferry/model/farskip.py).
+CONVERSIONS = {("model.skip", "standard", "farskip"): (
+    "model.skip: standard -> farskip: the checkpoint's standard model continues with FarSkip wiring, another "
+    "function from here (a conversion, as the FarSkip paper's before its distillation)"
+)}
+
+
 def check_config(checkpoint: Checkpoint, config: RunConfig) -> list[str]:
     """Refuse a checkpoint of another model, naming each differing field; list the other differences.
 
@@ -152,7 +161,12 @@ def check_config(checkpoint: Checkpoint, config: RunConfig) -> list[str]:
     if saved.get("dense_layers") == current["model"]["dense_layers"] == 0:
         model = [difference for difference in model if difference.key != "model.dense_ffn_dim"]
     kept = POSITIONAL_FIELDS + TRAINING_FIELDS
-    refused = [difference for difference in model if not difference.key.startswith(kept)]
+    converted = [CONVERSIONS[_key(difference)] for difference in model if _key(difference) in CONVERSIONS]
+    refused = [
+        difference
+        for difference in model
+        if not difference.key.startswith(kept) and _key(difference) not in CONVERSIONS
+    ]
     if refused:
         raise ConfigError(
             f"checkpoint {checkpoint.path} was saved from another model; differing fields:\n  "
@@ -160,7 +174,12 @@ def check_config(checkpoint: Checkpoint, config: RunConfig) -> list[str]:
         )
     saved = {key: value for key, value in checkpoint.manifest.run_config.items() if key != "model"}
     rest = config_differences(saved, {key: value for key, value in current.items() if key != "model"})
-    return [str(difference) for difference in model + rest if not difference.key.startswith(_BOOKKEEPING)]
+    model = [difference for difference in model if _key(difference) not in CONVERSIONS]
+    return converted + [str(difference) for difference in model + rest if not difference.key.startswith(_BOOKKEEPING)]
+
+
+def _key(difference: Difference) -> tuple:
+    return (difference.key, difference.saved, difference.current)
 
 
 def _with_defaults(saved: dict) -> dict:

@@ -24,6 +24,7 @@ from ferry.config import UserError
 from ferry.model import Transformer
 from ferry.model.digest import weights_digest
 from ferry.train.checkpointing import (
+    CONVERSIONS,
     OPTIM,
     RNG,
     check_config,
@@ -158,7 +159,7 @@ def initialize_from(parts: RunParts, path: Path) -> tuple[dict[str, str], list[s
         raise UserError(f"init_from: {str(path)!r} does not exist")
     share = shared_verification(job.context)
     checkpoint = find_resume_point(str(path), path, share=share, digests=(config.checkpoint.verify,)).checkpoint
-    check_config(checkpoint, config)
+    conversions = [line for line in check_config(checkpoint, config) if line in CONVERSIONS.values()]
     with_optimizer = config.init_optimizer
     if with_optimizer and not ("optimizer" in checkpoint.manifest.train_state and checkpoint.names("optim.")):
         raise UserError(f"init_optimizer: {checkpoint.path} holds no optimizer state (weights only)")
@@ -171,7 +172,10 @@ def initialize_from(parts: RunParts, path: Path) -> tuple[dict[str, str], list[s
     carried = {"weights": weights, "optimizer": optimizer, "schedule": "fresh"}
     what = "weights and optimizer state" if with_optimizer else "weights"
     fresh = "data position and schedule" if with_optimizer else "optimizer, data position and schedule"
-    return carried, [f"{what} initialised from {checkpoint.path} (step {checkpoint.step}); {fresh} start fresh"]
+    return carried, [
+        f"{what} initialised from {checkpoint.path} (step {checkpoint.step}); {fresh} start fresh",
+        *conversions,
+    ]
 
 
 def resume_from(

@@ -222,7 +222,8 @@ def test_a_pipeline_branches_from_a_released_stage_with_its_lineage_pointing_int
 @pytest.fixture(scope="module")
 def grpo_release(stdlib_dataset, tmp_path_factory):
     """A two-stage chain that ends in GRPO (SFT on the largest-digit task's chat, then GRPO on its prompts),
-    released with its data."""
+    released with its data. GRPO draws 512 completions a step (32 prompts x 16): with fewer, the spread between
+    seeds hides a sampling temperature of 0.7 (ferry/portability/tolerances.yaml, `sampled`)."""
     from ferry.data import PrepareSpec, prepare_dataset
 
     root = tmp_path_factory.mktemp("grpo-release")
@@ -239,7 +240,7 @@ def grpo_release(stdlib_dataset, tmp_path_factory):
            "overrides": {"train.steps": 120, "optim.lr": 1e-2, "checkpoint.interval": 120}}
     grpo = {"name": "grpo", "init_from": "previous", "overrides": {
         "train.objective": "grpo", "data.sources": [{"name": "prompts", "path": str(root / "prompts")}],
-        "train.global_batch": 8, "train.micro_batch": 4, "grpo.group_size": 4, "grpo.max_new_tokens": 3,
+        "train.global_batch": 32, "train.micro_batch": 16, "grpo.group_size": 16, "grpo.max_new_tokens": 3,
         "grpo.verifier": "numeric", "optim.lr": 1e-3, "train.steps": 6, "checkpoint.interval": 6}}
     (root / "pipeline.yaml").write_text(yaml.safe_dump({"name": "rl", "stages": [sft, grpo]}, sort_keys=False))
     run_pipeline(root / "pipeline.yaml", root / "pipeline", say=lambda line: None)
@@ -247,14 +248,30 @@ def grpo_release(stdlib_dataset, tmp_path_factory):
     return root / "release"
 
 
-def test_a_grpo_replay_trains_its_seed_runs_and_is_judged_by_sampled(grpo_release, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def grpo_work(tmp_path_factory):
+    """One replay directory for the GRPO replays: the seed runs trained by the first are reused by the next."""
+    return tmp_path_factory.mktemp("grpo-replays")
+
+
+def test_a_grpo_replay_trains_its_seed_runs_and_is_judged_by_sampled(grpo_release, grpo_work, capsys):
     assert main(["release", "verify", str(grpo_release)]) == 0
-    assert main(["release", "replay", str(grpo_release), "--stage", "grpo", "--work", str(tmp_path / "w")]) == 0
+    assert main(["release", "replay", str(grpo_release), "--stage", "grpo", "--work", str(grpo_work)]) == 0
     captured = capsys.readouterr()
     assert "the release carries no seed runs, so 2 are trained here" in captured.err
     assert "PASS under profile sampled (objective grpo draws its own training data" in captured.out
-    summary = json.loads((tmp_path / "w" / "replay.json").read_text())
+    summary = json.loads((grpo_work / "replay.json").read_text())
     assert len(summary["seed_runs"]) == 2 and summary["verdict"]["metric"] == "reward"
     assert summary["verdict"]["seed_spread"] > 0
-    assert main(["release", "replay", str(grpo_release), "--stage", "grpo", "--work", str(tmp_path / "w")]) == 0
-    assert capsys.readouterr().err.count("trained earlier with this config") == 2, "the seed runs are reused"
+
+
+def test_a_grpo_replay_at_sampling_temperature_0_7_fails_naming_sampled(grpo_release, grpo_work, tmp_path, capsys):
+    """The recorded stage samples at temperature 1.0; rollouts at 0.7 score rewards that differ from the first step on by
+    more than 4 seed spreads (measured: 0.055 against a band of 0.018 on AVX-512, 0.061 against 0.026 on AVX2)."""
+    (tmp_path / "t07.yaml").write_text(yaml.safe_dump({"name": "temperature-0.7", "overrides": {"grpo.temperature": 0.7}}))
+    code = main(["release", "replay", str(grpo_release), "--stage", "grpo", "--env", str(tmp_path / "t07.yaml"),
+                 "--work", str(grpo_work)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "FAIL under profile sampled (objective grpo draws its own training data" in captured.out
+    assert captured.err.count("trained earlier with this config") == 2, "the seed runs are reused"

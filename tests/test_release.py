@@ -248,30 +248,37 @@ def grpo_release(stdlib_dataset, tmp_path_factory):
     return root / "release"
 
 
-@pytest.fixture(scope="module")
-def grpo_work(tmp_path_factory):
-    """One replay directory for the GRPO replays: the seed runs trained by the first are reused by the next."""
-    return tmp_path_factory.mktemp("grpo-replays")
-
-
-def test_a_grpo_replay_trains_its_seed_runs_and_is_judged_by_sampled(grpo_release, grpo_work, capsys):
+def test_a_grpo_replay_trains_its_seed_runs_and_is_judged_by_sampled(grpo_release, tmp_path, capsys):
     assert main(["release", "verify", str(grpo_release)]) == 0
-    assert main(["release", "replay", str(grpo_release), "--stage", "grpo", "--work", str(grpo_work)]) == 0
+    assert main(["release", "replay", str(grpo_release), "--stage", "grpo", "--work", str(tmp_path / "w")]) == 0
     captured = capsys.readouterr()
     assert "the release carries no seed runs, so 2 are trained here" in captured.err
     assert "PASS under profile sampled (objective grpo draws its own training data" in captured.out
-    summary = json.loads((grpo_work / "replay.json").read_text())
+    summary = json.loads((tmp_path / "w" / "replay.json").read_text())
     assert len(summary["seed_runs"]) == 2 and summary["verdict"]["metric"] == "reward"
     assert summary["verdict"]["seed_spread"] > 0
+    assert main(["release", "replay", str(grpo_release), "--stage", "grpo", "--work", str(tmp_path / "w")]) == 0
+    assert capsys.readouterr().err.count("trained earlier with this config") == 2, "the seed runs are reused"
 
 
-def test_a_grpo_replay_at_sampling_temperature_0_7_fails_naming_sampled(grpo_release, grpo_work, tmp_path, capsys):
-    """The recorded stage samples at temperature 1.0; rollouts at 0.7 score rewards that differ from the first step on by
-    more than 4 seed spreads (measured: 0.055 against a band of 0.018 on AVX-512, 0.061 against 0.026 on AVX2)."""
+def test_a_release_carries_seed_runs_and_a_replay_at_temperature_0_7_fails_against_them(
+    grpo_release, tmp_path, capsys
+):
+    """`--seed-runs` trains the seed runs with the release, so a replay trains only itself. The recorded stage samples
+    at temperature 1.0; rollouts at 0.7 score rewards that differ from the first step on by more than 4 seed spreads
+    (measured: 0.055 against a band of 0.018 on AVX-512, 0.061 against 0.026 on AVX2)."""
+    release = tmp_path / "release"
+    assert main(["release", str(grpo_release.parent / "pipeline"), "--out", str(release), "--seed-runs"]) == 0
+    assert "stage grpo: objective grpo samples its training data; training the seed runs" in capsys.readouterr().err
+    carried = next(stage for stage in json.loads((release / "release.json").read_text())["stages"]
+                   if stage["name"] == "grpo")["seed_runs"]
+    assert carried == ["stages/grpo/seed-runs/seed-1", "stages/grpo/seed-runs/seed-2"]
+    assert main(["release", "verify", str(release)]) == 0
     (tmp_path / "t07.yaml").write_text(yaml.safe_dump({"name": "temperature-0.7", "overrides": {"grpo.temperature": 0.7}}))
-    code = main(["release", "replay", str(grpo_release), "--stage", "grpo", "--env", str(tmp_path / "t07.yaml"),
-                 "--work", str(grpo_work)])
+    code = main(["release", "replay", str(release), "--stage", "grpo", "--env", str(tmp_path / "t07.yaml"),
+                 "--work", str(tmp_path / "w")])
     captured = capsys.readouterr()
     assert code == 1
     assert "FAIL under profile sampled (objective grpo draws its own training data" in captured.out
-    assert captured.err.count("trained earlier with this config") == 2, "the seed runs are reused"
+    assert "judged against the 2 seed runs the release carries (seed-1, seed-2" in captured.err
+    assert "trained here" not in captured.err and not (tmp_path / "w" / "seed-1").exists()

@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
-_FORMS = """usage: ferry release PIPELINE_DIR --out DIR [--optimizer] [--data] [--no-export]
+_FORMS = """usage: ferry release PIPELINE_DIR --out DIR [--optimizer] [--data] [--no-export] [--seed-runs]
        ferry release verify DIR
        ferry release replay DIR --stage NAME [--steps N] [--env ENV] [--work DIR]
 
@@ -34,6 +36,10 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     build.add_argument("--optimizer", action="store_true", help="keep each checkpoint's AdamW state")
     build.add_argument("--data", action="store_true", help="include the data files, not only their manifests")
     build.add_argument("--no-export", action="store_true", help="leave out the transformers exports")
+    build.add_argument(
+        "--seed-runs", action="store_true",
+        help="train and carry the seed runs a replay of a sampling stage (GRPO) is judged against",
+    )
     verify = argparse.ArgumentParser(prog="ferry release verify", description="verify a release")
     verify.add_argument("dir", help="a release directory")
     replay = argparse.ArgumentParser(prog="ferry release replay", description="replay a stage of a release")
@@ -65,11 +71,14 @@ def _release(args: argparse.Namespace) -> int:
 
 def _build(options: argparse.Namespace) -> int:
     from ferry.portability.release import build_release
+    from ferry.portability.release_seeds import carry_seed_runs
 
     content = build_release(
         options.pipeline_dir, options.out, optimizer=options.optimizer, data=options.data,
         export=not options.no_export,
     )
+    if options.seed_runs and carry_seed_runs(Path(options.out), say=lambda line: print(line, file=sys.stderr)):
+        content = json.loads((Path(options.out) / "release.json").read_text(encoding="utf-8"))
     total = sum(record["bytes"] for record in content["files"].values())
     print(
         f"ferry: release {options.out}: {len(content['stages'])} stage(s) "

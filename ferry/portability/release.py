@@ -13,6 +13,9 @@
                                  weights-only manifest is checked against file by file
         tokenizer.json           the tokenizer it trained with, so that export, generate and eval need no data
         transformers/            its export, where the architecture has one
+        seed-runs/seed-<k>/      with --seed-runs, for a stage that samples its data: runs of its config with other
+                                 seeds (config, run record, metrics), the spread its replays are judged against
+                                 (release_seeds.py)
       data/<source>/             every source's manifest.json (the data files too, with --data)
       extras/                    the portability report, bench and cost records found in the pipeline dir
 

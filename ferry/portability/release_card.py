@@ -112,7 +112,10 @@ def model_card(release: dict[str, Any]) -> str:
         "",
         "Train a stage's first steps again from this release alone (its parent checkpoint, config and data) and judge "
         "the curve against the recorded one under the rehearsal's tolerance profiles; `--env` names the environment "
-        "to replay on (configs/environments/), which chooses the profile as `ferry rehearse` does.",
+        "to replay on (configs/environments/), which chooses the profile as `ferry rehearse` does. A stage that "
+        "samples its own data (GRPO) is judged on its reward against the spread between runs with other seeds: the "
+        "release's own where it carries them (`ferry release --seed-runs`: `seed_runs` in release.json), otherwise "
+        "trained by the replay first.",
         "",
         "```sh",
         f"ferry release replay . --stage {first['name']} --steps 30",

@@ -89,23 +89,11 @@ def replay_stage(
             f"release {directory} does not verify ({check.problems[0]}); a replay needs the release as released "
             "(ferry release verify names every problem)"
         )
-    recorded = read_metrics(directory / entry["dir"])
-    recorded_steps = sorted({record["step"] for record in recorded if isinstance(record.get("step"), int)})
-    base = _as_recorded(_read_config(directory / entry["config"]), directory / entry["dir"] / "run.json")
-    total = base.get("train", {}).get("steps")
-    first = min(recorded_steps) if recorded_steps else 1
-    count = len(recorded_steps) if steps is None else min(steps, len(recorded_steps))
-    overrides = _start(directory, release, entry, stage)
-    overrides.update(_data(directory, release, entry, base))
     if work is None:
         work = Path("runs") / "release-replay" / f"{release['pipeline']['name']}-{stage}"
     work = Path(work)
     run_dir = work / "replay"
-    stop_at = first - 1 + count
-    overrides.update(
-        {"run.dir": str(run_dir), "run.overwrite": True, "train.stop_at": stop_at if stop_at < total else None}
-    )
-    overrides["metrics.sinks.console"] = False
+    base, overrides, count = stage_inputs(directory, release, entry, steps, run_dir)
     # the replay's own settings (where it starts, runs and stops) on both sides: only the environment differs
     recorded_config = _validated(base, overrides, f"stage {stage}'s config")
     environment = (
@@ -119,7 +107,16 @@ def replay_stage(
     say(f"ferry: replay of stage {stage}: {count} step(s) on {environment.name}, judged under {profile} ({reason})")
     seed_runs: list[Path] = []
     if tolerance_profile(profile).seeds:
-        seed_runs, failure = _seed_runs(base, overrides, entry, count, work, say)
+        carried = carried_seed_runs(directory, entry, count, say)
+        if carried is None:
+            seed, count_seeds = int(base.get("run", {}).get("seed", 0)), tolerance_profile(SAMPLED_PROFILE).seeds
+            say(
+                f"ferry: replay of stage {stage}: objective {entry['objective']} samples its training data; the "
+                f"release carries no seed runs, so {count_seeds} are trained here, or reused from --work (seeds "
+                f"{seed + 1}..{seed + count_seeds}, the recorded config), to measure the spread profile "
+                f"{SAMPLED_PROFILE} judges against"
+            )
+        seed_runs, failure = carried or train_seed_runs(base, overrides, entry, count, work, say)
         if failure is not None:
             return Replay(stage, count, environment.name, profile, reason, None, failure, run_dir)
     leg = run_leg("replay", environment, config, work, say, steps=count)
@@ -133,20 +130,49 @@ def replay_stage(
     return Replay(stage, count, environment.name, profile, reason, verdict, None, run_dir, seed_runs)
 
 
-def _seed_runs(
+def stage_inputs(
+    directory: Path, release: dict[str, Any], entry: dict[str, Any], steps: int | None, run_dir: Path
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """The stage's recorded config (as the recorded run resolved it), the overrides that start it from the release
+    and stop it after `steps` of its recorded steps (all by default) in `run_dir`, and how many steps that is."""
+    stage = entry["name"]
+    recorded = read_metrics(directory / entry["dir"])
+    recorded_steps = sorted({record["step"] for record in recorded if isinstance(record.get("step"), int)})
+    base = _as_recorded(_read_config(directory / entry["config"]), directory / entry["dir"] / "run.json")
+    total = base.get("train", {}).get("steps")
+    first = min(recorded_steps) if recorded_steps else 1
+    count = len(recorded_steps) if steps is None else min(steps, len(recorded_steps))
+    overrides = _start(directory, release, entry, stage)
+    overrides.update(_data(directory, release, entry, base))
+    stop_at = first - 1 + count
+    overrides.update(
+        {"run.dir": str(run_dir), "run.overwrite": True, "train.stop_at": stop_at if stop_at < total else None}
+    )
+    overrides["metrics.sinks.console"] = False
+    return base, overrides, count
+
+
+def carried_seed_runs(directory: Path, entry: dict[str, Any], steps: int, say: Say) -> tuple[list[Path], None] | None:
+    """The seed runs the release carries for the stage (`ferry release --seed-runs`), when they cover `steps`."""
+    count = tolerance_profile(SAMPLED_PROFILE).seeds
+    runs = [directory / run for run in entry.get("seed_runs", [])][:count]
+    if len(runs) < count or any(len(read_metrics(run)) < steps for run in runs):
+        return None
+    say(
+        f"ferry: replay of stage {entry['name']}: judged against the {count} seed runs the release carries "
+        f"({', '.join(run.name for run in runs)}: the recorded config with other seeds, trained by the releaser)"
+    )
+    return runs, None
+
+
+def train_seed_runs(
     base: dict[str, Any], overrides: dict[str, Any], entry: dict[str, Any], steps: int, work: Path, say: Say
 ) -> tuple[list[Path], str | None]:
     """The runs of the stage's recorded config with the next seeds, which measure the spread a `sampled` verdict
-    is judged against. A release carries none: the replay trains them here, on the recorded config, and says so."""
+    is judged against, trained here (on the recorded config) where the release carries none, and said so."""
     count = tolerance_profile(SAMPLED_PROFILE).seeds
     recorded = Environment(name="the recorded config", nproc=entry.get("world_size") or 1)
     seed = int(base.get("run", {}).get("seed", 0))
-    say(
-        f"ferry: replay of stage {entry['name']}: objective {entry['objective']} samples its training data; the "
-        f"release carries no seed runs, so {count} are trained here, or reused from --work (seeds "
-        f"{seed + 1}..{seed + count}, the recorded config), to measure the spread profile {SAMPLED_PROFILE} judges "
-        "against"
-    )
     runs = []
     for other in range(seed + 1, seed + 1 + count):
         run_dir = work / f"seed-{other}"

@@ -274,7 +274,8 @@ def test_a_release_carries_seed_runs_and_a_replay_at_temperature_0_7_fails_again
                    if stage["name"] == "grpo")["seed_runs"]
     assert carried == ["stages/grpo/seed-runs/seed-1", "stages/grpo/seed-runs/seed-2"]
     assert main(["release", "verify", str(release)]) == 0
-    (tmp_path / "t07.yaml").write_text(yaml.safe_dump({"name": "temperature-0.7", "overrides": {"grpo.temperature": 0.7}}))
+    temperature = {"name": "temperature-0.7", "overrides": {"grpo.temperature": 0.7}}
+    (tmp_path / "t07.yaml").write_text(yaml.safe_dump(temperature))
     code = main(["release", "replay", str(release), "--stage", "grpo", "--env", str(tmp_path / "t07.yaml"),
                  "--work", str(tmp_path / "w")])
     captured = capsys.readouterr()

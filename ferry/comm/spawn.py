@@ -24,7 +24,6 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
 PRELOADED = ["torch", "torch.distributed", "ferry.train"]
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ferry.checkpoint.format import CheckpointError
 from ferry.platform.digests import Digests, digest_file
+from ferry.checkpoint.format import CheckpointError
 
 
 class TensorFile:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from ferry.config.section import Section
+
 
 RUN_CHECKPOINTS = "checkpoints"  # where a run directory keeps its checkpoints by default
 

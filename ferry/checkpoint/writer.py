@@ -10,10 +10,11 @@ leaves at most a dot-prefixed staging directory, never a half-written `step-*`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import os
 import shutil
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path

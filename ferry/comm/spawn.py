@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+
 PRELOADED = ["torch", "torch.distributed", "ferry.train"]
 
 

@@ -12,13 +12,14 @@ from typing import Literal
 
 METRICS_FILE = "metrics.jsonl"
 
-Shape = Literal["step", "layer", "expert", "source"]
+Shape = Literal["step", "layer", "expert", "source", "stage"]
 
 
 @dataclass(frozen=True)
 class Metric:
-    """`shape`: one number per step, a list over MoE layers, a list over layers of lists over experts, or
-    a mapping from held-out source name to a number (only in the records of steps that evaluated).
+    """`shape`: one number per step, a list over MoE layers, a list over layers of lists over experts, a
+    mapping from held-out source name to a number (only in the records of steps that evaluated), or a list over
+    pipeline stages (only in the records of pipeline-parallel runs).
 
     `scale` turns the record's unit into the exported one (Prometheus wants base units: bytes, not MiB).
     `objective`: the `train.objective` whose steps report it (None: every objective's).
@@ -96,6 +97,15 @@ METRICS: tuple[Metric, ...] = (
     _step("lost_steps", "lost_steps", "steps trained again after failures, since the job began (rank 0)"),
     _step("loading_s", "loading_seconds", "time verifying and restoring checkpoints since the job began (rank 0)"),
     _step("restarting_s", "restarting_seconds", "time from failures to restored restarts since the job began"),
+    _step(
+        "pp.bubble", "pipeline_bubble",
+        "share of the pipeline schedule's time a rank was not computing, mean over the pipeline's ranks (pp > 1)",
+    ),
+    _step("pp.schedule_s", "pipeline_schedule_seconds", "time rank 0 spent in the pipeline schedule (pp > 1)"),
+    Metric(
+        "pp.stage_busy_s", "ferry_pipeline_stage_busy_seconds", "stage",
+        "forward and backward compute time of each pipeline stage in the step (pp > 1)",
+    ),
     Metric("moe.tokens_per_expert", "ferry_moe_expert_tokens", "expert", "assignments per expert in the step"),
     *_moe("imbalance", "busiest expert's load / mean expert load", "mean"),
     *_moe("cv", "coefficient of variation of the expert loads", "mean"),

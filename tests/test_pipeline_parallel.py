@@ -167,3 +167,32 @@ def test_a_pipeline_refused_inside_the_ranks_fails_on_every_rank(stdlib_dataset,
         run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path), "parallel.pp=2", "model.n_layers=3",
                      timeout_s=120)
     assert str(caught.value).count("stages do not split model.n_layers (3) evenly") == 2
+
+
+def test_the_memory_model_counts_the_largest_stage_and_the_schedules_micro_batches(make_config):
+    from ferry.train.memory import memory_estimate
+
+    single = memory_estimate(make_config(*PIPELINED_MODEL), 1, "cpu")
+    one_f_one_b = memory_estimate(make_config(*PIPELINED_MODEL, "parallel.pp=2"), 2, "cpu")
+    gpipe = memory_estimate(make_config(*PIPELINED_MODEL, "parallel.pp=2", "parallel.pp_schedule=gpipe"), 2, "cpu")
+    assert one_f_one_b.state_bytes < 0.7 * single.state_bytes, "a stage holds about half the weights and moments"
+    assert gpipe.state_bytes == one_f_one_b.state_bytes
+    assert gpipe.backward_bytes > 1.5 * one_f_one_b.backward_bytes, "GPipe keeps all 4 micro-batches, 1F1B 2"
+
+
+def test_ferry_launch_explains_where_the_stages_fall():
+    from ferry.launch import build_launch_spec
+    from ferry.launch.environment import explain
+
+    from conftest import REPO
+
+    spec = build_launch_spec(
+        str(REPO / "configs" / "tiny.yaml"), ["train.micro_batch=1", "parallel.ep=8", "parallel.pp=2"],
+        platform="p5.48xlarge", nodes=2, master_addr="10.0.0.1",
+    )
+    assert "pipeline: 2 stages (1f1b) of 8 consecutive ranks, 1 whole node(s) each" in explain(spec)
+    with pytest.raises(UserError, match="parallel.pp: 3 does not divide the world size 16"):
+        build_launch_spec(
+            str(REPO / "configs" / "tiny.yaml"), ["parallel.pp=3"], platform="p5.48xlarge", nodes=2,
+            master_addr="10.0.0.1",
+        )

@@ -113,6 +113,18 @@ def test_a_one_process_checkpoint_resumes_as_pp2(reference, stdlib_dataset, tmp_
     assert _relative(resumed[0]["losses"], reference["single"]["losses"][5:]) < TOLERANCE
 
 
+def test_ferry_eval_reads_a_pipelined_checkpoint_as_the_single_process_one(reference, stdlib_dataset, capsys):
+    from ferry.cli.main import main
+
+    figures = []
+    for run_dir in (reference["pp_dir"], reference["single_dir"]):
+        final = run_dir / "checkpoints" / "step-00000010"
+        assert main(["eval", str(final), "--data", str(stdlib_dataset), "--batches", "2", "--batch-size", "8",
+                     "--json"]) == 0
+        figures.append(json.loads(capsys.readouterr().out)["datasets"][str(stdlib_dataset)]["loss"])
+    assert _relative(figures[:1], figures[1:]) < TOLERANCE
+
+
 def test_a_pp2_checkpoint_resumes_as_ep2(reference, stdlib_dataset, tmp_path):
     checkpoint = reference["pp_dir"] / "checkpoints" / "step-00000005"
     resumed = run_on_ranks(
@@ -122,10 +134,12 @@ def test_a_pp2_checkpoint_resumes_as_ep2(reference, stdlib_dataset, tmp_path):
     assert _relative(resumed[0]["losses"], reference["single"]["losses"][5:]) < TOLERANCE
 
 
-def test_pp2_with_ep2_and_zero1_on_4_ranks_trains_as_one_process(reference, stdlib_dataset, tmp_path):
-    """world 4 = pp 2 x (dp 1 x ep 2): each stage's two ranks split its experts and the step's rows."""
+@pytest.mark.parametrize("layout", [("parallel.ep=2",), ("parallel.ep=1",)], ids=["pp2-ep2", "pp2-dp2"])
+def test_a_pipeline_with_zero1_on_4_ranks_trains_as_one_process(reference, stdlib_dataset, tmp_path, layout):
+    """world 4 = pp 2 x (dp x ep) 2: each stage's two ranks split the step's rows and, with ep 2, its experts;
+    dense gradients are summed over a stage's ranks, expert gradients over the ranks holding the same experts."""
     run = run_on_ranks(
-        runs.train_run, 4, str(stdlib_dataset), str(tmp_path), *PIPELINED_MODEL, "parallel.pp=2", "parallel.ep=2",
+        runs.train_run, 4, str(stdlib_dataset), str(tmp_path), *PIPELINED_MODEL, "parallel.pp=2", *layout,
         "optim.zero=true", timeout_s=240,
     )
     assert _relative(run[0]["losses"], reference["single"]["losses"]) < TOLERANCE

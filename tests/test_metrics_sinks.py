@@ -85,7 +85,9 @@ OBJECTIVE_KEYS = {
 
 
 # what a pipeline-parallel run's steps add
-PIPELINE_KEYS = {"pp.bubble": 0.2, "pp.schedule_s": 0.35, "pp.stage_busy_s": [0.28, 0.3]}
+PIPELINE_KEYS = {
+    "pp.bubble": 0.2, "pp.schedule_s": 0.35, "pp.stage_busy_s": [0.28, 0.3], "pp.stage_mem_peak_mib": [410.5, 398.0],
+}
 
 
 def scrape(url: str) -> str:

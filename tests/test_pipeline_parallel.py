@@ -63,6 +63,7 @@ def test_each_stage_moves_its_routers_biases_as_one_process(reference):
 def test_a_pipelined_run_records_its_stages_and_bubble(reference):
     record = reference["pp"][0]["records"][-1]
     assert len(record["pp.stage_busy_s"]) == 2 and min(record["pp.stage_busy_s"]) > 0
+    assert len(record["pp.stage_mem_peak_mib"]) == 2 and min(record["pp.stage_mem_peak_mib"]) > 0
     assert 0 < record["pp.bubble"] < 1
     assert record["forward_s"] > 0 and record["backward_s"] > 0
     layout = json.loads((reference["pp_dir"] / "run.json").read_text())["layout"]

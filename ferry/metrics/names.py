@@ -106,6 +106,10 @@ METRICS: tuple[Metric, ...] = (
         "pp.stage_busy_s", "ferry_pipeline_stage_busy_seconds", "stage",
         "forward and backward compute time of each pipeline stage in the step (pp > 1)",
     ),
+    Metric(
+        "pp.stage_mem_peak_mib", "ferry_pipeline_stage_memory_peak_bytes", "stage",
+        "peak memory of the process running each pipeline stage (bytes; pp > 1)", 2**20,
+    ),
     Metric("moe.tokens_per_expert", "ferry_moe_expert_tokens", "expert", "assignments per expert in the step"),
     *_moe("imbalance", "busiest expert's load / mean expert load", "mean"),
     *_moe("cv", "coefficient of variation of the expert loads", "mean"),

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ferry.metrics.step import memory_peak_mib
 from ferry.model import MoEConfig, MoEStats
 from ferry.parallel.pipeline_schedule import ExchangedShapes, Pipeline, build_pipeline
 from ferry.parallel.plan import ParallelPlan
@@ -101,22 +102,27 @@ class PipelineContext(TrainingContext):
                 statistics.add_router(aux, z, stats, share, layers=module.moe_indices)
 
     def _stage_figures(self, schedule_s: float) -> dict:
-        """Each stage's busy seconds over the pipeline (summed over the pipeline's ranks, each stage held by one)
-        and the bubble: the share of the schedule's time a rank was not computing, averaged over the ranks."""
+        """Each stage's busy seconds and the peak memory of the rank running it (summed over the pipeline's ranks,
+        each stage held by one), and the bubble: the share of the schedule's time a rank was not computing,
+        averaged over the ranks."""
         times = self.pipeline.take_times()
         forward_s = sum(stage.forward_s for stage in times)
         backward_s = sum(stage.backward_s for stage in times)
         self._timer.add("forward", forward_s)
         self._timer.add("backward", backward_s)
         split = self.plan.split
-        busy_S = torch.zeros(split.num_stages + 1, dtype=torch.float64)
+        stages = split.num_stages
+        figures_F = torch.zeros(2 * stages + 1, dtype=torch.float64)  # busy per stage, peak per stage, bubble
+        peak_mib = memory_peak_mib(self.device)
         for stage_index, stage_times in zip(split.stages_of(self.plan.pp.rank), times):
-            busy_S[stage_index] = stage_times.busy_s
-        busy_S[-1] = 1.0 - (forward_s + backward_s) / schedule_s
-        busy = self.plan.pp.all_reduce(busy_S.to(self.device)).cpu()
+            figures_F[stage_index] = stage_times.busy_s
+            figures_F[stages + stage_index] = peak_mib
+        figures_F[-1] = 1.0 - (forward_s + backward_s) / schedule_s
+        summed = self.plan.pp.all_reduce(figures_F.to(self.device)).cpu().tolist()
         return {
-            "pp.stage_busy_s": [round(value, 6) for value in busy[:-1].tolist()],
-            "pp.bubble": float(busy[-1]) / self.plan.pp.size,
+            "pp.stage_busy_s": [round(value, 6) for value in summed[:stages]],
+            "pp.stage_mem_peak_mib": summed[stages : 2 * stages],
+            "pp.bubble": summed[-1] / self.plan.pp.size,
             "pp.schedule_s": schedule_s,
         }
 

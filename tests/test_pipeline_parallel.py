@@ -220,3 +220,18 @@ def test_ferry_launch_explains_where_the_stages_fall():
             str(REPO / "configs" / "tiny.yaml"), ["parallel.pp=3"], platform="p5.48xlarge", nodes=2,
             master_addr="10.0.0.1",
         )
+
+
+def test_a_balanced_split_counts_the_embedding_and_the_head_with_their_stages(make_config):
+    from ferry.parallel.pipeline_split import balanced_counts, split_stages
+
+    assert balanced_counts([10] * 6, 25, 3) == [1, 4, 1], "35, 40, 35 beats 45, 20, 45"
+    assert balanced_counts([10] * 4, 0, 2) == [2, 2]
+    config = make_config("model.n_layers=6", "model.vocab_size=4096", "parallel.pp=2", "parallel.pp_split=balanced")
+    blocks = split_stages(config.parallel, config.model).blocks
+    assert [len(stage) for stage in blocks] == [3, 3] and blocks[1] == (3, 4, 5)
+    virtual = make_config(
+        "model.n_layers=8", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"
+    )
+    split = split_stages(virtual.parallel, virtual.model)
+    assert split.stages_of(0) == [0, 2] and split.blocks_of(1) == {2, 3, 6, 7}

@@ -235,3 +235,11 @@ def test_a_balanced_split_counts_the_embedding_and_the_head_with_their_stages(ma
     )
     split = split_stages(virtual.parallel, virtual.model)
     assert split.stages_of(0) == [0, 2] and split.blocks_of(1) == {2, 3, 6, 7}
+
+
+def test_torchs_zero_bubble_schedules_are_refused_naming_the_supported_ones(make_config):
+    from ferry.config import ConfigError
+
+    with pytest.raises(ConfigError, match="zero_bubble: torch's zero-bubble schedules split each backward") as refused:
+        make_config("parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2")
+    assert "choose one of gpipe, 1f1b, interleaved_1f1b, looped_bfs" in str(refused.value)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ferry.config.section import Section
 
-# torch's zero-bubble schedules split each backward into input and weight halves by re-entering autograd, which the
-# experts' fused kernels (their saved buffers reused in place) do not survive: not offered
 PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"]
 INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "looped_bfs")
+# torch's zero-bubble schedules split each backward into its input and weight halves by running autograd twice over
+# one graph, which the head's loss and the experts' fused kernels (buffers handed to the backward once, or reused in
+# place) do not survive
+REFUSED_SCHEDULES = ("zero_bubble", "interleaved_zero_bubble", "zbv", "dualpipev")
 
 
 class ParallelConfig(Section):
@@ -54,6 +56,17 @@ class ParallelConfig(Section):
         "largest stage's parameters, embedding and head included, are as few as possible), or a list of "
         "blocks per stage in order (recorded in run.json)",
     )
+
+    @field_validator("pp_schedule", mode="before")
+    @classmethod
+    def _zero_bubble_is_refused_by_name(cls, schedule: object) -> object:
+        if schedule in REFUSED_SCHEDULES:
+            raise ValueError(
+                f"{schedule}: torch's zero-bubble schedules split each backward in two passes over one graph, which "
+                f"the chunked head loss and the experts' fused kernels do not survive; choose one of "
+                f"{', '.join(PipelineScheduleName.__args__)}"
+            )
+        return schedule
 
     @model_validator(mode="after")
     def _pipeline_schedule_fits_its_stages(self) -> ParallelConfig:

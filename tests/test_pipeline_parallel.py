@@ -5,7 +5,8 @@ Tolerance, fixed before measuring: 1e-6 relative on losses and router figures ov
 only the order of floating-point sums (each stage's gradients accumulated over micro-batches in the schedule's
 order, the routers' loss gradients joining the residual stream's at their stage instead of at the loss); measured
 on a 4-block MoE model over 10 steps: PP2 (1F1B, GPipe, interleaved 1F1B) within 3.9e-8 of the single process,
-looped BFS within 5.9e-8, PP2 x EP2 x ZeRO-1 on 4 ranks within 2.0e-8. Expert loads are integers and must be equal.
+looped BFS within 5.9e-8, zero bubble (portable kernels, logits then loss) within 2.0e-8, PP2 x EP2 x ZeRO-1 on
+4 ranks within 2.0e-8. Expert loads are integers and must be equal.
 """
 
 import json
@@ -77,8 +78,10 @@ def test_a_pipelined_run_records_its_stages_and_bubble(reference):
         ("parallel.pp_schedule=gpipe",),
         ("parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"),
         ("parallel.pp_schedule=looped_bfs", "parallel.pp_virtual_stages=2", "parallel.pp_split=[1,1,1,1]"),
+        ("parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2", "kernels.policy=portable",
+         "train.loss_chunk=0"),
     ],
-    ids=["gpipe", "interleaved_1f1b", "looped_bfs"],
+    ids=["gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble"],
 )
 def test_every_schedule_gives_the_same_losses(reference, stdlib_dataset, tmp_path, schedule):
     pp = run_on_ranks(
@@ -155,13 +158,23 @@ def test_a_pipeline_with_zero1_on_4_ranks_trains_as_one_process(reference, stdli
         (("parallel.pp_split=[1,2]",), 2, "parallel.pp_split [1, 2] places 3 blocks; model.n_layers is 4"),
         (("train.micro_batch=8",), 2, "1f1b needs at least parallel.pp (2) micro-batches a step, this run has 1"),
         (("train.micro_batch=4", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"), 4,
-         "interleaved_1f1b needs a multiple of parallel.pp (2) micro-batches a step, this run has 1"),
+         "interleaved_1f1b runs a step's micro-batches in rounds of about parallel.pp (2): at least 2 that split into "
+         "equal rounds (a multiple of 2 always does); this run has 1"),
+        (("parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2"), 2,
+         "zero_bubble runs each backward in two passes over one graph"),
+        (("parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2", "kernels.policy=portable",
+          "train.loss_chunk=0", "train.micro_batch=1", "train.global_batch=5"), 2,
+         "zero_bubble runs a step's micro-batches in rounds of about parallel.pp (2): at least 2 that split into "
+         "equal rounds (a multiple of 2 always does); this run has 5"),
         (("train.objective=dpo",), 2, "train.objective dpo is not run under pipeline parallelism"),
         (("eval.sources=[{name: held_out, path: data}]",), 2, "eval.sources is not supported with pipeline"),
         ((), 3, "parallel.pp: 2 does not divide the world size 3"),
         (("parallel.ep=2",), 2, "parallel.ep: 2 does not divide the 1 ranks of each pipeline stage"),
     ],
-    ids=["uneven-split", "split-sum", "1f1b-micro-batches", "interleaved-rounds", "dpo", "eval", "world", "ep"],
+    ids=[
+        "uneven-split", "split-sum", "1f1b-micro-batches", "interleaved-rounds", "zero-bubble-kernels",
+        "zero-bubble-rounds", "dpo", "eval", "world", "ep",
+    ],
 )
 def test_a_pipeline_the_run_cannot_take_is_refused_before_any_rank_starts(
     make_config, overrides, world_size, message
@@ -237,9 +250,9 @@ def test_a_balanced_split_counts_the_embedding_and_the_head_with_their_stages(ma
     assert split.stages_of(0) == [0, 2] and split.blocks_of(1) == {2, 3, 6, 7}
 
 
-def test_torchs_zero_bubble_schedules_are_refused_naming_the_supported_ones(make_config):
+def test_torchs_v_shaped_schedules_are_refused_naming_the_supported_ones(make_config):
     from ferry.config import ConfigError
 
-    with pytest.raises(ConfigError, match="zero_bubble: torch's zero-bubble schedules split each backward") as refused:
-        make_config("parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2")
-    assert "choose one of gpipe, 1f1b, interleaved_1f1b, looped_bfs" in str(refused.value)
+    with pytest.raises(ConfigError, match="zbv: torch's V-shaped schedules place the first and the last") as refused:
+        make_config("parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2")
+    assert "choose one of gpipe, 1f1b, interleaved_1f1b, looped_bfs, zero_bubble" in str(refused.value)

@@ -8,12 +8,11 @@ from pydantic import Field, field_validator, model_validator
 
 from ferry.config.section import Section
 
-PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"]
-INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "looped_bfs")
-# torch's zero-bubble schedules split each backward into its input and weight halves by running autograd twice over
-# one graph, which the head's loss and the experts' fused kernels (buffers handed to the backward once, or reused in
-# place) do not survive
-REFUSED_SCHEDULES = ("zero_bubble", "interleaved_zero_bubble", "zbv", "dualpipev")
+PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble"]
+INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "zero_bubble")
+# torch's V-shaped schedules put the first and the last stage on one rank, a placement other than the loop the split
+# follows (ferry/parallel/pipeline_split.py)
+REFUSED_SCHEDULES = ("zbv", "dualpipev")
 
 
 class ParallelConfig(Section):
@@ -44,8 +43,9 @@ class ParallelConfig(Section):
     pp_schedule: PipelineScheduleName = Field(
         "1f1b",
         description="torch.distributed.pipelining's schedule: gpipe (all forwards, then all backwards), 1f1b (one "
-        "forward, one backward), interleaved_1f1b and looped_bfs (pp_virtual_stages >= 2 stages per rank, loop "
-        "placement; looped_bfs runs each local stage's micro-batches breadth first)",
+        "forward, one backward), interleaved_1f1b, looped_bfs and zero_bubble (pp_virtual_stages >= 2 stages per "
+        "rank, loop placement; looped_bfs runs each local stage's micro-batches breadth first; zero_bubble splits "
+        "each backward into its input and weight halves, with kernels.policy portable and train.loss_chunk 0)",
     )
     pp_virtual_stages: int = Field(
         1, ge=1, le=16, description="stages per rank: 1 for gpipe and 1f1b, 2 or more for the interleaved schedules"
@@ -62,9 +62,8 @@ class ParallelConfig(Section):
     def _zero_bubble_is_refused_by_name(cls, schedule: object) -> object:
         if schedule in REFUSED_SCHEDULES:
             raise ValueError(
-                f"{schedule}: torch's zero-bubble schedules split each backward in two passes over one graph, which "
-                f"the chunked head loss and the experts' fused kernels do not survive; choose one of "
-                f"{', '.join(PipelineScheduleName.__args__)}"
+                f"{schedule}: torch's V-shaped schedules place the first and the last stage on one rank, not the loop "
+                f"placement ferry splits stages into; choose one of {', '.join(PipelineScheduleName.__args__)}"
             )
         return schedule
 

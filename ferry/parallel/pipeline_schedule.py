@@ -16,6 +16,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
 )
 
@@ -28,6 +29,7 @@ SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "looped_bfs": ScheduleLoopedBFS,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
 }
 
 

@@ -87,12 +87,13 @@ class StageModule(nn.Module):
 
 class _RouterLossGradient(torch.autograd.Function):
     """Identity on `x`; its backward passes `x`'s gradient through and gives `term` the gradient one, as if the
-    term had been added to the loss whose gradient `x` receives."""
+    term had been added to the loss whose gradient `x` receives. The output is a copy, not a view: the zero-bubble
+    schedules detach a stage's output in place between the two halves of its backward."""
 
     @staticmethod
     def forward(ctx, x, term):
         ctx.term_dtype = term.dtype
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad_x):

@@ -42,6 +42,15 @@ def check_pipeline(config: RunConfig, world_size: int) -> None:
                 "overlap trial run the whole model, a tied head lives on another stage than its embedding, the "
                 "memory model does not choose a pipeline's micro-batch); drop it or set parallel.pp=1"
             )
+    vendor_pins = [op for op, implementation in config.kernels.ops.items() if implementation != "portable"]
+    portable = config.kernels.policy == "portable" and not vendor_pins
+    if parallel.pp_schedule == "zero_bubble" and (not portable or train.loss_chunk):
+        raise UserError(
+            "parallel.pp_schedule zero_bubble runs each backward in two passes over one graph (input, then weight "
+            "gradients), which the experts' vendor kernels and the chunked head loss do not survive (they hand their "
+            "buffers to one backward); set kernels.policy=portable (no vendor kernels.ops) and train.loss_chunk=0, or "
+            "another schedule"
+        )
     replicas = world_size // pp
     per_pass = train.micro_batch * replicas
     if train.global_batch % per_pass:
@@ -51,19 +60,20 @@ def check_pipeline(config: RunConfig, world_size: int) -> None:
 
 
 def _check_micro_batches(schedule: str, pp: int, virtual: int, micro_batches: int, micro_batch: int) -> None:
-    """The counts torch's schedules accept: 1F1B at least one micro-batch per pipeline rank; interleaved 1F1B a
-    whole number of rounds of pp micro-batches (GPipe and looped BFS take any count)."""
+    """The counts torch's schedules accept: 1F1B at least one micro-batch per pipeline rank; interleaved 1F1B and
+    zero bubble a whole number of rounds of pp micro-batches (GPipe and looped BFS take any count)."""
     if schedule == "1f1b" and micro_batches < pp:
         raise UserError(
             f"parallel.pp_schedule 1f1b needs at least parallel.pp ({pp}) micro-batches a step, this run has "
             f"{micro_batches} (train.global_batch / (train.micro_batch {micro_batch} x data-parallel ranks)); lower "
             "train.micro_batch or raise train.global_batch"
         )
-    if schedule == "interleaved_1f1b":
+    if schedule in ("interleaved_1f1b", "zero_bubble"):
         rounds = max(1, micro_batches // pp)
         if micro_batches % rounds or micro_batches < pp:
             raise UserError(
-                f"parallel.pp_schedule {schedule} needs a multiple of parallel.pp ({pp}) micro-batches a step, this "
-                f"run has {micro_batches} (train.global_batch / (train.micro_batch {micro_batch} x data-parallel "
-                "ranks)); lower train.micro_batch or raise train.global_batch"
+                f"parallel.pp_schedule {schedule} runs a step's micro-batches in rounds of about parallel.pp ({pp}): "
+                f"at least {pp} that split into equal rounds (a multiple of {pp} always does); this run has "
+                f"{micro_batches} (train.global_batch / (train.micro_batch {micro_batch} x data-parallel ranks)); "
+                "change train.micro_batch or train.global_batch"
             )

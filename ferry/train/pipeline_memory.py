@@ -24,7 +24,8 @@ class RankShare:
 def pipeline_rank_shares(config: RunConfig, world_size: int, micro_batch: int) -> list[RankShare]:
     """Every pipeline rank's share. Kept micro-batches follow the schedules' warm-up: GPipe and looped BFS run
     every forward of a stage before its backwards (all m), 1F1B's stage r runs pp - r forwards ahead, interleaved
-    1F1B about pp per rank (an estimate: its warm-up depends on the rank and the virtual stages)."""
+    1F1B about pp per rank (an estimate: its warm-up depends on the rank and the virtual stages); zero bubble,
+    whose weight halves wait for later slots, is counted at all m (an upper bound)."""
     parallel, model = config.parallel, config.model
     split = split_stages(parallel, model)
     sizes = block_parameters(model)

@@ -96,14 +96,6 @@ class Pipeline:
     micro_batches: int
     times: list[StageTimes] = field(default_factory=list)
 
-    @property
-    def holds_first(self) -> bool:
-        return self.modules[0].is_first
-
-    @property
-    def holds_last(self) -> bool:
-        return self.modules[-1].is_last
-
     def take_times(self) -> list[StageTimes]:
         """Each local stage's times of the step, reset for the next."""
         taken = [StageTimes(times.forward_s, times.backward_s) for times in self.times]

@@ -87,9 +87,14 @@ class PipelineContext(TrainingContext):
     def _router_term(self, stats: list[MoEStats], share: float) -> torch.Tensor:
         """A stage's routers' part of one micro-batch's loss: the single process's mean over all MoE layers,
         restricted to this stage's layers, times the loss scale its backward would carry."""
+        aux, z = self._stage_router_losses(stats)
+        return self._scaler.scale_loss(share * router_objective(self._moe, aux, z))
+
+    def _stage_router_losses(self, stats: list[MoEStats]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A stage's layers' part of the step's router losses, each a mean over all the model's MoE layers."""
         aux = torch.stack([layer.aux_loss for layer in stats]).sum() / self._moe_layers
         z = torch.stack([layer.z_loss for layer in stats]).sum() / self._moe_layers
-        return self._scaler.scale_loss(share * router_objective(self._moe, aux, z))
+        return aux, z
 
     def _add_stage_statistics(self, statistics: StepStatistics, share: float) -> None:
         for module in self.pipeline.modules:
@@ -97,8 +102,7 @@ class PipelineContext(TrainingContext):
             for stats in kept:
                 if not stats:
                     continue
-                aux = torch.stack([layer.aux_loss for layer in stats]).sum() / self._moe_layers
-                z = torch.stack([layer.z_loss for layer in stats]).sum() / self._moe_layers
+                aux, z = self._stage_router_losses(stats)
                 statistics.add_router(aux, z, stats, share, layers=module.moe_indices)
 
     def _stage_figures(self, schedule_s: float) -> dict:

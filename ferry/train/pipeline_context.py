@@ -44,6 +44,8 @@ class PipelineContext(TrainingContext):
         self._figures: dict = {}
 
     def train_passes(self, passes: list[ForwardPass], statistics: StepStatistics) -> None:
+        """Every micro-batch through the schedule in one call (the schedule, not the objective, orders forwards and
+        backwards); the stages' router statistics and times collected after it."""
         if len(passes) != self.pipeline.micro_batches:
             raise ValueError(f"the pipeline runs {self.pipeline.micro_batches} micro-batches a step, got {len(passes)}")
         self._passes, self._statistics = passes, statistics
@@ -58,7 +60,7 @@ class PipelineContext(TrainingContext):
             "targets_BS": _joined([forward.head.targets_BS if forward.head else None for forward in passes]),
         }
         tokens_BS = torch.cat([forward.tokens_BS for forward in passes])
-        self._watch("forward")
+        self._watch("pipeline schedule")
         started = time.perf_counter()
         try:
             with self.autocast():

@@ -14,7 +14,7 @@ from ferry.data.synthetic import synthetic_tokens
 from ferry.portability import suites
 from ferry.portability.suites import load_suite
 
-SUITES = ["moe-tiny", "moe-tiny-ep2", "olmoe-1b-7b", "olmoe-1b-7b-ep8"]
+SUITES = ["moe-tiny", "moe-tiny-ep2", "moe-tiny-pp2", "olmoe-1b-7b", "olmoe-1b-7b-ep8"]
 KEYS = {"suite", "suite_digest", "input_digest", "tokens_per_s", "tokens_per_s_per_device", "mfu", "environment"}
 
 

@@ -158,19 +158,37 @@ def test_nproc_launch_reports_each_ranks_error_and_exits_2(stdlib_dataset, tmp_p
 
     from conftest import REPO
 
+    missing = tmp_path / "no-dataset"
+    result = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(REPO / "configs" / "tiny.yaml"), "--nproc", "2",
+         f"data.sources.0.path={missing}", "model.vocab_size=512", f"run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"'{missing}' is not a prepared dataset" in result.stderr
+    for rank in (0, 1):
+        reported = (
+            f"ferry: rank {rank}: error: data.sources.0 (stdlib): '{missing}' is not a prepared dataset" in result.stderr
+            or f"ferry: rank {rank} was stopped by the launcher" in result.stderr
+        )
+        assert reported, f"rank {rank}'s fate is not reported"
+    assert "Traceback" not in result.stderr
+
+
+def test_nproc_launch_refuses_a_layout_the_job_cannot_take_before_any_rank_starts(stdlib_dataset, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
     result = subprocess.run(
         [sys.executable, "-m", "ferry", "train", str(REPO / "configs" / "tiny.yaml"), "--nproc", "2",
          f"data.sources.0.path={stdlib_dataset}", "model.vocab_size=512", f"run.dir={tmp_path}", "parallel.ep=3"],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "error: parallel.ep: 3 does not divide the world size 2" in result.stderr
-    for rank in (0, 1):
-        reported = (
-            f"ferry: rank {rank}: error: parallel.ep: 3 does not divide the world size 2" in result.stderr
-            or f"ferry: rank {rank} was stopped by the launcher" in result.stderr
-        )
-        assert reported, f"rank {rank}'s fate is not reported"
+    assert "ferry: error: parallel.ep: 3 does not divide the world size 2" in result.stderr
+    assert "rank 0" not in result.stderr and "rank 1" not in result.stderr, "no rank was started"
     assert "Traceback" not in result.stderr
 
 

@@ -13,7 +13,7 @@ from ferry.precision import PrecisionConfig, resolve_precision
 
 from conftest import REPO, TINY_RUN
 
-SHIPPED = ["cpu", "cpu-bf16-portable", "cpu-ep2", "cuda", "h100-numerics", "mi300x-numerics"]
+SHIPPED = ["cpu", "cpu-bf16-portable", "cpu-ep2", "cpu-pp2", "cuda", "h100-numerics", "mi300x-numerics"]
 
 
 def _base(stdlib_dataset) -> dict:
@@ -49,6 +49,7 @@ def test_an_environment_is_found_by_path_too_and_its_digest_follows_its_definiti
     "source, target, profile, named",
     [
         ("cpu-ep2", "cpu", "same-hardware", "parallel.ep"),
+        ("cpu-pp2", "cpu", "same-hardware", "parallel.pp"),
         ("cpu", "cpu-bf16-portable", "cross-accelerator", "precision.compute_dtype"),
         ("h100-numerics", "mi300x-numerics", "cross-accelerator", "precision.profile"),
         ("cpu", "cpu", "same-hardware", "do not differ"),

@@ -70,6 +70,7 @@ def full_record(step: int) -> dict:
         **moe_diagnostics(counts_LE, probs_LE, torch.tensor([1.2, 1.3]), ep_degree=2),
         **eval_record({"held_out": SourceLoss(loss=3.25, tokens=4096)}),
         **OBJECTIVE_KEYS,
+        **PIPELINE_KEYS,
     }
 
 
@@ -80,6 +81,12 @@ OBJECTIVE_KEYS = {
     "clip_fraction": 0.02, "completion_length": 2.5, "filtered_groups": 0.25,
     "eval/rewards/accuracy": {"held_out": 0.8}, "eval/rewards/margin": {"held_out": 1.2},
     "eval/solve_rate": {"held_out": 0.7}, "eval/greedy_solve_rate": {"held_out": 0.8},
+}
+
+
+# what a pipeline-parallel run's steps add
+PIPELINE_KEYS = {
+    "pp.bubble": 0.2, "pp.schedule_s": 0.35, "pp.stage_busy_s": [0.28, 0.3], "pp.stage_mem_peak_mib": [410.5, 398.0],
 }
 
 

@@ -149,6 +149,7 @@ class Layout(_Record):
     world_size: int = Field(ge=1)
     ep_degree: int = Field(ge=1)
     mode: str
+    pp_degree: int = Field(1, ge=1)  # pipeline stages; the tensors' names and boxes are the same whatever it is
 
 
 class Manifest(_Record):

@@ -172,6 +172,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.max_restarts is not None and args.max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     if "WORLD_SIZE" not in os.environ and (args.max_restarts is not None or args.nproc is not None):
+        config.check_world_size(args.nproc or 1)  # refused here, before any rank starts
         return _launch(args, config)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # a rank started by an elastic agent (torchrun, --nproc) dies with it, and by the agent's SIGTERM at once:

@@ -3,7 +3,16 @@
 from ferry.comm.agreement import gather_objects, raise_on_every_rank
 from ferry.comm.collectives import Collectives
 from ferry.comm.config import CommConfig
-from ferry.comm.process_group import DistContext, build_mesh, init_distributed, launcher_ranks, resolve_backend, shutdown
+from ferry.comm.process_group import (
+    DistContext,
+    PipelineGroups,
+    build_mesh,
+    build_pipeline_mesh,
+    init_distributed,
+    launcher_ranks,
+    resolve_backend,
+    shutdown,
+)
 from ferry.comm.stats import CommStats, OpStats
 
 __all__ = [
@@ -11,6 +20,8 @@ __all__ = [
     "CommConfig",
     "DistContext",
     "build_mesh",
+    "build_pipeline_mesh",
+    "PipelineGroups",
     "gather_objects",
     "init_distributed",
     "launcher_ranks",

@@ -89,6 +89,27 @@ def build_mesh(context: DistContext, ep: int, device: torch.device) -> DeviceMes
     return init_device_mesh(device.type, (context.world_size // ep, ep), mesh_dim_names=("dp", "ep"))
 
 
+@dataclass(frozen=True)
+class PipelineGroups:
+    """The groups of a (pp, dp, ep) layout: this rank's pipeline (one rank per stage), the ranks of its stage
+    (`replicas`: they hold the same dense weights), and inside them its EP group and the ranks holding its experts."""
+
+    pp: dist.ProcessGroup
+    replicas: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    dp: dist.ProcessGroup
+
+
+def build_pipeline_mesh(context: DistContext, pp: int, ep: int, device: torch.device) -> PipelineGroups:
+    """A 3-D (pp, dp, ep) mesh: a stage's ranks are a run of world / pp consecutive ranks, laid out inside as the
+    (dp, ep) mesh of `build_mesh`; a pipeline takes the rank at the same place in each stage."""
+    replicas = context.world_size // pp
+    mesh = init_device_mesh(device.type, (pp, replicas // ep, ep), mesh_dim_names=("pp", "dp", "ep"))
+    stage_ranks = [list(range(stage * replicas, (stage + 1) * replicas)) for stage in range(pp)]
+    stage_group, _ = dist.new_subgroups_by_enumeration(stage_ranks)
+    return PipelineGroups(mesh["pp"].get_group(), stage_group, mesh["ep"].get_group(), mesh["dp"].get_group())
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -51,6 +51,7 @@ def explain(spec: LaunchSpec, width: int = 100) -> str:
     lines = [
         f"{spec.job_name}: {spec.nodes} node(s) of {platform.name} x {spec.nproc_per_node} process(es), "
         f"{spec.platform.comm_backend}, hardware profile {platform.hardware}",
+        *_pipeline_layout(spec),
         "",
         "set by ferry for torchrun:",
         *(f"  {name}={value}" for name, value in LAUNCHER_ENV.items()),
@@ -78,3 +79,18 @@ def explain(spec: LaunchSpec, width: int = 100) -> str:
             lines += ["", f"set by {scheduler} and read by the rendered files:"]
             lines += [f"  {name:<28} {meaning}" for name, meaning in SCHEDULER_SETS[scheduler].items()]
     return "\n".join(lines)
+
+
+def _pipeline_layout(spec: LaunchSpec) -> list[str]:
+    """Where a pipeline's stages fall: each stage is a run of consecutive ranks, so with whole nodes per stage the
+    expert all-to-alls and gradient reductions stay inside a node and only activations cross between nodes."""
+    pp = spec.config.parallel.pp
+    if pp == 1:
+        return []
+    per_stage = spec.world_size // pp
+    placement = (
+        f"{per_stage // spec.nproc_per_node} whole node(s) each: only the stages' activations cross the network"
+        if per_stage % spec.nproc_per_node == 0
+        else "stages share nodes: the expert exchanges of a stage may cross the network"
+    )
+    return [f"pipeline: {pp} stages ({spec.config.parallel.pp_schedule}) of {per_stage} consecutive ranks, {placement}"]

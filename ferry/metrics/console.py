@@ -53,6 +53,8 @@ class ConsoleProgress:
             summary += f"  reward {record['reward']:.2f}  solved {100 * record['solve_rate']:.0f}%"
         if record.get("mfu") is not None:
             summary += f"  mfu {100 * record['mfu']:.1f}%"
+        if "pp.bubble" in record:  # pipeline parallelism: the share of the schedule spent waiting
+            summary += f"  bubble {100 * record['pp.bubble']:.0f}%"
         if record.get("compile_s"):  # the step's time and throughput include it
             summary += f"  (compiling {record['compile_s']:.1f} s of it)"
         step = record["step"]

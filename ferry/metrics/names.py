@@ -12,16 +12,18 @@ from typing import Literal
 
 METRICS_FILE = "metrics.jsonl"
 
-Shape = Literal["step", "layer", "expert", "source"]
+Shape = Literal["step", "layer", "expert", "source", "stage"]
 
 
 @dataclass(frozen=True)
 class Metric:
-    """`shape`: one number per step, a list over MoE layers, a list over layers of lists over experts, or
-    a mapping from held-out source name to a number (only in the records of steps that evaluated).
+    """`shape`: one number per step, a list over MoE layers, a list over layers of lists over experts, a
+    mapping from held-out source name to a number (only in the records of steps that evaluated), or a list over
+    pipeline stages (only in the records of pipeline-parallel runs).
 
     `scale` turns the record's unit into the exported one (Prometheus wants base units: bytes, not MiB).
-    `objective`: the `train.objective` whose steps report it (None: every objective's).
+    `objective`: the `train.objective` whose steps report it (None: every objective's). `pipeline`: reported by
+    pipeline-parallel runs only.
     """
 
     key: str
@@ -30,6 +32,7 @@ class Metric:
     help: str
     scale: float = 1.0
     objective: str | None = None
+    pipeline: bool = False
 
 
 def _step(key: str, prometheus: str, help: str, scale: float = 1.0, objective: str | None = None) -> Metric:
@@ -96,6 +99,23 @@ METRICS: tuple[Metric, ...] = (
     _step("lost_steps", "lost_steps", "steps trained again after failures, since the job began (rank 0)"),
     _step("loading_s", "loading_seconds", "time verifying and restoring checkpoints since the job began (rank 0)"),
     _step("restarting_s", "restarting_seconds", "time from failures to restored restarts since the job began"),
+    Metric(
+        "pp.bubble", "ferry_pipeline_bubble", "step",
+        "share of the pipeline schedule's time a rank was not computing, mean over the pipeline's ranks",
+        pipeline=True,
+    ),
+    Metric(
+        "pp.schedule_s", "ferry_pipeline_schedule_seconds", "step", "time rank 0 spent in the pipeline schedule",
+        pipeline=True,
+    ),
+    Metric(
+        "pp.stage_busy_s", "ferry_pipeline_stage_busy_seconds", "stage",
+        "forward and backward compute time of each pipeline stage in the step", pipeline=True,
+    ),
+    Metric(
+        "pp.stage_mem_peak_mib", "ferry_pipeline_stage_memory_peak_bytes", "stage",
+        "peak memory of the process running each pipeline stage (bytes)", 2**20, pipeline=True,
+    ),
     Metric("moe.tokens_per_expert", "ferry_moe_expert_tokens", "expert", "assignments per expert in the step"),
     *_moe("imbalance", "busiest expert's load / mean expert load", "mean"),
     *_moe("cv", "coefficient of variation of the expert loads", "mean"),
@@ -141,9 +161,13 @@ METRICS: tuple[Metric, ...] = (
 )
 
 
-def objective_keys(objective: str) -> set[str]:
-    """The record keys a run of `objective` reports (its own and every objective's)."""
-    return {metric.key for metric in METRICS if metric.objective in (None, objective)}
+def objective_keys(objective: str, pipelined: bool = False) -> set[str]:
+    """The record keys a run of `objective` reports (its own and every objective's; with `pipelined`, the
+    pipeline's too)."""
+    return {
+        metric.key for metric in METRICS
+        if metric.objective in (None, objective) and (pipelined or not metric.pipeline)
+    }
 
 
 def prometheus_names() -> set[str]:

@@ -15,7 +15,8 @@ from ferry.metrics.config import PrometheusConfig
 from ferry.metrics.names import METRICS
 
 _LABELS = {
-    "step": ("run",), "layer": ("run", "layer"), "expert": ("run", "layer", "expert"), "source": ("run", "source")
+    "step": ("run",), "layer": ("run", "layer"), "expert": ("run", "layer", "expert"), "source": ("run", "source"),
+    "stage": ("run", "stage"),
 }
 
 
@@ -53,9 +54,9 @@ class PrometheusSink:
             elif metric.shape == "source":
                 for source, source_value in value.items():
                     gauge.labels(self.run_name, source).set(source_value * metric.scale)
-            elif metric.shape == "layer":
-                for layer, layer_value in enumerate(value):
-                    gauge.labels(self.run_name, str(layer)).set(layer_value * metric.scale)
+            elif metric.shape in ("layer", "stage"):
+                for index, indexed_value in enumerate(value):
+                    gauge.labels(self.run_name, str(index)).set(indexed_value * metric.scale)
             else:
                 for layer, values_E in enumerate(value):
                     for expert, expert_value in enumerate(values_E):

@@ -37,9 +37,9 @@ class TensorBoardSink:
             elif metric.shape == "source":
                 for source, source_value in value.items():
                     self._writer.add_scalar(f"{metric.key}/{source}", source_value, step)
-            else:
-                for layer, layer_value in enumerate(value):
-                    self._writer.add_scalar(f"{metric.key}/layer{layer}", layer_value, step)
+            else:  # per layer or per stage
+                for index, indexed_value in enumerate(value):
+                    self._writer.add_scalar(f"{metric.key}/{metric.shape}{index}", indexed_value, step)
 
     def close(self) -> None:
         self._writer.close()

@@ -92,6 +92,13 @@ class Block(nn.Module):
         return FarSkipStream(h_BSD, LateOutput.ready(self.ffn(self.ffn_norm(h_BSD)))), None
 
 
+class AbsentBlock(nn.Module):
+    """The place of a block another pipeline stage holds: no parameters, so the model's state_dict keeps the
+    logical names of the blocks this rank holds (`layers.<index>.`) and nothing of the others."""
+
+    ffn = None
+
+
 class Transformer(nn.Module):
     """Decoder-only MoE language model; the first `dense_layers` blocks use a dense FFN.
 
@@ -137,7 +144,33 @@ class Transformer(nn.Module):
                 module.expert_bias_E.zero_()
 
     def moe_layers(self) -> list[MoELayer]:
+        """The MoE layers this model holds (under pipeline parallelism, those of its own stages)."""
         return [block.ffn for block in self.layers if isinstance(block.ffn, MoELayer)]
+
+    def moe_layers_by_index(self) -> dict[int, MoELayer]:
+        """The MoE layers held, by their index among all the model's MoE layers (the rows of the step's loads)."""
+        first = self.config.dense_layers
+        return {index - first: block.ffn for index, block in enumerate(self.layers) if isinstance(block.ffn, MoELayer)}
+
+    def keep_only(self, blocks: set[int], embedding: bool, head: bool) -> None:
+        """Drop what other pipeline stages hold: the blocks not in `blocks`, the embedding and the final norm and
+        head unless asked to keep them. Drawn first on every rank, the kept weights are the single process's."""
+        for index in range(len(self.layers)):
+            if index not in blocks:
+                self.layers[index] = AbsentBlock()
+        if not embedding:
+            self.tok_embeddings = None
+        if not head:
+            self.norm = None
+            self.output = None
+
+    @staticmethod
+    def visibility(document_ids_BS: torch.Tensor | None) -> torch.Tensor | None:
+        """Which earlier positions each position attends to within its document (None: plain causal)."""
+        if document_ids_BS is None:
+            return None
+        same_BSS = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]
+        return same_BSS.tril()
 
     def forward(
         self,
@@ -161,10 +194,7 @@ class Transformer(nn.Module):
         if cache is not None and document_ids_BS is not None:
             raise ValueError("decoding with a cache attends to every cached token; document masking is for training")
         step = cache.begin(tokens_BS.shape[1]) if cache is not None else None
-        visible_BSS = None
-        if document_ids_BS is not None:
-            same_BSS = document_ids_BS[:, :, None] == document_ids_BS[:, None, :]
-            visible_BSS = same_BSS.tril()
+        visible_BSS = self.visibility(document_ids_BS)
         x_BSD = self.tok_embeddings(tokens_BS)
         stream = FarSkipStream(x_BSD) if self.config.skip == "farskip" else x_BSD
         moe_stats = []

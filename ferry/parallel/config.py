@@ -1,12 +1,18 @@
-"""Parallel layout: expert parallelism (the default) or the FSDP weight-gathering baseline."""
+"""Parallel layout: expert parallelism (the default) or the FSDP weight-gathering baseline, and pipeline stages."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ferry.config.section import Section
+
+PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble"]
+INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "zero_bubble")
+# torch's V-shaped schedules put the first and the last stage on one rank, a placement other than the loop the split
+# follows (ferry/parallel/pipeline_split.py)
+REFUSED_SCHEDULES = ("zbv", "dualpipev")
 
 
 class ParallelConfig(Section):
@@ -31,6 +37,59 @@ class ParallelConfig(Section):
         "back; rowwise: one exchange per local expert, rows received straight into the experts' input and sent "
         "back from their output, no permutation copy (ferry/parallel/rowwise.py)",
     )
+
+    pp: int = Field(1, ge=1, description="pipeline-parallel degree: stages of consecutive blocks, one per rank of a "
+                    "pipeline (ferry/parallel/pipeline_stage.py); divides the world size")
+    pp_schedule: PipelineScheduleName = Field(
+        "1f1b",
+        description="torch.distributed.pipelining's schedule: gpipe (all forwards, then all backwards), 1f1b (one "
+        "forward, one backward), interleaved_1f1b, looped_bfs and zero_bubble (pp_virtual_stages >= 2 stages per "
+        "rank, loop placement; looped_bfs runs each local stage's micro-batches breadth first; zero_bubble splits "
+        "each backward into its input and weight halves, with kernels.policy portable and train.loss_chunk 0)",
+    )
+    pp_virtual_stages: int = Field(
+        1, ge=1, le=16, description="stages per rank: 1 for gpipe and 1f1b, 2 or more for the interleaved schedules"
+    )
+    pp_split: Literal["even", "balanced"] | list[int] = Field(
+        "even",
+        description="blocks per stage: even (n_layers / stages each), balanced (consecutive blocks placed so that the "
+        "largest stage's parameters, embedding and head included, are as few as possible), or a list of "
+        "blocks per stage in order (recorded in run.json)",
+    )
+
+    @field_validator("pp_schedule", mode="before")
+    @classmethod
+    def _zero_bubble_is_refused_by_name(cls, schedule: object) -> object:
+        if schedule in REFUSED_SCHEDULES:
+            raise ValueError(
+                f"{schedule}: torch's V-shaped schedules place the first and the last stage on one rank, not the loop "
+                f"placement ferry splits stages into; choose one of {', '.join(PipelineScheduleName.__args__)}"
+            )
+        return schedule
+
+    @model_validator(mode="after")
+    def _pipeline_schedule_fits_its_stages(self) -> ParallelConfig:
+        interleaved = self.pp_schedule in INTERLEAVED_SCHEDULES
+        if self.pp > 1 and interleaved and self.pp_virtual_stages < 2:
+            raise ValueError(
+                f"pp_schedule {self.pp_schedule} interleaves several stages per rank: set pp_virtual_stages >= 2, or "
+                "pp_schedule gpipe or 1f1b"
+            )
+        if not interleaved and self.pp_virtual_stages != 1:
+            raise ValueError(
+                f"pp_schedule {self.pp_schedule} runs one stage per rank (pp_virtual_stages {self.pp_virtual_stages}); "
+                f"set pp_virtual_stages 1, or one of {', '.join(INTERLEAVED_SCHEDULES)}"
+            )
+        if self.pp > 1 and self.mode == "fsdp":
+            raise ValueError("pp composes with mode ep (expert-resident); the FSDP baseline runs with pp 1")
+        if isinstance(self.pp_split, list):
+            stages = self.pp * self.pp_virtual_stages
+            if len(self.pp_split) != stages or min(self.pp_split) < 1:
+                raise ValueError(
+                    f"pp_split {self.pp_split} must give each of the pp x pp_virtual_stages = {stages} stages at least "
+                    "one block"
+                )
+        return self
 
     @model_validator(mode="after")
     def _one_way_of_exchanging(self) -> ParallelConfig:

@@ -32,14 +32,22 @@ def reduce_gradients(
 
 
 def clip_grad_norm(
-    dense: list[nn.Parameter], experts: list[nn.Parameter], ep: Collectives | None, max_norm: float
+    dense: list[nn.Parameter],
+    experts: list[nn.Parameter],
+    ep: Collectives | None,
+    max_norm: float,
+    pp: Collectives | None = None,
 ) -> float:
-    """Clip by the norm of the whole model's gradient, experts on other EP ranks included."""
+    """Clip by the norm of the whole model's gradient, experts on other EP ranks and other pipeline stages'
+    parameters included."""
     dense_sq = _sum_sq(dense)
     expert_sq = _sum_sq(experts)
     if ep is not None and ep.size > 1:
         expert_sq = ep.all_reduce(expert_sq)
-    total = math.sqrt((dense_sq + expert_sq).item())
+    total_sq = dense_sq + expert_sq
+    if pp is not None and pp.size > 1:
+        total_sq = pp.all_reduce(total_sq)
+    total = math.sqrt(total_sq.item())
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)
         grads = [p.grad for p in dense + experts if p.grad is not None]

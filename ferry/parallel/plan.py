@@ -4,7 +4,9 @@
 rank, then each MoE layer keeps only its EP rank's experts and gets an all-to-all
 dispatcher; dense gradients are summed over all ranks, expert gradients over the
 ranks holding the same experts. `fsdp` mode: every block is sharded with FSDP2 and
-weights are gathered for each forward and backward (the baseline).
+weights are gathered for each forward and backward (the baseline). With `pp` > 1 every rank draws the whole
+model, then keeps only its pipeline stages' part (`ferry/parallel/pipeline_split.py`); the ranks of one stage form
+its data-parallel replicas, inside which experts are split as above.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ferry.comm import Collectives, CommStats, DistContext, build_mesh
+from ferry.comm import Collectives, CommStats, DistContext, build_mesh, build_pipeline_mesh
 from ferry.config import UserError
 from ferry.model import Transformer
 from ferry.model.experts import Experts
@@ -23,6 +25,7 @@ from ferry.parallel.config import ParallelConfig
 from ferry.parallel.expert_parallel import AllToAllDispatcher, shard_experts
 from ferry.parallel.fsdp import apply_fsdp
 from ferry.parallel.gradients import clip_grad_norm, reduce_gradients
+from ferry.parallel.pipeline_split import StageSplit, split_stages
 from ferry.parallel.zero import ReplicaGroup, ShardedAdamW
 
 
@@ -48,6 +51,23 @@ class ParallelPlan:
     expert_slices: dict[str, ExpertSlice] = field(default_factory=dict)
     reduce_dtype: torch.dtype = torch.float32
     ep_overlap: dict = field(default_factory=dict)  # how the MoE exchanges run; `auto`'s trial adds its figures
+    replicas: Collectives | None = None  # the ranks holding this rank's dense weights: all, or its stage's ranks
+    pp: Collectives | None = None  # this rank's pipeline: one rank of each stage (pp > 1)
+    split: StageSplit | None = None
+    logical_names: set[str] = field(default_factory=set)  # the whole model's state_dict names, every stage's
+
+    @property
+    def pipelined(self) -> bool:
+        return self.config.pp > 1
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the ranks that share a step's rows (a pipeline's ranks read the same rows)."""
+        return self.replicas.rank if self.pipelined else self.context.rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.replicas.size if self.pipelined else self.context.world_size
 
     @property
     def ep_size(self) -> int:
@@ -59,7 +79,11 @@ class ParallelPlan:
 
     @property
     def collectives(self) -> list[Collectives]:
-        return [c for c in (self.world, self.ep, self.dp) if c is not None]
+        unique = []
+        for collectives in (self.world, self.ep, self.dp, self.replicas, self.pp):
+            if collectives is not None and all(collectives is not seen for seen in unique):
+                unique.append(collectives)
+        return unique
 
     def attach_timer(self, timer) -> None:
         """Let every collective (and EP dispatch) report into the step timer's comm / ep_wait regions."""
@@ -74,6 +98,8 @@ class ParallelPlan:
         """
         if name in self.expert_slices:
             return self.dp is None or self.dp.rank == 0
+        if self.pipelined:
+            return self.replicas.rank == 0  # each stage's tensors live on its ranks only
         return self.context.rank == 0
 
     def lay_out_frozen(self, model: Transformer) -> None:
@@ -88,14 +114,15 @@ class ParallelPlan:
                 layer.dispatcher = AllToAllDispatcher(self.ep, num_experts, _chunks(self.config), _rowwise(self.config))
 
     def layout(self) -> dict:
-        return {"world_size": self.context.world_size, "ep": self.config.ep, "mode": self.config.mode}
+        layout = {"world_size": self.context.world_size, "ep": self.config.ep, "mode": self.config.mode}
+        return {**layout, "pp": self.config.pp} if self.pipelined else layout
 
     def sync_gradients(self) -> None:
         """Reduce gradients across replicas (ep mode; FSDP reduces inside backward)."""
         if self.config.mode == "fsdp":
             return
         bucket = int(self.config.bucket_mib * 2**20)
-        reduce_gradients([p for _, p in self.dense_params], self.world, self.reduce_dtype, bucket)
+        reduce_gradients([p for _, p in self.dense_params], self.replicas, self.reduce_dtype, bucket)
         reduce_gradients([p for _, p in self.expert_params], self.dp, self.reduce_dtype, bucket)
 
     def clip_gradients(self, model: nn.Module, max_norm: float) -> float:
@@ -105,7 +132,7 @@ class ParallelPlan:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
             return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         return clip_grad_norm(
-            [p for _, p in self.dense_params], [p for _, p in self.expert_params], self.ep, max_norm
+            [p for _, p in self.dense_params], [p for _, p in self.expert_params], self.ep, max_norm, self.pp
         )
 
     def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -117,7 +144,7 @@ class ParallelPlan:
     def build_optimizer(self, decayed: set[str], weight_decay: float, zero: bool, **adamw_kwargs):
         """Plain AdamW, or ZeRO-1 (state sharded over each parameter's replica group)."""
         if zero and self.config.mode == "ep" and self.context.is_distributed:
-            groups = [ReplicaGroup(self.dense_params, self.world), ReplicaGroup(self.expert_params, self.dp)]
+            groups = [ReplicaGroup(self.dense_params, self.replicas), ReplicaGroup(self.expert_params, self.dp)]
             return ShardedAdamW(groups, decayed, weight_decay, **adamw_kwargs)
         if zero and self.config.mode == "fsdp":
             raise UserError("optim.zero: FSDP already shards optimizer state; set optim.zero=false with parallel.mode=fsdp")
@@ -149,11 +176,15 @@ def build_plan(
         raise UserError(f"parallel.ep: FSDP mode replicates experts; use parallel.ep=1 (got {config.ep})")
     plan = ParallelPlan(config=config, context=context, stats=CommStats(), reduce_dtype=reduce_dtype)
     plan.ep_overlap = {"mode": config.ep_overlap, "chunks": _chunks(config), "dispatch": config.ep_dispatch}
-    if context.is_distributed:
+    plan.logical_names = set(model.state_dict())
+    if config.pp > 1:
+        _keep_own_stages(plan, model, context, device)
+    elif context.is_distributed:
         mesh = build_mesh(context, config.ep, device)
-        plan.world = Collectives(None, plan.stats, device)
+        plan.world = plan.replicas = Collectives(None, plan.stats, device)
         plan.ep = Collectives(mesh["ep"].get_group(), plan.stats, device)
         plan.dp = Collectives(mesh["dp"].get_group(), plan.stats, device)
+    if context.is_distributed:
         if config.mode == "ep" and config.ep > 1:
             for layer in model.moe_layers():
                 shard_experts(layer.experts, plan.ep.rank, config.ep)
@@ -170,6 +201,26 @@ def build_plan(
         else:
             plan.dense_params.append((name, param))
     return plan
+
+
+def _keep_own_stages(plan: ParallelPlan, model: Transformer, context: DistContext, device: torch.device) -> None:
+    """The pipeline's groups on a (pp, dp, ep) mesh, and the model cut down to this rank's stages."""
+    config = plan.config
+    if context.world_size % config.pp:
+        raise UserError(f"parallel.pp: {config.pp} does not divide the world size {context.world_size}")
+    if model.config.tie_embeddings:
+        raise UserError("parallel.pp: model.tie_embeddings shares the first stage's embedding with the last stage's "
+                        "head; set model.tie_embeddings=false or parallel.pp=1")
+    groups = build_pipeline_mesh(context, config.pp, config.ep, device)
+    plan.world = Collectives(None, plan.stats, device)
+    plan.pp = Collectives(groups.pp, plan.stats, device)
+    plan.replicas = Collectives(groups.replicas, plan.stats, device)
+    plan.ep = Collectives(groups.ep, plan.stats, device)
+    plan.dp = Collectives(groups.dp, plan.stats, device)
+    plan.split = split_stages(config, model.config)
+    pp_rank = plan.pp.rank
+    stages = plan.split.stages_of(pp_rank)
+    model.keep_only(plan.split.blocks_of(pp_rank), embedding=0 in stages, head=plan.split.num_stages - 1 in stages)
 
 
 def _chunks(config: ParallelConfig) -> int:

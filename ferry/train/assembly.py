@@ -33,6 +33,7 @@ from ferry.model.compilation import Compile, compile_blocks
 from ferry.model.digest import weights_digest
 from ferry.model.recompute import apply_activation_checkpointing
 from ferry.parallel import build_plan
+from ferry.parallel.pipeline_split import split_stages
 from ferry.parallel.plan import ParallelPlan
 from ferry.platform import environment_fingerprint, resolve_device
 from ferry.platform.allocator import apply_host_allocator
@@ -76,7 +77,11 @@ class Job:
         """The layout a checkpoint and run.json record: ranks, expert-parallel degree, mode."""
         parallel = self.config.parallel
         mode = parallel.mode if self.context.is_distributed else "single"
-        return {"world_size": self.world_size, "ep_degree": parallel.ep if parallel.mode == "ep" else 1, "mode": mode}
+        layout = {"world_size": self.world_size, "ep_degree": parallel.ep if parallel.mode == "ep" else 1, "mode": mode}
+        if parallel.pp > 1:
+            split = split_stages(parallel, self.config.model).describe()
+            layout.update(pp_degree=parallel.pp, pp_schedule=parallel.pp_schedule, pp_stages=split)
+        return layout
 
 
 @dataclass(frozen=True)
@@ -223,7 +228,9 @@ def build_model(job: Job, numerics: Numerics) -> ModelParts:
     torch.manual_seed(config.run.seed)
     drawn = config.init_from is None
     on_host = config.run.init_device == "host"
-    draw_deferred = drawn and on_host and (config.resume is not None or restarted_by_torchrun())
+    # a pipeline stage keeps part of a whole model's draw: drawn at once, since a later draw sees only that part
+    pipelined = config.parallel.pp > 1
+    draw_deferred = drawn and on_host and not pipelined and (config.resume is not None or restarted_by_torchrun())
     drawn_now = drawn and on_host and not draw_deferred
     model = Transformer(config.model, numerics.kernels, initialise=drawn_now)
     initial_weights = weights_digest(model) if drawn_now and job.is_main else None

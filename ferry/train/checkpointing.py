@@ -195,8 +195,9 @@ def _with_defaults(saved: dict) -> dict:
 def restore_model(checkpoint: Checkpoint, model: nn.Module, plan: ParallelPlan) -> None:
     targets = model.state_dict()
     stored = {name.removeprefix(MODEL) for name in checkpoint.names(MODEL)}
-    if stored != set(targets):
-        missing, unexpected = sorted(set(targets) - stored), sorted(stored - set(targets))
+    whole = plan.logical_names if plan.pipelined else set(targets)  # a stage holds part, the checkpoint all
+    if stored != whole:
+        missing, unexpected = sorted(whole - stored), sorted(stored - whole)
         raise CheckpointError(
             f"{checkpoint.path} does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
@@ -220,6 +221,8 @@ def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer, plan:
     boxes = []
     for logical in checkpoint.names(OPTIM):
         key, _, name = logical.removeprefix(OPTIM).partition(".")
+        if name not in params and plan.pipelined and name in plan.logical_names:
+            continue  # a parameter of another pipeline stage
         if name not in params:
             raise CheckpointError(f"{checkpoint.path}: {logical} belongs to no parameter of this model")
         param = params[name]

@@ -24,6 +24,7 @@ from ferry.model.recompute import Recompute
 from ferry.parallel.config import ParallelConfig
 from ferry.precision.config import PrecisionConfig
 from ferry.train.objectives.config import DPOConfig, GRPOConfig, Objective
+from ferry.train.pipeline_checks import check_pipeline
 from ferry.train.resilience.config import FaultConfig
 
 
@@ -182,6 +183,11 @@ class RunConfig(Section):
         """Refuse a job size the batch or the expert layout cannot be split over, before any rank starts. Each
         refusal names the overrides that would fit, since picking one is what the user does next."""
         train = self.train
+        ranks = f"the world size {world_size}"
+        if self.parallel.pp > 1:
+            check_pipeline(self, world_size)
+            world_size //= self.parallel.pp  # the ranks a step's rows are split over: one per pipeline
+            ranks = f"the {world_size} ranks of each pipeline stage (world size / parallel.pp)"
         micro_batch = 1 if train.micro_batch == "auto" else train.micro_batch  # auto takes a divisor that fits
         per_pass = micro_batch * world_size
         batches = {"train.global_batch": train.global_batch}
@@ -201,7 +207,7 @@ class RunConfig(Section):
             ]
             choices = " or ".join([", ".join(fitting[:-1]), fitting[-1]] if len(fitting) > 1 else fitting)
             raise UserError(
-                f"parallel.ep: {self.parallel.ep} does not divide the world size {world_size}; set {choices} (the "
+                f"parallel.ep: {self.parallel.ep} does not divide {ranks}; set {choices} (the "
                 f"divisors of {world_size} that also divide model.moe.num_experts, {num_experts})"
             )
 

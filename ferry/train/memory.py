@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ferry.config import UserError
 from ferry.model import count_model
 from ferry.train.config import RunConfig
+from ferry.train.pipeline_memory import RankShare, pipeline_rank_shares
 
 HEADROOM = 0.95  # the share of a device's memory an estimate may fill: allocator fragmentation, the CUDA context
 _INDEX_BYTES = 8
@@ -52,15 +53,30 @@ def memory_estimate(config: RunConfig, world_size: int, device: str, micro_batch
     which the backward keeps whether they are made per micro-batch or once a step
     (`ferry/precision/step_weights.py`: released before the optimizer step). Optimizer: AdamW's full-size
     temporary (the square root of the second moments, in the foreach implementation torch uses by default).
+    Under pipeline parallelism, the largest of the pipeline's ranks: its stages' parameters and the micro-batches
+    its schedule keeps in flight (`ferry/train/pipeline_memory.py`).
     """
     model, moe = config.model, config.model.moe
+    micro = micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 1)
+    if config.parallel.pp > 1:  # the rank holding the most, of the pipeline's
+        shares = pipeline_rank_shares(config, world_size, micro)
+        replicas = world_size // config.parallel.pp
+        estimates = [_rank_estimate(config, replicas, device, micro, share) for share in shares]
+        return max(estimates, key=lambda estimate: estimate.total_bytes)
     size = count_model(model, config.data.seq_len)
     moe_layers = model.n_layers - model.dense_layers
     expert_params = moe_layers * moe.num_experts * 3 * model.dim * moe.expert_ffn_dim
-    dense_params = size.total_params - expert_params
+    whole = RankShare(size.total_params, expert_params, model.n_layers, head=True, in_flight=1)
+    return _rank_estimate(config, world_size, device, micro, whole)
+
+
+def _rank_estimate(config: RunConfig, world_size: int, device: str, micro: int, share: RankShare) -> MemoryEstimate:
+    """One rank's estimate: `share` of the model over `world_size` ranks that replicate or split it."""
+    expert_params = share.expert_params
+    dense_params = share.total_params - expert_params
     param_bytes = _param_bytes(config)
     if config.parallel.mode == "fsdp":
-        local = size.total_params / world_size
+        local = share.total_params / world_size
         moments = local
     else:
         ep = config.parallel.ep
@@ -69,13 +85,12 @@ def memory_estimate(config: RunConfig, world_size: int, device: str, micro_batch
         moments = (dense_params / world_size + expert_params / ep / replicas) if config.optim.zero else local
     state = local * 2 * param_bytes + moments * 8
     compute_bytes = _compute_bytes(config, device)
-    micro = micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 1)
     tokens = micro * config.data.seq_len
     mode = config.train.activation_checkpointing
-    activations = tokens * model.n_layers * kept_bytes_per_token_layer(config, mode, compute_bytes)
+    activations = tokens * share.layers * kept_bytes_per_token_layer(config, mode, compute_bytes) * share.in_flight
     if mode != "none":  # the block the backward recomputes holds what a plain block keeps
         activations += tokens * kept_bytes_per_token_layer(config, "none", compute_bytes)
-    logits = _head_bytes(config, tokens, compute_bytes)
+    logits = _head_bytes(config, tokens, compute_bytes) * share.in_flight if share.head else 0
     copies = local * compute_bytes if compute_bytes < param_bytes else 0
     return MemoryEstimate(int(state), int(activations + logits + copies), int(moments * 4))
 

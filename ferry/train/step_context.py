@@ -12,14 +12,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ferry.comm.reductions import RankReductions
 from ferry.metrics.timer import StepTimer
+from ferry.model import ModelOutput
+from ferry.model.head_loss import HeadTargets
 from ferry.precision import LossScaler
 from ferry.precision.step_weights import StepWeights
+
+if TYPE_CHECKING:
+    from ferry.train.objectives.losses import LossParts
+    from ferry.train.step_statistics import StepStatistics
+
+
+@dataclass
+class ForwardPass:
+    """One micro-batch of a step, `share` of its global batch: the model's inputs, and the loss of its output
+    (`loss(output)`, the micro-batch's part of the step's objective). `head`: the head and loss computed together
+    (None: logits first)."""
+
+    tokens_BS: torch.Tensor
+    document_ids_BS: torch.Tensor | None
+    padding_BS: torch.Tensor | None
+    head: HeadTargets | None
+    share: float
+    loss: Callable[[ModelOutput], LossParts]
 
 
 class StepContext(Protocol):
@@ -37,6 +58,9 @@ class StepContext(Protocol):
     def phase(self, name: str) -> AbstractContextManager: ...
 
     def backward(self, loss: torch.Tensor) -> None: ...
+
+    def train_passes(self, passes: list[ForwardPass], statistics: StepStatistics) -> None:
+        """Forward and backward every micro-batch, however this job runs them, adding each to `statistics`."""
 
     def zero_grad(self) -> None: ...
 
@@ -104,8 +128,24 @@ class TrainingContext:
         with self.phase("backward"):
             self._scaler.scale_loss(loss).backward()
 
+    def train_passes(self, passes: list[ForwardPass], statistics: StepStatistics) -> None:
+        """Plain gradient accumulation: each micro-batch's forward, then its backward."""
+        for forward in passes:
+            with self.phase("forward"), self.autocast():
+                output = self.model(
+                    forward.tokens_BS, document_ids_BS=forward.document_ids_BS, padding_BS=forward.padding_BS,
+                    targets=forward.head,
+                )
+                parts = forward.loss(output)
+            self.backward(parts.objective)
+            statistics.add(parts, output, forward.share)
+
     def zero_grad(self) -> None:
         self._optimizer.zero_grad(set_to_none=True)
+
+    def step_figures(self) -> dict:
+        """What the way micro-batches ran adds to the step's record (a pipeline's stage times and bubble)."""
+        return {}
 
     def update(self, step: int) -> tuple[float, bool]:
         self.release_weights()

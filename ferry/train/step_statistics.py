@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ferry.model import ModelOutput
+from ferry.model import ModelOutput, MoEStats
 from ferry.train.objectives.losses import LossParts
 
 
@@ -63,10 +63,19 @@ class StepStatistics:
         self.sums_4[:2] += torch.stack([parts.lm_loss_sum, correct]).double()
         self.add_router(parts.aux_loss, parts.z_loss, output, share)
 
-    def add_router(self, aux_loss: torch.Tensor, z_loss: torch.Tensor, output: ModelOutput, share: float) -> None:
-        """The routers' losses and loads of one forward that is `share` of the step."""
+    def add_router(
+        self,
+        aux_loss: torch.Tensor,
+        z_loss: torch.Tensor,
+        output: ModelOutput | list[MoEStats],
+        share: float,
+        layers: list[int] | None = None,
+    ) -> None:
+        """The routers' losses and loads of one forward that is `share` of the step: a model's output, or the
+        statistics of the MoE layers `layers` (a pipeline stage's, by their index among all MoE layers)."""
         self.sums_4[2:] += torch.stack([share * aux_loss.detach(), share * z_loss.detach()]).double()
-        for index, stats in enumerate(output.moe_stats):
+        moe_stats = output if isinstance(output, list) else output.moe_stats
+        for index, stats in zip(layers or range(len(moe_stats)), moe_stats, strict=True):
             self.counts_LE[index] += stats.tokens_per_expert_E
             self.mean_prob_LE[index] += share * stats.mean_prob_E.double()
             self.entropy_L[index] += share * stats.entropy.double()

@@ -34,6 +34,7 @@ from ferry.train.hook_points import Hooks, RunEnd
 from ferry.train.hooks import CheckpointHook, EvaluationHook, RecordsHook, TraceHook
 from ferry.train.optimizer import learning_rate
 from ferry.train.overlap_trial import choose_overlap
+from ferry.train.pipeline_context import step_context
 from ferry.train.resilience.core import Resilience, restarted_by_torchrun
 from ferry.train.restore import checkpoint_state, draw_deferred_weights, initialize_from, resume_from
 from ferry.train.run_dir.announcements import announce, describe_hardware
@@ -66,11 +67,11 @@ class Trainer:
         self.initial_weights = model.initial_weights
         self.hub: MetricsHub | None = None
         self._run_lock: RunDirLock | None = None
-        self.context = TrainingContext(
-            model.model, job.device, model.reductions, partial(self.parts.numerics.autocast, job.device),
+        self.context: TrainingContext = step_context(
+            self.parts, model.model, job.device, model.reductions, partial(self.parts.numerics.autocast, job.device),
             self.parts.instruments.metrics.timer, self.parts.numerics.scaler, model.optimizer,
             self.resilience.phase, self.resilience.watchdog.touch, self.hooks.after_backward, self._apply_gradients,
-            model.step_weights,
+            step_weights=model.step_weights,
         )
 
     @property
@@ -200,9 +201,9 @@ class Trainer:
         for group in model.optimizer.param_groups:
             group["lr"] = lr
         model.model.train()
-        moe_layers = model.model.moe_layers()
         statistics = StepStatistics(
-            len(moe_layers), config.model.moe.num_experts, parts.job.device, objective=objective.statistics
+            config.model.n_layers - config.model.dense_layers, config.model.moe.num_experts, parts.job.device,
+            objective=objective.statistics,
         )
         compiled_before = compile_seconds() if model.compiled["mode"] != "none" else 0.0
         try:
@@ -212,9 +213,9 @@ class Trainer:
         compiling_s = compile_seconds() - compiled_before if model.compiled["mode"] != "none" else 0.0
         with timer.region("optimizer"):
             model.plan.sum_over_ranks(statistics.totals)
-            if outcome.stepped:
-                for layer, layer_counts_E in zip(moe_layers, statistics.counts_LE):
-                    layer.router.update_bias(layer_counts_E)
+            if outcome.stepped:  # the layers this rank holds (under pipeline parallelism, its stages')
+                for index, layer in model.model.moe_layers_by_index().items():
+                    layer.router.update_bias(statistics.counts_LE[index])
         cursor = parts.data.loader.advance(self.state.cursor)
         for collectives in model.plan.collectives:
             collectives.flush()
@@ -244,6 +245,7 @@ class Trainer:
             "loss_scale": scaler.scale,
             "skipped_steps": scaler.skipped_steps,
             **({"compile_s": compiling_s} if compiling_s else {}),
+            **self.context.step_figures(),
             **self._moe_diagnostics(statistics),
         }
 

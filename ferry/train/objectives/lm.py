@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ferry.data import DataCursor, MixedLoader, document_ids
@@ -9,6 +10,7 @@ from ferry.model import MoEConfig
 from ferry.model.head_loss import HeadTargets
 from ferry.train.objectives.base import StepOutcome
 from ferry.train.objectives.losses import compute_loss
+from ferry.train.step_context import ForwardPass
 
 if TYPE_CHECKING:
     from ferry.train.step_context import StepContext
@@ -47,18 +49,19 @@ class LanguageModelObjective:
     def step(self, context: StepContext, cursor: DataCursor, statistics: StepStatistics) -> StepOutcome:
         context.zero_grad()
         batches = self.loader.micro_batches(cursor, context.rank, context.world_size, self.micro_batch)
+        passes = []
         for batch in batches.micro:
             share = batch.inputs_BS.shape[0] / self.global_batch
-            with context.phase("forward"), context.autocast():
-                batch = batch.to(context.device)
-                documents_BS = self._documents(batch.inputs_BS)
-                head = HeadTargets(batch.targets_BS, self.loss_chunk) if self.loss_chunk else None
-                output = context.model(
-                    batch.inputs_BS, document_ids_BS=documents_BS, padding_BS=batch.padding_BS, targets=head
-                )
-                parts = compute_loss(output, batch.targets_BS, self.moe, batches.trained_targets, share)
-            context.backward(parts.objective)
-            statistics.add(parts, output, share)
+            batch = batch.to(context.device)
+            head = HeadTargets(batch.targets_BS, self.loss_chunk) if self.loss_chunk else None
+            loss = partial(
+                compute_loss, targets_BS=batch.targets_BS, moe=self.moe, trained_in_step=batches.trained_targets,
+                share_of_step=share,
+            )
+            passes.append(
+                ForwardPass(batch.inputs_BS, self._documents(batch.inputs_BS), batch.padding_BS, head, share, loss)
+            )
+        context.train_passes(passes, statistics)
         self.trained_targets = batches.trained_targets
         grad_norm, stepped = context.update(cursor.step + 1)
         return StepOutcome(stepped, grad_norm, self.tokens_per_step)

@@ -57,6 +57,13 @@ def announce(parts: RunParts, hub: MetricsHub, run_dir: Path, found: Found | Non
         f"profile {numerics.profile.name}) — {size.total_params / 1e6:.2f}M params "
         f"({size.active_params / 1e6:.2f}M active), {config.train.steps} steps of {step_size}, writing to {run_dir}"
     )
+    if "pp_degree" in layout:
+        stages = layout["pp_stages"]
+        micro_batches = config.train.global_batch // (config.train.micro_batch * job.world_size // layout["pp_degree"])
+        say(
+            f"ferry: pipeline: {layout['pp_degree']} ranks a pipeline, {layout['pp_schedule']}, blocks per stage "
+            f"{stages['blocks_per_stage']}, {micro_batches} micro-batches of {config.train.micro_batch} a step"
+        )
     if hub.prometheus is not None:
         say(f"ferry: Prometheus metrics at {hub.prometheus.url}")
     if found and found.checkpoint:

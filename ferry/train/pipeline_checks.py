@@ -1,0 +1,79 @@
+"""What a pipeline-parallel run must satisfy before any rank starts: the pipeline fits the job, the schedule gets
+the micro-batches it needs, and the run asks only for what the pipeline runs. Each refusal names the setting to
+change."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ferry.config import UserError
+from ferry.parallel.pipeline_split import split_stages
+
+if TYPE_CHECKING:
+    from ferry.train.config import RunConfig
+
+
+def check_pipeline(config: RunConfig, world_size: int) -> None:
+    """Refuse a pipeline the job, the model, the schedule or the rest of the run cannot take."""
+    parallel, train = config.parallel, config.train
+    pp = parallel.pp
+    if world_size % pp:
+        divisors = [degree for degree in range(2, world_size + 1) if world_size % degree == 0]
+        raise UserError(
+            f"parallel.pp: {pp} does not divide the world size {world_size}; set parallel.pp to one of "
+            f"{divisors or [1]}, or run {pp} x k ranks"
+        )
+    split_stages(parallel, config.model)
+    if train.objective != "lm":
+        raise UserError(
+            f"parallel.pp: train.objective {train.objective} is not run under pipeline parallelism (its steps call "
+            "the whole model for sampling or reference log-probabilities); set parallel.pp=1"
+        )
+    refused = {
+        "eval.sources": bool(config.eval.sources),
+        "parallel.ep_overlap=auto": parallel.ep_overlap == "auto",
+        "model.tie_embeddings": config.model.tie_embeddings,
+        "train.micro_batch=auto": train.micro_batch == "auto",
+    }
+    for setting, asked in refused.items():
+        if asked:
+            raise UserError(
+                f"parallel.pp: {setting} is not supported with pipeline parallelism (the held-out evaluation and the "
+                "overlap trial run the whole model, a tied head lives on another stage than its embedding, the "
+                "memory model does not choose a pipeline's micro-batch); drop it or set parallel.pp=1"
+            )
+    vendor_pins = [op for op, implementation in config.kernels.ops.items() if implementation != "portable"]
+    portable = config.kernels.policy == "portable" and not vendor_pins
+    if parallel.pp_schedule == "zero_bubble" and (not portable or train.loss_chunk):
+        raise UserError(
+            "parallel.pp_schedule zero_bubble runs each backward in two passes over one graph (input, then weight "
+            "gradients), which the experts' vendor kernels and the chunked head loss do not survive (they hand their "
+            "buffers to one backward); set kernels.policy=portable (no vendor kernels.ops) and train.loss_chunk=0, or "
+            "another schedule"
+        )
+    replicas = world_size // pp
+    per_pass = train.micro_batch * replicas
+    if train.global_batch % per_pass:
+        return  # the batch check names the fix
+    micro_batches = train.global_batch // per_pass
+    _check_micro_batches(parallel.pp_schedule, pp, parallel.pp_virtual_stages, micro_batches, train.micro_batch)
+
+
+def _check_micro_batches(schedule: str, pp: int, virtual: int, micro_batches: int, micro_batch: int) -> None:
+    """The counts torch's schedules accept: 1F1B at least one micro-batch per pipeline rank; interleaved 1F1B and
+    zero bubble a whole number of rounds of pp micro-batches (GPipe and looped BFS take any count)."""
+    if schedule == "1f1b" and micro_batches < pp:
+        raise UserError(
+            f"parallel.pp_schedule 1f1b needs at least parallel.pp ({pp}) micro-batches a step, this run has "
+            f"{micro_batches} (train.global_batch / (train.micro_batch {micro_batch} x data-parallel ranks)); lower "
+            "train.micro_batch or raise train.global_batch"
+        )
+    if schedule in ("interleaved_1f1b", "zero_bubble"):
+        rounds = max(1, micro_batches // pp)
+        if micro_batches % rounds or micro_batches < pp:
+            raise UserError(
+                f"parallel.pp_schedule {schedule} runs a step's micro-batches in rounds of about parallel.pp ({pp}): "
+                f"at least {pp} that split into equal rounds (a multiple of {pp} always does); this run has "
+                f"{micro_batches} (train.global_batch / (train.micro_batch {micro_batch} x data-parallel ranks)); "
+                "change train.micro_batch or train.global_batch"
+            )

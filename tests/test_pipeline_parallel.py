@@ -172,12 +172,13 @@ def test_a_pipeline_with_zero1_on_4_ranks_trains_as_one_process(reference, stdli
          "equal rounds (a multiple of 2 always does); this run has 5"),
         (("train.objective=dpo",), 2, "train.objective dpo is not run under pipeline parallelism"),
         (("eval.sources=[{name: held_out, path: data}]",), 2, "eval.sources is not supported with pipeline"),
+        (("model.skip=farskip",), 2, "model.skip=farskip is not supported with pipeline parallelism"),
         ((), 3, "parallel.pp: 2 does not divide the world size 3"),
         (("parallel.ep=2",), 2, "parallel.ep: 2 does not divide the 1 ranks of each pipeline stage"),
     ],
     ids=[
         "uneven-split", "split-sum", "1f1b-micro-batches", "interleaved-rounds", "zero-bubble-kernels",
-        "zero-bubble-rounds", "dpo", "eval", "world", "ep",
+        "zero-bubble-rounds", "dpo", "eval", "farskip", "world", "ep",
     ],
 )
 def test_a_pipeline_the_run_cannot_take_is_refused_before_any_rank_starts(

@@ -34,13 +34,15 @@ def check_pipeline(config: RunConfig, world_size: int) -> None:
         "parallel.ep_overlap=auto": parallel.ep_overlap == "auto",
         "model.tie_embeddings": config.model.tie_embeddings,
         "train.micro_batch=auto": train.micro_batch == "auto",
+        "model.skip=farskip": config.model.skip == "farskip",
     }
     for setting, asked in refused.items():
         if asked:
             raise UserError(
                 f"parallel.pp: {setting} is not supported with pipeline parallelism (the held-out evaluation and the "
                 "overlap trial run the whole model, a tied head lives on another stage than its embedding, the "
-                "memory model does not choose a pipeline's micro-batch); drop it or set parallel.pp=1"
+                "memory model does not choose a pipeline's micro-batch, a FarSkip stream is two tensors, one still "
+                "travelling, where a stage hands over one); drop it or set parallel.pp=1"
             )
     vendor_pins = [op for op, implementation in config.kernels.ops.items() if implementation != "portable"]
     portable = config.kernels.policy == "portable" and not vendor_pins

@@ -4,16 +4,26 @@ change."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ferry.config import UserError
+from ferry.kernels.config import KernelsConfig
+from ferry.model.config import ModelConfig
+from ferry.parallel.config import ParallelConfig
 from ferry.parallel.pipeline_split import split_stages
 
-if TYPE_CHECKING:
-    from ferry.train.config import RunConfig
+
+class PipelinedRun(Protocol):
+    """What the checks read of a run config (`RunConfig`, which calls them: named here, not imported)."""
+
+    parallel: ParallelConfig
+    model: ModelConfig
+    kernels: KernelsConfig
+    train: Any
+    eval: Any
 
 
-def check_pipeline(config: RunConfig, world_size: int) -> None:
+def check_pipeline(config: PipelinedRun, world_size: int) -> None:
     """Refuse a pipeline the job, the model, the schedule or the rest of the run cannot take."""
     parallel, train = config.parallel, config.train
     pp = parallel.pp

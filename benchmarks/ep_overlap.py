@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ferry.data.synthetic import write_synthetic_dataset  # noqa: E402
+from ferry_runs import train_records  # noqa: E402
 
 WARMUP_STEPS = 4
 SHAPES = {
@@ -64,12 +64,9 @@ def run(shape: str, ranks: int, mode: str, steps: int, data: Path, root: Path) -
         f"parallel.ep={ranks}", "checkpoint.enabled=false", "metrics.sinks.prometheus.enabled=false",
         f"run.dir={run_dir}", *spec["overrides"], *MODES[mode],
     ]
-    finished = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-    if finished.returncode != 0:
-        lines = finished.stderr.strip().splitlines() or ["no output"]
-        causes = [line for line in lines if "Error" in line or "error:" in line]
-        return {"failed": " | ".join(dict.fromkeys([*causes[-2:], lines[-1]]))}
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][WARMUP_STEPS:]
+    records = train_records(command, run_dir, WARMUP_STEPS, REPO)
+    if isinstance(records, str):
+        return {"failed": records}
 
     def median(key: str) -> float:
         return statistics.median(record[key] or 0.0 for record in records)

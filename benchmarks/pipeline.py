@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ferry.data.synthetic import write_synthetic_dataset  # noqa: E402
+from ferry_runs import train_records  # noqa: E402
 
 WARMUP_STEPS = 3
 VOCAB, SEQ_LEN = 512, 256
@@ -68,12 +68,9 @@ def run(ranks: int, schedule: str, micro_batches: int, steps: int, data: Path, r
         "checkpoint.interval=0", "metrics.sinks.prometheus.enabled=false", "eval.sources=[]", f"run.dir={run_dir}",
         *MODEL, *SCHEDULES[schedule],
     ]
-    finished = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-    if finished.returncode != 0:
-        lines = finished.stderr.strip().splitlines() or ["no output"]
-        causes = [line for line in lines if "Error" in line or "error:" in line]
-        return {"failed": " | ".join(dict.fromkeys([*causes[-2:], lines[-1]]))}
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][WARMUP_STEPS:]
+    records = train_records(command, run_dir, WARMUP_STEPS, REPO)
+    if isinstance(records, str):
+        return {"failed": records}
 
     def median(key: str) -> float:
         return statistics.median(record[key] for record in records)

@@ -37,7 +37,11 @@ class Router(nn.Module):
 
     Scores are computed in fp32. With bias balancing, a per-expert bias is added to
     the scores for *choosing* experts only; the combine weights stay the unbiased
-    scores, and the bias moves outside the gradient (see `update_bias`).
+    scores, and the bias moves outside the gradient (see `update_bias`). It is
+    DeepSeek-V3's correction bias. With `topk_group < n_group` a token chooses
+    within its best groups only (`within_best_groups`); the weights, renormalised
+    or not, are finally multiplied by `routed_scaling_factor`, which leaves the
+    losses and diagnostics (computed from the scores and the choice) unchanged.
     """
 
     COMPUTE_WEIGHTS = ("weight_ED",)  # cast once a step under autocast (`ferry/precision/step_weights.py`)

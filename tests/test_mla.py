@@ -224,3 +224,25 @@ def test_bad_attention_and_routing_settings_name_the_field(overrides, named):
     with pytest.raises(ConfigError) as caught:
         load_config(RunConfig, None, [f"model.{override}" for override in overrides])
     assert named in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"attention_gate": "elementwise"}, {"mla": {"q_lora_rank": 0}}, {"attention": "gqa", "attention_gate": "head",
+                                                                          "dim": 32, "n_kv_heads": 2, "dense_layers": 0}],
+)
+def test_the_counter_knows_mla_and_the_gate(overrides):
+    from ferry.model import count_model
+
+    merged = {**MLA_BASE, **overrides, "mla": {**MLA_BASE["mla"], **overrides.get("mla", {})}}
+    if merged["attention"] == "gqa":
+        merged.pop("mla")
+    config = ModelConfig.model_validate(merged)
+    model = Transformer(config)
+    size = count_model(config, seq_len=16)
+    assert size.total_params == sum(param.numel() for param in model.parameters())
+    routed = sum(layer.experts.w_gate_EFD.numel() * 3 for layer in model.moe_layers())
+    assert size.active_params == size.total_params - routed * (8 - 2) // 8
+    matmul = size.active_params - size.embedding_params
+    widths = (config.head_dim, config.mla.v_head_dim) if config.attention == "mla" else (config.head_dim,) * 2
+    assert size.flops_per_token == 6 * matmul + 3 * config.n_layers * 16 * config.n_heads * sum(widths)

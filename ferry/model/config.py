@@ -194,15 +194,24 @@ class ModelConfig(Section):
             raise ValueError(f"dense_layers must not exceed n_layers ({n_layers})")
         return dense_layers
 
+    @model_validator(mode="before")
+    @classmethod
+    def _mla_keys_and_values_per_head(cls, data):
+        """Under MLA every head has its own keys and values: n_kv_heads is n_heads unless said otherwise (and
+        saying otherwise is refused below), so that a dumped config reads back."""
+        if isinstance(data, dict) and data.get("attention") == "mla" and "n_kv_heads" not in data:
+            return {**data, "n_kv_heads": data.get("n_heads", cls.model_fields["n_heads"].default)}
+        return data
+
     @model_validator(mode="after")
     def _attention_fields_agree(self) -> "ModelConfig":
         if self.attention == "mla":
             if self.qk_norm:
                 raise ValueError("qk_norm: MLA normalises its latents instead (mla.latent_norm_eps); leave it false")
-            if "n_kv_heads" in self.model_fields_set and self.n_kv_heads != self.n_heads:
+            if self.n_kv_heads != self.n_heads:
                 raise ValueError(
                     f"n_kv_heads {self.n_kv_heads}: MLA gives every head its own keys and values (from the shared "
-                    "latent); leave n_kv_heads unset"
+                    f"latent); leave n_kv_heads unset or {self.n_heads}"
                 )
         elif self.rope_scaling.mscale_all_dim:
             raise ValueError("rope_scaling.mscale_all_dim scales MLA's softmax (DeepSeek's YaRN); this model is gqa")

@@ -24,7 +24,8 @@ MLA_RUN = (  # the tiny run of conftest, its attention and routing DeepSeek-V3's
     "model.attention=mla", "model.n_kv_heads=4",
     "model.mla={q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 8}",
     "model.moe.score_func=sigmoid", "model.moe.n_group=2", "model.moe.topk_group=1", "model.moe.renormalize=true",
-    "model.moe.routed_scaling_factor=2.0", "model.moe.shared_expert_ffn_dim=32", "model.moe.bias_balancing.enabled=true",
+    "model.moe.routed_scaling_factor=2.0", "model.moe.shared_expert_ffn_dim=32",
+    "model.moe.bias_balancing.enabled=true",
 )
 
 

@@ -64,7 +64,8 @@ def relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 
 def transformers_model(config: ModelConfig, state: dict[str, torch.Tensor]):
-    theirs = AutoModelForCausalLM.from_config(hf_config(config, "deepseek_v3", 0, "float32"), attn_implementation="eager")
+    hf = hf_config(config, "deepseek_v3", 0, "float32")
+    theirs = AutoModelForCausalLM.from_config(hf, attn_implementation="eager")
     missing, unexpected = theirs.load_state_dict(to_hf_state(state, config), strict=False)
     assert unexpected == [] and missing == (["lm_head.weight"] if config.tie_embeddings else [])
     return theirs.eval()
@@ -228,8 +229,10 @@ def test_bad_attention_and_routing_settings_name_the_field(overrides, named):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"attention_gate": "elementwise"}, {"mla": {"q_lora_rank": 0}}, {"attention": "gqa", "attention_gate": "head",
-                                                                          "dim": 32, "n_kv_heads": 2, "dense_layers": 0}],
+    [
+        {}, {"attention_gate": "elementwise"}, {"mla": {"q_lora_rank": 0}},
+        {"attention": "gqa", "attention_gate": "head", "dim": 32, "n_kv_heads": 2, "dense_layers": 0},
+    ],
 )
 def test_the_counter_knows_mla_and_the_gate(overrides):
     from ferry.model import count_model

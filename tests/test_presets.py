@@ -70,3 +70,14 @@ def test_the_mla_bench_suite_resolves_to_an_mla_run(tmp_path):
     for key in ("dim", "n_layers", "vocab_size", "dense_layers"):
         assert getattr(model, key) == plain.config["model"][key], key
     assert config.train.global_batch == plain.config["train"]["global_batch"] and config.data.seq_len == 128
+
+
+def test_the_mla_demo_config_is_the_suites_model_and_exports_as_deepseek_v3():
+    from ferry.interop.architectures import natural_architecture, refusals
+    from ferry.portability.suites import load_suite
+    from ferry.train import load_run_config
+
+    config = load_run_config("configs/mla-tiny.yaml")
+    suite_model = load_suite("mla-tiny").config["model"]
+    assert config.model.attention == "mla" and config.model.mla.model_dump(exclude={"latent_norm_eps"}) == suite_model["mla"]
+    assert natural_architecture(config.model) == "deepseek_v3" and refusals(config.model, "deepseek_v3") == []

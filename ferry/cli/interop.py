@@ -1,4 +1,4 @@
-"""`ferry export CKPT OUT`: a checkpoint as a transformers model directory."""
+"""`ferry export CKPT OUT` and `ferry import HF_DIR OUT`: checkpoints to and from transformers model directories."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import argparse
 
 
 def add_interop_commands(commands) -> None:
-    export = commands.add_parser("export", help="write a checkpoint as a transformers model directory (OLMoE, Qwen3-MoE, DeepSeek-V3)")
+    export = commands.add_parser(
+        "export", help="write a checkpoint as a transformers model directory (OLMoE, Qwen3-MoE, DeepSeek-V3)"
+    )
     export.add_argument(
         "checkpoint",
         help="a checkpoint (e.g. runs/tiny/checkpoints/step-00000300), or a run directory: its newest valid checkpoint",
@@ -21,7 +23,9 @@ def add_interop_commands(commands) -> None:
     export.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's first dataset's)")
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     export.set_defaults(handler=run_export)
-    imported = commands.add_parser("import", help="convert an OLMoE, Qwen3-MoE or DeepSeek-V3 transformers directory to a ferry checkpoint")
+    imported = commands.add_parser(
+        "import", help="convert an OLMoE, Qwen3-MoE or DeepSeek-V3 transformers directory to a ferry checkpoint"
+    )
     imported.add_argument("hf_dir", help="a transformers model directory (config.json and weights)")
     imported.add_argument("out", help="directory to write: checkpoints/step-00000000, model.yaml, tokenizer.json")
     imported.add_argument("--tokenizer", default=None, help="tokenizer.json to copy (default: HF_DIR's)")

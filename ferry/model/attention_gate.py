@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ferry.kernels import KernelSelection
+from ferry.model.config import ModelConfig
 from ferry.model.linear import Linear
 
 
@@ -26,7 +27,9 @@ class OutputGate(nn.Module):
         return out_BSHE * gate_BSX.view(*out_BSHE.shape[:2], self.n_heads, 1)
 
 
-def build_output_gate(config, n_heads: int, head_width: int, kernels: KernelSelection | None) -> OutputGate | None:
+def build_output_gate(
+    config: ModelConfig, n_heads: int, head_width: int, kernels: KernelSelection | None
+) -> OutputGate | None:
     """The gate `config.attention_gate` asks for, or None."""
     if config.attention_gate == "none":
         return None

@@ -1,4 +1,4 @@
-"""Static key/value buffers for incremental decoding: a prompt runs once, then one token per step."""
+"""Static key/value (or MLA latent) buffers for incremental decoding: a prompt runs once, then one token per step."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ class LayerCache:
 
 
 class KVCache:
-    """Keys and values of every layer for a batch of left-padded rows, in buffers allocated once.
+    """Keys and values of every layer (under MLA, the latent they are expanded from) for a batch of left-padded
+    rows, in buffers allocated once.
 
     Row b's tokens start at slot `pad_B[b]`, so the newest token of every row sits in
     the same slot and one decoding step appends one column for the whole batch. No

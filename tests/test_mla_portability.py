@@ -62,6 +62,16 @@ def test_an_ep2_mla_checkpoint_resumes_under_fsdp_and_in_one_process(reference, 
     assert _relative(alone.fit().losses, reference["single"][2:]) < LAYOUT_TOLERANCE
 
 
+def test_mla_trains_with_low_precision_expert_gemms(reference, stdlib_dataset, tmp_path):
+    """MXFP8 expert GEMMs (emulated on a CPU) beside MLA: the first loss, before any update, within 2% of fp32's
+    (the experts' rounding only), and every step finite."""
+    config = runs.tiny_config(str(stdlib_dataset), str(tmp_path), *MLA, "train.steps=2", "precision.experts=mxfp8")
+    losses = Trainer(config).fit().losses
+    assert all(math.isfinite(loss) for loss in losses)
+    assert losses[0] != reference["single"][0], "the experts' GEMMs must have run in MXFP8"
+    assert abs(losses[0] - reference["single"][0]) / reference["single"][0] < 0.02
+
+
 def test_an_mla_block_compiles_whole_and_computes_as_eager():
     """One graph for the attention and its gate (no break): the compiled region inductor would fuse."""
     config = ModelConfig.model_validate(dict(

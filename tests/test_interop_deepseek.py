@@ -146,3 +146,39 @@ def test_a_gated_run_cannot_export_and_exit_2_says_why(stdlib_dataset, tmp_path,
     assert main(["export", str(run_dir), str(tmp_path / "hf")]) == 2
     assert "model.attention_gate 'elementwise': transformers has no gated MLA model" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_deepseek_checkpoint_as_deepseek_ships_it_imports_with_its_logits(tmp_path, capsys):
+    """Interleaved rotary rows, a multi-token-prediction module declared, a correction bias, YaRN with DeepSeek's
+    magnitudes: `ferry import` reads it and ferry's logits are transformers'."""
+    import yaml
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from ferry.inference import load_model
+
+    hf = DeepseekV3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, max_position_embeddings=128, rope_interleave=True,
+        num_mtp_layers=1, rms_norm_eps=1e-6, eos_token_id=0, pad_token_id=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0},
+    )
+    torch.manual_seed(0)
+    theirs = AutoModelForCausalLM.from_config(hf).eval()
+    with torch.no_grad():
+        for name, param in theirs.named_parameters():
+            param.normal_(0.0, 0.2) if not name.endswith("norm.weight") else param.uniform_(0.5, 1.5)
+        theirs.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    theirs.save_pretrained(tmp_path / "hf")
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ferry")]) == 0
+    assert "imported deepseek_v3" in capsys.readouterr().out
+    section = yaml.safe_load((tmp_path / "ferry" / "model.yaml").read_text())["model"]
+    assert section["attention"] == "mla" and section["moe"]["bias_balancing"]["enabled"] is True
+    assert section["rope_scaling"]["mscale_all_dim"] == 1.0
+    ours = load_model(tmp_path / "ferry", device="cpu").model
+    tokens_BS = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours_BSV, theirs_BSV = ours(tokens_BS).logits_BSV, theirs(tokens_BS).logits
+    assert ((ours_BSV - theirs_BSV).norm() / theirs_BSV.norm()).item() < 1e-5

@@ -74,11 +74,11 @@ def deepseek_hf_config(config: ModelConfig, common: dict):
 
 
 def deepseek_model_fields(hf, problems: list[str]) -> dict:
-    """The ferry model fields (beyond those every architecture shares) a `DeepseekV3Config` describes."""
+    """The ferry model fields (beyond those every architecture shares) a `DeepseekV3Config` describes. Its
+    multi-token-prediction modules (`num_mtp_layers`) serve speculative decoding only; transformers' causal LM
+    leaves them out of its forward and its weights, and so does ferry."""
     if hf.num_key_value_heads != hf.num_attention_heads:
         problems.append("num_key_value_heads: MLA gives every head its own keys and values")
-    if getattr(hf, "num_mtp_layers", 0):
-        problems.append("num_mtp_layers: ferry has no multi-token-prediction modules (set 0 to read the main model)")
     routed = hf.n_routed_experts
     return {
         "attention": "mla",

@@ -45,8 +45,8 @@ class MoEConfig(Section):
 
     @model_validator(mode="after")
     def _groups_fit(self) -> "MoEConfig":
-        """DeepSeek-V3's group-limited routing: every group the same size, enough experts in the chosen groups
-        for top_k, and (as a group scores by its two best experts) two experts per group when there are groups."""
+        """DeepSeek-V3's group-limited routing: every group the same size, and enough experts in the chosen
+        groups for top_k."""
         if self.num_experts % self.n_group:
             raise ValueError(f"n_group {self.n_group} must divide num_experts ({self.num_experts})")
         if self.topk_group > self.n_group:

@@ -38,7 +38,7 @@ class GenerationResult:
     prefill_s: float
     decode_tokens: int
     decode_s: float
-    cache_bytes_per_token: int = 0
+    cache_bytes_per_token: int
 
     @property
     def prefill_tokens_per_s(self) -> float:

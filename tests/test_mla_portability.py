@@ -1,7 +1,8 @@
 """An MLA model of the DeepSeek-V3 family (group-limited sigmoid routing with the correction bias, shared expert)
 in ferry's other layouts and modes: expert parallelism 2 with ZeRO-1 on 2 gloo ranks trains as one process does;
-its checkpoint resumes in an FSDP layout and in one process (resharded); an MLA block compiles without a graph
-break; and every objective (SFT, DPO, GRPO, whose rollouts decode with the latent cache) trains it.
+its checkpoint resumes in an FSDP layout and in one process (resharded); activation checkpointing changes no bit;
+MXFP8 expert GEMMs train it; an MLA block compiles without a graph break; and every objective (SFT, DPO, GRPO,
+whose rollouts decode with the latent cache) trains it.
 
 Tolerance: as tests/test_distributed_training.py, the layouts differ only in the order of floating-point sums:
 1e-5 relative on every loss.
@@ -70,6 +71,19 @@ def test_mla_trains_with_low_precision_expert_gemms(reference, stdlib_dataset, t
     assert all(math.isfinite(loss) for loss in losses)
     assert losses[0] != reference["single"][0], "the experts' GEMMs must have run in MXFP8"
     assert abs(losses[0] - reference["single"][0]) / reference["single"][0] < 0.02
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_checkpointed_mla_run_equals_the_plain_one_bit_for_bit(stdlib_dataset, tmp_path, mode):
+    """Activation checkpointing replays MLA's ops on the same inputs: the same losses and final weights, exactly
+    (both on the portable routed path, which a recompute can replay)."""
+    same_kernels = ('kernels.ops."moe.routed_experts"=portable', "train.steps=2", "checkpoint.interval=0")
+    plain = Trainer(runs.tiny_config(str(stdlib_dataset), str(tmp_path / "plain"), *MLA, *same_kernels))
+    checkpointed = Trainer(runs.tiny_config(str(stdlib_dataset), str(tmp_path / mode), *MLA, *same_kernels,
+                                            f"train.activation_checkpointing={mode}"))
+    assert checkpointed.fit().losses == plain.fit().losses
+    plain_state, checkpointed_state = plain.model.state_dict(), checkpointed.model.state_dict()
+    assert all(torch.equal(plain_state[name], checkpointed_state[name]) for name in plain_state)
 
 
 def test_an_mla_block_compiles_whole_and_computes_as_eager():

@@ -79,5 +79,6 @@ def test_the_mla_demo_config_is_the_suites_model_and_exports_as_deepseek_v3():
 
     config = load_run_config("configs/mla-tiny.yaml")
     suite_model = load_suite("mla-tiny").config["model"]
-    assert config.model.attention == "mla" and config.model.mla.model_dump(exclude={"latent_norm_eps"}) == suite_model["mla"]
+    assert config.model.attention == "mla"
+    assert config.model.mla.model_dump(exclude={"latent_norm_eps"}) == suite_model["mla"]
     assert natural_architecture(config.model) == "deepseek_v3" and refusals(config.model, "deepseek_v3") == []

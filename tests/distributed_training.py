@@ -41,3 +41,32 @@ def train_counting_exchanges(dataset: str, run_dir: str, *overrides: str) -> dic
     with CountExchanges():
         result = train_run(dataset, run_dir, *overrides)
     return {**result, "exchanges": CountExchanges.issued}
+
+
+def train_recording_overlap(dataset: str, run_dir: str, *overrides: str) -> dict:
+    """`train_run`, recording in order each asynchronous exchange's issue and completion and each attention's
+    forward: what ran while an exchange was in flight, whatever the timings."""
+    from ferry.comm.pending import PendingAllToAll
+    from ferry.model.attention import Attention
+
+    events: list[tuple[str, int]] = []
+    issue, complete, attend = PendingAllToAll.issue, PendingAllToAll.complete, Attention.forward
+
+    def issuing(self, x_RX):
+        events.append((f"issue {self.op}", id(self)))
+        return issue(self, x_RX)
+
+    def completing(self):
+        events.append((f"complete {self.op}", id(self)))
+        return complete(self)
+
+    def attending(self, *args, **kwargs):
+        events.append(("attention", 0))
+        return attend(self, *args, **kwargs)
+
+    PendingAllToAll.issue, PendingAllToAll.complete, Attention.forward = issuing, completing, attending
+    try:
+        result = train_run(dataset, run_dir, *overrides)
+    finally:
+        PendingAllToAll.issue, PendingAllToAll.complete, Attention.forward = issue, complete, attend
+    return {**result, "events": events}

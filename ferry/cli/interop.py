@@ -1,4 +1,4 @@
-"""`ferry export CKPT OUT`: a checkpoint as a transformers model directory."""
+"""`ferry export CKPT OUT` and `ferry import HF_DIR OUT`: checkpoints to and from transformers model directories."""
 
 from __future__ import annotations
 
@@ -6,21 +6,26 @@ import argparse
 
 
 def add_interop_commands(commands) -> None:
-    export = commands.add_parser("export", help="write a checkpoint as a transformers model directory (OLMoE, Qwen3-MoE)")
+    export = commands.add_parser(
+        "export", help="write a checkpoint as a transformers model directory (OLMoE, Qwen3-MoE, DeepSeek-V3)"
+    )
     export.add_argument(
         "checkpoint",
         help="a checkpoint (e.g. runs/tiny/checkpoints/step-00000300), or a run directory: its newest valid checkpoint",
     )
     export.add_argument("out", help="the model directory to write")
     export.add_argument(
-        "--arch", choices=["olmoe", "qwen3_moe"], default=None,
-        help="target architecture (default: the one whose query/key norm and dense layers the model has)",
+        "--arch", choices=["olmoe", "qwen3_moe", "deepseek_v3"], default=None,
+        help="target architecture (default: deepseek_v3 for MLA, else the one whose query/key norm and dense layers "
+        "the model has)",
     )
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights dtype (default fp32)")
     export.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's first dataset's)")
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     export.set_defaults(handler=run_export)
-    imported = commands.add_parser("import", help="convert an OLMoE or Qwen3-MoE transformers directory to a ferry checkpoint")
+    imported = commands.add_parser(
+        "import", help="convert an OLMoE, Qwen3-MoE or DeepSeek-V3 transformers directory to a ferry checkpoint"
+    )
     imported.add_argument("hf_dir", help="a transformers model directory (config.json and weights)")
     imported.add_argument("out", help="directory to write: checkpoints/step-00000000, model.yaml, tokenizer.json")
     imported.add_argument("--tokenizer", default=None, help="tokenizer.json to copy (default: HF_DIR's)")

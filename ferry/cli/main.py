@@ -14,6 +14,7 @@ from ferry.cli.interop import add_interop_commands
 from ferry.cli.kernels import add_kernels_commands
 from ferry.cli.launch import add_launch_command
 from ferry.cli.metrics import add_metrics_commands
+from ferry.cli.models import add_models_commands
 from ferry.cli.options import refuse_unknown_options
 from ferry.cli.pipeline import add_pipeline_commands
 from ferry.cli.portability import add_portability_commands
@@ -62,6 +63,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--nproc", type=int, default=None, metavar="N", help="start N local ranks (as torchrun --nproc-per-node N)"
+    )
+    train.add_argument(
+        "--model", default=None, metavar="PRESET",
+        help="replace the config's model section with a named shape (`ferry models` lists them); overrides follow",
     )
     train.add_argument(
         "--max-restarts", type=int, default=None, metavar="K",
@@ -157,6 +162,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_portability_commands(commands)
     add_launch_command(commands)
     add_interop_commands(commands)
+    add_models_commands(commands)
     add_inference_commands(commands)
     add_pipeline_commands(commands)
     add_release_commands(commands)
@@ -166,7 +172,12 @@ def _build_parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     from ferry.train import load_run_config, train
 
-    config = load_run_config(args.config, args.overrides)
+    preset = []
+    if args.model is not None:
+        from ferry.model.presets import preset_override
+
+        preset = [preset_override(args.model)]
+    config = load_run_config(args.config, [*preset, *args.overrides])
     if args.nproc is not None and args.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts is not None and args.max_restarts < 0:
@@ -188,7 +199,7 @@ def _train(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace, config) -> int:
     """Start the ranks (supervised with --max-restarts); a launcher told to stop says so in the run's record,
     since its ranks end by the signal without a word."""
-    argv = ["train", args.config, *args.overrides]
+    argv = ["train", args.config, *(["--model", args.model] if args.model else []), *args.overrides]
     try:
         if args.max_restarts is not None:
             from ferry.launch import supervise

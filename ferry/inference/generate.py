@@ -38,6 +38,7 @@ class GenerationResult:
     prefill_s: float
     decode_tokens: int
     decode_s: float
+    cache_bytes_per_token: int
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -122,6 +123,7 @@ def generate(
         prefill_s=timings[0],
         decode_tokens=sum(len(completion.tokens) for completion in completions),
         decode_s=timings[1],
+        cache_bytes_per_token=cache.bytes_per_token,
     )
 
 

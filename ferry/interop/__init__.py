@@ -1,5 +1,5 @@
-"""Interop with Hugging Face transformers: export a checkpoint as an OLMoE or Qwen3-MoE model directory,
-and import one as a ferry checkpoint."""
+"""Interop with Hugging Face transformers: export a checkpoint as an OLMoE, Qwen3-MoE or DeepSeek-V3 model
+directory, and import one as a ferry checkpoint."""
 
 from ferry.interop.architectures import ARCHITECTURES, model_config_from_hf, refusals
 from ferry.interop.export import ExportResult, export_checkpoint

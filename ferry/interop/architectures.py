@@ -1,5 +1,6 @@
-"""The transformers architectures a ferry model can become (OLMoE, Qwen3-MoE): which ferry configs each
-can express, its config built with transformers' own class, and the weight names on either side.
+"""The transformers architectures a ferry model can become (OLMoE, Qwen3-MoE, DeepSeek-V3): which ferry
+configs each can express, its config built with transformers' own class, and the weight names on either side.
+DeepSeek-V3 (multi-head latent attention, sigmoid group-limited routing) has its own file, `deepseek.py`.
 
 Both route with a softmax in fp32, then top-k, then an optional renormalisation, exactly as ferry's
 router; they differ in the query/key norm (OLMoE: one norm over the whole projection; Qwen3-MoE: per
@@ -14,23 +15,38 @@ from typing import Literal
 import torch
 
 from ferry.config import UserError
+from ferry.interop.deepseek import (
+    deepseek_from_hf_state,
+    deepseek_hf_config,
+    deepseek_model_fields,
+    deepseek_refusals,
+    deepseek_to_hf_state,
+)
 from ferry.model import ModelConfig
 
-Architecture = Literal["olmoe", "qwen3_moe"]
-ARCHITECTURES: tuple[str, ...] = ("olmoe", "qwen3_moe")
+Architecture = Literal["olmoe", "qwen3_moe", "deepseek_v3"]
+ARCHITECTURES: tuple[str, ...] = ("olmoe", "qwen3_moe", "deepseek_v3")
 
 
 def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) -> list[str]:
     """Every reason `config` cannot be written as `arch`, each naming the ferry field."""
     if arch not in ARCHITECTURES:
         return [f"--arch {arch!r}: choose one of {', '.join(ARCHITECTURES)}"]
-    moe = config.moe
     problems = []
     if config.skip != "standard":
         problems.append(
             f"model.skip: {config.skip} wires the residual stream otherwise than any transformers model ({arch} "
             "included): the export would compute another function"
         )
+    if arch == "deepseek_v3":
+        return problems + deepseek_refusals(config, expert_bias_nonzero)
+    moe = config.moe
+    if config.attention != "gqa":
+        problems.append(f"model.attention: {arch} has grouped-query attention, the model mla (deepseek_v3 has)")
+    if config.attention_gate != "none":
+        problems.append(f"model.attention_gate {config.attention_gate!r}: {arch} has no attention output gate")
+    if moe.n_group > 1 or moe.routed_scaling_factor != 1.0:
+        problems.append(f"model.moe.n_group / routed_scaling_factor: {arch} routes without groups or scaling")
     if moe.score_func != "softmax":
         problems.append(f"model.moe.score_func: {arch} routes with a softmax, the model uses {moe.score_func}")
     if moe.shared_expert_ffn_dim:
@@ -48,7 +64,9 @@ def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) 
 
 
 def natural_architecture(config: ModelConfig) -> str:
-    """The architecture `--arch` defaults to: the one whose query/key norm the model has."""
+    """The architecture `--arch` defaults to: DeepSeek-V3 for MLA, else the one whose query/key norm the model has."""
+    if config.attention == "mla":
+        return "deepseek_v3"
     return "qwen3_moe" if config.qk_norm_scope == "head" or config.dense_layers else "olmoe"
 
 
@@ -79,6 +97,8 @@ def hf_config(config: ModelConfig, arch: str, eos_token_id: int | None, dtype: s
         pad_token_id=eos_token_id,
         dtype=dtype,
     )
+    if arch == "deepseek_v3":
+        return deepseek_hf_config(config, common)
     if arch == "olmoe":
         return OlmoeConfig(intermediate_size=moe.expert_ffn_dim, clip_qkv=None, **common)
     return Qwen3MoeConfig(
@@ -98,28 +118,35 @@ def _rope_parameters(config: ModelConfig) -> dict:
         return {"rope_type": "default", "rope_theta": config.rope_theta}
     if scaling.kind == "linear":
         return {"rope_type": "linear", "rope_theta": config.rope_theta, "factor": scaling.factor}
+    deepseek_magnitudes = {
+        key: value for key, value in (("mscale", scaling.mscale), ("mscale_all_dim", scaling.mscale_all_dim)) if value
+    }
     return {
         "rope_type": "yarn", "rope_theta": config.rope_theta, "factor": scaling.factor,
         "original_max_position_embeddings": scaling.original_max_seq_len, "beta_fast": scaling.beta_fast,
-        "beta_slow": scaling.beta_slow, "truncate": True,
+        "beta_slow": scaling.beta_slow, "truncate": True, **deepseek_magnitudes,
     }
 
 
-def _rope_scaling(rope: dict, problems: list[str]) -> dict:
-    """The inverse of `_rope_parameters`; another RoPE type, or a YaRN with its own attention factor, is refused."""
+def _rope_scaling(rope: dict, problems: list[str], arch: str) -> dict:
+    """The inverse of `_rope_parameters`; another RoPE type, or a YaRN with its own attention factor (or DeepSeek's
+    magnitudes, outside DeepSeek-V3), is refused."""
     kind = rope.get("rope_type", "default")
     if kind == "default":
         return {"kind": "none"}
     if kind == "linear":
         return {"kind": "linear", "factor": float(rope["factor"])}
     if kind == "yarn":
-        custom = [key for key in ("attention_factor", "mscale", "mscale_all_dim") if rope.get(key) is not None]
+        own = ("attention_factor",) if arch == "deepseek_v3" else ("attention_factor", "mscale", "mscale_all_dim")
+        custom = [key for key in own if rope.get(key) is not None]
         if custom or rope.get("truncate", True) is not True:
             problems.append(f"rope_parameters {custom or ['truncate']}: ferry's YaRN has the paper's attention factor")
+        magnitudes = {key: float(rope[key]) for key in ("mscale", "mscale_all_dim") if rope.get(key)}
         return {
             "kind": "yarn", "factor": float(rope["factor"]),
             "original_max_seq_len": int(rope["original_max_position_embeddings"]),
             "beta_fast": float(rope.get("beta_fast") or 32.0), "beta_slow": float(rope.get("beta_slow") or 1.0),
+            **magnitudes,
         }
     problems.append(f"rope_parameters.rope_type {kind!r}: ferry has default, linear and yarn RoPE")
     return {"kind": "none"}
@@ -133,7 +160,7 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
         raise UserError(f"model_type {arch!r}: ferry imports {', '.join(ARCHITECTURES)}")
     rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0)}
     problems = []
-    rope_scaling = _rope_scaling(rope, problems)
+    rope_scaling = _rope_scaling(rope, problems, arch)
     if getattr(hf, "attention_bias", False):
         problems.append("attention_bias: ferry's attention projections have no bias")
     if getattr(hf, "clip_qkv", None) is not None:
@@ -141,7 +168,7 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
     if getattr(hf, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf.hidden_act!r}: ferry's experts are SwiGLU (silu)")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    if head_dim * hf.num_attention_heads != hf.hidden_size:
+    if arch != "deepseek_v3" and head_dim * hf.num_attention_heads != hf.hidden_size:
         problems.append(f"head_dim {head_dim}: ferry's heads split hidden_size ({hf.hidden_size}) evenly")
     dense_layers = 0
     if arch == "qwen3_moe":
@@ -152,6 +179,23 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
             problems.append("mlp_only_layers / decoder_sparse_step: ferry's dense layers are the first ones only")
         if getattr(hf, "use_sliding_window", False):
             problems.append("use_sliding_window: ferry's attention is full causal attention")
+    shared = dict(
+        vocab_size=hf.vocab_size,
+        dim=hf.hidden_size,
+        n_layers=hf.num_hidden_layers,
+        n_heads=hf.num_attention_heads,
+        max_seq_len=hf.max_position_embeddings,
+        rope_theta=float(rope["rope_theta"]),
+        rope_scaling=rope_scaling,
+        norm_eps=float(hf.rms_norm_eps),
+        tie_embeddings=bool(hf.tie_word_embeddings),
+        init_std=float(hf.initializer_range),
+    )
+    if arch == "deepseek_v3":
+        fields = deepseek_model_fields(hf, problems)
+        if problems:
+            raise UserError("cannot import this model: " + "; ".join(problems))
+        return ModelConfig.model_validate({**shared, **fields}), arch
     if problems:
         raise UserError("cannot import this model: " + "; ".join(problems))
     config = ModelConfig(
@@ -183,6 +227,8 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
 
 def to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """ferry's state dict (routers' zero expert biases dropped) under transformers' names."""
+    if config.attention == "mla":
+        return deepseek_to_hf_state(state, config)
     hf = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
     if not config.tie_embeddings:
         hf["lm_head.weight"] = state["output.weight"]
@@ -202,8 +248,13 @@ def to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str
     return hf
 
 
-def from_hf_state(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """transformers' state dict back under ferry's names (the inverse of `to_hf_state`)."""
+def from_hf_state(
+    hf: dict[str, torch.Tensor], config: ModelConfig, rope_interleave: bool = False
+) -> dict[str, torch.Tensor]:
+    """transformers' state dict back under ferry's names (the inverse of `to_hf_state`); `rope_interleave` says a
+    DeepSeek-V3 checkpoint lays its rotary rows out in pairs."""
+    if config.attention == "mla":
+        return deepseek_from_hf_state(hf, config, rope_interleave)
     state = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     state["output.weight"] = hf["model.embed_tokens.weight"] if config.tie_embeddings else hf["lm_head.weight"]
     for index in range(config.n_layers):

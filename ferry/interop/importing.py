@@ -1,4 +1,4 @@
-"""`ferry import HF_DIR OUT`: an OLMoE or Qwen3-MoE transformers directory as a ferry checkpoint.
+"""`ferry import HF_DIR OUT`: an OLMoE, Qwen3-MoE or DeepSeek-V3 transformers directory as a ferry checkpoint.
 
 OUT holds the checkpoint (`OUT/checkpoints/step-00000000`: the weights, in fp32, and no optimizer
 state: training it starts AdamW afresh), `OUT/model.yaml` (the `model:` section a run config needs
@@ -60,7 +60,7 @@ def read_hf_dir(hf_dir: Path) -> tuple[ModelConfig, str, dict[str, torch.Tensor]
         hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
     except (OSError, ValueError, SafetensorError) as exc:  # a truncated weights file is the last of these
         raise UserError(f"{hf_dir}: transformers cannot load its weights: {_first_line(exc)}") from None
-    state = from_hf_state(hf_model.state_dict(), config)
+    state = from_hf_state(hf_model.state_dict(), config, bool(getattr(hf_config, "rope_interleave", False)))
     expected = set(Transformer(config).state_dict())
     if set(state) != expected:
         raise UserError(f"{hf_dir} does not hold the tensors its config describes: {sorted(expected ^ set(state))[:4]}")

@@ -52,14 +52,17 @@ REGISTRY = Registry(
         ),
         Op(
             name="attention",
-            summary="(q_BHSC, k_BGSC, v_BGSC) -> causal softmax attention; each of G kv heads serves H/G query heads",
+            summary=(
+                "(q_BHSC, k_BGSC, v_BGSE, scale=None) -> causal softmax attention, logits times scale "
+                "(default 1/sqrt(C)); each of G kv heads serves H/G query heads"
+            ),
             portable=_portable("attention", attention.causal_attention, "torch scaled_dot_product_attention"),
         ),
         Op(
             name="attention.masked",
             summary=(
-                "(q_BHSC, k_BGTC, v_BGTC, visible_BST: bool) -> softmax attention of S queries over the T keys each "
-                "may see: decoding against a key/value cache"
+                "(q_BHSC, k_BGTC, v_BGTE, visible_BST: bool, scale=None) -> softmax attention of S queries over "
+                "the T keys each may see: decoding against a key/value cache"
             ),
             portable=_portable(
                 "attention.masked", attention.masked_attention, "torch scaled_dot_product_attention with a boolean mask"

@@ -1,4 +1,4 @@
-"""Grouped-query causal self-attention; the attention itself is the `attention` op."""
+"""Grouped-query causal self-attention, optionally gated; the attention itself is the `attention` op."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from torch import nn
 
 from ferry.kernels import KernelSelection, portable_kernels
 from ferry.kernels.amp import in_autocast_dtype
+from ferry.model.attention_gate import build_output_gate
 from ferry.model.config import ModelConfig
 from ferry.model.kv_cache import LayerCache
 from ferry.model.linear import Linear
@@ -32,6 +33,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim if per_head else q_width, config.norm_eps, kernels) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim if per_head else kv_width, config.norm_eps, kernels) if config.qk_norm else None
         self.per_head_norm = per_head
+        self.gate = build_output_gate(config, config.n_heads, self.head_dim, kernels)
         self.rope = rope
         self._linear = kernels["linear"]
         self._attention = kernels["attention"]
@@ -63,7 +65,10 @@ class Attention(nn.Module):
             positions_BS = cache.step.positions_BS
             k_BGTC, v_BGTC = cache.extend(self.rope(k_BGSC, positions_BS), v_BGSC)
             out_BHSC = self._masked_attention(self.rope(q_BHSC, positions_BS), k_BGTC, v_BGTC, cache.step.visible_BST)
-        return self.wo(out_BHSC.transpose(1, 2).reshape(batch, seq_len, -1))
+        out_BSHC = out_BHSC.transpose(1, 2)
+        if self.gate is not None:
+            out_BSHC = self.gate(x_BSD, out_BSHC)
+        return self.wo(out_BSHC.reshape(batch, seq_len, -1))
 
     def _project_qkv(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The query, key and value projections as one GEMM over the three weights side by side.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -27,7 +28,12 @@ class MoEConfig(Section):
     aux_loss_coef: float = Field(0.01, ge=0.0, description="switch-style load-balancing loss weight")
     z_loss_coef: float = Field(0.001, ge=0.0, description="router z-loss weight")
     bias_balancing: BiasBalancingConfig = BiasBalancingConfig()
-    shared_expert_ffn_dim: int = Field(0, ge=0, description="width of an always-on shared expert; 0 = none")
+    shared_expert_ffn_dim: int = Field(
+        0, ge=0, description="width of an always-on shared expert; 0 = none (n shared experts of width F: n * F)"
+    )
+    n_group: int = Field(1, ge=1, description="group-limited routing: the experts split into this many groups")
+    topk_group: int = Field(1, ge=1, description="a token chooses its experts within this many best groups")
+    routed_scaling_factor: float = Field(1.0, gt=0.0, description="the routed experts' weights multiplied by this")
 
     @field_validator("top_k")
     @classmethod
@@ -36,6 +42,22 @@ class MoEConfig(Section):
         if num_experts is not None and top_k > num_experts:
             raise ValueError(f"top_k must not exceed num_experts ({num_experts})")
         return top_k
+
+    @model_validator(mode="after")
+    def _groups_fit(self) -> "MoEConfig":
+        """DeepSeek-V3's group-limited routing: every group the same size, and enough experts in the chosen
+        groups for top_k."""
+        if self.num_experts % self.n_group:
+            raise ValueError(f"n_group {self.n_group} must divide num_experts ({self.num_experts})")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group {self.topk_group} must not exceed n_group ({self.n_group})")
+        per_group = self.num_experts // self.n_group
+        if self.top_k > self.topk_group * per_group:
+            raise ValueError(
+                f"top_k {self.top_k} exceeds the {self.topk_group * per_group} experts of topk_group "
+                f"{self.topk_group} groups of {per_group}"
+            )
+        return self
 
 
 class RopeScalingConfig(Section):
@@ -54,12 +76,62 @@ class RopeScalingConfig(Section):
     original_max_seq_len: int | None = Field(None, ge=1, description="yarn: the length the model was trained at")
     beta_fast: float = Field(32.0, gt=0.0)
     beta_slow: float = Field(1.0, gt=0.0)
+    mscale: float | None = Field(None, gt=0.0, description="yarn, DeepSeek's form: see `attention_factor`")
+    mscale_all_dim: float | None = Field(None, gt=0.0, description="yarn, DeepSeek's form: see `softmax_factor`")
 
     @model_validator(mode="after")
     def _yarn_knows_its_origin(self) -> "RopeScalingConfig":
         if self.kind == "yarn" and self.original_max_seq_len is None:
             raise ValueError("yarn needs original_max_seq_len (the length the model was trained at)")
+        if self.kind != "yarn" and (self.mscale is not None or self.mscale_all_dim is not None):
+            raise ValueError("mscale and mscale_all_dim belong to yarn scaling (kind: yarn)")
         return self
+
+    def _magnitude(self, mscale: float = 1.0) -> float:
+        """YaRN's 0.1 * mscale * ln(factor) + 1 (1 when nothing is stretched)."""
+        return 0.1 * mscale * math.log(self.factor) + 1.0 if self.factor > 1.0 else 1.0
+
+    @property
+    def attention_factor(self) -> float:
+        """What cos and sin are multiplied by: the paper's 0.1 ln(factor) + 1; with both of DeepSeek's
+        `mscale` and `mscale_all_dim`, the ratio of their magnitudes (1 when they are equal, as in DeepSeek-V3,
+        whose logits are scaled through the softmax instead)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return self._magnitude(self.mscale) / self._magnitude(self.mscale_all_dim)
+        return self._magnitude()
+
+    @property
+    def softmax_factor(self) -> float:
+        """What MLA's softmax scale is multiplied by: the square of the `mscale_all_dim` magnitude, so that the
+        positional-free part of each head's logits is sharpened too, as DeepSeek's reference code does."""
+        if self.kind != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        return self._magnitude(self.mscale_all_dim) ** 2
+
+
+class MLAConfig(Section):
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one shared latent per token,
+    which is all a decoding cache keeps, with a small decoupled rotary key shared by every head."""
+
+    q_lora_rank: int = Field(0, ge=0, description="queries through a low-rank latent this wide; 0 = a full projection")
+    kv_lora_rank: int = Field(64, ge=1, description="width of the key/value latent (what the cache keeps per token)")
+    qk_nope_head_dim: int = Field(32, ge=1, description="per head: the query/key part without position")
+    qk_rope_head_dim: int = Field(16, ge=2, description="per head: the rotary query/key part (the key's is shared)")
+    v_head_dim: int = Field(32, ge=1, description="per head: the value width")
+    latent_norm_eps: float = Field(1e-6, gt=0.0, description="eps of the latents' RMSNorms (DeepSeek's: 1e-6)")
+
+    @field_validator("qk_rope_head_dim")
+    @classmethod
+    def _rope_dim_even(cls, qk_rope_head_dim: int) -> int:
+        if qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim {qk_rope_head_dim} must be even for RoPE")
+        return qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 class ModelConfig(Section):
@@ -68,6 +140,9 @@ class ModelConfig(Section):
     vocab_size: int = Field(4096, ge=2, description="must cover the tokenizer's vocabulary")
     dim: int = Field(256, ge=1)
     n_layers: int = Field(4, ge=1)
+    attention: Literal["gqa", "mla"] = Field(
+        "gqa", description="gqa: grouped-query attention; mla: multi-head latent attention (the `mla` section)"
+    )
     n_heads: int = Field(4, ge=1)
     n_kv_heads: int = Field(4, ge=1, description="grouped-query attention: heads sharing one key/value head")
     max_seq_len: int = Field(1024, ge=1)
@@ -89,12 +164,18 @@ class ModelConfig(Section):
         "attention (ferry/model/farskip.py). A different model: transformers has no such one",
     )
     init_std: float = Field(0.02, gt=0.0)
+    mla: MLAConfig = MLAConfig()
+    attention_gate: Literal["none", "head", "elementwise"] = Field(
+        "none", description="a sigmoid gate on the attention output, from the attention input: per head or per element"
+    )
     moe: MoEConfig = MoEConfig()
 
     @field_validator("n_heads")
     @classmethod
     def _heads_divide_dim(cls, n_heads: int, info: ValidationInfo) -> int:
         dim = info.data.get("dim")
+        if info.data.get("attention") == "mla":  # MLA's head widths are its own (the mla section)
+            return n_heads
         if dim is not None and dim % n_heads:
             raise ValueError(f"n_heads must divide dim ({dim})")
         if dim is not None and (dim // n_heads) % 2:
@@ -105,6 +186,8 @@ class ModelConfig(Section):
     @classmethod
     def _kv_heads_divide_heads(cls, n_kv_heads: int, info: ValidationInfo) -> int:
         n_heads = info.data.get("n_heads")
+        if info.data.get("attention") == "mla":  # MLA has no shared key/value heads
+            return n_kv_heads
         if n_heads is not None and n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads must divide n_heads ({n_heads})")
         return n_kv_heads
@@ -117,6 +200,35 @@ class ModelConfig(Section):
             raise ValueError(f"dense_layers must not exceed n_layers ({n_layers})")
         return dense_layers
 
+    @model_validator(mode="before")
+    @classmethod
+    def _mla_keys_and_values_per_head(cls, data):
+        """Under MLA every head has its own keys and values: n_kv_heads is n_heads unless said otherwise (and
+        saying otherwise is refused below), so that a dumped config reads back."""
+        if isinstance(data, dict) and data.get("attention") == "mla" and "n_kv_heads" not in data:
+            return {**data, "n_kv_heads": data.get("n_heads", cls.model_fields["n_heads"].default)}
+        return data
+
+    @model_validator(mode="after")
+    def _attention_fields_agree(self) -> "ModelConfig":
+        if self.attention == "mla":
+            if self.qk_norm:
+                raise ValueError("qk_norm: MLA normalises its latents instead (mla.latent_norm_eps); leave it false")
+            if self.n_kv_heads != self.n_heads:
+                raise ValueError(
+                    f"n_kv_heads {self.n_kv_heads}: MLA gives every head its own keys and values (from the shared "
+                    f"latent); leave n_kv_heads unset or {self.n_heads}"
+                )
+        elif self.rope_scaling.mscale_all_dim:
+            raise ValueError("rope_scaling.mscale_all_dim scales MLA's softmax (DeepSeek's YaRN); this model is gqa")
+        return self
+
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        """The query/key width of a head (MLA: its position-free part and its rotary part together)."""
+        return self.mla.qk_head_dim if self.attention == "mla" else self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates: a whole head under GQA, the decoupled rotary part under MLA."""
+        return self.mla.qk_rope_head_dim if self.attention == "mla" else self.head_dim

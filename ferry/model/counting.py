@@ -23,15 +23,14 @@ def count_model(config: ModelConfig, seq_len: int) -> ModelSize:
 
     Active parameters are those one token touches: everything except the experts it
     was not routed to. FLOPs per token for a training step (forward + backward) are
-    6 x active matmul parameters plus causal attention's 6 x n_layers x seq_len x
-    (n_heads * head_dim) for the score and value products (half the square, as causal).
+    6 x active matmul parameters plus causal attention's score and value products:
+    3 x n_layers x seq_len x n_heads x (query/key width + value width), half the square
+    as causal (6 x n_layers x seq_len x n_heads x head_dim when the widths are equal, as
+    in GQA). MLA's key/value expansion is a matmul parameter like any other: in training
+    each token's latent is expanded once.
     """
     dim, layers = config.dim, config.n_layers
-    q_width = config.n_heads * config.head_dim
-    kv_width = config.n_kv_heads * config.head_dim
-    attention = dim * q_width * 2 + dim * kv_width * 2
-    if config.qk_norm:
-        attention += 2 * config.head_dim if config.qk_norm_scope == "head" else q_width + kv_width
+    attention, score_width, value_width = _attention_params(config)
     norms = 2 * dim
     dense_ffn = 3 * dim * config.dense_ffn_dim
     moe = config.moe
@@ -47,10 +46,34 @@ def count_model(config: ModelConfig, seq_len: int) -> ModelSize:
     active = embedding + head + common + moe_layers * moe.top_k * expert
 
     matmul_active = active - embedding + (config.vocab_size * dim if config.tie_embeddings else 0)
-    attention_flops = 6 * layers * seq_len * q_width
+    attention_flops = 3 * layers * seq_len * config.n_heads * (score_width + value_width)
     return ModelSize(
         total_params=total,
         active_params=active,
         embedding_params=embedding,
         flops_per_token=6 * matmul_active + attention_flops,
     )
+
+
+def _attention_params(config: ModelConfig) -> tuple[int, int, int]:
+    """One layer's attention parameters (projections, norms, gate), and a head's query/key and value widths."""
+    dim, heads = config.dim, config.n_heads
+    if config.attention == "mla":
+        mla = config.mla
+        if mla.q_lora_rank:
+            queries = dim * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * heads * mla.qk_head_dim
+        else:
+            queries = dim * heads * mla.qk_head_dim
+        latent = dim * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank
+        expansion = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        params = queries + latent + expansion + heads * mla.v_head_dim * dim
+        score_width, value_width = mla.qk_head_dim, mla.v_head_dim
+    else:
+        q_width = heads * config.head_dim
+        kv_width = config.n_kv_heads * config.head_dim
+        params = dim * q_width * 2 + dim * kv_width * 2
+        if config.qk_norm:
+            params += 2 * config.head_dim if config.qk_norm_scope == "head" else q_width + kv_width
+        score_width = value_width = config.head_dim
+    gate_width = {"none": 0, "head": heads, "elementwise": heads * value_width}[config.attention_gate]
+    return params + dim * gate_width, score_width, value_width

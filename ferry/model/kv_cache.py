@@ -1,7 +1,8 @@
-"""Static key/value buffers for incremental decoding: a prompt runs once, then one token per step."""
+"""Static key/value (or MLA latent) buffers for incremental decoding: a prompt runs once, then one token per step."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,21 +22,22 @@ class CacheStep:
 
 @dataclass(frozen=True)
 class LayerCache:
-    """One attention layer's buffers and the step being written into them."""
+    """One attention layer's buffers and the step being written into them: its keys and values (GQA), or
+    its key/value latent and shared rotary key (MLA); in each, the token's slot is the second-last dim."""
 
-    k_BGTC: torch.Tensor
-    v_BGTC: torch.Tensor
+    buffers: tuple[torch.Tensor, ...]
     step: CacheStep
 
-    def extend(self, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the step's keys and values into their slots; every key and value up to them."""
-        self.k_BGTC[:, :, self.step.start : self.step.stop] = k_BGSC
-        self.v_BGTC[:, :, self.step.start : self.step.stop] = v_BGSC
-        return self.k_BGTC[:, :, : self.step.stop], self.v_BGTC[:, :, : self.step.stop]
+    def extend(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Write the step's entries (one tensor per buffer) into their slots; every entry up to them."""
+        for buffer, entries in zip(self.buffers, new, strict=True):
+            buffer[..., self.step.start : self.step.stop, :] = entries
+        return tuple(buffer[..., : self.step.stop, :] for buffer in self.buffers)
 
 
 class KVCache:
-    """Keys and values of every layer for a batch of left-padded rows, in buffers allocated once.
+    """Keys and values of every layer (under MLA, the latent they are expanded from) for a batch of left-padded
+    rows, in buffers allocated once.
 
     Row b's tokens start at slot `pad_B[b]`, so the newest token of every row sits in
     the same slot and one decoding step appends one column for the whole batch. No
@@ -49,15 +51,22 @@ class KVCache:
     ):
         if capacity > config.max_seq_len:
             raise ValueError(f"a cache of {capacity} slots exceeds model.max_seq_len ({config.max_seq_len})")
-        shape = (config.n_layers, pad_B.shape[0], config.n_kv_heads, capacity, config.head_dim)
-        self.k_LBGTC = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_LBGTC = torch.zeros(shape, dtype=dtype, device=device)
+        self.config = config
+        self.buffers = tuple(
+            torch.zeros((config.n_layers, pad_B.shape[0], *shape), dtype=dtype, device=device)
+            for shape in _entry_shapes(config, capacity)
+        )
         self.pad_B = pad_B.to(device)
         self.length = 0
 
     @property
     def capacity(self) -> int:
-        return self.k_LBGTC.shape[3]
+        return self.buffers[0].shape[-2]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What one token of one row occupies over every layer: MLA's reason to exist, in numbers."""
+        return cache_bytes_per_token(self.config, self.buffers[0].dtype.itemsize)
 
     def begin(self, new: int) -> CacheStep:
         """The step that appends `new` tokens to every row after the filled slots."""
@@ -74,7 +83,20 @@ class KVCache:
         return CacheStep(self.length, self.length + new, positions_BS, visible_BST)
 
     def layer(self, index: int, step: CacheStep) -> LayerCache:
-        return LayerCache(self.k_LBGTC[index], self.v_LBGTC[index], step)
+        return LayerCache(tuple(buffer[index] for buffer in self.buffers), step)
 
     def commit(self, step: CacheStep) -> None:
         self.length = step.stop
+
+
+def _entry_shapes(config: ModelConfig, capacity: int) -> list[tuple[int, ...]]:
+    """Per layer and row: GQA keeps keys and values [G, T, C]; MLA keeps the normalised latent [T, kv_lora_rank]
+    and the rotated shared rotary key [T, qk_rope_head_dim], from which every head's keys and values follow."""
+    if config.attention == "mla":
+        return [(capacity, config.mla.kv_lora_rank), (capacity, config.mla.qk_rope_head_dim)]
+    return [(config.n_kv_heads, capacity, config.head_dim)] * 2
+
+
+def cache_bytes_per_token(config: ModelConfig, itemsize: int) -> int:
+    """Bytes one cached token of one row takes over every layer, at `itemsize` bytes an element."""
+    return config.n_layers * itemsize * sum(math.prod(shape) for shape in _entry_shapes(config, 1))

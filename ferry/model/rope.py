@@ -19,7 +19,7 @@ class RotaryEmbedding(nn.Module):
         positions_S = torch.arange(max_seq_len, dtype=torch.float64)
         angles_SC2 = torch.outer(positions_S, inv_freq_C2)
         angles_SC = torch.cat([angles_SC2, angles_SC2], dim=-1)
-        attention_factor = 0.1 * math.log(scaling.factor) + 1.0 if scaling.kind == "yarn" else 1.0
+        attention_factor = scaling.attention_factor
         self.register_buffer("cos_SC", (angles_SC.cos() * attention_factor).float(), persistent=False)
         self.register_buffer("sin_SC", (angles_SC.sin() * attention_factor).float(), persistent=False)
 

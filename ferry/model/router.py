@@ -1,4 +1,5 @@
-"""Top-k router: scores, expert choice, the balancing losses, and aux-loss-free bias balancing."""
+"""Top-k router: scores, expert choice (optionally group-limited), the balancing losses, and aux-loss-free bias
+balancing."""
 
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ class Router(nn.Module):
 
     Scores are computed in fp32. With bias balancing, a per-expert bias is added to
     the scores for *choosing* experts only; the combine weights stay the unbiased
-    scores, and the bias moves outside the gradient (see `update_bias`).
+    scores, and the bias moves outside the gradient (see `update_bias`). It is
+    DeepSeek-V3's correction bias. With `topk_group < n_group` a token chooses
+    within its best groups only (`within_best_groups`); the weights, renormalised
+    or not, are finally multiplied by `routed_scaling_factor`, which leaves the
+    losses and diagnostics (computed from the scores and the choice) unchanged.
     """
 
     COMPUTE_WEIGHTS = ("weight_ED",)  # cast once a step under autocast (`ferry/precision/step_weights.py`)
@@ -48,6 +53,8 @@ class Router(nn.Module):
         self.top_k = config.top_k
         self.score_func = config.score_func
         self.renormalize = config.renormalize
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.routed_scaling_factor = config.routed_scaling_factor
         self.bias_update_rate = config.bias_balancing.update_rate if config.bias_balancing.enabled else 0.0
         self.weight_ED = nn.Parameter(torch.empty(config.num_experts, dim))
         self.register_buffer("expert_bias_E", torch.zeros(config.num_experts), persistent=True)
@@ -64,10 +71,14 @@ class Router(nn.Module):
             scores_TE = logits_TE.sigmoid()
         with torch.no_grad():
             choice_TE = scores_TE + self.expert_bias_E if self.bias_update_rate else scores_TE
+            if self.topk_group < self.n_group:
+                choice_TE = within_best_groups(choice_TE, self.n_group, self.topk_group)
             expert_ids_TK = choice_TE.topk(self.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(1, expert_ids_TK)
         if self.renormalize:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights_TK = weights_TK * self.routed_scaling_factor
         tokens_per_expert_E = count_assignments(expert_ids_TK, self.num_experts)
         probs_TE = scores_TE if self.score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
         squared_log_partition_T = torch.logsumexp(logits_TE, dim=-1).pow(2)
@@ -112,6 +123,21 @@ class Router(nn.Module):
             return
         load_E = tokens_per_expert_E.to(self.expert_bias_E.dtype)
         self.expert_bias_E += self.bias_update_rate * torch.sign(load_E.mean() - load_E)
+
+
+def within_best_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """The choice scores with every expert outside a token's `topk_group` best groups set to -inf.
+
+    The experts split into `n_group` equal groups (on DeepSeek-V3, the experts of one node), a group
+    scoring the sum of its two best experts' choice scores, as DeepSeek-V3 does: a token then reaches at
+    most `topk_group` groups, which bounds how many nodes its dispatch talks to.
+    """
+    tokens, num_experts = choice_TE.shape
+    grouped_TGX = choice_TE.view(tokens, n_group, num_experts // n_group)
+    group_scores_TG = grouped_TGX.topk(min(2, grouped_TGX.shape[-1]), dim=-1).values.sum(dim=-1)
+    best_TJ = group_scores_TG.topk(topk_group, dim=-1).indices
+    kept_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, best_TJ, True)
+    return grouped_TGX.masked_fill(~kept_TG[:, :, None], float("-inf")).view(tokens, num_experts)
 
 
 def count_assignments(

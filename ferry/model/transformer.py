@@ -17,6 +17,7 @@ from ferry.model.feedforward import SwiGLU
 from ferry.model.head_loss import HeadLoss, HeadTargets, chunked_head_loss
 from ferry.model.initialisation import truncated_normal_
 from ferry.model.kv_cache import KVCache, LayerCache
+from ferry.model.latent_attention import LatentAttention
 from ferry.model.linear import Linear
 from ferry.model.moe import MoELayer, MoEStats
 from ferry.model.norm import RMSNorm
@@ -41,7 +42,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, rope: RotaryEmbedding, use_moe: bool, kernels: KernelSelection):
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
-        self.attn = Attention(config, rope, kernels)
+        self.attn = (LatentAttention if config.attention == "mla" else Attention)(config, rope, kernels)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
         dense = not use_moe
         self.ffn = SwiGLU(config.dim, config.dense_ffn_dim, kernels) if dense else MoELayer(config.dim, config.moe, kernels)
@@ -110,7 +111,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.kernels = kernels or portable_kernels()
-        rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
+        rope = RotaryEmbedding(config.rope_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
             Block(config, rope, index >= config.dense_layers, self.kernels) for index in range(config.n_layers)

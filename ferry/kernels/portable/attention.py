@@ -6,18 +6,46 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_attention(q_BHSC: torch.Tensor, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> torch.Tensor:
-    """Softmax(q k^T / sqrt(C) + causal mask) v; G key/value heads each serve H/G query heads."""
-    return F.scaled_dot_product_attention(
-        q_BHSC, k_BGSC, v_BGSC, is_causal=True, enable_gqa=k_BGSC.shape[1] != q_BHSC.shape[1]
+def causal_attention(
+    q_BHSC: torch.Tensor, k_BGSC: torch.Tensor, v_BGSE: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Softmax(q k^T * scale + causal mask) v, scale 1/sqrt(C) unless given (MLA's YaRN sharpens it); G
+    key/value heads each serve H/G query heads; the value width E may differ from C."""
+    out_BHSC = F.scaled_dot_product_attention(
+        q_BHSC, k_BGSC, _as_wide_as(v_BGSE, q_BHSC), is_causal=True, scale=scale,
+        enable_gqa=k_BGSC.shape[1] != q_BHSC.shape[1],
     )
+    return _narrowed_to(out_BHSC, v_BGSE)
 
 
 def masked_attention(
-    q_BHSC: torch.Tensor, k_BGTC: torch.Tensor, v_BGTC: torch.Tensor, visible_BST: torch.Tensor
+    q_BHSC: torch.Tensor,
+    k_BGTC: torch.Tensor,
+    v_BGTE: torch.Tensor,
+    visible_BST: torch.Tensor,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Softmax(q k^T / sqrt(C) over the keys `visible_BST` allows) v: decoding against a key/value cache,
-    where S new queries see T cached keys and padded slots are hidden."""
-    return F.scaled_dot_product_attention(
-        q_BHSC, k_BGTC, v_BGTC, attn_mask=visible_BST[:, None], enable_gqa=k_BGTC.shape[1] != q_BHSC.shape[1]
+    """Softmax(q k^T * scale over the keys `visible_BST` allows) v, scale 1/sqrt(C) unless given: decoding
+    against a key/value cache, where S new queries see T cached keys and padded slots are hidden."""
+    out_BHSC = F.scaled_dot_product_attention(
+        q_BHSC, k_BGTC, _as_wide_as(v_BGTE, q_BHSC), attn_mask=visible_BST[:, None], scale=scale,
+        enable_gqa=k_BGTC.shape[1] != q_BHSC.shape[1],
     )
+    return _narrowed_to(out_BHSC, v_BGTE)
+
+
+def _as_wide_as(v_BGTE: torch.Tensor, q_BHSC: torch.Tensor) -> torch.Tensor:
+    """Values padded with zero columns to the query/key width C (MLA's values are narrower).
+
+    The fused SDPA kernels take one head width for queries, keys and values; with another value width
+    the CPU falls back to the unfused path, which keeps every head's S x S attention weights for the
+    backward (5 KB a token and layer at 256 tokens, 80 KB at 4,096 for DeepSeek-V3's 128 heads), where the
+    fused path keeps a few numbers a row. The zero columns come out as zeros and are sliced off.
+    """
+    missing = q_BHSC.shape[-1] - v_BGTE.shape[-1]
+    return F.pad(v_BGTE, (0, missing)) if missing > 0 else v_BGTE
+
+
+def _narrowed_to(out_BHSC: torch.Tensor, v_BGTE: torch.Tensor) -> torch.Tensor:
+    """The output without the padded value columns (the tensor itself when there were none)."""
+    return out_BHSC[..., : v_BGTE.shape[-1]] if out_BHSC.shape[-1] != v_BGTE.shape[-1] else out_BHSC

@@ -1,0 +1,98 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), optionally gated; the attention itself is the `attention` op.
+
+Every head's keys and values are expanded from one small latent per token (`kv_lora_rank` wide,
+RMS-normalised), so a decoding cache keeps the latent alone. RoPE cannot pass through that
+expansion, so position enters through a separate rotary part: each head's query has its own
+`qk_rope_head_dim` rotary slice, and one rotary key slice, computed beside the latent, serves every
+head. Queries may pass through a low-rank latent of their own (`q_lora_rank`), which saves parameters
+and activation memory but nothing in the cache.
+
+Shapes: B batch, S new tokens, T cached tokens, H heads, D model width, L the key/value latent,
+R the rotary part, N the position-free query/key part, K = N + R, E the value width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ferry.kernels import KernelSelection, portable_kernels
+from ferry.model.attention_gate import build_output_gate
+from ferry.model.config import ModelConfig
+from ferry.model.kv_cache import LayerCache
+from ferry.model.linear import Linear
+from ferry.model.norm import RMSNorm
+from ferry.model.rope import RotaryEmbedding
+
+
+class LatentAttention(nn.Module):
+    """MLA with the softmax scale DeepSeek uses: 1/sqrt(K), times YaRN's `softmax_factor` when the context is
+    stretched (`RopeScalingConfig.softmax_factor`)."""
+
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, kernels: KernelSelection | None = None):
+        super().__init__()
+        kernels = kernels or portable_kernels()
+        mla = config.mla
+        self.n_heads = config.n_heads
+        self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.latent_dim = mla.kv_lora_rank
+        q_width = config.n_heads * mla.qk_head_dim
+        self.compressed_queries = bool(mla.q_lora_rank)
+        if self.compressed_queries:
+            self.wq_a = Linear(config.dim, mla.q_lora_rank, kernels)
+            self.q_norm = RMSNorm(mla.q_lora_rank, mla.latent_norm_eps, kernels)
+            self.wq_b = Linear(mla.q_lora_rank, q_width, kernels)
+        else:
+            self.wq = Linear(config.dim, q_width, kernels)
+        self.wkv_a = Linear(config.dim, mla.kv_lora_rank + mla.qk_rope_head_dim, kernels)
+        self.kv_norm = RMSNorm(mla.kv_lora_rank, mla.latent_norm_eps, kernels)
+        self.wkv_b = Linear(mla.kv_lora_rank, config.n_heads * (mla.qk_nope_head_dim + mla.v_head_dim), kernels)
+        self.wo = Linear(config.n_heads * mla.v_head_dim, config.dim, kernels)
+        self.gate = build_output_gate(config, config.n_heads, mla.v_head_dim, kernels)
+        self.scale = config.rope_scaling.softmax_factor / math.sqrt(mla.qk_head_dim)
+        self.rope = rope
+        self._attention = kernels["attention"]
+        self._masked_attention = kernels["attention.masked"]
+
+    def forward(
+        self, x_BSD: torch.Tensor, cache: LayerCache | None = None, visible_BSS: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal attention over `x_BSD`, or over the keys `visible_BSS` allows (documents of a packed
+        sequence); with a cache, over the cached latents too, at the cache's positions."""
+        batch, seq_len, _ = x_BSD.shape
+        positions_BS = None if cache is None else cache.step.positions_BS
+        q_BHSK = self._queries(x_BSD).view(batch, seq_len, self.n_heads, -1).transpose(1, 2)
+        q_nope_BHSN, q_rope_BHSR = q_BHSK.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_BHSK = torch.cat([q_nope_BHSN, self.rope(q_rope_BHSR, positions_BS)], dim=-1)
+        latent_BSL, k_rope_BSR = self.wkv_a(x_BSD).split([self.latent_dim, self.rope_dim], dim=-1)
+        latent_BTL = self.kv_norm(latent_BSL)
+        k_rope_BTR = self.rope(k_rope_BSR[:, None], positions_BS)[:, 0]
+        if cache is not None:
+            latent_BTL, k_rope_BTR = cache.extend(latent_BTL, k_rope_BTR)
+        k_BHTK, v_BHTE = self._expand(latent_BTL, k_rope_BTR)
+        if cache is not None:
+            out_BHSE = self._masked_attention(q_BHSK, k_BHTK, v_BHTE, cache.step.visible_BST, scale=self.scale)
+        elif visible_BSS is not None:
+            out_BHSE = self._masked_attention(q_BHSK, k_BHTK, v_BHTE, visible_BSS, scale=self.scale)
+        else:
+            out_BHSE = self._attention(q_BHSK, k_BHTK, v_BHTE, scale=self.scale)
+        out_BSHE = out_BHSE.transpose(1, 2)
+        if self.gate is not None:
+            out_BSHE = self.gate(x_BSD, out_BSHE)
+        return self.wo(out_BSHE.reshape(batch, seq_len, -1))
+
+    def _queries(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        if self.compressed_queries:
+            return self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        return self.wq(x_BSD)
+
+    def _expand(self, latent_BTL: torch.Tensor, k_rope_BTR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's keys (its position-free part from the latent, the shared rotary part beside it) and
+        values, from the latents of the T tokens."""
+        batch, tokens, _ = latent_BTL.shape
+        kv_BHTZ = self.wkv_b(latent_BTL).view(batch, tokens, self.n_heads, -1).transpose(1, 2)
+        k_nope_BHTN, v_BHTE = kv_BHTZ.split([self.nope_dim, self.v_dim], dim=-1)
+        k_rope_BHTR = k_rope_BTR[:, None].expand(batch, self.n_heads, tokens, self.rope_dim)
+        return torch.cat([k_nope_BHTN, k_rope_BHTR], dim=-1), v_BHTE

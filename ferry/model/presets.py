@@ -1,0 +1,59 @@
+"""Named model shapes (`configs/models/*.yaml`, each a `model:` section): the published MoE families a user
+starts from, and a tiny variant of each (`-tiny`) with the same structure for CPU tests and demos."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ferry.config import ConfigError, UserError
+from ferry.config.loader import validate
+from ferry.config.named import named_files, read_named_yaml
+from ferry.model.config import ModelConfig
+from ferry.model.counting import ModelSize, count_model
+from ferry.model.kv_cache import cache_bytes_per_token
+
+PRESETS_DIR = Path("configs") / "models"
+
+
+@dataclass(frozen=True)
+class PresetSummary:
+    """What a preset costs: its parameters, a training token's FLOPs at `seq_len`, a cached token's bf16 bytes."""
+
+    name: str
+    config: ModelConfig
+    size: ModelSize
+    seq_len: int
+    cache_bytes_per_token: int
+
+
+def preset_names() -> list[str]:
+    return sorted(named_files(PRESETS_DIR))
+
+
+def load_preset(spec: str) -> ModelConfig:
+    """The model config of a preset file (a path, or a name in `configs/models/`)."""
+    path, raw = read_named_yaml(spec, PRESETS_DIR, "model preset")
+    if set(raw) != {"model"}:
+        raise UserError(f"model preset {str(path)!r} must hold one `model:` section, not {sorted(raw)}")
+    try:
+        return validate(ModelConfig, raw["model"])
+    except ConfigError as exc:
+        raise ConfigError(f"model preset {str(path)!r}: {exc}") from None
+
+
+def summarise(spec: str, seq_len: int | None = None) -> PresetSummary:
+    """A preset's counts, at `seq_len` (default: its whole context) for the attention FLOPs."""
+    config = load_preset(spec)
+    length = config.max_seq_len if seq_len is None else seq_len
+    if not 1 <= length <= config.max_seq_len:
+        raise UserError(f"--seq-len {length}: choose 1 to the preset's max_seq_len ({config.max_seq_len})")
+    name = Path(spec).stem
+    return PresetSummary(name, config, count_model(config, length), length, cache_bytes_per_token(config, 2))
+
+
+def preset_override(spec: str) -> str:
+    """The override that puts a preset in a run config's place (`ferry train --model`): its whole model section,
+    as a flow mapping, so that later overrides (`model.max_seq_len=...`) still apply on top."""
+    return "model=" + json.dumps(load_preset(spec).model_dump(mode="json"))

@@ -1,0 +1,84 @@
+"""Named model shapes: every preset loads, `ferry models` prints its counts (OLMoE-1B-7B's published 6.9B / 1.3B
+among them), each tiny variant keeps its big one's structure and counts as the built model does, `ferry train
+--model` trains one, a bad name exits 2; the mla-tiny bench suite measures an MLA model."""
+
+from __future__ import annotations
+
+import yaml
+
+from ferry.cli.main import main
+from ferry.model import Transformer, count_model
+from ferry.model.presets import load_preset, preset_names
+
+
+def test_every_preset_has_a_tiny_variant_of_the_same_structure():
+    names = preset_names()
+    big = [name for name in names if not name.endswith("-tiny")]
+    assert set(big) >= {"olmoe-1b-7b", "qwen3-30b-a3b", "moonlight-16b-a3b", "instella-moe-16b-a3b"}
+    for name in big:
+        large, tiny = load_preset(name), load_preset(f"{name}-tiny")
+        assert (tiny.attention, tiny.attention_gate, tiny.qk_norm, tiny.qk_norm_scope) == (
+            large.attention, large.attention_gate, large.qk_norm, large.qk_norm_scope), name
+        assert (tiny.moe.score_func, tiny.moe.renormalize, bool(tiny.moe.shared_expert_ffn_dim),
+                bool(tiny.dense_layers)) == (large.moe.score_func, large.moe.renormalize,
+                                             bool(large.moe.shared_expert_ffn_dim), bool(large.dense_layers)), name
+        model = Transformer(tiny)
+        size = count_model(tiny, 16)
+        assert size.total_params == sum(param.numel() for param in model.parameters()), name
+
+
+def test_ferry_models_prints_every_presets_counts(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in preset_names():
+        assert f"\n{name} " in out
+    olmoe = next(line for line in out.splitlines() if line.startswith("olmoe-1b-7b "))
+    assert "6.92B" in olmoe and "1.28B" in olmoe and "131,072" in olmoe  # OLMoE's card: 6.9B, 1.3B active
+    moonlight = next(line for line in out.splitlines() if line.startswith("moonlight-16b-a3b "))
+    assert "15.96B" in moonlight and "31,104" in moonlight  # 27 layers x (512 + 64) latent values x 2 bytes
+    assert main(["models", "moonlight-16b-a3b-tiny", "--show"]) == 0
+    shown = capsys.readouterr().out
+    assert yaml.safe_load(shown[shown.index("model:") :])["model"]["attention"] == "mla"
+
+
+def test_ferry_train_takes_a_preset_and_overrides_after_it(stdlib_dataset, tmp_path):
+    run = tmp_path / "run"
+    argv = ["train", "configs/tiny.yaml", "--model", "instella-moe-16b-a3b-tiny", "model.max_seq_len=32",
+            f"data.sources=[{{name: stdlib, path: {stdlib_dataset}}}]", "data.seq_len=32", f"run.dir={run}",
+            "train.steps=2", "train.global_batch=4", "train.micro_batch=4", "train.log_every=1"]
+    assert main(argv) == 0
+    resolved = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert resolved == {**load_preset("instella-moe-16b-a3b-tiny").model_dump(mode="json"), "max_seq_len": 32}
+
+
+def test_an_unknown_preset_exits_2_naming_it_and_the_known_ones(capsys):
+    assert main(["models", "deepseek-v9"]) == 2
+    error = capsys.readouterr().err
+    assert "model preset 'deepseek-v9' is neither a file nor a known model preset" in error and "olmoe-1b-7b" in error
+    assert main(["train", "configs/tiny.yaml", "--model", "deepseek-v9"]) == 2
+
+
+def test_the_mla_bench_suite_resolves_to_an_mla_run(tmp_path):
+    """Its measurement is `ferry bench mla-tiny` (the bench machinery has its own tests on moe-tiny); here, that
+    the suite is an MLA model of the DeepSeek-V3 family at moe-tiny's size and batch."""
+    from ferry.portability.suites import load_suite
+
+    suite, plain = load_suite("mla-tiny"), load_suite("moe-tiny")
+    config = suite.run_config(tmp_path, "cpu", [])
+    model = config.model
+    assert model.attention == "mla" and model.moe.score_func == "sigmoid" and model.moe.topk_group < model.moe.n_group
+    for key in ("dim", "n_layers", "vocab_size", "dense_layers"):
+        assert getattr(model, key) == plain.config["model"][key], key
+    assert config.train.global_batch == plain.config["train"]["global_batch"] and config.data.seq_len == 128
+
+
+def test_the_mla_demo_config_is_the_suites_model_and_exports_as_deepseek_v3():
+    from ferry.interop.architectures import natural_architecture, refusals
+    from ferry.portability.suites import load_suite
+    from ferry.train import load_run_config
+
+    config = load_run_config("configs/mla-tiny.yaml")
+    suite_model = load_suite("mla-tiny").config["model"]
+    assert config.model.attention == "mla"
+    assert config.model.mla.model_dump(exclude={"latent_norm_eps"}) == suite_model["mla"]
+    assert natural_architecture(config.model) == "deepseek_v3" and refusals(config.model, "deepseek_v3") == []

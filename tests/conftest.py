@@ -67,3 +67,18 @@ def make_config(stdlib_dataset, tmp_path):
         return tiny_config(stdlib_dataset, run_dir or tmp_path / "run", *overrides)
 
     return build
+
+
+def rehearse_ep2_to_one(dataset: Path, work: Path, *model_overrides: str) -> tuple[int, dict]:
+    """`ferry rehearse` of the tiny run with `model_overrides` from 2 ranks with experts split (cpu-ep2) to one
+    process, over a window long enough for a same-hardware verdict; the exit code and the verdict."""
+    from ferry.cli.main import main
+
+    raw = apply_overrides(TINY_RUN, list(model_overrides))
+    raw["data"]["sources"] = [{"name": "stdlib", "path": str(dataset)}]
+    config = work / "run.yaml"
+    work.mkdir(parents=True, exist_ok=True)
+    config.write_text(json.dumps(raw))
+    code = main(["rehearse", str(config), "--from", "cpu-ep2", "--to", "cpu", "--steps", "35", "--switch-at", "25",
+                 "--dir", str(work / "rehearsal"), "--history", str(work / "history")])
+    return code, json.loads((work / "rehearsal" / "verdict.json").read_text())

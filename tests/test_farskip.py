@@ -8,8 +8,6 @@ process only in the order of floating-point sums).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from ferry.model import KVCache, ModelConfig, Transformer
 from ferry.train import Trainer
 
 import distributed_training as runs
-from conftest import TINY_RUN, tiny_config
+from conftest import TINY_RUN, rehearse_ep2_to_one, tiny_config
 
 LAYOUT_TOLERANCE = 1e-5
 THREE_LAYERS = ("model.n_layers=3", "train.steps=4")  # two MoE layers: the first one's combine meets an attention
@@ -157,13 +155,5 @@ def test_export_of_a_farskip_model_is_refused_naming_the_field(single, tmp_path,
 
 
 def test_a_farskip_model_rehearses_from_two_ranks_to_one(stdlib_dataset, tmp_path):
-    raw = json.loads(json.dumps(TINY_RUN))
-    raw["data"]["sources"] = [{"name": "stdlib", "path": str(stdlib_dataset)}]
-    raw["model"].update(skip="farskip", n_layers=3)
-    config = tmp_path / "farskip.yaml"
-    config.write_text(json.dumps(raw))
-    work = tmp_path / "rehearsal"
-    code = main(["rehearse", str(config), "--from", "cpu-ep2", "--to", "cpu", "--steps", "35", "--switch-at", "25",
-                 "--dir", str(work), "--history", str(tmp_path / "history")])
-    verdict = json.loads((work / "verdict.json").read_text())
+    code, verdict = rehearse_ep2_to_one(stdlib_dataset, tmp_path, "model.skip=farskip", "model.n_layers=3")
     assert code == 0 and verdict["verdict"] == "PASS" and verdict["profile"] == "same-hardware"

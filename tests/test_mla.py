@@ -19,6 +19,8 @@ from ferry.model.kv_cache import cache_bytes_per_token
 from ferry.model.latent_attention import LatentAttention
 from ferry.model.rope import RotaryEmbedding
 
+from test_interop import _random_model
+
 TOLERANCE = 1e-5  # relative (norm of the difference over the norm): fp32 kernels in another order, never more
 
 MLA_BASE = dict(
@@ -46,17 +48,11 @@ def mla_config(case: str) -> ModelConfig:
 
 def random_model(config: ModelConfig) -> Transformer:
     """Weights far from their initial scale (norms not one, routers' biases not zero), so nothing passes by luck."""
-    torch.manual_seed(0)
-    model = Transformer(config)
+    model = _random_model(config)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.2)
         for layer in model.moe_layers():
             layer.router.expert_bias_E.normal_(0.0, 0.1)
-    return model.eval()
+    return model
 
 
 def relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:

@@ -145,20 +145,8 @@ def test_every_objective_trains_an_mla_model(task, sft, tmp_path, objective, sou
 def test_an_mla_model_rehearses_from_two_ranks_to_one(stdlib_dataset, tmp_path):
     """`ferry rehearse` of the tiny MLA model from EP2 with ZeRO-1 to one process passes under same-hardware, both
     the resumed half and the run from scratch (demo size, by hand: max |diff| 1.4e-7 over 35 steps)."""
-    import json
-
-    from ferry.cli.main import main
-    from ferry.config.loader import apply_overrides
-
-    from conftest import TINY_RUN
+    from conftest import rehearse_ep2_to_one
 
     model_only = [override for override in MLA if not override.startswith(("train.", "checkpoint."))]
-    raw = apply_overrides(TINY_RUN, model_only)
-    raw["data"]["sources"] = [{"name": "stdlib", "path": str(stdlib_dataset)}]
-    config = tmp_path / "mla.yaml"
-    config.write_text(json.dumps(raw))
-    work = tmp_path / "rehearsal"
-    code = main(["rehearse", str(config), "--from", "cpu-ep2", "--to", "cpu", "--steps", "35", "--switch-at", "25",
-                 "--dir", str(work), "--history", str(tmp_path / "history")])
-    verdict = json.loads((work / "verdict.json").read_text())
+    code, verdict = rehearse_ep2_to_one(stdlib_dataset, tmp_path, *model_only)
     assert code == 0 and verdict["verdict"] == "PASS" and verdict["profile"] == "same-hardware"

@@ -193,36 +193,24 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
     )
     if arch == "deepseek_v3":
         fields = deepseek_model_fields(hf, problems)
-        if problems:
-            raise UserError("cannot import this model: " + "; ".join(problems))
-        return ModelConfig.model_validate({**shared, **fields}), arch
+    else:
+        fields = dict(
+            n_kv_heads=hf.num_key_value_heads,
+            qk_norm=True,
+            qk_norm_scope="projection" if arch == "olmoe" else "head",
+            dense_layers=dense_layers,
+            dense_ffn_dim=hf.intermediate_size if arch == "qwen3_moe" else ModelConfig().dense_ffn_dim,
+            moe={
+                "num_experts": hf.num_experts,
+                "top_k": hf.num_experts_per_tok,
+                "expert_ffn_dim": hf.moe_intermediate_size if arch == "qwen3_moe" else hf.intermediate_size,
+                "renormalize": bool(hf.norm_topk_prob),
+                "aux_loss_coef": float(hf.router_aux_loss_coef),
+            },
+        )
     if problems:
         raise UserError("cannot import this model: " + "; ".join(problems))
-    config = ModelConfig(
-        vocab_size=hf.vocab_size,
-        dim=hf.hidden_size,
-        n_layers=hf.num_hidden_layers,
-        n_heads=hf.num_attention_heads,
-        n_kv_heads=hf.num_key_value_heads,
-        max_seq_len=hf.max_position_embeddings,
-        rope_theta=float(rope["rope_theta"]),
-        rope_scaling=rope_scaling,
-        norm_eps=float(hf.rms_norm_eps),
-        qk_norm=True,
-        qk_norm_scope="projection" if arch == "olmoe" else "head",
-        dense_layers=dense_layers,
-        dense_ffn_dim=hf.intermediate_size if arch == "qwen3_moe" else ModelConfig().dense_ffn_dim,
-        tie_embeddings=bool(hf.tie_word_embeddings),
-        init_std=float(hf.initializer_range),
-        moe={
-            "num_experts": hf.num_experts,
-            "top_k": hf.num_experts_per_tok,
-            "expert_ffn_dim": hf.moe_intermediate_size if arch == "qwen3_moe" else hf.intermediate_size,
-            "renormalize": bool(hf.norm_topk_prob),
-            "aux_loss_coef": float(hf.router_aux_loss_coef),
-        },
-    )
-    return config, arch
+    return ModelConfig.model_validate({**shared, **fields}), arch
 
 
 def to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ferry.checkpoint import list_checkpoints, verify_checkpoint
+from ferry.cli.main import main
 from ferry.config import ConfigError, UserError, dump_yaml
 from ferry.train import Trainer
 
@@ -328,3 +329,19 @@ def test_run_overwrite_keeps_an_earlier_run_that_went_further_than_the_new_one_w
     Trainer(make_config("train.steps=2", "run.overwrite=true", run_dir=run_dir)).fit()
     assert [p.name for p in (run_dir / "replaced").iterdir()] == [kept.name], "a run no further is replaced"
     assert json.loads((run_dir / "run.json").read_text())["replaced_run"] is None
+
+
+def test_run_overwrite_takes_the_earlier_runs_plots_with_its_records(make_config, tmp_path):
+    """`ferry plot`'s PNGs (and TensorBoard's, the traces') are the earlier run's records: kept with them in
+    replaced/, or deleted with them; never left beside the new run's metrics."""
+    run_dir = tmp_path / "run"
+    Trainer(make_config("train.steps=4", "checkpoint.interval=2", run_dir=run_dir)).fit()
+    assert main(["plot", str(run_dir)]) == 0
+    drawn = sorted(path.name for path in (run_dir / "plots").iterdir())
+    Trainer(make_config("train.steps=2", "run.overwrite=true", run_dir=run_dir)).fit()
+    (kept,) = (run_dir / "replaced").iterdir()
+    assert sorted(path.name for path in (kept / "plots").iterdir()) == drawn and drawn
+    assert not (run_dir / "plots").exists()
+    assert main(["plot", str(run_dir)]) == 0
+    Trainer(make_config("train.steps=2", "run.overwrite=true", run_dir=run_dir)).fit()
+    assert not (run_dir / "plots").exists(), "a run no further is replaced, its plots with it"

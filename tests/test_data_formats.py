@@ -225,6 +225,12 @@ MALFORMED = {
                              (p / "dataset_dict.json").write_text('{"splits": ["train"]}')),
         ["is a DatasetDict of splits train: give the directory of the split to prepare"],
     ),
+    "an empty zstd file": ("rows.jsonl.zst", lambda p: p.write_bytes(b""), ["is empty (0 bytes), which is no zstd"]),
+    "an empty gzip file": ("rows.jsonl.gz", lambda p: p.write_bytes(b""), ["is empty (0 bytes), which is no gzip"]),
+    "a parquet table without rows": (
+        "rows.parquet", lambda p: pq.write_table(pa.table({"text": pa.array([], pa.string())}), p),
+        ["the inputs hold no documents: ", "rows.parquet holds no rows or text"],
+    ),
     "a parquet file that is not one": (
         "rows.parquet", lambda p: p.write_bytes(b"PAR1 but nothing else"), ["cannot be read as Parquet"],
     ),
@@ -273,3 +279,22 @@ def test_chat_rows_in_a_table_without_messages_are_refused_naming_the_columns(tm
     assert _prepare([text], tmp_path / "out", "--tokenizer", str(tokenizer), "--chat", "--seq-len", "32") == 2
     assert "is not a file of rows" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_file_beside_good_ones_is_refused_when_compressed_and_noted_when_a_table(tmp_path, capsys):
+    """A 0-byte `.jsonl.zst` is no zstd stream (a stream holds at least one frame): refused, naming it, even beside
+    good files. A Parquet table with no rows is valid: beside good files, a note names it."""
+    good = _write(tmp_path, _documents(50), "jsonl")
+    empty_zst = tmp_path / "empty.jsonl.zst"
+    empty_zst.write_bytes(b"")
+    assert _prepare([good, empty_zst], tmp_path / "refused", "--tokenizer", "byte") == 2
+    assert f"input {str(empty_zst)!r} is empty (0 bytes)" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
+    no_rows = tmp_path / "none.parquet"
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), no_rows)
+    for workers in ((), ("--workers", "2")):
+        output = tmp_path / f"out{len(workers)}"
+        assert _prepare([good, no_rows], output, "--tokenizer", "byte", *workers) == 0
+        out = capsys.readouterr().out
+        assert f"ferry: note: {no_rows} holds no rows or text: no document of the dataset comes from it" in out
+        assert "50 documents" in out

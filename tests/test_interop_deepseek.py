@@ -6,6 +6,7 @@ generate` reports the cache's bytes per token; what DeepSeek-V3 cannot express (
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -115,7 +116,11 @@ def test_import_of_the_export_is_bitwise_and_training_continues_from_it(mla_run,
     hf_dir, imported = tmp_path / "hf", tmp_path / "imported"
     assert main(["export", str(mla_run), str(hf_dir)]) == 0
     assert main(["import", str(hf_dir), str(imported)]) == 0
-    assert "imported deepseek_v3" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "imported deepseek_v3" in captured.out
+    exported = re.search(r"as deepseek_v3 \(([\d,]+) parameters", captured.out).group(1)
+    assert f"imported deepseek_v3 ({exported} parameters)" in captured.out, "both sides count the same weights"
+    assert "Writing model shards" not in captured.err and "Loading weights" not in captured.err
     original = read_model_state(latest_checkpoint(mla_run))
     back = read_model_state(latest_checkpoint(imported))
     assert sorted(original) == sorted(back)

@@ -190,6 +190,15 @@ def test_a_pipeline_the_run_cannot_take_is_refused_before_any_rank_starts(
     assert message in str(refused.value)
 
 
+def test_a_refused_pipeline_setting_gets_its_own_reason_and_fix_only(make_config):
+    config = make_config("model.n_layers=4", "parallel.pp=2", "eval.sources=[{name: held_out, path: data}]")
+    with pytest.raises(UserError) as refused:
+        config.check_world_size(2)
+    message = str(refused.value)
+    assert "the held-out evaluation runs the whole model on one rank); set eval.sources=[]" in message
+    assert not any(other in message for other in ("tied", "memory model", "FarSkip", "overlap trial"))
+
+
 def test_ferry_train_refuses_a_bad_pipeline_with_exit_2(stdlib_dataset, tmp_path, capsys):
     from ferry.cli.main import main
 

@@ -181,6 +181,27 @@ def test_scoring_the_reference_reports_its_progress(tmp_path, task, sft, monkeyp
     assert lines[:batches] == expected
 
 
+def test_a_grpo_held_out_evaluation_during_training_reports_its_progress(tmp_path, task, sft, monkeypatch, capsys):
+    """Sampling completions for every held-out prompt takes minutes on a large set: each decoding step is a
+    forward the evaluation's progress counts (and the hang watchdog's clock restarts at)."""
+    from ferry.metrics import progress as progress_module
+
+    monkeypatch.setattr(progress_module, "LINE_EVERY_S", 0.0)
+    config = _config(tmp_path, "grpo", [
+        "train.objective=grpo", f"init_from={sft}", f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
+        f"eval.sources=[{{name: held_out, path: {task['prompts-held-out']}}}]", "train.global_batch=2",
+        "train.micro_batch=2", "grpo.group_size=2", "grpo.max_new_tokens=3", "grpo.verifier=numeric",
+        "train.steps=1",
+    ])
+    capsys.readouterr()
+    train(config)
+    lines = [line.split(" after ")[0] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("ferry: held-out evaluation at step 1:")]
+    # sampled, then greedy: a prefill and at least one more decoding step each
+    assert len(lines) >= 4
+    assert lines == [f"ferry: held-out evaluation at step 1: {n} forwards" for n in range(1, len(lines) + 1)]
+
+
 def test_a_new_parent_invalidates_the_reference_cache(tmp_path, task, sft):
     from ferry.train.objectives.reference import LogprobCache
 

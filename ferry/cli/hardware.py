@@ -11,7 +11,7 @@ def add_hardware_commands(commands) -> None:
     hardware = commands.add_parser("hardware", help="the hardware profile of this machine and its measured CPU peak")
     actions = hardware.add_subparsers(dest="hardware_command", required=True, metavar="ACTION")
     show = actions.add_parser("show", help="print the profile `hardware: auto` resolves to here")
-    show.add_argument("--device", default="auto", type=device_option)
+    show.add_argument("--device", default="auto", type=device_option, help="auto, cpu, cuda, ...")
     show.set_defaults(handler=show_profile)
     measure = actions.add_parser("measure", help="measure this CPU's matmul peaks again and cache them")
     measure.add_argument("--seconds", type=float, default=2.0, help="best-of window per dtype (default 2.0)")

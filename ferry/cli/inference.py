@@ -19,7 +19,9 @@ def add_inference_commands(commands) -> None:
     generate.add_argument("source", help=SOURCE_HELP)
     generate.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
     generate.add_argument("--prompts-file", default=None, help="one prompt per line (added after the --prompt ones)")
-    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument(
+        "--max-new-tokens", type=int, default=64, help="tokens generated after each prompt at most"
+    )
     generate.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     generate.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     generate.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass")
@@ -74,7 +76,9 @@ def add_inference_commands(commands) -> None:
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", type=device_option, help="auto, cpu, cuda, ... (default auto)")
-    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument(
+        "--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="the dtype the weights are loaded in"
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's, or SOURCE's)")
 
 

@@ -22,14 +22,14 @@ def add_kernels_commands(subparsers: argparse._SubParsersAction) -> None:
     boundary.set_defaults(handler=write_boundary_doc)
 
     bench = actions.add_parser("bench", help="time every available implementation on fixed inputs; budget verdicts")
-    bench.add_argument("--device", default="auto", type=device_option)
+    bench.add_argument("--device", default="auto", type=device_option, help="time the implementations on this device")
     bench.add_argument("--budget", type=float, default=None, help="throughput loss allowed (default: kernels config's)")
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (median)")
-    bench.add_argument("--tokens", type=int, default=4096)
-    bench.add_argument("--dim", type=int, default=512)
+    bench.add_argument("--tokens", type=int, default=4096, help="routed tokens of the benchmark MoE layer")
+    bench.add_argument("--dim", type=int, default=512, help="model width")
     bench.add_argument("--ffn", type=int, default=256, help="expert hidden width")
-    bench.add_argument("--experts", type=int, default=64)
-    bench.add_argument("--top-k", type=int, default=8)
+    bench.add_argument("--experts", type=int, default=64, help="experts of the layer")
+    bench.add_argument("--top-k", type=int, default=8, help="experts each token is routed to")
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="inputs and weights")
     bench.add_argument(
         "--history", default="runs/portability", help="portability directory the figures are appended to, for "

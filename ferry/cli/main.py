@@ -15,7 +15,7 @@ from ferry.cli.kernels import add_kernels_commands
 from ferry.cli.launch import add_launch_command
 from ferry.cli.metrics import add_metrics_commands
 from ferry.cli.models import add_models_commands
-from ferry.cli.options import refuse_unknown_options
+from ferry.cli.options import complete_help, refuse_unknown_options
 from ferry.cli.pipeline import add_pipeline_commands
 from ferry.cli.portability import add_portability_commands
 from ferry.cli.release import add_release_commands
@@ -166,7 +166,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_inference_commands(commands)
     add_pipeline_commands(commands)
     add_release_commands(commands)
-    return parser
+    return complete_help(parser)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -343,6 +343,8 @@ def _print_dataset(result) -> int:
     manifest = result.manifest
     if result.repaired:
         print(f"ferry: warning: {result.repaired} no longer matched its manifest; written again from the same inputs")
+    for path in result.empty:
+        print(f"ferry: note: {path} holds no rows or text: no document of the dataset comes from it")
     state = "prepared" if result.rebuilt else "up to date"
     tokenizer = f"{manifest['tokenizer']['kind']} tokenizer with {manifest['tokenizer']['vocab_size']:,} tokens"
     records = manifest.get("records")

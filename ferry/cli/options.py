@@ -76,3 +76,32 @@ def _section_of(annotation: object) -> type[BaseModel] | None:
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
             return candidate
     return None
+
+
+class DefaultShown(argparse.HelpFormatter):
+    """An option's help ends with its default, unless the help already speaks of it or there is none to show:
+    a user reading `--help` should not have to run the command to learn what it does by default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = not (default is None or default is False or default is argparse.SUPPRESS or default == [])
+        if not action.option_strings or "default" in text or not shown:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def complete_help(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give every sub-command's `--help` the description its parent lists it with, and every parser with the
+    standard layout the formatter that shows defaults; returns `parser`."""
+    if parser.formatter_class is argparse.HelpFormatter:
+        parser.formatter_class = DefaultShown
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for listed in action._choices_actions:
+            command = action.choices[listed.dest]
+            if command.description is None:
+                command.description = listed.help
+            complete_help(command)
+    return parser

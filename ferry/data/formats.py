@@ -102,6 +102,21 @@ def collect_files(inputs: Iterable[str]) -> list[Path]:
     return files
 
 
+def no_documents(files: list[Path]) -> str:
+    """The refusal of inputs that gave not one document, naming the files (an empty table or file is easily
+    passed by mistake: the message should say which)."""
+    if not files:
+        return "the inputs hold no documents"
+    named = ", ".join(str(path) for path in files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
+    return f"the inputs hold no documents: {named} {'holds' if len(files) == 1 else 'hold'} no rows or text"
+
+
+def documentless(files: list[Path], sources: list[dict]) -> list[Path]:
+    """The input files no document came from, beside those `sources` (a manifest's `source_hashes`) name."""
+    named = {entry.get("source") for entry in sources}
+    return [path for path in files if str(path) not in named]
+
+
 def parts(path: Path) -> list[Part]:
     """The parts of one input file: its row groups for Parquet, the whole file otherwise."""
     kind = file_format(path)
@@ -172,6 +187,12 @@ def _lines(part: Part) -> Iterator[tuple[int, bytes]]:
     """(number, bytes) of each line; a compressed stream cut short or corrupt is refused naming the line
     it stopped before."""
     number = 0
+    codec = "gzip" if part.format == "jsonl.gz" else "zstd"
+    if part.format != "jsonl" and part.path.stat().st_size == 0:
+        raise UserError(
+            f"input {str(part.path)!r} is empty (0 bytes), which is no {codec} stream (one holds at least one "
+            f"{'member' if codec == 'gzip' else 'frame'}): write it again, or leave it out of the inputs"
+        )
     try:
         if part.format == "jsonl":
             with part.path.open("rb") as handle:
@@ -188,7 +209,6 @@ def _lines(part: Part) -> Iterator[tuple[int, bytes]]:
     except (EOFError, OSError, zlib.error, zstandard.ZstdError) as exc:
         if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile):
             raise UserError(f"input {str(part.path)!r} cannot be read: {exc}") from None
-        codec = "gzip" if part.format == "jsonl.gz" else "zstd"
         raise UserError(
             f"{part.path}:{number + 1}: the {codec} stream is corrupt or cut short before this line ({exc})"
         ) from None

@@ -29,7 +29,7 @@ from ferry.config.errors import UserError
 from ferry.data.chat import CHAT_TEMPLATE, ChatEncoder, parse_messages, with_chat_tokens
 from ferry.data.conversations import EMBEDDED_CONVERSATIONS, embedded_conversations, read_conversations
 from ferry.data.corpus import EMBEDDED_CORPORA, Document, embedded_documents, within_budget
-from ferry.data.formats import collect_files, parts, read_texts
+from ferry.data.formats import collect_files, documentless, no_documents, parts, read_texts
 from ferry.data.manifest import (
     DATASET_FORMAT,
     DATASET_VERSION,
@@ -72,6 +72,7 @@ class PrepareResult:
     manifest: dict
     rebuilt: bool
     repaired: Path | None = None  # the file that no longer matched its manifest, why the same inputs were written again
+    empty: list[Path] = field(default_factory=list)  # input files that gave no document (beside some that did)
 
 
 def prepare_dataset(
@@ -85,11 +86,11 @@ def prepare_dataset(
     check_spec(spec)
     check_parallel(spec, workers)
     settings = spec_settings(spec)
+    files = collect_files(spec.inputs) if spec.inputs else []
     if workers is None:
         documents = _document_source(spec)
-        source_hashes = _hash_sources(documents())
+        source_hashes = _hash_sources(documents(), files)
     else:  # the files' digests decide, not a pass over their documents, which would be one process's work
-        files = collect_files(spec.inputs)
         file_sha256 = {str(path): sha256_file(path) for path in files}
 
     def is_current(manifest: dict) -> bool:
@@ -99,7 +100,7 @@ def prepare_dataset(
 
     current, repaired = claim_output(output, overwrite, settings, is_current, spec.inputs)
     if current is not None:
-        return PrepareResult(output, current, rebuilt=False)
+        return PrepareResult(output, current, rebuilt=False, empty=documentless(files, current["source_hashes"]))
 
     def build(staging: Path) -> dict:
         if workers is None:
@@ -111,7 +112,9 @@ def prepare_dataset(
         write_json(staging / MANIFEST_NAME, manifest)
         return manifest
 
-    return PrepareResult(output, write_staged(output, build), rebuilt=True, repaired=repaired)
+    manifest = write_staged(output, build)
+    empty = documentless(files, manifest["source_hashes"])
+    return PrepareResult(output, manifest, rebuilt=True, repaired=repaired, empty=empty)
 
 
 def check_parallel(spec: PrepareSpec, workers: int | None, flag: str = "--workers") -> None:
@@ -195,7 +198,7 @@ def _document_source(spec: PrepareSpec) -> Callable[[], Iterator[Document]]:
     return lambda: (document for path in files for part in parts(path) for document in read(part))
 
 
-def _hash_sources(documents: Iterator[Document]) -> list[dict]:
+def _hash_sources(documents: Iterator[Document], files: list[Path]) -> list[dict]:
     """sha256 of each source file's bytes (of each embedded document's text), with byte and document counts."""
     by_source: dict[str, dict] = {}
     hashers: dict[str, hashlib._Hash] = {}
@@ -209,7 +212,7 @@ def _hash_sources(documents: Iterator[Document]) -> list[dict]:
         is_file = not source.startswith("embedded:")
         entry["sha256"] = sha256_file(Path(source)) if is_file else hashers[source].hexdigest()
     if not by_source:
-        raise UserError("the inputs hold no documents")
+        raise UserError(no_documents(files))
     return list(by_source.values())
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ferry.config.errors import UserError
-from ferry.data.formats import Part, read_texts
+from ferry.data.formats import Part, no_documents, read_texts
 from ferry.data.tokenizer import Tokenizer, encode_documents, tokenizer_from_json
 
 ENCODE_BATCH = 256
@@ -163,7 +163,7 @@ def source_entries(results: list[PartTokens] | Iterator[PartTokens], file_sha256
     for source, entry in by_source.items():
         entry["sha256"] = file_sha256[source]
     if not by_source:
-        raise UserError("the inputs hold no documents")
+        raise UserError(no_documents([Path(source) for source in file_sha256]))
     return list(by_source.values())
 
 

@@ -69,6 +69,7 @@ def generate(
     decode: Callable[[list[int]], str] | None = None,
     row_seeds: Sequence[int] | None = None,
     sync: GenerationSync | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> GenerationResult:
     """Continue every prompt until one of `end_ids`, a stop string (needs `decode`) or `max_new_tokens`.
 
@@ -78,7 +79,9 @@ def generate(
     prompt plus the new tokens, within `model.config.max_seq_len` (a prompt of that length gets one
     token). `end_ids` are the tokens that end a completion (finish reason "eos"), as a transformers
     generation config's `eos_token_id` lists them. `row_seeds` gives each
-    row its own sampling generator (default: one generator seeded with `config.seed`).
+    row its own sampling generator (default: one generator seeded with `config.seed`). `progress()` is called
+    after the prefill and after each decoding step: a long generation (a held-out evaluation of hundreds of
+    prompts) restarts the hang watchdog's clock and says how far it is as it goes.
     """
     if not prompts or any(len(prompt) == 0 for prompt in prompts):
         raise UserError("generate: every prompt needs at least one token")
@@ -111,7 +114,9 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        timings = _decode(model, tokens_BS.to(device), cache, config, generator, completions, end_ids, decode, sync)
+        timings = _decode(
+            model, tokens_BS.to(device), cache, config, generator, completions, end_ids, decode, sync, progress
+        )
     finally:
         model.train(was_training)
     if decode is not None:
@@ -137,6 +142,7 @@ def _decode(
     end_ids: frozenset[int],
     decode: Callable[[list[int]], str] | None,
     sync: GenerationSync | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> tuple[float, float]:
     """Prefill, then a token per step until every completion has ended; the seconds of each phase."""
     device = tokens_BS.device
@@ -147,6 +153,8 @@ def _decode(
     prefill_s = time.perf_counter() - started
     started = time.perf_counter()
     while True:
+        if progress is not None:
+            progress()
         chosen_B, logprobs_B = next_tokens(logits_BV, config, generator)
         for completion, token, logprob in zip(completions, chosen_B.tolist(), logprobs_B.tolist()):
             if completion.finish_reason is None:

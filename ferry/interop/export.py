@@ -21,7 +21,10 @@ from ferry.config import UserError
 from ferry.data.chat import CHAT_TEMPLATE_JINJA, CHAT_TOKENS, IM_END
 from ferry.data.tokenizer import END_OF_TEXT, BPETokenizer, load_tokenizer
 from ferry.interop.architectures import hf_config, natural_architecture, refusals, to_hf_state
-from ferry.interop.weights import checkpoint_model_config, checkpoint_tokenizer_path, read_model_state
+from ferry.interop.quiet import no_progress_bars
+from ferry.interop.weights import (
+    checkpoint_model_config, checkpoint_tokenizer_path, read_model_state, weight_count,
+)
 from ferry.platform.file_modes import give_ordinary_mode
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -89,8 +92,9 @@ def export_checkpoint(
         ]
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    fast_tokenizer.save_pretrained(staging)
+    with no_progress_bars():
+        model.save_pretrained(staging)
+        fast_tokenizer.save_pretrained(staging)
     for written in staging.rglob("*"):
         if written.is_file():
             give_ordinary_mode(written)
@@ -102,7 +106,7 @@ def export_checkpoint(
         out=out,
         arch=arch,
         step=checkpoint.step,
-        parameters=sum(tensor.numel() for name, tensor in hf_state.items()),
+        parameters=weight_count(state, config),
         files=sorted(path.name for path in out.iterdir()),
     )
 

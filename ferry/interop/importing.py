@@ -21,7 +21,8 @@ from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
 from ferry.config import UserError
 from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.interop.architectures import from_hf_state, model_config_from_hf
-from ferry.interop.weights import MODEL
+from ferry.interop.quiet import no_progress_bars
+from ferry.interop.weights import MODEL, weight_count
 from ferry.model import ModelConfig, Transformer
 from ferry.platform.fingerprint import environment_fingerprint
 
@@ -57,7 +58,8 @@ def read_hf_dir(hf_dir: Path) -> tuple[ModelConfig, str, dict[str, torch.Tensor]
         raise UserError(f"{hf_dir}/config.json is not a transformers model config: {_first_line(exc)}") from None
     config, arch = model_config_from_hf(hf_config)
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+        with no_progress_bars():
+            hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
     except (OSError, ValueError, SafetensorError) as exc:  # a truncated weights file is the last of these
         raise UserError(f"{hf_dir}: transformers cannot load its weights: {_first_line(exc)}") from None
     state = from_hf_state(hf_model.state_dict(), config, bool(getattr(hf_config, "rope_interleave", False)))
@@ -101,9 +103,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None 
     if source_tokenizer.is_file():
         copied = out / "tokenizer.json"
         shutil.copyfile(source_tokenizer, copied)
-    tied = {"output.weight"} if config.tie_embeddings else set()  # the embedding's matrix, under a second name
-    weights = sum(t.numel() for name, t in state.items() if not name.endswith("expert_bias_E") and name not in tied)
-    return ImportResult(checkpoint, model_file, copied, arch, weights)
+    return ImportResult(checkpoint, model_file, copied, arch, weight_count(state, config))
 
 
 def _encoding_digest(path: Path, vocab_size: int) -> str | None:

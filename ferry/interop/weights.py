@@ -28,6 +28,14 @@ def read_model_state(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
     return {name.removeprefix(MODEL): checkpoint.read(name) for name in checkpoint.names(MODEL)}
 
 
+def weight_count(state: dict[str, torch.Tensor], config: ModelConfig) -> int:
+    """The model's trained weights, counted one way by export and import so their reports agree: a router's
+    balancing bias (a buffer moved by the loads, not by gradients; a `e_score_correction_bias` on the other side
+    where it is kept at all) is no weight, and a tied head is the embedding's matrix under a second name."""
+    tied = {"output.weight"} if config.tie_embeddings else set()
+    return sum(tensor.numel() for name, tensor in state.items() if not name.endswith("expert_bias_E") and name not in tied)
+
+
 def checkpoint_tokenizer_path(checkpoint: Checkpoint, given: str | Path | None = None) -> Path | None:
     """`given` (a `--tokenizer`), else the tokenizer of the first dataset the run trained on, else the one
     `ferry import` put beside the checkpoints; None when none exists.

@@ -53,15 +53,20 @@ class Outcome:
 @contextmanager
 def _one_thread_per_rank(nproc: int) -> Iterator[None]:
     """OMP_NUM_THREADS=1 for the ranks when several share the node and it is unset, as torchrun's command sets it
-    (torch's launch API does not): otherwise each rank takes every core, and 2 ranks on 2 cores run 4 threads."""
-    if nproc == 1 or "OMP_NUM_THREADS" in os.environ:
+    (torch's launch API does not): otherwise each rank takes every core, and 2 ranks on 2 cores run 4 threads.
+    Set but empty counts as unset: libgomp rejects an empty value and falls back to every core."""
+    given = os.environ.get("OMP_NUM_THREADS")
+    if nproc == 1 or (given is not None and given.strip()):
         yield
         return
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         yield
     finally:
-        del os.environ["OMP_NUM_THREADS"]
+        if given is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = given
 
 
 def run_ranks(nproc: int, argv: list[str], report: bool = True) -> Outcome:

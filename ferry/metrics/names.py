@@ -11,6 +11,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 METRICS_FILE = "metrics.jsonl"
+# the directories of a run's records beside its metrics: `ferry plot`'s PNGs, TensorBoard's event files and the
+# torch traces; a run that replaces another (`run.overwrite`) replaces them with its records
+PLOT_DIR = "plots"
+TENSORBOARD_DIR = "tensorboard"
+TRACE_DIR = "traces"
+RECORD_DIRS = (PLOT_DIR, TENSORBOARD_DIR, TRACE_DIR)
 
 Shape = Literal["step", "layer", "expert", "source", "stage"]
 

@@ -14,8 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from ferry.metrics.jsonl import metrics_path, read_metrics
-
-PLOT_DIR = "plots"
+from ferry.metrics.names import PLOT_DIR
 
 
 @dataclass

@@ -10,9 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ferry.config import UserError
-from ferry.metrics.names import METRICS
-
-TENSORBOARD_DIR = "tensorboard"
+from ferry.metrics.names import METRICS, TENSORBOARD_DIR
 
 
 class TensorBoardSink:

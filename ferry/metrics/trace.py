@@ -9,8 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ferry.metrics.config import ProfileConfig
-
-TRACE_DIR = "traces"
+from ferry.metrics.names import TRACE_DIR
 
 
 class TorchTrace:

@@ -44,3 +44,24 @@ def learning_rate(config: OptimConfig, step: int, total_steps: int) -> float:
     if config.schedule == "linear":
         return config.lr - (config.lr - floor) * progress
     return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule_warning(config: OptimConfig, total_steps: int) -> str | None:
+    """What a run should hear before it trains when its schedule cannot run its course in `total_steps`: a warm-up
+    as long as the run ends it still rising, and a decaying schedule whose warm-up leaves it no step to decay
+    over ends at the peak. None when the schedule runs its course."""
+    last = learning_rate(config, total_steps - 1, total_steps)
+    fix = "lower optim.warmup_steps or raise train.steps"
+    if config.warmup_steps >= total_steps:
+        decay = "" if config.schedule == "constant" else f", and the {config.schedule} decay never starts"
+        return (
+            f"optim.warmup_steps ({config.warmup_steps}) is not below train.steps ({total_steps}): the whole run is "
+            f"warm-up, its last step at learning rate {last:.2e} (optim.lr {config.lr:.2e}){decay}; {fix}"
+        )
+    floor = config.lr * config.min_lr_ratio
+    if config.schedule != "constant" and not math.isclose(last, floor, rel_tol=1e-6):
+        return (
+            f"optim.schedule {config.schedule} ends at {last:.2e}, not at its floor {floor:.2e}: optim.warmup_steps "
+            f"({config.warmup_steps}) leaves it no step of train.steps ({total_steps}) to decay over; {fix}"
+        )
+    return None

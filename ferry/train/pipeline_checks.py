@@ -39,20 +39,23 @@ def check_pipeline(config: PipelinedRun, world_size: int) -> None:
             f"parallel.pp: train.objective {train.objective} is not run under pipeline parallelism (its steps call "
             "the whole model for sampling or reference log-probabilities); set parallel.pp=1"
         )
-    refused = {
-        "eval.sources": bool(config.eval.sources),
-        "parallel.ep_overlap=auto": parallel.ep_overlap == "auto",
-        "model.tie_embeddings": config.model.tie_embeddings,
-        "train.micro_batch=auto": train.micro_batch == "auto",
-        "model.skip=farskip": config.model.skip == "farskip",
-    }
-    for setting, asked in refused.items():
+    refused = (
+        (bool(config.eval.sources), "eval.sources", "the held-out evaluation runs the whole model on one rank",
+         "eval.sources=[] (evaluate the checkpoints afterwards with ferry eval)"),
+        (parallel.ep_overlap == "auto", "parallel.ep_overlap=auto", "its trial steps run the whole model",
+         "parallel.ep_overlap to none or chunked"),
+        (config.model.tie_embeddings, "model.tie_embeddings", "the tied head lives on another stage than its embedding",
+         "model.tie_embeddings=false"),
+        (train.micro_batch == "auto", "train.micro_batch=auto", "the memory model does not choose a pipeline's "
+         "micro-batch", "train.micro_batch to a number"),
+        (config.model.skip == "farskip", "model.skip=farskip", "a FarSkip stream is two tensors, one still "
+         "travelling, where a stage hands over one", "model.skip=standard"),
+    )
+    for asked, setting, reason, fix in refused:
         if asked:
             raise UserError(
-                f"parallel.pp: {setting} is not supported with pipeline parallelism (the held-out evaluation and the "
-                "overlap trial run the whole model, a tied head lives on another stage than its embedding, the "
-                "memory model does not choose a pipeline's micro-batch, a FarSkip stream is two tensors, one still "
-                "travelling, where a stage hands over one); drop it or set parallel.pp=1"
+                f"parallel.pp: {setting} is not supported with pipeline parallelism ({reason}); set {fix}, or "
+                "parallel.pp=1"
             )
     vendor_pins = [op for op, implementation in config.kernels.ops.items() if implementation != "portable"]
     portable = config.kernels.policy == "portable" and not vendor_pins

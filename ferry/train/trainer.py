@@ -280,7 +280,8 @@ class Trainer:
             )
             record = eval_record(losses)
         if parts.objective.evaluation_due(self.state.step, self.config.train.steps):
-            record.update(parts.objective.evaluate(self.context))
+            with self.context.reporting(progress):
+                record.update(parts.objective.evaluate(self.context))
         for collectives in model.plan.collectives:
             collectives.flush()
         model.plan.stats.take()

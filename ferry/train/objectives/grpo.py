@@ -190,8 +190,8 @@ class GRPOObjective:
                 solved = solved_prompts(
                     context.model, dataset, self.verify, max_new_tokens, context.rank, context.world_size,
                     _sync(context.reductions), temperature=temperature, samples=samples, seed=self.seed,
+                    progress=context.progress,
                 )
-                context.progress()
                 rates[name] = context.reductions.sum(solved) / len(dataset)
         return {"eval/solve_rate": sampled, "eval/greedy_solve_rate": greedy}
 
@@ -306,11 +306,12 @@ def solved_prompts(
     temperature: float = 0.0,
     samples: int = 1,
     seed: int = 0,
+    progress: Callable[[], None] | None = None,
 ) -> float:
     """How many of this rank's share of `dataset`'s prompts are solved: each prompt counts the share of its
     `samples` completions the verifier accepts (greedy at temperature 0). Sample j of prompt i is drawn with
     the seed (seed, i, j) whatever the ranks. A rank without prompts of its own still decodes one, uncounted,
-    to stay in step with the others."""
+    to stay in step with the others. `progress()` is called at every decoding step."""
     tokenizer = load_tokenizer(dataset.path / dataset.tokenizer["file"])
     stop_id = tokenizer.token_id(IM_END)
     per_rank = -(-len(dataset) // world_size)
@@ -319,7 +320,8 @@ def solved_prompts(
     seeds = [_seed(seed, _EVAL_STREAM, index, sample) for index in mine for sample in range(samples)] or [0]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
     result = generate(
-        model, [dataset.field(row, "prompt") for row in rows], config, end_ids=[stop_id], row_seeds=seeds, sync=sync
+        model, [dataset.field(row, "prompt") for row in rows], config, end_ids=[stop_id], row_seeds=seeds, sync=sync,
+        progress=progress,
     )
     if not mine:
         return 0.0

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from ferry.checkpoint import Found
 from ferry.metrics import MetricsHub
+from ferry.train.optimizer import schedule_warning
 
 if TYPE_CHECKING:
     from ferry.train.assembly import RunParts
@@ -32,6 +33,9 @@ def announce(parts: RunParts, hub: MetricsHub, run_dir: Path, found: Found | Non
         if decision.startswith("warning: "):
             say(f"ferry: {decision}")
     say(f"ferry: {numerics.kernels.describe()}")
+    schedule = schedule_warning(config.optim, config.train.steps)
+    if schedule is not None:
+        say(f"ferry: warning: {schedule}")
     compiled = parts.model.compiled
     if compiled["mode"] != "none":
         eager = compiled["eager_ops"]

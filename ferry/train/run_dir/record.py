@@ -14,6 +14,7 @@ from ferry.checkpoint import clear_checkpoints, list_checkpoints
 from ferry.checkpoint.format import parse_step, step_dir_name
 from ferry.checkpoint.manager import ABANDONED_DIR
 from ferry.config import UserError, dump_yaml
+from ferry.metrics.names import RECORD_DIRS
 from ferry.train.config import RunConfig
 
 CONFIG_NAME = "config.yaml"
@@ -54,6 +55,8 @@ def prepare_run_dir(config: RunConfig, resume_step: int | None = None) -> Path |
         kept = _keep_a_further_run(run_dir, checkpoints, config.train.steps)
         for name in _RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
+        for name in RECORD_DIRS:
+            shutil.rmtree(run_dir / name, ignore_errors=True)
         shutil.rmtree(run_dir / FAULTS_DIR, ignore_errors=True)  # fired faults and causes belong to the old run
         clear_checkpoints(checkpoints)
     else:
@@ -74,7 +77,7 @@ def _keep_a_further_run(run_dir: Path, checkpoints: Path, steps: int) -> Path | 
     while folder.exists():
         folder = folder.with_name(folder.name + "-again")
     (folder / "checkpoints").mkdir(parents=True)
-    for name in (*_RUN_FILES, FAULTS_DIR):
+    for name in (*_RUN_FILES, *RECORD_DIRS, FAULTS_DIR):
         if (run_dir / name).exists():
             shutil.move(run_dir / name, folder / name)
     for path in [*list_checkpoints(checkpoints), checkpoints / ABANDONED_DIR]:

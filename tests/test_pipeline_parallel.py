@@ -103,6 +103,13 @@ def test_a_pipelined_checkpoint_holds_the_single_process_tensors(reference):
     assert tensors(reference["pp_dir"]) == tensors(reference["single_dir"])
 
 
+def test_ferry_ckpt_inspect_names_the_pipeline_a_checkpoint_was_saved_from(reference, capsys):
+    from ferry.cli.main import main
+
+    assert main(["ckpt", "inspect", str(reference["pp_dir"] / "checkpoints" / "step-00000010")]) == 0
+    assert "layout      world size 2, PP degree 2, EP degree 1, mode ep" in capsys.readouterr().out
+
+
 def test_a_pp2_checkpoint_resumes_in_one_process(reference, stdlib_dataset, tmp_path):
     checkpoint = reference["pp_dir"] / "checkpoints" / "step-00000005"
     config = runs.tiny_config(str(stdlib_dataset), str(tmp_path), *PIPELINED_MODEL, f"resume={checkpoint}")

@@ -4,6 +4,9 @@ among them), each tiny variant keeps its big one's structure and counts as the b
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import yaml
 
 from ferry.cli.main import main
@@ -49,6 +52,51 @@ def test_ferry_train_takes_a_preset_and_overrides_after_it(stdlib_dataset, tmp_p
     assert main(argv) == 0
     resolved = yaml.safe_load((run / "config.yaml").read_text())["model"]
     assert resolved == {**load_preset("instella-moe-16b-a3b-tiny").model_dump(mode="json"), "max_seq_len": 32}
+
+
+@pytest.fixture(scope="module")
+def demo_vocabulary_dataset(tmp_path_factory):
+    """The embedded corpus in a BPE of the demo's 4,096 tokens (a slice: the vocabulary is what matters)."""
+    from ferry.data import PrepareSpec, prepare_dataset
+
+    output = tmp_path_factory.mktemp("demo-vocabulary") / "stdlib"
+    prepare_dataset(PrepareSpec(embedded="stdlib", embedded_max_bytes=300_000, vocab_size=4096), output)
+    return output
+
+
+@pytest.mark.parametrize("name", [name for name in preset_names() if name.endswith("-tiny")])
+def test_each_tiny_preset_trains_on_the_demo_config_as_it_stands_and_the_run_names_it(
+    name, demo_vocabulary_dataset, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    argv = ["train", "configs/tiny.yaml", "--model", name, f"data.sources.0.path={demo_vocabulary_dataset}",
+            f"run.dir={run}", "train.steps=2", "train.log_every=1"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert f"— model {name}, " in capsys.readouterr().out
+    assert yaml.safe_load((run / "config.yaml").read_text())["run"]["model_preset"] == name
+    assert json.loads((run / "run.json").read_text())["config"]["run"]["model_preset"] == name
+
+
+def test_a_vocabulary_smaller_than_the_tokenizers_says_the_override_that_fits(demo_vocabulary_dataset, tmp_path,
+                                                                             capsys):
+    argv = ["train", "configs/tiny.yaml", "--model", "olmoe-1b-7b-tiny", "model.vocab_size=512",
+            f"data.sources.0.path={demo_vocabulary_dataset}", f"run.dir={tmp_path}", "train.steps=1"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "model.vocab_size (512) is smaller than the tokenizer's vocabulary (4096)" in error
+    assert "set model.vocab_size=4096 (or more)" in error and "init_from" not in error
+
+
+def test_ferry_models_compares_every_preset_at_one_sequence_length(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("training FLOPs per token at a sequence length of 4,096 (--seq-len); ")
+    qwen = next(line for line in out.splitlines() if line.startswith("qwen3-30b-a3b "))
+    assert "@4096" in qwen, "its 32k context is not the length it is compared at"
+    tiny = next(line for line in out.splitlines() if line.startswith("qwen3-30b-a3b-tiny "))
+    assert "@256" in tiny and "qwen3-30b-a3b-tiny at their whole context" in out.splitlines()[0]
+    assert main(["models", "--seq-len", "2048", "olmoe-1b-7b"]) == 0
+    assert "@2048" in capsys.readouterr().out
 
 
 def test_an_unknown_preset_exits_2_naming_it_and_the_known_ones(capsys):

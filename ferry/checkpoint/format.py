@@ -151,6 +151,10 @@ class Layout(_Record):
     mode: str
     pp_degree: int = Field(1, ge=1)  # pipeline stages; the tensors' names and boxes are the same whatever it is
 
+    def describe(self) -> str:
+        pipeline = f", PP degree {self.pp_degree}" if self.pp_degree > 1 else ""
+        return f"world size {self.world_size}{pipeline}, EP degree {self.ep_degree}, mode {self.mode}"
+
 
 class Manifest(_Record):
     """`manifest.json`: everything about a checkpoint except the tensor bytes. Written last."""

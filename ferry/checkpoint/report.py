@@ -24,7 +24,7 @@ def inspect_lines(path: Path) -> list[str]:
         f"checkpoint {path}",
         f"  format      {manifest.format} v{manifest.format_version}, saved {manifest.created_at}",
         f"  step        {manifest.step:,} ({manifest.tokens_seen:,} tokens seen)",
-        f"  layout      world size {layout.world_size}, EP degree {layout.ep_degree}, mode {layout.mode}",
+        f"  layout      {layout.describe()}",
         f"  saved on    {environment.get('device_type')} ({environment.get('device_name')}), "
         f"torch {environment.get('torch')}, ferry {environment.get('code', {}).get('ferry')}",
         f"  files       {len(manifest.files)}, {_size(sum(f.bytes for f in manifest.files.values()))}",

@@ -174,9 +174,9 @@ def _train(args: argparse.Namespace) -> int:
 
     preset = []
     if args.model is not None:
-        from ferry.model.presets import preset_override
+        from ferry.model.presets import preset_overrides
 
-        preset = [preset_override(args.model)]
+        preset = preset_overrides(args.model)
     config = load_run_config(args.config, [*preset, *args.overrides])
     if args.nproc is not None and args.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")

@@ -12,16 +12,25 @@ def add_models_commands(commands) -> None:
         "models", help="the named model shapes (configs/models/): parameters, active parameters, FLOPs, cache"
     )
     models.add_argument("names", nargs="*", help="presets to show (default: every one); a name or a YAML path")
-    models.add_argument("--seq-len", type=int, default=None, help="for the attention FLOPs (default: max_seq_len)")
+    models.add_argument(
+        "--seq-len", type=int, default=None,
+        help="the sequence length of the attention FLOPs (default: 4,096 for every preset, or its context if shorter)",
+    )
     models.add_argument("--show", action="store_true", help="print each preset's model section as YAML too")
     models.set_defaults(handler=run_models)
 
 
 def run_models(args: argparse.Namespace) -> int:
-    from ferry.model.presets import preset_names, summarise
+    from ferry.model.presets import COMPARED_SEQ_LEN, preset_names, summarise
 
     rows = [summarise(name, args.seq_len) for name in args.names or preset_names()]
     width = max(len(row.name) for row in rows)
+    length = args.seq_len or COMPARED_SEQ_LEN
+    shorter = [row.name for row in rows if row.seq_len < length]
+    print(
+        f"training FLOPs per token at a sequence length of {length:,} (--seq-len)"
+        + (f"; {', '.join(shorter)} at {'its' if len(shorter) == 1 else 'their'} whole context" if shorter else "")
+    )
     print(f"{'preset':<{width}}  attention  {'total':>9}  {'active':>9}  {'train GFLOP/token':>17}  "
           f"{'cache B/token (bf16)':>20}")
     for row in rows:

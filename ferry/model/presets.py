@@ -15,6 +15,9 @@ from ferry.model.counting import ModelSize, count_model
 from ferry.model.kv_cache import cache_bytes_per_token
 
 PRESETS_DIR = Path("configs") / "models"
+# the length `ferry models` compares every preset's attention FLOPs at, unless told another (a preset whose context
+# is shorter: at its own): one length for all rows, or a 32k-context model's row would look 8x more costly a token
+COMPARED_SEQ_LEN = 4096
 
 
 @dataclass(frozen=True)
@@ -44,16 +47,19 @@ def load_preset(spec: str) -> ModelConfig:
 
 
 def summarise(spec: str, seq_len: int | None = None) -> PresetSummary:
-    """A preset's counts, at `seq_len` (default: its whole context) for the attention FLOPs."""
+    """A preset's counts, at `seq_len` for the attention FLOPs (default `COMPARED_SEQ_LEN`), or at the preset's
+    whole context where that is shorter."""
+    if seq_len is not None and seq_len < 1:
+        raise UserError(f"--seq-len must be at least 1, got {seq_len}")
     config = load_preset(spec)
-    length = config.max_seq_len if seq_len is None else seq_len
-    if not 1 <= length <= config.max_seq_len:
-        raise UserError(f"--seq-len {length}: choose 1 to the preset's max_seq_len ({config.max_seq_len})")
+    length = min(seq_len or COMPARED_SEQ_LEN, config.max_seq_len)
     name = Path(spec).stem
     return PresetSummary(name, config, count_model(config, length), length, cache_bytes_per_token(config, 2))
 
 
-def preset_override(spec: str) -> str:
-    """The override that puts a preset in a run config's place (`ferry train --model`): its whole model section,
-    as a flow mapping, so that later overrides (`model.max_seq_len=...`) still apply on top."""
-    return "model=" + json.dumps(load_preset(spec).model_dump(mode="json"))
+def preset_overrides(spec: str) -> list[str]:
+    """The overrides that put a preset in a run config's place (`ferry train --model`): its whole model section,
+    as a flow mapping, so that later overrides (`model.max_seq_len=...`) still apply on top, and its name, which
+    the run records (`run.model_preset`)."""
+    model = json.dumps(load_preset(spec).model_dump(mode="json"))
+    return [f"model={model}", f"run.model_preset={json.dumps(Path(spec).stem)}"]

@@ -199,10 +199,14 @@ def open_data(job: Job, kind: ObjectiveKind) -> RunData:
     loader = kind.loader(config)
     tokenizer_vocab = loader.tokenizer["vocab_size"]
     if config.model.vocab_size < tokenizer_vocab:
+        fix = (
+            f"the init_from model has {config.model.vocab_size} rows, and a model that will learn added tokens (the "
+            "chat tokens of SFT) needs them from pre-training on: pre-train with a model.vocab_size that covers them"
+            if config.init_from is not None else f"set model.vocab_size={tokenizer_vocab} (or more)"
+        )
         raise UserError(
             f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's "
-            f"vocabulary ({tokenizer_vocab}) of {loader.datasets[0].label}; a model that will learn added "
-            "tokens (the chat tokens of SFT) needs the rows from pre-training on: init_from keeps vocab_size"
+            f"vocabulary ({tokenizer_vocab}) of {loader.datasets[0].label}; {fix}"
         )
     evaluation = HeldOutEvaluation(
         kind.token_evaluation(config), config.data.seq_len, config.eval.batch_size or train.global_batch,

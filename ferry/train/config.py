@@ -36,6 +36,11 @@ class RunSection(Section):
     seed: int = Field(0, ge=0)
     device: Literal["auto", "cpu", "cuda", "xpu", "mps"] = "auto"
     overwrite: bool = Field(False, description="replace the records of an earlier run in the same dir")
+    model_preset: str | None = Field(
+        None,
+        description="the model preset (`ferry train --model NAME`) the model section was taken from, before the "
+        "model.* overrides that followed it; a record for run.json and the console, read by nothing else",
+    )
     init_device: Literal["host", "run"] = Field(
         "host",
         description="where the initial weights are drawn. host: by the CPU's generator, so a seed gives the same "

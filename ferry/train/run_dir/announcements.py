@@ -55,10 +55,12 @@ def announce(parts: RunParts, hub: MetricsHub, run_dir: Path, found: Found | Non
     layout = job.layout()
     size = parts.instruments.size
     step_size = parts.data.kind.step_unit(config, parts.instruments.tokens_per_step)
+    pipeline = f"pp {layout['pp_degree']}, " if "pp_degree" in layout else ""
+    preset = f"model {config.run.model_preset}, " if config.run.model_preset else ""
     say(
         f"ferry: training {config.run.name} on {job.device} x {job.world_size} "
-        f"({layout['mode']}, ep {layout['ep_degree']}, {job.context.backend or 'no'} collectives, "
-        f"profile {numerics.profile.name}) — {size.total_params / 1e6:.2f}M params "
+        f"({layout['mode']}, {pipeline}ep {layout['ep_degree']}, {job.context.backend or 'no'} collectives, "
+        f"profile {numerics.profile.name}) — {preset}{size.total_params / 1e6:.2f}M params "
         f"({size.active_params / 1e6:.2f}M active), {config.train.steps} steps of {step_size}, writing to {run_dir}"
     )
     if "pp_degree" in layout:

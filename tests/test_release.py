@@ -4,6 +4,7 @@ release alone and judged under the rehearsal's profiles, and branched from."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from ferry.cli.main import main
 from ferry.data.manifest import sha256_file
 from ferry.pipeline import run_pipeline
 from ferry.portability.release import build_release
-from ferry.train import Trainer, load_run_config
+from ferry.train import Trainer, load_run_config, train
 
 from conftest import TINY_RUN
 
@@ -28,7 +29,8 @@ def _write_pipeline(root: Path, dataset: Path, stages: list[dict] | None = None)
     config["metrics"] = {"sinks": {"console": False}}
     (root / "tiny.yaml").write_text(yaml.safe_dump(config))
     pretrain = {"name": "pretrain", "config": "tiny.yaml",
-                "overrides": {"train.steps": PRETRAIN_STEPS, "checkpoint.interval": 20, "optim.schedule": "wsd"}}
+                "overrides": {"train.steps": PRETRAIN_STEPS, "checkpoint.interval": 20, "optim.schedule": "wsd",
+                              "eval.sources": [{"name": "held_out", "path": str(dataset)}], "eval.interval": 0}}
     midtrain = {"name": "midtrain", "init_from": "previous", "carry": "weights+optimizer", "lr": "parent",
                 "overrides": {"train.steps": 4, "checkpoint.interval": 4, "optim.schedule": "linear",
                               "optim.warmup_steps": 0, "run.seed": 1}}
@@ -77,9 +79,10 @@ def test_a_release_holds_every_stage_and_verifies(released, capsys):
     card = (full / "README.md").read_text()
     assert "| pretrain | lm | scratch | 40 |" in card and "| PSF-2.0 |" in card
     assert "ferry release replay . --stage pretrain" in card
-    assert "init_from=stages/midtrain/checkpoints init_optimizer=true" in card
+    assert "ferry release branch . --stage midtrain\n" in card and "weights and AdamW state." in card
     card = (released / "weights" / "README.md").read_text()
-    assert "ferry train stages/midtrain/config.yaml init_from=stages/midtrain/checkpoints init_optimizer=false" in card
+    assert "ferry release branch . --stage midtrain\n" in card and "(this release carries no AdamW state)" in card
+    assert "with the release's own copy of its data" in card
     assert main(["release", "verify", str(full)]) == 0
     assert "PASS" in capsys.readouterr().out
     weights = json.loads((released / "weights" / "release.json").read_text())
@@ -283,3 +286,103 @@ def test_a_release_carries_seed_runs_and_a_replay_at_temperature_0_7_fails_again
     assert "FAIL under profile sampled (objective grpo draws its own training data" in captured.out
     assert "judged against the 2 seed runs the release carries (seed-1, seed-2" in captured.err
     assert "trained here" not in captured.err and not (tmp_path / "w" / "seed-1").exists()
+
+
+def _card_commands(release: Path) -> list[str]:
+    """Every `ferry ...` line of the model card's shell blocks, as printed (the comment after it left out)."""
+    card, commands, in_shell = (release / "README.md").read_text(), [], False
+    for line in card.splitlines():
+        if line.startswith("```"):
+            in_shell = line == "```sh"
+        elif in_shell and line.startswith("ferry "):
+            commands.append(line.split("   #")[0].split("  #")[0].strip())
+    return commands
+
+
+def test_every_command_of_the_card_runs_as_printed_inside_the_release_and_outside_it(
+    released, tmp_path, monkeypatch, capsys
+):
+    """From inside the release (the card's `.`) every command runs and writes nothing into it: a replay and a branch
+    work beside it. From elsewhere the same commands with the release's path for `.` run too."""
+    release = _copy(released, tmp_path / "given", "weights")  # weights only, with the data
+    commands = _card_commands(release)
+    kinds = {command.split()[1] for command in commands}
+    assert {"release", "generate", "eval"} <= kinds, commands
+    monkeypatch.chdir(release)
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, (command, capsys.readouterr().err[-2000:])
+    capsys.readouterr()
+    assert main(["release", "verify", "."]) == 0, capsys.readouterr().out
+    beside = sorted(path.name for path in release.parent.iterdir())
+    assert beside == ["weights", "weights-branches", "weights-replays"], beside
+    assert sorted(path.name for path in (release.parent / "weights-branches").iterdir()) == [
+        "test-midtrain", "test-pretrain"]
+    branched = yaml.safe_load((release.parent / "weights-branches" / "test-midtrain" / "config.yaml").read_text())
+    assert branched["data"]["sources"][0]["path"] == str(release / "data" / "stdlib"), "the release's own data"
+    assert branched["init_from"] == str(release / "stages" / "midtrain" / "checkpoints" / "step-00000004")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for command in commands:
+        if command.split()[1] == "release" and " . " in f"{command} ":
+            outside = shlex.split(command.replace(" . ", f" {release} ").replace(" .", f" {release}"))[1:]
+            if outside[0] == "branch":
+                outside += ["train.steps=1"]
+            assert main(outside) == 0, (outside, capsys.readouterr().err[-2000:])
+    assert main(["release", "verify", str(release)]) == 0
+    assert (elsewhere / "runs" / "release-replay" / "test-pretrain" / "replay.json").is_file()
+    assert (elsewhere / "runs" / "release-branch" / "test-pretrain" / "run.json").is_file()
+
+
+def test_a_replay_or_branch_asked_to_write_inside_the_release_is_refused(released, capsys):
+    full = released / "full"
+    assert main(["release", "replay", str(full), "--stage", "pretrain", "--work", str(full / "work")]) == 2
+    assert "--work " in capsys.readouterr().err
+    assert main(["release", "branch", str(full), "--stage", "pretrain", "--out", str(full / "branch")]) == 2
+    assert "lies inside the release" in capsys.readouterr().err
+    assert not (full / "work").exists() and not (full / "branch").exists()
+
+
+def test_a_replay_on_a_pipeline_runs_without_held_out_evaluation_and_says_so(released, tmp_path, capsys):
+    code = main(["release", "replay", str(released / "full"), "--stage", "pretrain", "--steps", "6", "--env",
+                 "cpu-pp2", "--work", str(tmp_path / "pp2")])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert ("cpu-pp2 runs a pipeline (parallel.pp 2), which cannot evaluate held-out data while it trains: "
+            "eval.sources (held_out) left out there") in captured.err
+    assert "PASS under profile same-hardware (only layout, kernels or collectives differ: parallel.pp" in captured.out
+    assert yaml.safe_load((tmp_path / "pp2" / "replay" / "config.yaml").read_text())["eval"]["sources"] == []
+
+
+def test_an_environments_settings_are_honoured_or_refused_never_ignored(released, tmp_path, capsys):
+    (tmp_path / "no-eval.yaml").write_text(yaml.safe_dump({"name": "no-eval", "overrides": {"eval.sources": []}}))
+    assert main(["release", "replay", str(released / "full"), "--stage", "pretrain", "--steps", "2", "--env",
+                 str(tmp_path / "no-eval.yaml"), "--work", str(tmp_path / "no-eval")]) == 0
+    assert yaml.safe_load((tmp_path / "no-eval" / "replay" / "config.yaml").read_text())["eval"]["sources"] == []
+    (tmp_path / "dir.yaml").write_text(yaml.safe_dump({"name": "dir", "overrides": {"run.dir": "elsewhere"}}))
+    assert main(["release", "replay", str(released / "full"), "--stage", "pretrain", "--env",
+                 str(tmp_path / "dir.yaml"), "--work", str(tmp_path / "dir")]) == 2
+    assert "it sets run.dir, which the replay sets itself (run.dir)" in capsys.readouterr().err
+    assert main(["release", "replay", str(released / "full"), "--stage", "pretrain", "--steps", "2",
+                 "--work", str(tmp_path / "lr"), "optim.lr=0.004"]) in (0, 1)
+    assert "the command line's overrides): " in capsys.readouterr().out
+    assert yaml.safe_load((tmp_path / "lr" / "replay" / "config.yaml").read_text())["optim"]["lr"] == 0.004
+
+
+def test_one_run_releases_as_a_one_stage_release(make_config, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(make_config("train.steps=4", run_dir=run))
+    release = tmp_path / "release"
+    assert main(["release", str(run), "--out", str(release), "--optimizer", "--data"]) == 0
+    content = json.loads((release / "release.json").read_text())
+    assert [stage["name"] for stage in content["stages"]] == ["test"] and content["pipeline"]["kind"] == "run"
+    assert "pipeline.yaml" not in content["files"] and content["extras"] == []
+    assert (release / "README.md").read_text().startswith("# test: a ferry run release")
+    assert main(["release", "verify", str(release)]) == 0
+    capsys.readouterr()
+    assert main(["release", "replay", str(release), "--stage", "test", "--work", str(tmp_path / "replay")]) == 0
+    assert "max |diff| 0 " in capsys.readouterr().out
+    stopped = tmp_path / "stopped"
+    train(make_config("train.steps=4", "train.stop_at=2", run_dir=stopped))
+    assert main(["release", str(stopped), "--out", str(tmp_path / "no")]) == 2
+    assert f"run {stopped} has not completed" in capsys.readouterr().err and not (tmp_path / "no").exists()

@@ -1,4 +1,5 @@
-"""`ferry release PIPELINE_DIR --out DIR`, `ferry release verify DIR`, `ferry release replay DIR --stage NAME`.
+"""`ferry release PIPELINE_DIR --out DIR`, `ferry release verify DIR`, `ferry release replay DIR --stage NAME`,
+`ferry release branch DIR --stage NAME --out RUN_DIR`.
 
 `verify` and `replay` answer like the other verifying commands: exit 0 pass, 1 a failed check (named), 2 bad input.
 """
@@ -8,16 +9,26 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
+import yaml
+
+from ferry.cli.options import complete_help
+
 _FORMS = """usage: ferry release PIPELINE_DIR --out DIR [--optimizer] [--data] [--no-export] [--seed-runs]
+       ferry release RUN_DIR --out DIR [...]
        ferry release verify DIR
-       ferry release replay DIR --stage NAME [--steps N] [--env ENV] [--work DIR]
+       ferry release replay DIR --stage NAME [--steps N] [--env ENV] [--work DIR] [KEY=VALUE ...]
+       ferry release branch DIR --stage NAME [--out RUN_DIR] [--nproc N] [KEY=VALUE ...]
 
   PIPELINE_DIR --out DIR   package a finished pipeline (ferry pipeline run) as a verifiable release
+  RUN_DIR --out DIR        package one finished run (ferry train) as a one-stage release
   verify DIR               check every file's sha256 and the stage chain; exit 0 pass, 1 fail, 2 not a release
   replay DIR               train a stage's first steps again from the release and judge them against the
-                           recorded curve; exit 0 pass, 1 fail (naming the profile), 2 bad input"""
+                           recorded curve; exit 0 pass, 1 fail (naming the profile), 2 bad input
+  branch DIR               train a new run from a stage of the release (its config and data, its final
+                           checkpoint's weights and AdamW state where carried), from here or anywhere"""
 
 
 def add_release_commands(commands) -> None:
@@ -30,8 +41,10 @@ def add_release_commands(commands) -> None:
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
-    build = argparse.ArgumentParser(prog="ferry release", description="package a finished pipeline")
-    build.add_argument("pipeline_dir", help="a pipeline directory (ferry pipeline run --dir)")
+    build = argparse.ArgumentParser(prog="ferry release", description="package a finished pipeline or run")
+    build.add_argument(
+        "pipeline_dir", help="a pipeline directory (ferry pipeline run --dir), or a run directory (ferry train)"
+    )
     build.add_argument("--out", required=True, help="the release directory to write (new or empty)")
     build.add_argument("--optimizer", action="store_true", help="keep each checkpoint's AdamW state")
     build.add_argument("--data", action="store_true", help="include the data files, not only their manifests")
@@ -48,9 +61,30 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     replay.add_argument("--steps", type=int, default=None, help="how many of its first steps (default: all recorded)")
     replay.add_argument("--env", default=None, help="an environment file or name (default: the recorded config)")
     replay.add_argument(
-        "--work", default=None, help="where the replay runs (default runs/release-replay/<pipeline>-<stage>)"
+        "--work", default=None,
+        help="where the replay runs, outside the release (default runs/release-replay/<pipeline>-<stage>, or "
+        "<release>-replays/<pipeline>-<stage> when run from inside the release)",
     )
-    return {"build": build, "verify": verify, "replay": replay}
+    replay.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE",
+        help="dotted config keys laid over the environment's, judged as part of it",
+    )
+    branch = argparse.ArgumentParser(prog="ferry release branch", description="train a new run from a released stage")
+    branch.add_argument("dir", help="a release directory")
+    branch.add_argument("--stage", required=True, help="the stage to start from")
+    branch.add_argument(
+        "--out", default=None,
+        help="the new run's directory (run.dir), outside the release (default runs/release-branch/<pipeline>-<stage>, "
+        "or <release>-branches/<pipeline>-<stage> when run from inside the release)",
+    )
+    branch.add_argument(
+        "--nproc", type=int, default=None, metavar="N", help="start N local ranks (as ferry train --nproc N)"
+    )
+    branch.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted config keys laid over the stage's config"
+    )
+    return {name: complete_help(parser) for name, parser in
+            {"build": build, "verify": verify, "replay": replay, "branch": branch}.items()}
 
 
 def _release(args: argparse.Namespace) -> int:
@@ -60,13 +94,15 @@ def _release(args: argparse.Namespace) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_FORMS, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    form = argv[0] if argv[0] in ("verify", "replay") else "build"
+    form = argv[0] if argv[0] in ("verify", "replay", "branch") else "build"
     parser = _parsers()[form]
     options, extra = parser.parse_known_args(argv[1:] if form != "build" else argv)
     refuse_unknown_options(extra, argv)
-    if extra:
+    if extra and hasattr(options, "overrides"):  # overrides written after an option
+        options.overrides = [*options.overrides, *extra]
+    elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return {"build": _build, "verify": _verify, "replay": _replay}[form](options)
+    return {"build": _build, "verify": _verify, "replay": _replay, "branch": _branch}[form](options)
 
 
 def _build(options: argparse.Namespace) -> int:
@@ -101,7 +137,21 @@ def _replay(options: argparse.Namespace) -> int:
     from ferry.portability.release_replay import replay_stage, write_summary
 
     replay = replay_stage(options.dir, options.stage, options.steps, options.env, options.work,
-                          say=lambda line: print(line, file=sys.stderr))
+                          say=lambda line: print(line, file=sys.stderr), overrides=options.overrides)
     write_summary(replay, replay.run_dir.parent / "replay.json")
     print("\n".join(replay.lines()))
     return 0 if replay.passed else 1
+
+
+def _branch(options: argparse.Namespace) -> int:
+    """The branch's config composed from the release, then `ferry train` on it (its ranks read it from a file
+    that lives as long as they do; the run keeps the resolved config in RUN_DIR/config.yaml, which
+    `ferry train RUN_DIR/config.yaml resume=latest` continues)."""
+    from ferry.cli.main import main
+    from ferry.portability.release_branch import branch_config
+
+    raw = branch_config(options.dir, options.stage, options.out, options.overrides)
+    with tempfile.TemporaryDirectory(prefix="ferry-branch-") as scratch:
+        config = Path(scratch) / f"{options.stage}.yaml"
+        config.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+        return main(["train", str(config), *(["--nproc", str(options.nproc)] if options.nproc is not None else [])])

@@ -99,10 +99,10 @@ def run_pipeline(
                     say(f"ferry: stage {stage.name}: finished earlier (step {record['result']['step']}); skipped")
                     continue
             started = {"attempts": (record or {}).get("attempts", 0) + 1, "started_at": time.time()}
-            record = _stage_record(stage, config, parent, status="running", **started)
+            record = stage_record(stage.name, _start(stage), config, parent, status="running", **started)
             lineage.put(record)
             returncode = _train(config, directory, stage.nproc or nproc, stage.name, say)
-            record.update(_outcome(config, returncode))
+            record.update(stage_outcome(config, returncode))
             lineage.put(record)
             if record["status"] == "refused":
                 config_path = directory / CONFIGS_DIR / f"{stage.name}.yaml"
@@ -140,13 +140,13 @@ def _parent(spec: PipelineSpec, index: int, directory: Path, lineage: Lineage) -
         record = lineage.stages.get(previous)
         if record is None or record["status"] != "finished":
             raise UserError(f"stage {stage.name} starts from {previous}, which has not finished")
-        return _parent_at(Path(record["result"]["checkpoint"]), previous)
+        return parent_at(Path(record["result"]["checkpoint"]), previous)
     if source.startswith(HF_PREFIX):
-        return _parent_at(_imported(Path(source.removeprefix(HF_PREFIX)), directory / IMPORTS_DIR / stage.name), None)
-    return _parent_at(Path(source), None)
+        return parent_at(_imported(Path(source.removeprefix(HF_PREFIX)), directory / IMPORTS_DIR / stage.name), None)
+    return parent_at(Path(source), None)
 
 
-def _parent_at(path: Path, stage: str | None) -> Parent:
+def parent_at(path: Path, stage: str | None) -> Parent:
     checkpoint = find_resume_point(str(path), path).checkpoint
     schedule = checkpoint.manifest.train_state.get("schedule") or {}
     ended_with = schedule.get("last_lr", schedule.get("next_lr"))  # checkpoints before `last_lr` was recorded
@@ -218,14 +218,18 @@ def _check_unchanged(stage: StageSpec, record: dict[str, Any], config: RunConfig
         )
 
 
-def _stage_record(stage: StageSpec, config: RunConfig, parent: Parent | None, **fields: Any) -> dict[str, Any]:
+def stage_record(
+    name: str, start: dict[str, Any], config: RunConfig, parent: Parent | None, **fields: Any
+) -> dict[str, Any]:
+    """A stage's lineage record: where it starts (`start`: init_from, carry, steps, lr), from which parent
+    checkpoint, with which config and data (each dataset's manifest digest), seed and code."""
     data = [dataset_record(source.name, source.path, source.weight) for source in config.data.sources]
     held_out = [dataset_record(source.name, source.path) for source in config.eval.sources]
     return {
-        "name": stage.name,
+        "name": name,
         **fields,
         "run_dir": str(config.run.path),
-        "start": _start(stage),
+        "start": start,
         "parent": parent.as_record() if parent is not None else None,
         "config": config.model_dump(mode="json"),
         "data": data,
@@ -250,7 +254,7 @@ def _train(config: RunConfig, directory: Path, nproc: int, name: str, say: Calla
     return subprocess.run(command).returncode
 
 
-def _outcome(config: RunConfig, returncode: int) -> dict[str, Any]:
+def stage_outcome(config: RunConfig, returncode: int) -> dict[str, Any]:
     """How the stage ended; a finished one names its final checkpoint and figures."""
     run_record = _read_json(config.run.path / RUN_RECORD_NAME)
     status = run_record.get("status")

@@ -50,19 +50,46 @@ class Environment(Section):
     overrides: dict[str, Any] = Field(default_factory=dict, description="dotted config keys and their values")
     path: str = Field("", description="the file it was read from (not written in the file)")
 
-    def run_config(self, base: dict[str, Any], *overrides: dict[str, Any]) -> RunConfig:
-        """`base` (a resolved run config as plain data) with this environment and then `overrides` laid over it.
+    def run_config(
+        self,
+        base: dict[str, Any],
+        *overrides: dict[str, Any],
+        by: str = "the rehearsal",
+        notes: list[str] | None = None,
+    ) -> RunConfig:
+        """`base` (a resolved run config as plain data) with this environment and then `overrides`, the settings
+        the procedure (`by`: a rehearsal's leg, a replay) owns, laid over it.
 
         A key the run config does not have, or a value it does not accept, is a `ConfigError`
-        naming this environment's file.
+        naming this environment's file; so is a key of the environment that the procedure sets itself, which
+        would otherwise be dropped without a word. Held-out evaluation on a layout that cannot run it (a
+        pipeline) is left out, and `notes` gets a line saying so.
         """
         try:
             raw = apply_override_mapping(base, self.overrides, self.label)
             for extra in overrides:
-                raw = apply_override_mapping(raw, extra, "the rehearsal")
-            return validate(RunConfig, raw)
+                self._refuse_overridden(extra, by)
+                raw = apply_override_mapping(raw, extra, by)
+            config = validate(RunConfig, raw)
         except ConfigError as exc:
             raise ConfigError(f"environment {self.label}: {exc}") from None
+        return evaluation_where_it_runs(config, self.name, notes)
+
+    def with_overrides(self, overrides: dict[str, Any], origin: str) -> Environment:
+        """This environment with more dotted keys laid over its own (a command line's), named as such."""
+        if not overrides:
+            return self
+        merged = {**self.overrides, **overrides}
+        return self.model_copy(update={"name": f"{self.name} + {origin}", "overrides": merged})
+
+    def _refuse_overridden(self, procedure: dict[str, Any], by: str) -> None:
+        for key in self.overrides:
+            taken = [other for other in procedure if _overlap(str(key), str(other))]
+            if taken:
+                raise ConfigError(
+                    f"it sets {key}, which {by} sets itself ({', '.join(sorted(taken))}): the environment's value "
+                    "would be ignored; remove it from the environment"
+                )
 
     @property
     def label(self) -> str:
@@ -84,6 +111,25 @@ class Environment(Section):
         """sha256 of the definition (name, ranks, overrides): two rehearsals of one path used the same one."""
         canonical = json.dumps([self.name, self.nproc, self.overrides], sort_keys=True, default=str)
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _overlap(key: str, other: str) -> bool:
+    """Whether two dotted keys set the same value or one sets a section holding the other."""
+    return key == other or key.startswith(f"{other}.") or other.startswith(f"{key}.")
+
+
+def evaluation_where_it_runs(config: RunConfig, environment: str, notes: list[str] | None) -> RunConfig:
+    """The config without its held-out evaluation where the layout cannot run it during training (a pipeline:
+    each rank holds a part of the model), with a note naming the sources left out; else the config."""
+    if config.parallel.pp == 1 or not config.eval.sources:
+        return config
+    if notes is not None:
+        names = ", ".join(source.name for source in config.eval.sources)
+        notes.append(
+            f"{environment} runs a pipeline (parallel.pp {config.parallel.pp}), which cannot evaluate held-out data "
+            f"while it trains: eval.sources ({names}) left out there; the training loss is what is judged"
+        )
+    return config.model_copy(update={"eval": config.eval.model_copy(update={"sources": []})})
 
 
 def known_environments() -> dict[str, Path]:
@@ -111,18 +157,14 @@ def judging_profile(source: RunConfig, source_nproc: int, target: RunConfig, tar
     no per-step yardstick holds once the runs' rollouts part. Otherwise, only the layout,
     kernels or collectives changed: the numbers differ by summation order, `same-hardware`.
     Anything else (device, hardware profile, precision, seed, optimizer): `cross-accelerator`.
-    Where runs are written and where their datasets lie do not count.
+    Where runs are written, where their datasets lie and what they evaluate on held-out data do not count.
     """
     if source.train.objective in SAMPLING_OBJECTIVES:
         return SAMPLED_PROFILE, (
             f"objective {source.train.objective} draws its own training data: judged on its "
             f"{tolerance_profile(SAMPLED_PROFILE).metric} against the spread between seeds"
         )
-    differing = sorted(
-        _differing_keys(
-            without_locations(source.model_dump(mode="json")), without_locations(target.model_dump(mode="json"))
-        )
-    )
+    differing = sorted(_differing_keys(_training(source), _training(target)))
     other = [key for key in differing if not key.startswith(LAYOUT_KEYS)]
     if other:
         return "cross-accelerator", f"the environments differ in {', '.join(other[:6])}"
@@ -130,6 +172,14 @@ def judging_profile(source: RunConfig, source_nproc: int, target: RunConfig, tar
     if not changed:
         return "same-hardware", "the environments do not differ"
     return "same-hardware", f"only layout, kernels or collectives differ: {', '.join(changed[:6])}"
+
+
+def _training(config: RunConfig) -> dict[str, Any]:
+    """What of a run config decides the numbers it trains: no locations, and no held-out evaluation, which reads
+    the weights and never changes them (a layout that cannot run it runs without)."""
+    settings = without_locations(config.model_dump(mode="json"))
+    settings.pop("eval", None)
+    return settings
 
 
 def _differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:

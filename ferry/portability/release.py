@@ -1,10 +1,11 @@
-"""`ferry release PIPELINE_DIR --out DIR`: a finished pipeline as one self-describing, verifiable bundle.
+"""`ferry release PIPELINE_DIR --out DIR`: a finished pipeline as one self-describing, verifiable bundle (one
+finished run, `ferry release RUN_DIR`, as a pipeline of one stage: ferry/pipeline/single_run.py).
 
     DIR/
       release.json               every file below with its size and sha256; the stage chain and the data
       README.md                  the model card (ferry/portability/release_card.py)
-      lineage.json               the pipeline's lineage, as it was recorded
-      pipeline.yaml              the pipeline file, when it is still where it ran from
+      lineage.json               the pipeline's lineage, as it was recorded (a run's, as its directory records it)
+      pipeline.yaml              the pipeline file, when it is still where it ran from (a run has none)
       stages/<name>/
         config.yaml              the stage's resolved run config (what `ferry train` ran)
         run.json metrics.jsonl   its run record and metrics (plus its plots and restart log, when present)
@@ -39,6 +40,7 @@ from ferry.config import UserError
 from ferry.data.manifest import sha256_file
 from ferry.pipeline.lineage import LINEAGE_FILE, Lineage
 from ferry.pipeline.runner import CONFIGS_DIR
+from ferry.pipeline.single_run import RUN_KIND, is_run_dir, run_lineage
 from ferry.platform.fingerprint import code_version
 
 RELEASE_FILE = "release.json"
@@ -70,9 +72,11 @@ def build_release(
     export: bool = True,
     say: Say = print,
 ) -> dict[str, Any]:
-    """Write the release of the finished pipeline in `pipeline_dir` to `out`; returns its release.json content."""
+    """Write the release of the finished pipeline (or run) in `pipeline_dir` to `out`; returns its release.json
+    content."""
     pipeline_dir, out = Path(pipeline_dir), Path(out)
-    lineage = Lineage.read(pipeline_dir)
+    is_run = not (pipeline_dir / LINEAGE_FILE).is_file() and is_run_dir(pipeline_dir)
+    lineage = run_lineage(pipeline_dir) if is_run else Lineage.read(pipeline_dir)
     unfinished = [stage["name"] for stage in lineage["stages"] if stage["status"] != "finished"]
     if unfinished:
         raise UserError(
@@ -101,10 +105,14 @@ def _write(
     lineage: dict[str, Any], pipeline_dir: Path, out: Path, optimizer: bool, data: bool, export: bool, say: Say,
     final: Path,
 ) -> dict[str, Any]:
-    shutil.copy2(pipeline_dir / LINEAGE_FILE, out / LINEAGE_FILE)
     pipeline = dict(lineage["pipeline"])
+    is_run = pipeline.get("kind") == RUN_KIND
+    if is_run:
+        (out / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2) + "\n", encoding="utf-8")
+    else:
+        shutil.copy2(pipeline_dir / LINEAGE_FILE, out / LINEAGE_FILE)
     pipeline_file = Path(pipeline["file"])
-    if pipeline_file.is_file() and sha256_file(pipeline_file) == pipeline["sha256"]:
+    if not is_run and pipeline_file.is_file() and sha256_file(pipeline_file) == pipeline["sha256"]:
         shutil.copy2(pipeline_file, out / "pipeline.yaml")
         pipeline["released_file"] = "pipeline.yaml"
     sources = _data(lineage, out, data, say)
@@ -112,7 +120,7 @@ def _write(
     stages = [
         _stage(record, pipeline_dir, out, optimizer, export, by_path, say, final) for record in lineage["stages"]
     ]
-    extras = _extras(pipeline_dir, lineage, out)
+    extras = [] if is_run else _extras(pipeline_dir, lineage, out)
     content: dict[str, Any] = {
         "format": RELEASE_FORMAT,
         "version": RELEASE_VERSION,

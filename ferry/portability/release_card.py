@@ -20,13 +20,17 @@ def model_card(release: dict[str, Any]) -> str:
     commit = f" at commit `{code['git_commit']}`" + (" (with uncommitted changes)" if code.get("git_dirty") else "") \
         if code.get("git_commit") else ""
     lines = [
-        f"# {pipeline['name']}: a ferry pipeline release",
+        f"# {pipeline['name']}: a ferry {'run' if pipeline.get('kind') == 'run' else 'pipeline'} release",
         "",
         f"Trained by ferry {code['ferry']}{commit} in {len(stages)} stage(s). This directory holds every stage's final "
         "checkpoint (ferry's neutral format: safetensors plus a JSON manifest), its resolved config, run record and "
         "metrics, the lineage that chains the stages by checkpoint digest, the manifest of every dataset"
         + (" and the data itself" if release["data_files"] else "")
         + ", and `release.json`, which lists every file with its size and sha256.",
+        "",
+        "The commands below run from this directory (from elsewhere, put its path before each path they name). None "
+        "of them writes inside it: a replay or a branch works beside it unless told where, so `ferry release verify "
+        ".` passes after any of them.",
         "",
         "## Intended use",
         "",
@@ -88,6 +92,11 @@ def model_card(release: dict[str, Any]) -> str:
             f"tokenizer = AutoTokenizer.from_pretrained('{last['export']['path']}')",
             "```",
         ]
+    data = (
+        "with the release's own copy of its data" if release["data_files"] else
+        "with its data read where the stage's config names it, checked against the manifest the release records "
+        "(this release carries the manifests only; `ferry release --data` carries the data too)"
+    )
     lines += [
         "",
         "The checkpoint can also be read without ferry or torch: `safetensors` and `json` alone "
@@ -95,16 +104,14 @@ def model_card(release: dict[str, Any]) -> str:
         "",
         "## Continue from any stage",
         "",
-        "Start a new run (or a stage of a new pipeline, `init_from: <path>`) from any stage's weights"
-        + (" and AdamW state:" if release["optimizer_state"] else " (this release carries no AdamW state):"),
+        f"Train a new run from any stage: its config, {data}, starting from its final checkpoint's weights"
+        + (" and AdamW state" if release["optimizer_state"] else " (this release carries no AdamW state)")
+        + ". `--out DIR` says where the run goes; `KEY=VALUE` overrides follow, as for `ferry train`; a stage of a "
+        "new pipeline starts from a checkpoint here with `init_from: <path>`.",
         "",
         "```sh",
     ]
-    for stage in stages:
-        optimizer = f" init_optimizer={'true' if stage['checkpoint']['optimizer'] else 'false'}"
-        lines.append(
-            f"ferry train {stage['config']} init_from={stage['dir']}/checkpoints{optimizer} run.dir=runs/branch"
-        )
+    lines += [f"ferry release branch . --stage {stage['name']}" for stage in stages]
     lines += [
         "```",
         "",

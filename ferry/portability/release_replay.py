@@ -26,7 +26,7 @@ import yaml
 
 from ferry.checkpoint.format import MANIFEST_NAME
 from ferry.config import ConfigError, UserError, apply_override_mapping
-from ferry.config.loader import dump_yaml, validate
+from ferry.config.loader import dump_yaml, parse_override, validate
 from ferry.data.manifest import sha256_file
 from ferry.metrics.jsonl import read_metrics
 from ferry.portability.compare import Verdict, compare_runs
@@ -37,6 +37,7 @@ from ferry.portability.tolerances import SAMPLED_PROFILE, tolerance_profile
 from ferry.train.config import RunConfig
 
 Say = Callable[[str], None]
+_PLURALS = {"replay": "replays", "branch": "branches"}
 
 
 @dataclass
@@ -73,37 +74,34 @@ def replay_stage(
     env: str | None = None,
     work: str | Path | None = None,
     say: Say = print,
+    overrides: list[str] = (),
 ) -> Replay:
-    """Replay `stage` of the release in `directory` (verified first) and judge it; bad input is a `UserError`."""
+    """Replay `stage` of the release in `directory` (verified first) and judge it; bad input is a `UserError`.
+    `overrides` (dotted `KEY=VALUE`) are laid over the environment's, and judged as part of it."""
     directory = Path(directory).resolve()
     release = read_release(directory)
-    stages = {entry["name"]: entry for entry in release["stages"]}
-    if stage not in stages:
-        raise UserError(f"--stage {stage!r}: the release's stages are {', '.join(stages)}")
+    entry = released_stage(release, stage)
     if steps is not None and steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
-    entry = stages[stage]
-    check = verify_release(directory)
-    if not check.passed:
-        raise UserError(
-            f"release {directory} does not verify ({check.problems[0]}); a replay needs the release as released "
-            "(ferry release verify names every problem)"
-        )
-    if work is None:
-        work = Path("runs") / "release-replay" / f"{release['pipeline']['name']}-{stage}"
-    work = Path(work)
+    check_verified(directory, "a replay")
+    name = f"{release['pipeline']['name']}-{stage}"
+    work = Path(work) if work is not None else outside_release(directory, "replay", name)
+    refuse_inside(directory, work, "--work")
     run_dir = work / "replay"
-    base, overrides, count = stage_inputs(directory, release, entry, steps, run_dir)
+    base, procedure, count = stage_inputs(directory, release, entry, steps, run_dir)
     # the replay's own settings (where it starts, runs and stops) on both sides: only the environment differs
-    recorded_config = _validated(base, overrides, f"stage {stage}'s config")
+    recorded_config = _validated(base, procedure, f"stage {stage}'s config")
     environment = (
         load_environment(env) if env is not None else
         Environment(name="this machine (the recorded config)", nproc=entry.get("world_size") or 1)
-    )
-    config = environment.run_config(base, overrides)
+    ).with_overrides(_parsed(overrides), "the command line's overrides")
+    notes: list[str] = []
+    config = environment.run_config(base, procedure, by="the replay", notes=notes)
     profile, reason = judging_profile(recorded_config, entry.get("world_size") or 1, config, environment.nproc)
     if run_dir.exists():
         shutil.rmtree(run_dir)
+    for note in notes:
+        say(f"ferry: replay of stage {stage}: {note}")
     say(f"ferry: replay of stage {stage}: {count} step(s) on {environment.name}, judged under {profile} ({reason})")
     seed_runs: list[Path] = []
     if tolerance_profile(profile).seeds:
@@ -116,7 +114,7 @@ def replay_stage(
                 f"{seed + 1}..{seed + count_seeds}, the recorded config), to measure the spread profile "
                 f"{SAMPLED_PROFILE} judges against"
             )
-        seed_runs, failure = carried or train_seed_runs(base, overrides, entry, count, work, say)
+        seed_runs, failure = carried or train_seed_runs(base, procedure, entry, count, work, say)
         if failure is not None:
             return Replay(stage, count, environment.name, profile, reason, None, failure, run_dir)
     leg = run_leg("replay", environment, config, work, say, steps=count)
@@ -130,20 +128,62 @@ def replay_stage(
     return Replay(stage, count, environment.name, profile, reason, verdict, None, run_dir, seed_runs)
 
 
+def released_stage(release: dict[str, Any], stage: str) -> dict[str, Any]:
+    stages = {entry["name"]: entry for entry in release["stages"]}
+    if stage not in stages:
+        raise UserError(f"--stage {stage!r}: the release's stages are {', '.join(stages)}")
+    return stages[stage]
+
+
+def check_verified(directory: Path, what: str) -> None:
+    check = verify_release(directory)
+    if not check.passed:
+        raise UserError(
+            f"release {directory} does not verify ({check.problems[0]}); {what} needs the release as released "
+            "(ferry release verify names every problem)"
+        )
+
+
+def outside_release(directory: Path, kind: str, name: str) -> Path:
+    """Where a replay or a branch (`kind`) works unless told: `runs/release-<kind>/NAME` here, or, when here is
+    inside the release (its model card's commands run from there), `<release>-replays/NAME` (`-branches/`) beside
+    it: nothing may be written into a release, whose every file `ferry release verify` checks."""
+    work = Path("runs") / f"release-{kind}" / name
+    if work.resolve().is_relative_to(directory):
+        work = directory.parent / f"{directory.name}-{_PLURALS[kind]}" / name
+    return work
+
+
+def refuse_inside(directory: Path, path: Path, option: str) -> None:
+    if path.resolve().is_relative_to(directory):
+        raise UserError(
+            f"{option} {path} lies inside the release {directory}, whose every file `ferry release verify` checks: "
+            "choose a place outside it"
+        )
+
+
+def _parsed(overrides: list[str]) -> dict[str, Any]:
+    try:
+        return {".".join(keys): value for keys, value in map(parse_override, overrides)}
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+
+
 def stage_inputs(
     directory: Path, release: dict[str, Any], entry: dict[str, Any], steps: int | None, run_dir: Path
 ) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """The stage's recorded config (as the recorded run resolved it), the overrides that start it from the release
-    and stop it after `steps` of its recorded steps (all by default) in `run_dir`, and how many steps that is."""
+    """The stage's recorded config (as the recorded run resolved it) reading the release's data, the overrides
+    that start it from the release and stop it after `steps` of its recorded steps (all by default) in `run_dir`,
+    and how many steps that is."""
     stage = entry["name"]
     recorded = read_metrics(directory / entry["dir"])
     recorded_steps = sorted({record["step"] for record in recorded if isinstance(record.get("step"), int)})
-    base = _as_recorded(_read_config(directory / entry["config"]), directory / entry["dir"] / "run.json")
+    base = _as_recorded(read_config(directory / entry["config"]), directory / entry["dir"] / "run.json")
+    base = released_data(directory, release, entry, base)
     total = base.get("train", {}).get("steps")
     first = min(recorded_steps) if recorded_steps else 1
     count = len(recorded_steps) if steps is None else min(steps, len(recorded_steps))
     overrides = _start(directory, release, entry, stage)
-    overrides.update(_data(directory, release, entry, base))
     stop_at = first - 1 + count
     overrides.update(
         {"run.dir": str(run_dir), "run.overwrite": True, "train.stop_at": stop_at if stop_at < total else None}
@@ -223,7 +263,7 @@ def _as_recorded(base: dict[str, Any], run_record: Path) -> dict[str, Any]:
     return raw
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
@@ -268,6 +308,14 @@ def _start(directory: Path, release: dict[str, Any], entry: dict[str, Any], stag
     else:
         overrides.update({"init_from": path, "init_optimizer": needs_optimizer})
     return overrides
+
+
+def released_data(
+    directory: Path, release: dict[str, Any], entry: dict[str, Any], base: dict[str, Any]
+) -> dict[str, Any]:
+    """The stage's config reading each dataset from the release's copy, else from the path the config names,
+    refused unless its manifest is the one the release records."""
+    return apply_override_mapping(base, _data(directory, release, entry, base), f"stage {entry['name']}'s data")
 
 
 def _data(directory: Path, release: dict[str, Any], entry: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:

@@ -215,27 +215,30 @@ def test_explain_names_every_variable_with_its_origin():
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
 
 
-def _readme_launch_commands() -> list[str]:
-    """Every `ferry launch` command in README.md's code blocks, continuation lines joined: read from the README
-    itself, so an example that drifts from what the command accepts fails here."""
-    commands, in_code = [], False
-    for line in (REPO / "README.md").read_text().replace("\\\n", " ").splitlines():
-        if line.startswith("```"):
-            in_code = not in_code
-        elif in_code and line.startswith("ferry launch "):
-            commands.append(line)
-    return commands
+def _quoted_launch_commands() -> dict[str, list[str]]:
+    """Every `ferry launch` command in the code blocks of README.md and docs/ (continuation lines joined) and the
+    output its page quotes: read from the pages themselves, so an example that drifts from what the command
+    accepts fails here."""
+    from doc_commands import quoted_commands
+
+    return {quoted.text: quoted.output for quoted in quoted_commands() if quoted.argv[:1] == ["launch"]}
 
 
-def test_the_readme_launch_examples_run_as_written_from_a_checkout(tmp_path, monkeypatch, capsys):
-    commands = _readme_launch_commands()
-    assert commands, "README.md shows no `ferry launch` command"
-    for index, command in enumerate(commands):
+def test_the_quoted_launch_examples_run_as_written_from_a_checkout(tmp_path, monkeypatch, capsys):
+    """Each renders its files, or, where its page quotes the refusal, is refused with those words (exit 2)."""
+    commands = _quoted_launch_commands()
+    assert commands, "no page shows a `ferry launch` command"
+    for index, (command, quoted) in enumerate(sorted(commands.items())):
         checkout = tmp_path / f"example-{index}"
         checkout.mkdir()
         (checkout / "configs").symlink_to(REPO / "configs")
         monkeypatch.chdir(checkout)
-        assert main(shlex.split(command, comments=True)[1:]) == 0, (command, capsys.readouterr().err)
+        refusal = next((line for line in quoted if line.startswith("ferry: error: ")), None)
+        code = main(shlex.split(command, comments=True)[1:])
+        if refusal is not None:
+            assert code == 2 and refusal in capsys.readouterr().err, command
+            continue
+        assert code == 0, (command, capsys.readouterr().err)
         out = capsys.readouterr().out
         summary = re.search(r"= (\d+) ranks; wrote (\d+) file\(s\) to (\S+)/\n", out)
         assert summary, (command, out)

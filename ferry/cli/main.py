@@ -25,16 +25,8 @@ from ferry.platform.process import Stopped, die_with_parent, stop_on_sigterm
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = _build_parser()
-    args, extra = parser.parse_known_args(argv)
     try:
-        if extra and hasattr(args, "argv"):  # a command that parses its own arguments (`rehearse` and its forms)
-            args.argv = [*extra, *args.argv]
-        elif extra and not hasattr(args, "overrides"):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        elif extra:  # overrides written after an option such as --nproc
-            refuse_unknown_options(extra, argv)
-            args.overrides = [*args.overrides, *extra]
+        args = parse_command(argv)
         return args.handler(args)
     except UserError as exc:
         print(f"ferry: {_rank_prefix()}error: {exc}", file=sys.stderr)
@@ -50,6 +42,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ferry: {_rank_prefix()}stopped by {exc}", file=sys.stderr)
         exc.end_process()
         return exc.exit_code
+
+
+def parse_command(argv: list[str]) -> argparse.Namespace:
+    """The command line as `ferry` reads it, every form and option checked and nothing run: what `main` runs,
+    and what the documentation's check parses every quoted command with. A bad argument is a `UserError` or
+    argparse's exit 2, as from `main`."""
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "argv"):  # a command that parses its own arguments (`rehearse` and its forms)
+        args.argv = [*extra, *args.argv]
+    elif extra and not hasattr(args, "overrides"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    elif extra:  # overrides written after an option such as --nproc
+        refuse_unknown_options(extra, argv)
+        args.overrides = [*args.overrides, *extra]
+    if hasattr(args, "forms"):
+        args.options = args.forms(list(args.argv))
+    return args
 
 
 def _build_parser() -> argparse.ArgumentParser:

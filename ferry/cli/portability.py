@@ -32,7 +32,7 @@ def add_portability_commands(subparsers: argparse._SubParsersAction) -> None:
         help="prove a move between environments: train, checkpoint, resume, judge",
     )
     rehearse.add_argument("argv", nargs=argparse.REMAINDER)
-    rehearse.set_defaults(handler=_rehearse)
+    rehearse.set_defaults(handler=_rehearse, forms=parse_rehearse)
 
     bench = subparsers.add_parser(
         "bench",
@@ -102,21 +102,30 @@ def add_portability_commands(subparsers: argparse._SubParsersAction) -> None:
     report.set_defaults(handler=_report)
 
 
-def _rehearse(args: argparse.Namespace) -> int:
-    from ferry.portability.rehearse import RehearsalError, finish, rehearse, start
-
-    argv = list(args.argv)
+def parse_rehearse(argv: list[str]) -> tuple[str, argparse.Namespace | None]:
+    """The form (`rehearse`, `start`, `finish`, or `help` when asked or given nothing) and its options, the
+    overrides among them; bad arguments are refused here, before anything runs."""
     if not argv or argv[0] in ("-h", "--help"):
-        print(_FORMS, file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
+        return "help", None
     form = argv[0] if argv[0] in ("start", "finish") else "rehearse"
     parser = _parser(form)
     options, extra = parser.parse_known_args(argv[1:] if form != "rehearse" else argv)
     refuse_unknown_options(extra, argv)
-    overrides = [*getattr(options, "overrides", []), *extra]
-    unknown = [item for item in overrides if "=" not in item]
+    options.overrides = [*getattr(options, "overrides", []), *extra]
+    unknown = [item for item in options.overrides if "=" not in item]
     if unknown:
         raise UserError(f"{parser.prog}: unrecognized arguments: {' '.join(unknown)}")
+    return form, options
+
+
+def _rehearse(args: argparse.Namespace) -> int:
+    from ferry.portability.rehearse import RehearsalError, finish, rehearse, start
+
+    form, options = args.options
+    if form == "help":
+        print(_FORMS, file=sys.stdout if args.argv else sys.stderr)
+        return 0 if args.argv else 2
+    overrides = options.overrides
     if form != "start":
         from ferry.portability.history import check_history_dir
 

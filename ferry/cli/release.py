@@ -37,7 +37,7 @@ def add_release_commands(commands) -> None:
         description=_FORMS, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False,
     )
     release.add_argument("argv", nargs=argparse.REMAINDER)
-    release.set_defaults(handler=_release)
+    release.set_defaults(handler=_release, forms=parse_release)
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
@@ -87,13 +87,13 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
             {"build": build, "verify": verify, "replay": replay, "branch": branch}.items()}
 
 
-def _release(args: argparse.Namespace) -> int:
+def parse_release(argv: list[str]) -> tuple[str, argparse.Namespace | None]:
+    """The form (`build`, `verify`, `replay`, `branch`, or `help` when asked or given nothing) and its options;
+    bad arguments are refused here, before anything runs."""
     from ferry.cli.options import refuse_unknown_options
 
-    argv = list(args.argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_FORMS, file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
+        return "help", None
     form = argv[0] if argv[0] in ("verify", "replay", "branch") else "build"
     parser = _parsers()[form]
     options, extra = parser.parse_known_args(argv[1:] if form != "build" else argv)
@@ -102,6 +102,14 @@ def _release(args: argparse.Namespace) -> int:
         options.overrides = [*options.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return form, options
+
+
+def _release(args: argparse.Namespace) -> int:
+    form, options = args.options
+    if form == "help":
+        print(_FORMS, file=sys.stdout if args.argv else sys.stderr)
+        return 0 if args.argv else 2
     return {"build": _build, "verify": _verify, "replay": _replay, "branch": _branch}[form](options)
 
 

@@ -10,6 +10,7 @@ does not depend on world size or layout.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -30,7 +31,7 @@ from ferry.parallel.zero import optimizer_state_bytes
 from ferry.train.assembly import RunParts, assemble
 from ferry.train.checkpointing import save_on_all_ranks
 from ferry.train.config import RunConfig
-from ferry.train.hook_points import Hooks, RunEnd
+from ferry.train.hook_points import Hook, Hooks, RunEnd
 from ferry.train.hooks import CheckpointHook, EvaluationHook, RecordsHook, TraceHook
 from ferry.train.optimizer import learning_rate
 from ferry.train.overlap_trial import choose_overlap
@@ -55,14 +56,21 @@ class TrainResult:
 
 class Trainer:
     """One run: its parts, assembled from the config; its train state; the resilience hook, which watches from
-    the load on; and the step context its objective trains through. `fit()` opens the run and loops."""
+    the load on; and the step context its objective trains through. `fit()` opens the run and loops.
 
-    def __init__(self, config: RunConfig):
+    `hooks` are the user's (`ferry.train.Hook` subclasses, `ferry.train.hook_points` names their points): they
+    act inside the run's records and outside its checkpoints, evaluation and resilience, so a hook's
+    `after_step(step, record)` sees the step's record with its held-out figures and what it adds to the record
+    is written with it (to metrics.jsonl and every sink); points that open call them in the order given, points
+    that close in reverse. Every rank calls them (rank 0's record is the one the sinks get)."""
+
+    def __init__(self, config: RunConfig, hooks: Sequence[Hook] = ()):
         self.parts: RunParts = assemble(config, started_unix=time.time())
         self.config = config = self.parts.job.config  # with its micro-batch decided
         job, model = self.parts.job, self.parts.model
         self.resilience = Resilience(config, job.rank, job.world_size, job.started_unix, model.reductions.largest)
         self.hooks = Hooks([self.resilience])
+        self.user_hooks = list(hooks)
         self.state = TrainState(self.parts.data.loader.new_cursor())
         self.initial_weights = model.initial_weights
         self.hub: MetricsHub | None = None
@@ -188,7 +196,7 @@ class Trainer:
             resilience, checkpoints, lambda: checkpoint_state(parts, self.state), config.checkpoint.enabled
         )
         evaluation = EvaluationHook(resilience, self._evaluation_due, self.evaluate, hub.message)
-        return [TraceHook(trace), records, saves, evaluation, resilience]
+        return [TraceHook(trace), records, *self.user_hooks, saves, evaluation, resilience]
 
     def train_step(self) -> dict:
         """One optimizer step over one global batch; returns the step's metrics record."""
@@ -292,14 +300,14 @@ class Trainer:
         return self.parts.data.evaluation.due(step, last) or self.parts.objective.evaluation_due(step, last)
 
 
-def train(config: RunConfig) -> TrainResult:
-    """Build a trainer from `config` and run it to `train.steps`.
+def train(config: RunConfig, hooks: Sequence[Hook] = ()) -> TrainResult:
+    """Build a trainer from `config` (with the user's `hooks`, see `Trainer`) and run it to `train.steps`.
 
     A finished multi-rank run leaves its process group in order: all ranks meet, then the group
     is destroyed, so no rank ends while a peer's collective threads still talk to it (an abort at
     exit would read as a failure to whoever supervises the job).
     """
-    result = Trainer(config).fit()
+    result = Trainer(config, hooks).fit()
     if dist.is_initialized():
         dist.barrier()
         shutdown()

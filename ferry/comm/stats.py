@@ -29,10 +29,6 @@ class CommStats:
     def total_bytes(self) -> int:
         return sum(entry.bytes for entry in self.ops.values())
 
-    @property
-    def total_seconds(self) -> float:
-        return sum(entry.seconds for entry in self.ops.values())
-
     def take(self) -> dict[str, OpStats]:
         taken = dict(self.ops)
         self.ops = defaultdict(OpStats)

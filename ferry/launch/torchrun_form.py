@@ -49,10 +49,6 @@ def rendezvous_argv(spec: LaunchSpec, node_rank: int) -> list[str]:
     return [*shape, *meet, "--max-restarts", str(spec.max_restarts)]
 
 
-def torchrun_argv(spec: LaunchSpec, node_rank: int, config_path: str) -> list[str]:
-    return ["torchrun", *rendezvous_argv(spec, node_rank), *ferry_train_argv(config_path)]
-
-
 def export_lines(spec: LaunchSpec) -> list[str]:
     """`export NAME=value` for the launcher's variable and the platform preset, each under its source."""
     lines = _comment(LAUNCHER_ENV_SOURCE)

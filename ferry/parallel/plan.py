@@ -113,10 +113,6 @@ class ParallelPlan:
                 shard_experts(layer.experts, self.ep.rank, self.config.ep)
                 layer.dispatcher = AllToAllDispatcher(self.ep, num_experts, _chunks(self.config), _rowwise(self.config))
 
-    def layout(self) -> dict:
-        layout = {"world_size": self.context.world_size, "ep": self.config.ep, "mode": self.config.mode}
-        return {**layout, "pp": self.config.pp} if self.pipelined else layout
-
     def sync_gradients(self) -> None:
         """Reduce gradients across replicas (ep mode; FSDP reduces inside backward)."""
         if self.config.mode == "fsdp":

@@ -11,8 +11,8 @@ import yaml
 from ferry.cli.main import main
 from ferry.config import UserError
 from ferry.data.synthetic import synthetic_tokens
-from ferry.portability import suites
-from ferry.portability.suites import load_suite
+from ferry.portability.bench import suites
+from ferry.portability.bench.suites import load_suite
 
 SUITES = ["moe-tiny", "moe-tiny-ep2", "moe-tiny-pp2", "olmoe-1b-7b", "olmoe-1b-7b-ep8"]
 KEYS = {"suite", "suite_digest", "input_digest", "tokens_per_s", "tokens_per_s_per_device", "mfu", "environment"}
@@ -167,7 +167,7 @@ def test_the_memory_check_takes_the_smallest_gpu_the_ranks_use(tmp_path, monkeyp
 
 
 def test_a_record_without_the_initial_weights_digest_is_refused(tmp_path):
-    from ferry.portability.bench import BenchError, bench_record
+    from ferry.portability.bench.bench import BenchError, bench_record
 
     suite = load_suite("moe-tiny")
     config = suite.run_config(tmp_path, "cpu", [])
@@ -179,8 +179,8 @@ def test_a_record_without_the_initial_weights_digest_is_refused(tmp_path):
 
 
 def test_a_figure_measured_under_load_says_so_in_the_summary_and_an_older_record_still_prints(tmp_path):
-    from ferry.portability.bench import FIGURES, bench_record, summary_lines
-    from ferry.portability.conditions import MachineLoad, throughput_conditions
+    from ferry.portability.bench.bench import FIGURES, bench_record, summary_lines
+    from ferry.portability.rehearsal.conditions import MachineLoad, throughput_conditions
 
     suite = load_suite("moe-tiny")
     config = suite.run_config(tmp_path, "cpu", [])

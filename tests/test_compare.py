@@ -12,7 +12,7 @@ from ferry.cli.metrics import add_metrics_commands
 from ferry.config import UserError
 from ferry.metrics import METRICS_FILE
 from ferry.portability import compare_runs, tolerance_profile, tolerance_profiles
-from ferry.portability.tolerances import TOLERANCES_FILE
+from ferry.portability.comparison.tolerances import TOLERANCES_FILE
 from ferry.train import train
 
 
@@ -50,7 +50,7 @@ def test_the_four_profiles_exist_and_every_number_has_its_reason():
 
 
 def test_a_band_in_seed_spreads_needs_seed_runs_and_the_reverse():
-    from ferry.portability.tolerances import ToleranceProfile
+    from ferry.portability.comparison.tolerances import ToleranceProfile
 
     fixed = {"description": "x", "steps": 10, "window": 5, "min_steps": 5, "rtol": 0.0, "atol": 0.0}
     assert ToleranceProfile(**fixed, seeds=2, spread_z=4.0).seeds == 2
@@ -258,7 +258,7 @@ def test_real_runs_identical_pass_changed_learning_rate_fails(make_config, tmp_p
 
 def test_the_worst_comparison_is_the_one_that_used_most_of_its_bound(tmp_path):
     """Under a band in seed spreads a relative deviation says nothing of the bound: the pick follows the share."""
-    from ferry.portability.rehearsal_record import worst_comparison
+    from ferry.portability.rehearsal.record import worst_comparison
 
     rewards = noisy_rewards(0)
     a = write_run(tmp_path / "a", rewards, metric="reward")

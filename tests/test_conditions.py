@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from ferry.portability import conditions
-from ferry.portability.conditions import (
+from ferry.portability.rehearsal import conditions
+from ferry.portability.rehearsal.conditions import (
     FAIR,
     UNDER_LOAD,
     UNKNOWN,

@@ -8,7 +8,7 @@ import pytest
 
 from ferry.cli.main import main
 from ferry.platform.hardware import load_profile
-from ferry.portability.cost import default_assumptions
+from ferry.portability.bench.cost import default_assumptions
 
 
 def record(

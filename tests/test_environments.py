@@ -8,7 +8,7 @@ import yaml
 
 from ferry.cli.main import main
 from ferry.platform.hardware import load_profile
-from ferry.portability.environment import judging_profile, known_environments, load_environment
+from ferry.portability.comparison.environment import judging_profile, known_environments, load_environment
 from ferry.precision import PrecisionConfig, resolve_precision
 
 from conftest import REPO, TINY_RUN

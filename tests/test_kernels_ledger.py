@@ -12,7 +12,7 @@ import torch
 from ferry.cli.kernels import add_kernels_commands
 from ferry.kernels import REGISTRY, load_ledger
 from ferry.kernels.boundary import code_lines, render_boundary
-from ferry.portability.history import KERNEL_BENCH, read_records
+from ferry.portability.report.history import KERNEL_BENCH, read_records
 
 from conftest import REPO
 

@@ -14,7 +14,7 @@ import yaml
 from ferry.checkpoint import list_checkpoints, verify_checkpoint
 from ferry.cli.main import main
 from ferry.config import UserError
-from ferry.pipeline import run_pipeline
+from ferry.stages import run_pipeline
 from ferry.checkpoint.digests import checkpoint_digest
 from ferry.train import Trainer
 

@@ -252,7 +252,7 @@ def test_a_grpo_move_is_judged_on_its_reward_against_the_spread_between_seeds(tm
     completions a step it left the band in only 40-57% of them (ferry/portability/tolerances.yaml)."""
     from ferry.config import dump_yaml
     from ferry.portability import compare_runs
-    from ferry.portability.bundle import _file_digest
+    from ferry.portability.rehearsal.bundle import _file_digest
 
     grpo = [
         "train.objective=grpo", f"init_from={sft}", f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",

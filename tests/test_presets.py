@@ -109,7 +109,7 @@ def test_an_unknown_preset_exits_2_naming_it_and_the_known_ones(capsys):
 def test_the_mla_bench_suite_resolves_to_an_mla_run(tmp_path):
     """Its measurement is `ferry bench mla-tiny` (the bench machinery has its own tests on moe-tiny); here, that
     the suite is an MLA model of the DeepSeek-V3 family at moe-tiny's size and batch."""
-    from ferry.portability.suites import load_suite
+    from ferry.portability.bench.suites import load_suite
 
     suite, plain = load_suite("mla-tiny"), load_suite("moe-tiny")
     config = suite.run_config(tmp_path, "cpu", [])
@@ -122,7 +122,7 @@ def test_the_mla_bench_suite_resolves_to_an_mla_run(tmp_path):
 
 def test_the_mla_demo_config_is_the_suites_model_and_exports_as_deepseek_v3():
     from ferry.interop.architectures import natural_architecture, refusals
-    from ferry.portability.suites import load_suite
+    from ferry.portability.bench.suites import load_suite
     from ferry.train import load_run_config
 
     config = load_run_config("configs/mla-tiny.yaml")

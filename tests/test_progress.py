@@ -77,8 +77,8 @@ def test_a_leg_a_parent_command_starts_is_followed_in_lines_when_the_parent_writ
 ):
     """A rehearsal's or drill's leg runs in a child process that writes to its own log: the parent says how many
     of the leg's steps are done, so its own output is never silent for minutes."""
-    from ferry.portability.environment import load_environment
-    from ferry.portability.legs import run_leg
+    from ferry.portability.comparison.environment import load_environment
+    from ferry.portability.rehearsal.legs import run_leg
 
     monkeypatch.setattr(progress_module, "LINE_EVERY_S", 0.0)
     said: list[str] = []

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ferry.cli.main import main
-from ferry.portability.history import REHEARSALS, read_records
+from ferry.portability.report.history import REHEARSALS, read_records
 
 from conftest import REPO, TINY_RUN
 
@@ -200,7 +200,7 @@ def _edit(copy, change):
 
 def _forge_lr(description):
     """Change the learning rate and write a matching config digest: only the reference config tells."""
-    from ferry.portability.bundle import config_digest
+    from ferry.portability.rehearsal.bundle import config_digest
 
     description["config"]["resolved"]["optim"]["lr"] = 1e-2
     description["config"]["digest"] = config_digest(description["config"]["resolved"])
@@ -286,7 +286,7 @@ def test_a_target_of_another_model_or_data_is_refused(override, message, bundle,
 
 
 def test_the_report_lists_exactly_the_paths_that_passed(ep2_to_cpu, cpu_to_bf16, space, tmp_path):
-    from ferry.portability.report import write_report
+    from ferry.portability.report.report import write_report
 
     write_report(space["history"], tmp_path / "report")
     alternatives = json.loads((tmp_path / "report" / "report.json").read_text())["alternatives"]
@@ -354,7 +354,7 @@ def test_a_profile_judged_against_seeds_is_refused_where_no_seed_runs_exist(bund
 
 def test_a_bundle_reached_through_a_symbolic_link_is_read(bundle, tmp_path):
     """Links inside a bundle are refused (a seed run linked to the reference); the bundle's own path may be one."""
-    from ferry.portability.bundle import read_bundle
+    from ferry.portability.rehearsal.bundle import read_bundle
 
     link = tmp_path / "bundle-link"
     link.symlink_to(bundle, target_is_directory=True)

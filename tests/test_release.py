@@ -14,8 +14,8 @@ import yaml
 from ferry.checkpoint import list_checkpoints
 from ferry.cli.main import main
 from ferry.data.manifest import sha256_file
-from ferry.pipeline import run_pipeline
-from ferry.portability.release import build_release
+from ferry.stages import run_pipeline
+from ferry.portability.release.build import build_release
 from ferry.train import Trainer, load_run_config, train
 
 from conftest import TINY_RUN

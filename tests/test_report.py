@@ -10,10 +10,10 @@ from html.parser import HTMLParser
 import pytest
 
 from ferry.cli.main import main
-from ferry.portability.environment import load_environment
-from ferry.portability.history import KERNEL_BENCH, REHEARSALS, append_record
-from ferry.portability.rehearsal_record import summary_lines
-from ferry.portability.report import write_report
+from ferry.portability.comparison.environment import load_environment
+from ferry.portability.report.history import KERNEL_BENCH, REHEARSALS, append_record
+from ferry.portability.rehearsal.record import summary_lines
+from ferry.portability.report.report import write_report
 
 TODAY = datetime.date(2026, 12, 1)
 
@@ -225,7 +225,7 @@ def test_the_tables_and_the_chart_show_the_share_of_the_bound_a_verdict_used(tmp
     """A verdict records the share of its bound it used, which a profile without a relative tolerance (sampled:
     a band in seed spreads) needs; a record from before that is read through its relative tolerance, and an
     exact match used none of a zero (bitwise) bound."""
-    from ferry.portability.rehearsal_record import worst_bound_share
+    from ferry.portability.rehearsal.record import worst_bound_share
 
     older = rehearsal("cpu-ep2", "cpu", rel=5e-3)
     assert worst_bound_share(older) == pytest.approx(0.5)
@@ -354,7 +354,7 @@ def test_the_history_chart_of_one_rehearsal_spans_a_day_either_side_and_draws_an
     """matplotlib's own limits for a single date span years (2025 to 2029 for one rehearsal)."""
     from matplotlib import dates as mdates
 
-    from ferry.portability import report_charts
+    from ferry.portability.report import charts as report_charts
 
     drawn = []
     monkeypatch.setattr(report_charts, "save_figure", lambda figure, path: drawn.append(figure) or path)

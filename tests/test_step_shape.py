@@ -116,7 +116,7 @@ def test_checkpointing_lets_auto_take_a_larger_micro_batch_at_the_olmoe_shape():
     not; selective checkpointing fits 2, full 4, and full with the head and loss by chunks the whole step."""
     from pathlib import Path
 
-    from ferry.portability.suites import load_suite
+    from ferry.portability.bench.suites import load_suite
 
     config = load_suite("olmoe-1b-7b").run_config(Path("/nonexistent"), "cuda", [])
     h200 = 143_771 * 2**20

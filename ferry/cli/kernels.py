@@ -75,7 +75,7 @@ def bench_kernels(args: argparse.Namespace) -> int:
     from ferry.kernels import KernelsConfig
     from ferry.kernels.bench import BenchShape, run_bench
     from ferry.platform import environment_fingerprint, resolve_device
-    from ferry.portability.history import KERNEL_BENCH, append_record, check_history_dir
+    from ferry.portability.report.history import KERNEL_BENCH, append_record, check_history_dir
 
     check_history_dir(args.history)
     budget = KernelsConfig().overhead_budget if args.budget is None else args.budget

@@ -24,7 +24,7 @@ def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ferry.config import UserError
-    from ferry.pipeline import lineage_lines, load_pipeline, run_pipeline
+    from ferry.stages import lineage_lines, load_pipeline, run_pipeline
 
     if args.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
@@ -35,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from ferry.pipeline import lineage_lines
+    from ferry.stages import lineage_lines
 
     print("\n".join(lineage_lines(args.dir)))
     return 0

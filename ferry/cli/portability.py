@@ -119,7 +119,7 @@ def parse_rehearse(argv: list[str]) -> tuple[str, argparse.Namespace | None]:
 
 
 def _rehearse(args: argparse.Namespace) -> int:
-    from ferry.portability.rehearse import RehearsalError, finish, rehearse, start
+    from ferry.portability.rehearsal.rehearse import RehearsalError, finish, rehearse, start
 
     form, options = args.options
     if form == "help":
@@ -127,7 +127,7 @@ def _rehearse(args: argparse.Namespace) -> int:
         return 0 if args.argv else 2
     overrides = options.overrides
     if form != "start":
-        from ferry.portability.history import check_history_dir
+        from ferry.portability.report.history import check_history_dir
 
         check_history_dir(options.history)
     try:
@@ -197,7 +197,7 @@ def _parser(form: str) -> argparse.ArgumentParser:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ferry.portability.bench import BenchError, run_bench
+    from ferry.portability.bench.bench import BenchError, run_bench
 
     unknown = [item for item in args.overrides if "=" not in item]
     if unknown:
@@ -211,7 +211,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _cost(args: argparse.Namespace) -> int:
-    from ferry.portability.cost_report import write_cost
+    from ferry.portability.bench.cost_report import write_cost
 
     result = write_cost(
         args.records, args.out, tokens=args.tokens, devices=args.devices, prices=args.price, own=args.own
@@ -233,7 +233,7 @@ def _drill(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ferry.portability.report import write_report
+    from ferry.portability.report.report import write_report
 
     if args.fresh_days < 1:
         raise UserError(f"--fresh-days must be at least 1, got {args.fresh_days}")

@@ -114,8 +114,8 @@ def _release(args: argparse.Namespace) -> int:
 
 
 def _build(options: argparse.Namespace) -> int:
-    from ferry.portability.release import build_release
-    from ferry.portability.release_seeds import carry_seed_runs
+    from ferry.portability.release.build import build_release
+    from ferry.portability.release.seeds import carry_seed_runs
 
     content = build_release(
         options.pipeline_dir, options.out, optimizer=options.optimizer, data=options.data,
@@ -134,7 +134,7 @@ def _build(options: argparse.Namespace) -> int:
 
 
 def _verify(options: argparse.Namespace) -> int:
-    from ferry.portability.release_verify import verify_release
+    from ferry.portability.release.verify import verify_release
 
     check = verify_release(options.dir)
     print("\n".join(check.lines()))
@@ -142,7 +142,7 @@ def _verify(options: argparse.Namespace) -> int:
 
 
 def _replay(options: argparse.Namespace) -> int:
-    from ferry.portability.release_replay import replay_stage, write_summary
+    from ferry.portability.release.replay import replay_stage, write_summary
 
     replay = replay_stage(options.dir, options.stage, options.steps, options.env, options.work,
                           say=lambda line: print(line, file=sys.stderr), overrides=options.overrides)
@@ -156,7 +156,7 @@ def _branch(options: argparse.Namespace) -> int:
     that lives as long as they do; the run keeps the resolved config in RUN_DIR/config.yaml, which
     `ferry train RUN_DIR/config.yaml resume=latest` continues)."""
     from ferry.cli.main import main
-    from ferry.portability.release_branch import branch_config
+    from ferry.portability.release.branch import branch_config
 
     raw = branch_config(options.dir, options.stage, options.out, options.overrides)
     with tempfile.TemporaryDirectory(prefix="ferry-branch-") as scratch:

@@ -32,8 +32,8 @@ from ferry.checkpoint.format import staging_dir_name, step_dir_name
 from ferry.config import UserError
 from ferry.config.loader import validate
 from ferry.metrics.jsonl import read_metrics
-from ferry.portability.environment import Environment
-from ferry.portability.legs import run_leg
+from ferry.portability.comparison.environment import Environment
+from ferry.portability.rehearsal.legs import run_leg
 from ferry.train.config import RunConfig, load_run_config
 from ferry.train.resilience.faults import fired_faults
 from ferry.train.resilience.restarts import read_events, restarts_after

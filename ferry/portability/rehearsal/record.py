@@ -9,8 +9,8 @@ from __future__ import annotations
 import datetime
 
 from ferry.kernels.ledger import load_ledger
-from ferry.portability.compare import Verdict
-from ferry.portability.conditions import FAIR, describe_conditions, ratio_fairness
+from ferry.portability.comparison.compare import Verdict
+from ferry.portability.rehearsal.conditions import FAIR, describe_conditions, ratio_fairness
 
 
 def comparison_record(verdict: Verdict | str) -> dict:
@@ -180,7 +180,7 @@ def summary_lines(record: dict) -> list[str]:
 
 def _throughput_lines(throughput: dict) -> list[str]:
     """Both sides' throughput and their ratio, each figure with the conditions it was measured under: a ratio
-    with a side measured under load is printed as not a fair one (ferry/portability/conditions.py)."""
+    with a side measured under load is printed as not a fair one (ferry/portability/rehearsal/conditions.py)."""
     ratio = throughput["target_over_source"]
     verdict, why = ratio_fairness(throughput)
     shown = ""

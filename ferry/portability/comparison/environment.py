@@ -29,7 +29,7 @@ from pydantic import Field
 from ferry.config import ConfigError, Section, UserError, apply_override_mapping
 from ferry.config.loader import validate
 from ferry.config.named import named_files, read_named_yaml
-from ferry.portability.tolerances import SAMPLED_PROFILE, tolerance_profile
+from ferry.portability.comparison.tolerances import SAMPLED_PROFILE, tolerance_profile
 from ferry.train.config import RunConfig
 from ferry.train.objectives.kinds import SAMPLING_OBJECTIVES
 

@@ -14,8 +14,8 @@ from typing import Any
 from ferry.checkpoint import list_checkpoints
 from ferry.config import ConfigError, UserError
 from ferry.data.manifest import sha256_file
-from ferry.pipeline.lineage import LINEAGE_FILE, LINEAGE_FORMAT, LINEAGE_VERSION
-from ferry.pipeline.runner import parent_at, stage_outcome, stage_record
+from ferry.stages.lineage import LINEAGE_FILE, LINEAGE_FORMAT, LINEAGE_VERSION
+from ferry.stages.runner import parent_at, stage_outcome, stage_record
 from ferry.train.config import load_run_config
 from ferry.train.run_dir.record import CONFIG_NAME, RUN_RECORD_NAME
 

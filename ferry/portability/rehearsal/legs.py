@@ -20,8 +20,8 @@ from pathlib import Path
 from ferry.config import UserError, dump_yaml
 from ferry.metrics.jsonl import read_metrics
 from ferry.metrics.progress import WorkProgress
-from ferry.portability.conditions import LoadSampler, MachineLoad, throughput_conditions
-from ferry.portability.environment import Environment
+from ferry.portability.rehearsal.conditions import LoadSampler, MachineLoad, throughput_conditions
+from ferry.portability.comparison.environment import Environment
 from ferry.train.config import RunConfig
 from ferry.train.run_dir.record import METRICS_NAME, RUN_RECORD_NAME
 
@@ -64,7 +64,7 @@ class LegResult:
         return statistics.median(values) if values else None
 
     def conditions(self) -> dict | None:
-        """What the leg's throughput was measured under (ferry/portability/conditions.py); None when unmeasured."""
+        """What the leg's throughput was measured under (ferry/portability/rehearsal/conditions.py); None when unmeasured."""
         return None if self.load is None else throughput_conditions(self.load, self.record)
 
     def kernels(self) -> dict[str, dict]:

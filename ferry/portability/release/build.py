@@ -1,9 +1,9 @@
 """`ferry release PIPELINE_DIR --out DIR`: a finished pipeline as one self-describing, verifiable bundle (one
-finished run, `ferry release RUN_DIR`, as a pipeline of one stage: ferry/pipeline/single_run.py).
+finished run, `ferry release RUN_DIR`, as a pipeline of one stage: ferry/stages/single_run.py).
 
     DIR/
       release.json               every file below with its size and sha256; the stage chain and the data
-      README.md                  the model card (ferry/portability/release_card.py)
+      README.md                  the model card (ferry/portability/release/card.py)
       lineage.json               the pipeline's lineage, as it was recorded (a run's, as its directory records it)
       pipeline.yaml              the pipeline file, when it is still where it ran from (a run has none)
       stages/<name>/
@@ -16,12 +16,12 @@ finished run, `ferry release RUN_DIR`, as a pipeline of one stage: ferry/pipelin
         transformers/            its export, where the architecture has one
         seed-runs/seed-<k>/      with --seed-runs, for a stage that samples its data: runs of its config with other
                                  seeds (config, run record, metrics), the spread its replays are judged against
-                                 (release_seeds.py)
+                                 (seeds.py)
       data/<source>/             every source's manifest.json (the data files too, with --data)
       extras/                    the portability report, bench and cost records found in the pipeline dir
 
-`ferry release verify DIR` (release_verify.py) checks every digest and the chain; `ferry release replay DIR`
-(release_replay.py) trains a stage's first steps again from the release alone and judges them.
+`ferry release verify DIR` (verify.py) checks every digest and the chain; `ferry release replay DIR`
+(replay.py) trains a stage's first steps again from the release alone and judges them.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from ferry.checkpoint.digests import checkpoint_digest
 from ferry.checkpoint.format import MANIFEST_NAME, seal_manifest
 from ferry.config import UserError
 from ferry.data.manifest import sha256_file
-from ferry.pipeline.lineage import LINEAGE_FILE, Lineage
-from ferry.pipeline.runner import CONFIGS_DIR
-from ferry.pipeline.single_run import RUN_KIND, is_run_dir, run_lineage
+from ferry.stages.lineage import LINEAGE_FILE, Lineage
+from ferry.stages.runner import CONFIGS_DIR
+from ferry.stages.single_run import RUN_KIND, is_run_dir, run_lineage
 from ferry.platform.fingerprint import code_version
 
 RELEASE_FILE = "release.json"
@@ -133,7 +133,7 @@ def _write(
         "data": sources,
         "extras": extras,
     }
-    from ferry.portability.release_card import model_card
+    from ferry.portability.release.card import model_card
 
     (out / CARD_FILE).write_text(model_card(content), encoding="utf-8")
     content["files"] = file_records(out)

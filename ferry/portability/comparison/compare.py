@@ -30,7 +30,7 @@ import numpy as np
 from ferry.config import UserError
 from ferry.metrics.jsonl import metrics_path, read_metrics
 from ferry.metrics.plots import new_figure, save_figure
-from ferry.portability.tolerances import ToleranceProfile, tolerance_profile
+from ferry.portability.comparison.tolerances import ToleranceProfile, tolerance_profile
 
 DEFAULT_PROFILE = "same-hardware"
 

@@ -25,10 +25,10 @@ from ferry.config import UserError
 from ferry.data import MixedLoader
 from ferry.data.synthetic import write_synthetic_dataset
 from ferry.metrics.jsonl import read_metrics
-from ferry.portability.conditions import UNDER_LOAD, describe_conditions, fairness
-from ferry.portability.environment import Environment
-from ferry.portability.legs import run_leg
-from ferry.portability.suites import BenchSuite, check_fits, load_suite, workload_digest
+from ferry.portability.rehearsal.conditions import UNDER_LOAD, describe_conditions, fairness
+from ferry.portability.comparison.environment import Environment
+from ferry.portability.rehearsal.legs import run_leg
+from ferry.portability.bench.suites import BenchSuite, check_fits, load_suite, workload_digest
 from ferry.train.config import RunConfig
 
 RECORD_KIND = "ferry-bench"
@@ -187,7 +187,7 @@ def _spread(values: list) -> dict:
 
 def summary_lines(record: dict) -> list[str]:
     """The record as the console shows it: a throughput measured under load is called not a fair figure where
-    it is printed, and the conditions it was measured under follow (ferry/portability/conditions.py)."""
+    it is printed, and the conditions it was measured under follow (ferry/portability/rehearsal/conditions.py)."""
     spread = record["spread"]
     tps = spread["tokens_per_s"]
     conditions = record.get("conditions")

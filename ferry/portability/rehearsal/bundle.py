@@ -33,8 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ferry.config import UserError
 from ferry.config.errors import first_problem
 from ferry.platform.fingerprint import code_version
-from ferry.portability.environment import Environment, without_locations
-from ferry.portability.legs import LegResult
+from ferry.portability.comparison.environment import Environment, without_locations
+from ferry.portability.rehearsal.legs import LegResult
 from ferry.train.config import RunConfig
 from ferry.train.objectives.kinds import objective_kind
 from ferry.train.run_dir.record import CONFIG_NAME, METRICS_NAME, RUN_RECORD_NAME

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ferry.config import UserError
-from ferry.portability.release import RELEASE_FILE, file_records, stage_dir
-from ferry.portability.release_replay import stage_inputs, train_seed_runs
+from ferry.portability.release.build import RELEASE_FILE, file_records, stage_dir
+from ferry.portability.release.replay import stage_inputs, train_seed_runs
 from ferry.train.objectives.kinds import SAMPLING_OBJECTIVES
 
 SEED_RUNS_DIR = "seed-runs"

@@ -15,8 +15,8 @@ from rich.table import Table
 
 from ferry.config import UserError
 from ferry.metrics.plots import new_figure, save_figure
-from ferry.portability.conditions import FAIR, UNDER_LOAD, describe_conditions
-from ferry.portability.cost import (
+from ferry.portability.rehearsal.conditions import FAIR, UNDER_LOAD, describe_conditions
+from ferry.portability.bench.cost import (
     DEFAULTS_FILE,
     CostInputs,
     check_comparable,

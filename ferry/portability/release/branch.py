@@ -15,7 +15,7 @@ from typing import Any
 
 from ferry.config import ConfigError, UserError, apply_override_mapping, apply_overrides
 from ferry.config.loader import validate
-from ferry.portability.release_replay import (
+from ferry.portability.release.replay import (
     check_verified,
     outside_release,
     read_config,
@@ -23,7 +23,7 @@ from ferry.portability.release_replay import (
     released_data,
     released_stage,
 )
-from ferry.portability.release_verify import read_release
+from ferry.portability.release.verify import read_release
 from ferry.train.config import RunConfig
 
 

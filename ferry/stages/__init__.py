@@ -1,9 +1,9 @@
 """Training stages as one recorded pipeline: each stage a run, started from its parent's checkpoint, its
 lineage (parent digest, config, data, seed, code) kept beside the stages."""
 
-from ferry.pipeline.lineage import Lineage
-from ferry.pipeline.runner import run_pipeline
-from ferry.pipeline.show import lineage_lines
-from ferry.pipeline.spec import PipelineSpec, StageSpec, load_pipeline, stage_configs
+from ferry.stages.lineage import Lineage
+from ferry.stages.runner import run_pipeline
+from ferry.stages.show import lineage_lines
+from ferry.stages.spec import PipelineSpec, StageSpec, load_pipeline, stage_configs
 
 __all__ = ["Lineage", "PipelineSpec", "StageSpec", "lineage_lines", "load_pipeline", "run_pipeline", "stage_configs"]

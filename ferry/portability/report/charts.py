@@ -9,8 +9,8 @@ from matplotlib import dates as mdates
 from matplotlib.ticker import PercentFormatter
 
 from ferry.metrics.plots import new_figure, save_figure
-from ferry.portability.conditions import FAIR, ratio_fairness
-from ferry.portability.rehearsal_record import worst_bound_share
+from ferry.portability.rehearsal.conditions import FAIR, ratio_fairness
+from ferry.portability.rehearsal.record import worst_bound_share
 
 
 def lead_time_chart(rows: list[dict], path: Path) -> Path:
@@ -41,7 +41,7 @@ def history_chart(records: list[dict], path: Path) -> Path:
     """Per path over time: the worst deviation as a fraction of its bound, and the target/source throughput.
 
     A ratio measured under load, or under load not recorded, is drawn hollow and left off the path's line: the
-    line is the trend of fair figures only (ferry/portability/conditions.py)."""
+    line is the trend of fair figures only (ferry/portability/rehearsal/conditions.py)."""
     figure, (deviation, throughput) = new_figure(rows=2, width=9.0, row_height=3.0)
     by_path: dict[str, list[dict]] = {}
     for record in records:

@@ -26,9 +26,9 @@ from ferry.checkpoint.digests import checkpoint_digest
 from ferry.config import UserError, dump_yaml
 from ferry.config.loader import validate
 from ferry.data.manifest import sha256_file
-from ferry.pipeline.lineage import Lineage, dataset_record
-from ferry.pipeline.rerun import IMPORTS_DIR, SetAside
-from ferry.pipeline.spec import (
+from ferry.stages.lineage import Lineage, dataset_record
+from ferry.stages.rerun import IMPORTS_DIR, SetAside
+from ferry.stages.spec import (
     HF_PREFIX,
     PREVIOUS,
     STAGE_KEYS,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import markdown
 
-from ferry.portability.conditions import FAIR, UNDER_LOAD, UNDER_LOAD_CORES_SHARE, UNKNOWN, fairness
-from ferry.portability.history import KERNEL_BENCH, REHEARSALS
+from ferry.portability.rehearsal.conditions import FAIR, UNDER_LOAD, UNDER_LOAD_CORES_SHARE, UNKNOWN, fairness
+from ferry.portability.report.history import KERNEL_BENCH, REHEARSALS
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 70rem; margin: 2rem auto; padding: 0 1rem; color: #222; }

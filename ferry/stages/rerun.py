@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ferry.pipeline.lineage import Lineage
+from ferry.stages.lineage import Lineage
 
 REPLACED_DIR = ".replaced"
 IMPORTS_DIR = "imports"

@@ -17,7 +17,7 @@ from typing import Any
 from ferry.checkpoint.format import MANIFEST_NAME
 from ferry.config import UserError
 from ferry.data.manifest import sha256_file
-from ferry.pipeline.lineage_shape import check_lineage_shape
+from ferry.stages.lineage_shape import check_lineage_shape
 
 LINEAGE_FILE = "lineage.json"
 LINEAGE_FORMAT = "ferry-lineage"

@@ -31,8 +31,8 @@ from ferry.config import ConfigError, Section, UserError
 from ferry.config.errors import first_problem
 from ferry.config.loader import validate
 from ferry.platform.hardware import load_profile, profile_names
-from ferry.portability.bench import RECORD_KIND, RECORD_VERSION
-from ferry.portability.conditions import fairness
+from ferry.portability.bench.bench import RECORD_KIND, RECORD_VERSION
+from ferry.portability.rehearsal.conditions import fairness
 
 DEFAULTS_FILE = Path(__file__).with_name("cost_defaults.yaml")
 HOURS_PER_YEAR = 8760.0
@@ -117,7 +117,7 @@ class _Hardware(BaseModel):
 
 
 class _Conditions(BaseModel):
-    """What a record's throughput was measured under (ferry/portability/conditions.py); absent from records of
+    """What a record's throughput was measured under (ferry/portability/rehearsal/conditions.py); absent from records of
     a ferry that did not measure it."""
 
     model_config = ConfigDict(extra="allow", strict=True)

@@ -69,7 +69,7 @@ class LeadTimeShape(_Shape):
 
 
 class ConditionsShape(_Shape):
-    """What a throughput was measured under (ferry/portability/conditions.py). Absent from lines written before
+    """What a throughput was measured under (ferry/portability/rehearsal/conditions.py). Absent from lines written before
     ferry measured it: those read as conditions unknown."""
 
     under_load: StrictBool | None = None

@@ -29,11 +29,11 @@ from ferry.config import ConfigError, UserError, apply_override_mapping
 from ferry.config.loader import dump_yaml, parse_override, validate
 from ferry.data.manifest import sha256_file
 from ferry.metrics.jsonl import read_metrics
-from ferry.portability.compare import Verdict, compare_runs
-from ferry.portability.environment import Environment, judging_profile, load_environment
-from ferry.portability.legs import run_leg
-from ferry.portability.release_verify import read_release, verify_release
-from ferry.portability.tolerances import SAMPLED_PROFILE, tolerance_profile
+from ferry.portability.comparison.compare import Verdict, compare_runs
+from ferry.portability.comparison.environment import Environment, judging_profile, load_environment
+from ferry.portability.rehearsal.legs import run_leg
+from ferry.portability.release.verify import read_release, verify_release
+from ferry.portability.comparison.tolerances import SAMPLED_PROFILE, tolerance_profile
 from ferry.train.config import RunConfig
 
 Say = Callable[[str], None]

@@ -24,7 +24,7 @@ class ToleranceProfile(Section):
     """Two runs agree when, at each of the first `steps` steps, the trailing means over
     `window` steps differ by at most `atol + rtol * |mean of run A|`, plus, for a profile that
     judges against seed runs (`seeds` > 0), `spread_z` times the spread measured between runs
-    that differ from run A only in their seed (`ferry.portability.compare`)."""
+    that differ from run A only in their seed (`ferry.portability.comparison.compare`)."""
 
     description: str = Field(min_length=1)
     metric: str = Field(default="loss", min_length=1, description="the metrics.jsonl key the profile judges")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ferry.pipeline.lineage import Lineage
+from ferry.stages.lineage import Lineage
 
 
 def lineage_lines(directory: str | Path) -> list[str]:

@@ -1,0 +1,1 @@
+"""Releases: building one, its model card, verifying, replaying a stage, branching from one, seed runs."""

@@ -1,0 +1,1 @@
+"""The portability history and the report made from it."""

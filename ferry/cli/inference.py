@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from ferry.cli.options import device_option
 from ferry.config import UserError
-from ferry.metrics.progress import WorkProgress
+from ferry.config.loader import validate_named
 
 SOURCE_HELP = "a checkpoint, a run (or `ferry import`) directory, or a transformers model directory"
 
@@ -82,22 +81,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's, or SOURCE's)")
 
 
-def _checked(schema, flags: dict[str, tuple[str, object]]):
-    """`schema` from command-line values; a bad one is named by its flag (`--top-p: ...`), exit 2."""
-    from pydantic import ValidationError
-
-    try:
-        return schema.model_validate({field: value for field, (_, value) in flags.items()})
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        flag = flags[error["loc"][0]][0] if error["loc"] and error["loc"][0] in flags else schema.__name__
-        raise UserError(f"{flag}: {error['msg']}") from None
-
-
 def run_generate(args: argparse.Namespace) -> int:
     from ferry.inference import GenerationConfig, generate, load_model
 
-    config = _checked(
+    config = validate_named(
         GenerationConfig,
         {
             "max_new_tokens": ("--max-new-tokens", args.max_new_tokens),
@@ -181,33 +168,26 @@ def _prompts_file(path: str | None) -> list[str]:
     return lines
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    """The run's own evaluation settings unless a flag says otherwise, so that on the run's checkpoint
-    the figures are the ones it recorded. Token datasets give loss and perplexity, record datasets the
-    figures of the objective that reads them (`ferry.train.objectives.record_evaluation`)."""
-    from ferry.inference import load_model
 
-    repeated = sorted({path for path in args.data if args.data.count(path) > 1})
-    if repeated:
-        raise UserError(f"--data {repeated[0]!r} is given twice; each dataset is evaluated once")
-    loaded = load_model(args.source, args.device, args.dtype, args.tokenizer)
-    kinds = {path: _dataset_kind(path) for path in args.data}
-    token_paths = [path for path, kind in kinds.items() if kind is None]
-    token_figures, windows = _token_figures(args, loaded, token_paths)
-    figures = {
-        path: token_figures[path] if kind is None else _record_figures(args, loaded, path, kind)
-        for path, kind in kinds.items()
-    }
+
+def run_eval(args: argparse.Namespace) -> int:
+    from ferry.train.evaluation import EvalRequest, evaluate_checkpoint
+
+    request = EvalRequest(
+        args.source, list(args.data), args.device, args.dtype, args.tokenizer, args.seq_len, args.batches,
+        args.batch_size, args.micro_batch, args.document_masking, args.verifier, args.reference,
+    )
+    report = evaluate_checkpoint(request, say=_to_stderr)
     if args.json:
-        print(json.dumps({"source": loaded.origin, "step": loaded.step, **windows, "datasets": figures}, indent=2))
+        print(json.dumps(report.as_dict(), indent=2))
         return 0
-    step = f"step {loaded.step}" if loaded.step is not None else "no step"
+    step = f"step {report.step}" if report.step is not None else "no step"
     per_dataset = ""
-    if windows:
-        per_dataset = ", {batches} x {batch_size} windows of {seq_len} tokens per dataset".format(**windows)
-    print(f"ferry: {loaded.origin} ({step}){per_dataset}")
-    width = max(len(name) for name in figures)
-    for name, result in figures.items():
+    if report.windows:
+        per_dataset = ", {batches} x {batch_size} windows of {seq_len} tokens per dataset".format(**report.windows)
+    print(f"ferry: {report.origin} ({step}){per_dataset}")
+    width = max(len(name) for name in report.figures)
+    for name, result in report.figures.items():
         print(f"  {name:<{width}}  {_figures_line(result)}")
     return 0
 
@@ -215,17 +195,6 @@ def run_eval(args: argparse.Namespace) -> int:
 def _to_stderr(line: str) -> None:
     """Progress lines go to stderr: stdout holds the figures (JSON with --json)."""
     print(line, file=sys.stderr, flush=True)
-
-
-def _dataset_kind(path: str) -> str | None:
-    """`prompts` or `preferences` for a record dataset; None for a token dataset (or anything unreadable,
-    which the token reader then names)."""
-    from ferry.data.manifest import MANIFEST_NAME, record_kind
-
-    try:
-        return record_kind(json.loads((Path(path) / MANIFEST_NAME).read_text(encoding="utf-8")))
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def _figures_line(result: dict) -> str:
@@ -243,113 +212,3 @@ def _figures_line(result: dict) -> str:
     if "rewards/accuracy" in result:
         line += f"  rewards: accuracy {result['rewards/accuracy']:.3f}  margin {result['rewards/margin']:.4f}"
     return f"{line}  ({result['records']} pairs)"
-
-
-def _record_figures(args: argparse.Namespace, loaded, path: str, kind: str) -> dict:
-    """Solve rates of a prompt set, or the ranking of a pair set's answers (and the DPO rewards against the
-    reference), with the run's `grpo` / `dpo` settings."""
-    from ferry.data.records import RecordDataset
-    from ferry.train.objectives.config import DPOConfig, GRPOConfig
-    from ferry.train.objectives.record_evaluation import preference_figures, prompt_figures
-
-    run = loaded.run_config
-    dataset = RecordDataset(path, f"--data {path}", kind)
-    _check_record_tokenizer(loaded, dataset)
-    if kind == "prompts":
-        settings = dict(run.get("grpo") or {})
-        if args.verifier is not None:
-            settings["verifier"] = args.verifier
-        config = _checked(GRPOConfig, {key: ("--verifier" if key == "verifier" else "the run's grpo." + key, value)
-                                       for key, value in settings.items()})
-        return prompt_figures(loaded.model, dataset, config, seed=(run.get("run") or {}).get("seed", 0))
-    config = DPOConfig.model_validate(run.get("dpo") or {})
-    reference_path = args.reference
-    if reference_path is None and (run.get("train") or {}).get("objective") == "dpo":
-        reference_path = run.get("init_from")
-    reference = None
-    if reference_path is not None and reference_path != "none":
-        from ferry.inference import load_model
-
-        flag = "--reference" if args.reference is not None else "the run's init_from (the DPO reference)"
-        try:
-            reference = load_model(reference_path, args.device, args.dtype, args.tokenizer).model
-        except UserError as exc:
-            raise UserError(f"{flag}: {exc}") from None
-        if reference.config.vocab_size != loaded.model.config.vocab_size:
-            raise UserError(
-                f"{flag}: {reference_path} has a vocabulary of {reference.config.vocab_size} tokens, the model "
-                f"{loaded.model.config.vocab_size}: a reference scores the same token ids, so it is of the same model"
-            )
-    batches = -(-len(dataset) // config.score_batch)
-    with WorkProgress(f"eval {path}", batches, say=_to_stderr, unit=f"batches of {config.score_batch} pairs") as work:
-        return preference_figures(loaded.model, dataset, config, reference, progress=work.advance)
-
-
-def _check_record_tokenizer(loaded, dataset) -> None:
-    """The records must be tokenized as the model's data was, and fit its vocabulary."""
-    from ferry.data.tokenizer import encoding_digest
-    from ferry.inference.evaluation import check_dataset_tokenizer
-
-    digest = None if loaded.tokenizer is None else encoding_digest(loaded.tokenizer)
-    expected_from = f"the model's tokenizer ({loaded.tokenizer_path})"
-    check_dataset_tokenizer(dataset, digest, loaded.model.config.vocab_size, expected_from)
-
-
-def _token_figures(args: argparse.Namespace, loaded, paths: list[str]) -> tuple[dict[str, dict], dict]:
-    """Loss and perplexity of every token dataset, with the run's evaluation settings unless a flag says
-    otherwise; and those settings (window length, batches and their size)."""
-    from ferry.data.tokenizer import encoding_digest
-    from ferry.inference import EvalConfig, HeldOutEvaluation
-
-    if not paths:
-        return {}, {}
-    model = loaded.model
-    if loaded.tokenizer is None:
-        raise UserError(
-            f"eval: no tokenizer found for {args.source}; pass --tokenizer (the one its data was prepared with)"
-        )
-    run = loaded.run_config
-    recorded = run.get("eval") or {}
-    seq_len = args.seq_len if args.seq_len is not None else (run.get("data") or {}).get("seq_len")
-    if seq_len is None:
-        raise UserError(f"eval: {args.source} records no data.seq_len; pass --seq-len")
-    if not 1 <= seq_len <= model.config.max_seq_len:
-        raise UserError(f"--seq-len {seq_len}: choose 1 to model.max_seq_len ({model.config.max_seq_len})")
-    batches = args.batches if args.batches is not None else recorded.get("batches", 4)
-    batch_size = args.batch_size if args.batch_size is not None else (
-        recorded.get("batch_size") or (run.get("train") or {}).get("global_batch") or 16
-    )
-    config = _checked(
-        EvalConfig,
-        {
-            "sources": ("--data", [{"name": path, "path": path} for path in paths]),
-            "batches": ("--batches", batches),
-            "batch_size": ("--batch-size", batch_size),
-        },
-    )
-    micro_batch = args.micro_batch if args.micro_batch is not None else batch_size
-    if micro_batch < 1 or batch_size % micro_batch:
-        raise UserError(f"--micro-batch {micro_batch} must divide --batch-size {batch_size}")
-    if args.document_masking == "run":
-        masking = (run.get("data") or {}).get("document_masking", False)
-    else:
-        masking = args.document_masking == "on"
-    evaluation = HeldOutEvaluation(
-        config, seq_len, batch_size, micro_batch,
-        document_eos=loaded.tokenizer.eos_id if masking else None,
-        labels=[f"--data {path}" for path in paths],
-        count_names=f"--batches {batches} x --batch-size {batch_size}",
-        seq_len_name="--seq-len" if args.seq_len is not None else "--seq-len (the run's data.seq_len)",
-        loss_chunk=(run.get("train") or {}).get("loss_chunk", 0),
-    )
-    evaluation.check_tokenizer(
-        encoding_digest(loaded.tokenizer), model.config.vocab_size, f"the model's tokenizer ({loaded.tokenizer_path})"
-    )
-    forwards = sum(-(-len(source.windows) // micro_batch) for source in evaluation.sources)
-    with WorkProgress("eval", forwards, say=_to_stderr, unit="forwards") as progress:
-        losses = evaluation.run(model, next(model.parameters()).device, progress=progress.advance)
-    figures = {
-        name: {"kind": "tokens", "loss": r.loss, "perplexity": r.perplexity, "tokens": r.tokens}
-        for name, r in losses.items()
-    }
-    return figures, {"seq_len": seq_len, "batches": batches, "batch_size": batch_size}

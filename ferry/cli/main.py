@@ -262,40 +262,16 @@ def _rank_prefix() -> str:
 
 def _data_prepare(args: argparse.Namespace) -> int:
     from ferry.data import PrepareSpec, prepare_dataset
+    from ferry.data.partial import check_task_flags
 
     stop_on_sigterm()  # a Slurm time limit or preemption: the staging directory is removed, the workers stopped
 
-    if args.max_bytes is not None and not args.embedded:
-        raise UserError("--max-bytes is the text budget of an embedded corpus; it needs --embedded NAME")
-    if args.shard_tokens is not None and args.records:
-        raise UserError(f"--shard-tokens: --{args.records} writes its records whole, in one file; leave it out")
-    if args.chat or args.records:
-        given = (("--vocab-size", args.vocab_size), ("--text-field", args.text_field))
-        ignored = [flag for flag, value in given if value is not None]
-        if ignored:
-            flag = "--chat" if args.chat else f"--{args.records}"
-            raise UserError(
-                f"{' and '.join(ignored)}: {flag} reads its fields with the --tokenizer given; leave it out"
-            )
-    spec = PrepareSpec(
-        inputs=list(args.inputs),
-        embedded=args.embedded,
-        embedded_max_bytes=6_000_000 if args.max_bytes is None else args.max_bytes,
-        embedded_skip_bytes=args.skip_bytes,
-        tokenizer=args.tokenizer,
-        vocab_size=4096 if args.vocab_size is None else args.vocab_size,
-        text_field="text" if args.text_field is None else args.text_field,
-        shard_tokens=1 << 24 if args.shard_tokens is None else args.shard_tokens,
-        chat=args.chat,
-        seq_len=args.seq_len,
-        records=args.records,
+    spec = PrepareSpec.from_flags(
+        inputs=list(args.inputs), embedded=args.embedded, max_bytes=args.max_bytes, skip_bytes=args.skip_bytes,
+        tokenizer=args.tokenizer, vocab_size=args.vocab_size, text_field=args.text_field,
+        shard_tokens=args.shard_tokens, chat=args.chat, seq_len=args.seq_len, records=args.records,
     )
-    if args.render is not None and (args.tasks is None or args.task is not None):
-        raise UserError("--render DIR writes the job of every task: give --tasks N, without --task")
-    if args.render is None and (args.task is None) != (args.tasks is None):
-        raise UserError("--task I and --tasks N go together: this task's index and the number of tasks")
-    if args.tasks is not None and args.tasks < 1:
-        raise UserError(f"--tasks must be at least 1, got {args.tasks}")
+    check_task_flags(args.task, args.tasks, args.render)
     if args.render is not None:
         return _data_render_job(spec, args)
     if args.task is not None:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from ferry.config.errors import ConfigError
+from ferry.config.errors import ConfigError, UserError
 
 SectionT = TypeVar("SectionT", bound=BaseModel)
 
@@ -225,3 +225,14 @@ def _unwrap(annotation: Any) -> Any:
 
 def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def validate_named(schema: type[SectionT], values: dict[str, tuple[str, Any]]) -> SectionT:
+    """`schema` from values each given under a name of the user's (a command-line flag, a recorded setting):
+    `{field: (name, value)}`; a bad value is a `UserError` naming it (`--top-p: ...`)."""
+    try:
+        return schema.model_validate({field: value for field, (_, value) in values.items()})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = values[error["loc"][0]][0] if error["loc"] and error["loc"][0] in values else schema.__name__
+        raise UserError(f"{name}: {error['msg']}") from None

@@ -127,6 +127,16 @@ def prepare_task(
     return PartialResult(output, write_staged(output, build), rebuilt=True)
 
 
+def check_task_flags(task: int | None, tasks: int | None, render: str | None) -> None:
+    """`--task I --tasks N` go together; `--render DIR` writes the job of every task (`--tasks N`, no `--task`)."""
+    if render is not None and (tasks is None or task is not None):
+        raise UserError("--render DIR writes the job of every task: give --tasks N, without --task")
+    if render is None and (task is None) != (tasks is None):
+        raise UserError("--task I and --tasks N go together: this task's index and the number of tasks")
+    if tasks is not None and tasks < 1:
+        raise UserError(f"--tasks must be at least 1, got {tasks}")
+
+
 def check_task_spec(spec: PrepareSpec, workers: int | None) -> None:
     """What every task of a preparation needs: text inputs, and a tokenizer file they all share."""
     check_spec(spec)

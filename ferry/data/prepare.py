@@ -65,6 +65,41 @@ class PrepareSpec:
     seq_len: int | None = None
     records: str | None = None
 
+    @classmethod
+    def from_flags(
+        cls, *, inputs: list[str], embedded: str | None, max_bytes: int | None, skip_bytes: int, tokenizer: str,
+        vocab_size: int | None, text_field: str | None, shard_tokens: int | None, chat: bool, seq_len: int | None,
+        records: str | None,
+    ) -> PrepareSpec:
+        """The spec `ferry data prepare`'s flags describe (None: the flag was not given, its default holds); a
+        flag the kind of dataset does not read is refused, naming it, rather than ignored."""
+        if max_bytes is not None and not embedded:
+            raise UserError("--max-bytes is the text budget of an embedded corpus; it needs --embedded NAME")
+        if shard_tokens is not None and records:
+            raise UserError(f"--shard-tokens: --{records} writes its records whole, in one file; leave it out")
+        if chat or records:
+            ignored = [flag for flag, value in (("--vocab-size", vocab_size), ("--text-field", text_field))
+                       if value is not None]
+            if ignored:
+                flag = "--chat" if chat else f"--{records}"
+                raise UserError(
+                    f"{' and '.join(ignored)}: {flag} reads its fields with the --tokenizer given; leave it out"
+                )
+        defaults = cls()
+        return cls(
+            inputs=inputs,
+            embedded=embedded,
+            embedded_max_bytes=defaults.embedded_max_bytes if max_bytes is None else max_bytes,
+            embedded_skip_bytes=skip_bytes,
+            tokenizer=tokenizer,
+            vocab_size=defaults.vocab_size if vocab_size is None else vocab_size,
+            text_field=defaults.text_field if text_field is None else text_field,
+            shard_tokens=defaults.shard_tokens if shard_tokens is None else shard_tokens,
+            chat=chat,
+            seq_len=seq_len,
+            records=records,
+        )
+
 
 @dataclass
 class PrepareResult:

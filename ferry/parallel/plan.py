@@ -1,12 +1,11 @@
-"""The parallel plan: how one model is laid out over the job's ranks, built once from config.
+"""The parallel plan: how one model is laid out over the job's ranks, built once from the job's layout.
 
-`ep` mode (expert-resident, the default): the model is built identically on every
-rank, then each MoE layer keeps only its EP rank's experts and gets an all-to-all
-dispatcher; dense gradients are summed over all ranks, expert gradients over the
-ranks holding the same experts. `fsdp` mode: every block is sharded with FSDP2 and
-weights are gathered for each forward and backward (the baseline). With `pp` > 1 every rank draws the whole
-model, then keeps only its pipeline stages' part (`ferry/parallel/pipeline_split.py`); the ranks of one stage form
-its data-parallel replicas, inside which experts are split as above.
+The model is built identically on every rank; the plan gives the ranks their groups (`RankGroups`, from the
+layout: a (dp, ep) mesh, or a (pp, dp, ep) one under a pipeline), then composes the two strategies of
+`ferry.parallel.strategies` on them: which blocks a rank keeps (all, or its pipeline stages'), and where the
+weights of those blocks live (experts resident on their EP rank with dense weights replicated, or the FSDP
+baseline). What follows from the placement (gradient reduction, clipping, the optimizer, a frozen copy laid out
+alike) is the placement's; which rank writes a checkpoint piece and which rows a rank reads follow from the groups.
 """
 
 from __future__ import annotations
@@ -17,19 +16,23 @@ import torch
 from torch import nn
 
 from ferry.comm import Collectives, CommStats, DistContext, build_mesh, build_pipeline_mesh
-from ferry.config import UserError
 from ferry.model import Transformer
 from ferry.model.experts import Experts
-from ferry.parallel.adamw import fused_where_available
 from ferry.parallel.config import ParallelConfig
-from ferry.parallel.expert_parallel import AllToAllDispatcher, shard_experts
-from ferry.parallel.fsdp import apply_fsdp
-from ferry.parallel.gradients import clip_grad_norm, reduce_gradients
-from ferry.parallel.pipeline_split import StageSplit, split_stages
-from ferry.parallel.zero import ReplicaGroup, ShardedAdamW
+from ferry.parallel.layout import JobLayout, lay_out_job
+from ferry.parallel.pipeline_split import StageSplit
+from ferry.parallel.strategies import (
+    PLACEMENTS,
+    PipelineStages,
+    Placement,
+    RankGroups,
+    Stages,
+    WholeModel,
+    exchange_chunks,
+)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExpertSlice:
     """Which experts of the global [num_experts, ...] tensor this rank holds."""
 
@@ -38,40 +41,60 @@ class ExpertSlice:
     num_experts: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelPlan:
-    config: ParallelConfig
+    """The job's layout, this rank's groups and the strategies placing the model on them, and the parameters as
+    placed: dense ones, and expert ones with the slice of the experts this rank holds."""
+
+    layout: JobLayout
     context: DistContext
     stats: CommStats
-    world: Collectives | None = None
-    ep: Collectives | None = None
-    dp: Collectives | None = None
-    dense_params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
-    expert_params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
-    expert_slices: dict[str, ExpertSlice] = field(default_factory=dict)
-    reduce_dtype: torch.dtype = torch.float32
-    ep_overlap: dict = field(default_factory=dict)  # how the MoE exchanges run; `auto`'s trial adds its figures
-    replicas: Collectives | None = None  # the ranks holding this rank's dense weights: all, or its stage's ranks
-    pp: Collectives | None = None  # this rank's pipeline: one rank of each stage (pp > 1)
-    split: StageSplit | None = None
-    logical_names: set[str] = field(default_factory=set)  # the whole model's state_dict names, every stage's
+    groups: RankGroups
+    stages: Stages
+    placement: Placement
+    dense_params: list[tuple[str, nn.Parameter]]
+    expert_params: list[tuple[str, nn.Parameter]]
+    expert_slices: dict[str, ExpertSlice]
+    reduce_dtype: torch.dtype
+    ep_overlap: dict  # how the MoE exchanges run as configured (`auto`'s trial records its choice with the run)
+    logical_names: frozenset[str] = field(default_factory=frozenset)  # the whole model's state_dict names
+
+    @property
+    def world(self) -> Collectives | None:
+        return self.groups.world
+
+    @property
+    def replicas(self) -> Collectives | None:
+        return self.groups.replicas
+
+    @property
+    def ep(self) -> Collectives | None:
+        return self.groups.ep
+
+    @property
+    def dp(self) -> Collectives | None:
+        return self.groups.dp
+
+    @property
+    def pp(self) -> Collectives | None:
+        return self.groups.pp
+
+    @property
+    def split(self) -> StageSplit | None:
+        return self.layout.split
 
     @property
     def pipelined(self) -> bool:
-        return self.config.pp > 1
+        return self.layout.split is not None
 
     @property
     def data_rank(self) -> int:
         """This rank's place among the ranks that share a step's rows (a pipeline's ranks read the same rows)."""
-        return self.replicas.rank if self.pipelined else self.context.rank
+        return self.replicas.rank if self.replicas is not None else 0
 
     @property
     def data_world_size(self) -> int:
-        return self.replicas.size if self.pipelined else self.context.world_size
-
-    @property
-    def ep_size(self) -> int:
-        return self.config.ep
+        return self.replicas.size if self.replicas is not None else 1
 
     @property
     def ep_rank(self) -> int:
@@ -79,11 +102,7 @@ class ParallelPlan:
 
     @property
     def collectives(self) -> list[Collectives]:
-        unique = []
-        for collectives in (self.world, self.ep, self.dp, self.replicas, self.pp):
-            if collectives is not None and all(collectives is not seen for seen in unique):
-                unique.append(collectives)
-        return unique
+        return self.groups.distinct
 
     def attach_timer(self, timer) -> None:
         """Let every collective (and EP dispatch) report into the step timer's comm / ep_wait regions."""
@@ -91,45 +110,24 @@ class ParallelPlan:
             collectives.timer = timer
 
     def is_replica_writer(self, name: str) -> bool:
-        """Whether this rank writes parameter `name` (and its optimizer state) into a checkpoint.
-
-        Each logical tensor must be written exactly once: a dense tensor by rank 0, an
-        expert slice by the first rank of the ranks holding that slice.
-        """
+        """Whether this rank writes parameter `name` (and its optimizer state) into a checkpoint: each logical
+        tensor exactly once, an expert slice by the first of the ranks holding it, a dense tensor by the first of
+        the ranks holding the dense weights (rank 0, or a stage's first rank)."""
         if name in self.expert_slices:
             return self.dp is None or self.dp.rank == 0
-        if self.pipelined:
-            return self.replicas.rank == 0  # each stage's tensors live on its ranks only
-        return self.context.rank == 0
+        return self.replicas is None or self.replicas.rank == 0
 
     def lay_out_frozen(self, model: Transformer) -> None:
-        """Give a second model (a frozen reference, built like the trained one) this plan's expert layout,
-        so checkpoint pieces land in it as in the trained model and its forwards join the same all-to-alls."""
-        if self.config.mode == "fsdp" and self.context.is_distributed:
-            raise UserError("a reference model needs parallel.mode: ep (FSDP mode is the weight-gathering baseline)")
-        if self.ep is not None and self.config.mode == "ep" and self.config.ep > 1:
-            num_experts = model.config.moe.num_experts
-            for layer in model.moe_layers():
-                shard_experts(layer.experts, self.ep.rank, self.config.ep)
-                layer.dispatcher = AllToAllDispatcher(self.ep, num_experts, _chunks(self.config), _rowwise(self.config))
+        """Give a second model (a frozen reference, built like the trained one) this plan's placement, so
+        checkpoint pieces land in it as in the trained model and its forwards join the same all-to-alls."""
+        self.placement.lay_out_frozen(model, self.groups)
 
     def sync_gradients(self) -> None:
-        """Reduce gradients across replicas (ep mode; FSDP reduces inside backward)."""
-        if self.config.mode == "fsdp":
-            return
-        bucket = int(self.config.bucket_mib * 2**20)
-        reduce_gradients([p for _, p in self.dense_params], self.replicas, self.reduce_dtype, bucket)
-        reduce_gradients([p for _, p in self.expert_params], self.dp, self.reduce_dtype, bucket)
+        self.placement.sync_gradients(self)
 
     def clip_gradients(self, model: nn.Module, max_norm: float) -> float:
         """Clip to `max_norm` (0: measure only) by the norm of the whole, unsharded gradient."""
-        if self.config.mode == "fsdp" and self.context.is_distributed:
-            limit = max_norm if max_norm > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
-            return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        return clip_grad_norm(
-            [p for _, p in self.dense_params], [p for _, p in self.expert_params], self.ep, max_norm, self.pp
-        )
+        return self.placement.clip_gradients(self, model, max_norm)
 
     def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a statistic (e.g. expert loads) over the whole job."""
@@ -138,21 +136,7 @@ class ParallelPlan:
         return tensor
 
     def build_optimizer(self, decayed: set[str], weight_decay: float, zero: bool, **adamw_kwargs):
-        """Plain AdamW, or ZeRO-1 (state sharded over each parameter's replica group)."""
-        if zero and self.config.mode == "ep" and self.context.is_distributed:
-            groups = [ReplicaGroup(self.dense_params, self.replicas), ReplicaGroup(self.expert_params, self.dp)]
-            return ShardedAdamW(groups, decayed, weight_decay, **adamw_kwargs)
-        if zero and self.config.mode == "fsdp":
-            raise UserError("optim.zero: FSDP already shards optimizer state; set optim.zero=false with parallel.mode=fsdp")
-        params = self.dense_params + self.expert_params
-        return torch.optim.AdamW(
-            [
-                {"params": [p for n, p in params if n in decayed], "weight_decay": weight_decay},
-                {"params": [p for n, p in params if n not in decayed], "weight_decay": 0.0},
-            ],
-            **adamw_kwargs,
-            **fused_where_available([p for _, p in params]),
-        )
+        return self.placement.build_optimizer(self, decayed, weight_decay, zero, **adamw_kwargs)
 
 
 def build_plan(
@@ -161,69 +145,51 @@ def build_plan(
     model: Transformer,
     device: torch.device,
     reduce_dtype: torch.dtype = torch.float32,
+    layout: JobLayout | None = None,
 ) -> ParallelPlan:
-    """Lay `model` (built identically on every rank) out over the job, in place."""
-    num_experts = model.config.moe.num_experts
-    if context.world_size % config.ep:
-        raise UserError(f"parallel.ep: {config.ep} does not divide the world size {context.world_size}")
-    if num_experts % config.ep:
-        raise UserError(f"parallel.ep: {config.ep} does not divide model.moe.num_experts ({num_experts})")
-    if config.mode == "fsdp" and config.ep != 1:
-        raise UserError(f"parallel.ep: FSDP mode replicates experts; use parallel.ep=1 (got {config.ep})")
-    plan = ParallelPlan(config=config, context=context, stats=CommStats(), reduce_dtype=reduce_dtype)
-    plan.ep_overlap = {"mode": config.ep_overlap, "chunks": _chunks(config), "dispatch": config.ep_dispatch}
-    plan.logical_names = set(model.state_dict())
-    if config.pp > 1:
-        _keep_own_stages(plan, model, context, device)
-    elif context.is_distributed:
-        mesh = build_mesh(context, config.ep, device)
-        plan.world = plan.replicas = Collectives(None, plan.stats, device)
-        plan.ep = Collectives(mesh["ep"].get_group(), plan.stats, device)
-        plan.dp = Collectives(mesh["dp"].get_group(), plan.stats, device)
-    if context.is_distributed:
-        if config.mode == "ep" and config.ep > 1:
-            for layer in model.moe_layers():
-                shard_experts(layer.experts, plan.ep.rank, config.ep)
-                layer.dispatcher = AllToAllDispatcher(plan.ep, num_experts, _chunks(config), _rowwise(config))
-        if config.mode == "fsdp":
-            apply_fsdp(model, device, plan.world)
+    """Lay `model` (built identically on every rank) out over the job, in place; `layout` is the job's (laid out
+    and checked once per run; when not given, here)."""
+    if layout is None:
+        layout = lay_out_job(config, model.config, context.world_size, context.is_distributed)
+    stats = CommStats()
+    groups = rank_groups(layout, context, device, stats)
+    logical_names = frozenset(model.state_dict())
+    stages: Stages = PipelineStages(layout.split) if layout.split is not None else WholeModel()
+    placement: Placement = PLACEMENTS[config.mode](config)
+    stages.place(model, groups)
+    placement.place(model, groups, device)
     expert_modules = {name for name, module in model.named_modules() if isinstance(module, Experts)}
+    dense, experts, slices = [], [], {}
+    ep_rank = groups.ep.rank if groups.ep is not None else 0
+    num_experts = model.config.moe.num_experts
     for name, param in model.named_parameters():
-        owner = name.rsplit(".", 1)[0]
-        if owner in expert_modules and config.mode == "ep":
-            plan.expert_params.append((name, param))
+        if placement.splits_experts and name.rsplit(".", 1)[0] in expert_modules:
+            experts.append((name, param))
             local = param.shape[0]
-            plan.expert_slices[name] = ExpertSlice(plan.ep_rank * local, (plan.ep_rank + 1) * local, num_experts)
+            slices[name] = ExpertSlice(ep_rank * local, (ep_rank + 1) * local, num_experts)
         else:
-            plan.dense_params.append((name, param))
-    return plan
+            dense.append((name, param))
+    overlap = {"mode": config.ep_overlap, "chunks": exchange_chunks(config), "dispatch": config.ep_dispatch}
+    return ParallelPlan(
+        layout, context, stats, groups, stages, placement, dense, experts, slices, reduce_dtype, overlap, logical_names
+    )
 
 
-def _keep_own_stages(plan: ParallelPlan, model: Transformer, context: DistContext, device: torch.device) -> None:
-    """The pipeline's groups on a (pp, dp, ep) mesh, and the model cut down to this rank's stages."""
-    config = plan.config
-    if context.world_size % config.pp:
-        raise UserError(f"parallel.pp: {config.pp} does not divide the world size {context.world_size}")
-    if model.config.tie_embeddings:
-        raise UserError("parallel.pp: model.tie_embeddings shares the first stage's embedding with the last stage's "
-                        "head; set model.tie_embeddings=false or parallel.pp=1")
-    groups = build_pipeline_mesh(context, config.pp, config.ep, device)
-    plan.world = Collectives(None, plan.stats, device)
-    plan.pp = Collectives(groups.pp, plan.stats, device)
-    plan.replicas = Collectives(groups.replicas, plan.stats, device)
-    plan.ep = Collectives(groups.ep, plan.stats, device)
-    plan.dp = Collectives(groups.dp, plan.stats, device)
-    plan.split = split_stages(config, model.config)
-    pp_rank = plan.pp.rank
-    stages = plan.split.stages_of(pp_rank)
-    model.keep_only(plan.split.blocks_of(pp_rank), embedding=0 in stages, head=plan.split.num_stages - 1 in stages)
-
-
-def _chunks(config: ParallelConfig) -> int:
-    """Parts of each MoE layer's exchange: one, or `ep_chunks` with `ep_overlap: chunked` (`auto` starts with
-    one; its trial sets the fastest, `ferry/train/overlap_trial.py`)."""
-    return config.ep_chunks if config.ep_overlap == "chunked" else 1
-
-
-def _rowwise(config: ParallelConfig) -> bool:
-    return config.ep_dispatch == "rowwise"
+def rank_groups(layout: JobLayout, context: DistContext, device: torch.device, stats: CommStats) -> RankGroups:
+    """This rank's groups on the layout's mesh: (pp, dp, ep) under a pipeline, (dp, ep) otherwise, none for one
+    process."""
+    if layout.split is not None:
+        groups = build_pipeline_mesh(context, layout.pp, layout.ep, device)
+        return RankGroups(
+            world=Collectives(None, stats, device), replicas=Collectives(groups.replicas, stats, device),
+            ep=Collectives(groups.ep, stats, device), dp=Collectives(groups.dp, stats, device),
+            pp=Collectives(groups.pp, stats, device),
+        )
+    if not context.is_distributed:
+        return RankGroups()
+    mesh = build_mesh(context, layout.ep, device)
+    world = Collectives(None, stats, device)
+    return RankGroups(
+        world=world, replicas=world, ep=Collectives(mesh["ep"].get_group(), stats, device),
+        dp=Collectives(mesh["dp"].get_group(), stats, device),
+    )

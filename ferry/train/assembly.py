@@ -33,7 +33,7 @@ from ferry.model.compilation import Compile, compile_blocks
 from ferry.model.digest import weights_digest
 from ferry.model.recompute import apply_activation_checkpointing
 from ferry.parallel import build_plan
-from ferry.parallel.pipeline_split import split_stages
+from ferry.parallel.layout import JobLayout
 from ferry.parallel.plan import ParallelPlan
 from ferry.platform import environment_fingerprint, resolve_device
 from ferry.platform.allocator import apply_host_allocator
@@ -58,6 +58,7 @@ class Job:
     config: RunConfig
     device: torch.device
     context: DistContext
+    layout: JobLayout  # laid out and checked once, by `open_job`
     started_unix: float
     micro_batch: dict  # how train.micro_batch was decided (`auto`: by the memory model)
 
@@ -72,16 +73,6 @@ class Job:
     @property
     def is_main(self) -> bool:
         return self.context.rank == 0
-
-    def layout(self) -> dict:
-        """The layout a checkpoint and run.json record: ranks, expert-parallel degree, mode."""
-        parallel = self.config.parallel
-        mode = parallel.mode if self.context.is_distributed else "single"
-        layout = {"world_size": self.world_size, "ep_degree": parallel.ep if parallel.mode == "ep" else 1, "mode": mode}
-        if parallel.pp > 1:
-            split = split_stages(parallel, self.config.model).describe()
-            layout.update(pp_degree=parallel.pp, pp_schedule=parallel.pp_schedule, pp_stages=split)
-        return layout
 
 
 @dataclass(frozen=True)
@@ -162,13 +153,13 @@ def open_job(config: RunConfig, started_unix: float) -> Job:
     before anything is built."""
     device = resolve_device(config.run.device, launcher_ranks()[2])
     context = init_distributed(config.comm, device)
-    config.check_world_size(context.world_size)
+    layout = config.check_world_size(context.world_size, context.is_distributed)
     if config.train.micro_batch == "auto":
-        micro_batch, choice = choose_micro_batch(config, context.world_size, device.type)
+        micro_batch, choice = choose_micro_batch(config, layout, device.type)
         config = config.model_copy(update={"train": config.train.model_copy(update={"micro_batch": micro_batch})})
     else:
         choice = {"requested": config.train.micro_batch, "chosen": config.train.micro_batch}
-    return Job(config, device, context, started_unix, choice)
+    return Job(config, device, context, layout, started_unix, choice)
 
 
 def choose_numerics(job: Job) -> Numerics:
@@ -247,7 +238,9 @@ def build_model(job: Job, numerics: Numerics) -> ModelParts:
     recompute = apply_activation_checkpointing(model, config.train.activation_checkpointing)
     compiled = compile_blocks(model, resolve_compile(config.train.compile, job.device), expert_parallel)
     compiled["requested"] = config.train.compile
-    plan = build_plan(config.parallel, job.context, model, job.device, numerics.precision.torch_reduce_dtype)
+    plan = build_plan(
+        config.parallel, job.context, model, job.device, numerics.precision.torch_reduce_dtype, layout=job.layout
+    )
     step_weights = _step_weights(config, model, numerics.precision)
     optim = config.optim
     optimizer = plan.build_optimizer(

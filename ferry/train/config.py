@@ -22,6 +22,7 @@ from ferry.model.compilation import Compile
 from ferry.model.config import ModelConfig
 from ferry.model.recompute import Recompute
 from ferry.parallel.config import ParallelConfig
+from ferry.parallel.layout import JobLayout, lay_out_job
 from ferry.precision.config import PrecisionConfig
 from ferry.train.objectives.config import DPOConfig, GRPOConfig, Objective
 from ferry.train.pipeline_checks import check_pipeline
@@ -184,15 +185,15 @@ class RunConfig(Section):
         False, description="with init_from, start from that checkpoint's AdamW state too (moments and step counts)"
     )
 
-    def check_world_size(self, world_size: int) -> None:
-        """Refuse a job size the batch or the expert layout cannot be split over, before any rank starts. Each
-        refusal names the overrides that would fit, since picking one is what the user does next."""
+    def check_world_size(self, world_size: int, distributed: bool | None = None) -> JobLayout:
+        """The job's layout over `world_size` ranks (`ferry.parallel.layout`), laid out and checked here once:
+        a job size the layout, the pipeline or the batch cannot be split over is refused before any rank starts.
+        Each refusal names the overrides that would fit, since picking one is what the user does next."""
         train = self.train
-        ranks = f"the world size {world_size}"
-        if self.parallel.pp > 1:
-            check_pipeline(self, world_size)
-            world_size //= self.parallel.pp  # the ranks a step's rows are split over: one per pipeline
-            ranks = f"the {world_size} ranks of each pipeline stage (world size / parallel.pp)"
+        layout = lay_out_job(self.parallel, self.model, world_size, distributed)
+        if layout.split is not None:
+            check_pipeline(self, layout)
+        world_size = layout.replicas  # the ranks a step's rows are split over: one per pipeline
         micro_batch = 1 if train.micro_batch == "auto" else train.micro_batch  # auto takes a divisor that fits
         per_pass = micro_batch * world_size
         batches = {"train.global_batch": train.global_batch}
@@ -205,16 +206,7 @@ class RunConfig(Section):
                     f"({train.micro_batch} x {world_size} = {per_pass}); "
                     f"{_batch_fixes(key, batch, batches, micro_batch, world_size)}"
                 )
-        if world_size % self.parallel.ep:
-            num_experts = self.model.moe.num_experts
-            fitting = [
-                f"parallel.ep={ep}" for ep in range(1, world_size + 1) if world_size % ep == 0 and num_experts % ep == 0
-            ]
-            choices = " or ".join([", ".join(fitting[:-1]), fitting[-1]] if len(fitting) > 1 else fitting)
-            raise UserError(
-                f"parallel.ep: {self.parallel.ep} does not divide {ranks}; set {choices} (the "
-                f"divisors of {world_size} that also divide model.moe.num_experts, {num_experts})"
-            )
+        return layout
 
     @field_validator("parallel")
     @classmethod

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ferry.config import UserError
 from ferry.model import count_model
+from ferry.parallel.layout import JobLayout, lay_out_job
 from ferry.train.config import RunConfig
 from ferry.train.pipeline_memory import RankShare, pipeline_rank_shares
 
@@ -41,9 +42,12 @@ class MemoryEstimate:
         )
 
 
-def memory_estimate(config: RunConfig, world_size: int, device: str, micro_batch: int | None = None) -> MemoryEstimate:
+def memory_estimate(
+    config: RunConfig, world_size: int, device: str, micro_batch: int | None = None, layout: JobLayout | None = None
+) -> MemoryEstimate:
     """The memory of one rank at its peak, with `micro_batch` sequences a forward (default the config's; 1 for
-    auto, the least it can take).
+    auto, the least it can take), over `world_size` ranks laid out as `layout` (a run's; laid out here when not
+    given).
 
     State: parameters and gradients in the parameter dtype and AdamW's two fp32 moments (experts split
     over `parallel.ep`, moments over the ranks sharing each parameter under ZeRO-1, everything over all
@@ -58,9 +62,10 @@ def memory_estimate(config: RunConfig, world_size: int, device: str, micro_batch
     """
     model, moe = config.model, config.model.moe
     micro = micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 1)
-    if config.parallel.pp > 1:  # the rank holding the most, of the pipeline's
-        shares = pipeline_rank_shares(config, world_size, micro)
-        replicas = world_size // config.parallel.pp
+    layout = layout or lay_out_job(config.parallel, config.model, world_size)
+    if layout.split is not None:  # the rank holding the most, of the pipeline's
+        shares = pipeline_rank_shares(config, layout, micro)
+        replicas = layout.replicas
         estimates = [_rank_estimate(config, replicas, device, micro, share) for share in shares]
         return max(estimates, key=lambda estimate: estimate.total_bytes)
     size = count_model(model, config.data.seq_len)
@@ -130,10 +135,11 @@ def _head_bytes(config: RunConfig, tokens: int, compute_bytes: int) -> int:
     return min(chunk, tokens) * vocab * (compute_bytes + 8) + vocab * dim * 4 + tokens * dim * compute_bytes
 
 
-def choose_micro_batch(config: RunConfig, world_size: int, device: str) -> tuple[int, dict]:
+def choose_micro_batch(config: RunConfig, layout: JobLayout, device: str) -> tuple[int, dict]:
     """`train.micro_batch: auto`: the largest micro-batch that splits the rank's share of every batch and whose
     estimate fits `HEADROOM` of the device; with what run.json records of the choice. Nothing fitting is refused
     with the estimate of the smallest."""
+    world_size = layout.world_size
     batches = [config.train.global_batch]
     if config.eval.sources and config.eval.batch_size is not None:
         batches.append(config.eval.batch_size)
@@ -141,7 +147,7 @@ def choose_micro_batch(config: RunConfig, world_size: int, device: str) -> tuple
     candidates = [micro for micro in range(per_rank, 0, -1) if all(b % (micro * world_size) == 0 for b in batches)]
     where, available = device_memory_bytes(device, world_size)
     per_rank_bytes = available / world_size if device == "cpu" else available
-    estimates = {micro: memory_estimate(config, world_size, device, micro) for micro in candidates}
+    estimates = {micro: memory_estimate(config, world_size, device, micro, layout) for micro in candidates}
     fitting = [micro for micro in candidates if estimates[micro].total_bytes <= HEADROOM * per_rank_bytes]
     if not fitting:
         smallest = estimates[candidates[-1]]

@@ -10,7 +10,7 @@ from ferry.config import UserError
 from ferry.kernels.config import KernelsConfig
 from ferry.model.config import ModelConfig
 from ferry.parallel.config import ParallelConfig
-from ferry.parallel.pipeline_split import split_stages
+from ferry.parallel.layout import JobLayout
 
 
 class PipelinedRun(Protocol):
@@ -23,17 +23,11 @@ class PipelinedRun(Protocol):
     eval: Any
 
 
-def check_pipeline(config: PipelinedRun, world_size: int) -> None:
-    """Refuse a pipeline the job, the model, the schedule or the rest of the run cannot take."""
+def check_pipeline(config: PipelinedRun, layout: JobLayout) -> None:
+    """Refuse a pipeline the schedule or the rest of the run cannot take (the job and the model took it: the
+    layout was laid out)."""
     parallel, train = config.parallel, config.train
     pp = parallel.pp
-    if world_size % pp:
-        divisors = [degree for degree in range(2, world_size + 1) if world_size % degree == 0]
-        raise UserError(
-            f"parallel.pp: {pp} does not divide the world size {world_size}; set parallel.pp to one of "
-            f"{divisors or [1]}, or run {pp} x k ranks"
-        )
-    split_stages(parallel, config.model)
     if train.objective != "lm":
         raise UserError(
             f"parallel.pp: train.objective {train.objective} is not run under pipeline parallelism (its steps call "
@@ -66,8 +60,7 @@ def check_pipeline(config: PipelinedRun, world_size: int) -> None:
             "buffers to one backward); set kernels.policy=portable (no vendor kernels.ops) and train.loss_chunk=0, or "
             "another schedule"
         )
-    replicas = world_size // pp
-    per_pass = train.micro_batch * replicas
+    per_pass = train.micro_batch * layout.replicas
     if train.global_batch % per_pass:
         return  # the batch check names the fix
     micro_batches = train.global_batch // per_pass

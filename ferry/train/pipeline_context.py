@@ -11,6 +11,7 @@ trainer then reduces over all ranks as usual. The stages' busy times give the st
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,9 +32,12 @@ class PipelineContext(TrainingContext):
     """`TrainingContext` whose micro-batches run through `pipeline`'s schedule. `rank` and `world_size` are this
     rank's place among the ranks a step's rows are split over (one per pipeline replica)."""
 
-    def __init__(self, *args, pipeline: Pipeline | None, plan: ParallelPlan, moe: MoEConfig, moe_layers: int, **kwargs):
+    def __init__(
+        self, *args, pipeline: Callable[[Callable], Pipeline], plan: ParallelPlan, moe: MoEConfig, moe_layers: int,
+        **kwargs,
+    ):
+        """`pipeline(loss)`: the schedule and stages, built with this context's loss of a micro-batch."""
         super().__init__(*args, **kwargs)
-        self.pipeline = pipeline
         self.plan = plan
         self.rank = plan.data_rank
         self.world_size = plan.data_world_size
@@ -42,6 +46,7 @@ class PipelineContext(TrainingContext):
         self._passes: list[ForwardPass] = []
         self._statistics: StepStatistics | None = None
         self._figures: dict = {}
+        self.pipeline = pipeline(self.loss)
 
     def train_passes(self, passes: list[ForwardPass], statistics: StepStatistics) -> None:
         """Every micro-batch through the schedule in one call (the schedule, not the objective, orders forwards and
@@ -145,10 +150,6 @@ def step_context(parts: RunParts, *context_args, step_weights=None) -> TrainingC
         return TrainingContext(*context_args, step_weights=step_weights)
     config = parts.job.config
     model = config.model
-    context = PipelineContext(
-        *context_args, step_weights=step_weights, pipeline=None, plan=plan, moe=model.moe,
-        moe_layers=model.n_layers - model.dense_layers,
-    )
     precision = parts.numerics.precision
     shapes = ExchangedShapes(
         rows=config.train.micro_batch, seq_len=parts.data.kind.sequence_length(config, parts.data.loader),
@@ -157,8 +158,14 @@ def step_context(parts: RunParts, *context_args, step_weights=None) -> TrainingC
         loss_chunk=config.train.loss_chunk,
     )
     micro_batches = config.train.global_batch // (plan.data_world_size * config.train.micro_batch)
-    context.pipeline = build_pipeline(
-        parts.model.model, plan.split, plan.pp.rank, plan.pp.group, parts.job.device, config.parallel.pp_schedule,
-        micro_batches, shapes, context.loss,
+
+    def pipeline(loss) -> Pipeline:
+        return build_pipeline(
+            parts.model.model, plan.split, plan.pp.rank, plan.pp.group, parts.job.device, config.parallel.pp_schedule,
+            micro_batches, shapes, loss,
+        )
+
+    return PipelineContext(
+        *context_args, step_weights=step_weights, pipeline=pipeline, plan=plan, moe=model.moe,
+        moe_layers=model.n_layers - model.dense_layers,
     )
-    return context

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ferry.parallel.pipeline_split import block_parameters, embedding_parameters, split_stages
+from ferry.parallel.layout import JobLayout
+from ferry.parallel.pipeline_split import block_parameters, embedding_parameters
 from ferry.train.config import RunConfig
 
 
@@ -21,18 +22,18 @@ class RankShare:
     in_flight: int
 
 
-def pipeline_rank_shares(config: RunConfig, world_size: int, micro_batch: int) -> list[RankShare]:
+def pipeline_rank_shares(config: RunConfig, layout: JobLayout, micro_batch: int) -> list[RankShare]:
     """Every pipeline rank's share. Kept micro-batches follow the schedules' warm-up: GPipe and looped BFS run
     every forward of a stage before its backwards (all m), 1F1B's stage r runs pp - r forwards ahead, interleaved
     1F1B about pp per rank (an estimate: its warm-up depends on the rank and the virtual stages); zero bubble,
     whose weight halves wait for later slots, is counted at all m (an upper bound)."""
     parallel, model = config.parallel, config.model
-    split = split_stages(parallel, model)
+    split = layout.split
     sizes = block_parameters(model)
     moe = model.moe
     expert_block = moe.num_experts * 3 * model.dim * moe.expert_ffn_dim
     embedding = embedding_parameters(model)
-    micro_batches = max(config.train.global_batch // (micro_batch * (world_size // parallel.pp)), 1)
+    micro_batches = max(config.train.global_batch // (micro_batch * layout.replicas), 1)
     shares = []
     for rank in range(parallel.pp):
         stages = split.stages_of(rank)

@@ -71,7 +71,7 @@ def checkpoint_state(parts: RunParts, state: TrainState) -> tuple[dict[str, Tens
     meta = CheckpointMeta(
         step=step,
         tokens_seen=state.tokens_seen,
-        layout=Layout(**{key: value for key, value in job.layout().items() if key in Layout.model_fields}),
+        layout=Layout(**{key: value for key, value in job.layout.record().items() if key in Layout.model_fields}),
         model_config=config.model.model_dump(mode="json"),
         run_config=config.model_dump(mode="json"),
         environment=parts.instruments.environment,

@@ -144,14 +144,15 @@ class Trainer:
         found, self.state, notes, resume_times = resume_from(parts, resume, self.state)
         notes += self._weights_if_not_resumed(found)
         notes += parts.objective.prepare(self.context)
+        overlap = parts.model.plan.ep_overlap
         if config.parallel.ep_overlap == "auto":
-            parts.model.plan.ep_overlap = choose_overlap(self, config.parallel.ep_overlap_trial_steps)
+            overlap = choose_overlap(self, config.parallel.ep_overlap_trial_steps)
         # `latest` with nothing to resume from is a run resumed at step 0: its records are its own
         resumed_step = found.checkpoint.step if found and found.checkpoint else (0 if resume == "latest" else None)
-        opened = open_run(parts, self.state, self.initial_weights, found, resumed_step, resume_times)
+        opened = open_run(parts, self.state, self.initial_weights, found, resumed_step, resume_times, overlap)
         self.hub, self._run_lock = opened.hub, opened.lock
         checkpoints = self._checkpoints(resumed_step)
-        announce(parts, opened.hub, config.run.path, found, notes)
+        announce(parts, opened.hub, config.run.path, found, notes, overlap)
         report_set_aside(opened, checkpoints, resumed_step, config.train.steps)
         resume_info = {
             **resume_times,
@@ -262,7 +263,7 @@ class Trainer:
         groups all had equal rewards)."""
         if statistics.counts_LE.numel() and not bool((statistics.counts_LE.sum(dim=1) > 0).all()):
             return {}
-        ep_degree = self.parts.job.layout()["ep_degree"]
+        ep_degree = self.parts.job.layout.ep_degree
         return moe_diagnostics(statistics.counts_LE, statistics.mean_prob_LE, statistics.entropy_L, ep_degree=ep_degree)
 
     def _apply_gradients(self, step: int) -> tuple[float, bool]:

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from ferry.train.assembly import RunParts
 
 
-def announce(parts: RunParts, hub: MetricsHub, run_dir: Path, found: Found | None, notes: list[str]) -> None:
+def announce(
+    parts: RunParts, hub: MetricsHub, run_dir: Path, found: Found | None, notes: list[str], overlap: dict
+) -> None:
     """The console lines a run starts with: skipped checkpoints, notes, precision, kernels, what it trains
     where, and where it resumes from."""
     job, numerics = parts.job, parts.numerics
@@ -44,7 +46,6 @@ def announce(parts: RunParts, hub: MetricsHub, run_dir: Path, found: Found | Non
             + (f"; eager inside them: {', '.join(eager)}" if eager else "")
         )
     say(f"ferry: step shape: {step_shape_line(parts)}")
-    overlap = parts.model.plan.ep_overlap
     if "candidates" in overlap:
         measured = ", ".join(
             f"{name} {1000 * figure['step_s']:.1f} ms ({figure['ep_overlap_share']:.0%} overlapped)"
@@ -52,7 +53,7 @@ def announce(parts: RunParts, hub: MetricsHub, run_dir: Path, found: Found | Non
         )
         steps = overlap["trial_steps"]
         say(f"ferry: ep_overlap auto: {overlap['chosen']}, the fastest of {measured} ({steps} steps each)")
-    layout = job.layout()
+    layout = job.layout.record()
     size = parts.instruments.size
     step_size = parts.data.kind.step_unit(config, parts.instruments.tokens_per_step)
     pipeline = f"pp {layout['pp_degree']}, " if "pp_degree" in layout else ""
@@ -82,7 +83,7 @@ def announce(parts: RunParts, hub: MetricsHub, run_dir: Path, found: Found | Non
         )
 
 
-def describe(parts: RunParts, initial_weights: str | None) -> dict:
+def describe(parts: RunParts, initial_weights: str | None, overlap: dict) -> dict:
     """What run.json says about a run before it trains: config, data, model, layout, hardware, numerics."""
     job, numerics = parts.job, parts.numerics
     loader = parts.data.loader
@@ -93,7 +94,7 @@ def describe(parts: RunParts, initial_weights: str | None) -> dict:
         "tokenizer": loader.tokenizer,
         "model_size": parts.instruments.size.as_dict(),
         "initial_weights_xxh3": initial_weights,
-        "layout": job.layout(),
+        "layout": job.layout.record(),
         "hardware": describe_hardware(parts),
         "precision": numerics.precision.as_dict(),
         "kernels": numerics.kernels.as_dict(),
@@ -101,7 +102,7 @@ def describe(parts: RunParts, initial_weights: str | None) -> dict:
         "micro_batch": job.micro_batch,
         "activation_checkpointing": parts.model.recompute,
         "weight_casts": _weight_casts(parts),
-        "ep_overlap": parts.model.plan.ep_overlap,
+        "ep_overlap": overlap,
         "environment": {**parts.instruments.environment, "comm_backend": job.context.backend},
     }
 

@@ -45,6 +45,7 @@ def open_run(
     found: Found | None,
     resumed_step: int | None,
     resume_times: dict,
+    overlap: dict,
 ) -> OpenedRun:
     """Prepare the run directory and the sinks of the run at `state`, resumed at `resumed_step` (None: fresh)."""
     job = parts.job
@@ -63,7 +64,7 @@ def open_run(
                     checkpoint_dir = config.checkpoint.path(run_dir)
                     abandoned = set_aside_abandoned(checkpoint_dir, resumed_step, found.checkpoint.path)
                 resumed_from = resume_record(found, state.carried, resume_times)
-                record = RunRecord(run_dir, {**describe(parts, initial_weights), "resumed_from": resumed_from})
+                record = RunRecord(run_dir, {**describe(parts, initial_weights, overlap), "resumed_from": resumed_from})
             hub = build_sinks(
                 config.metrics,
                 run_dir,

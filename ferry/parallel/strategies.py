@@ -1,0 +1,197 @@
+"""The ways of placing a model over its ranks, each owning what follows from it: where the weights go, how their
+gradients are reduced and clipped, which optimizer steps them, and which rank writes each checkpoint piece.
+
+A run's plan composes two of them on the job's groups (`ferry.parallel.plan`):
+
+    stages     WholeModel (every rank holds every block) | PipelineStages (each rank its stages' blocks)
+    placement  ExpertResident (experts split over `ep`, dense weights replicated, DDP-style reduction, AdamW or
+               ZeRO-1) | FullySharded (FSDP2 gathers every weight for each forward and backward: the baseline)
+
+The groups (`RankGroups`) say which ranks share what, so a rule written once holds in every composition: dense
+gradients are summed over the ranks holding the same dense weights (every rank, or one stage's ranks), expert
+gradients over the ranks holding the same experts, the gradient norm over the pipeline, and a dense tensor is
+written by the first of its replicas. A new way of placing the model (context parallelism: each rank a part of
+every sequence) is one more strategy with its groups, and the rule of which existing strategies it composes with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import nn
+
+from ferry.comm import Collectives
+from ferry.config import UserError
+from ferry.model import Transformer
+from ferry.parallel.adamw import fused_where_available
+from ferry.parallel.config import ParallelConfig
+from ferry.parallel.expert_parallel import AllToAllDispatcher, shard_experts
+from ferry.parallel.fsdp import apply_fsdp
+from ferry.parallel.gradients import clip_grad_norm, reduce_gradients
+from ferry.parallel.pipeline_split import StageSplit
+from ferry.parallel.zero import ReplicaGroup, ShardedAdamW
+
+if TYPE_CHECKING:
+    from ferry.parallel.plan import ParallelPlan
+
+
+@dataclass(frozen=True)
+class RankGroups:
+    """This rank's collectives: the whole job (`world`), the ranks holding its dense weights (`replicas`: every
+    rank, or its stage's), the ranks its experts are split over (`ep`), the ranks holding the same experts (`dp`),
+    and its pipeline (`pp`: one rank of each stage). None where the job has no such group (one process; `pp`
+    without a pipeline)."""
+
+    world: Collectives | None = None
+    replicas: Collectives | None = None
+    ep: Collectives | None = None
+    dp: Collectives | None = None
+    pp: Collectives | None = None
+
+    @property
+    def distinct(self) -> list[Collectives]:
+        unique: list[Collectives] = []
+        for collectives in (self.world, self.ep, self.dp, self.replicas, self.pp):
+            if collectives is not None and all(collectives is not seen for seen in unique):
+                unique.append(collectives)
+        return unique
+
+
+class Stages(Protocol):
+    def place(self, model: Transformer, groups: RankGroups) -> None:
+        """Keep this rank's blocks of `model` (drawn whole on every rank)."""
+
+
+class WholeModel:
+    """Every rank holds every block."""
+
+    def place(self, model: Transformer, groups: RankGroups) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class PipelineStages:
+    """Each rank keeps its stages' consecutive blocks, the embedding with the first stage and the head with the
+    last (`split`); the other blocks become parameterless stand-ins, so the names are the single process's."""
+
+    split: StageSplit
+
+    def place(self, model: Transformer, groups: RankGroups) -> None:
+        stages = self.split.stages_of(groups.pp.rank)
+        model.keep_only(
+            self.split.blocks_of(groups.pp.rank), embedding=0 in stages, head=self.split.num_stages - 1 in stages
+        )
+
+
+class Placement(Protocol):
+    """Where a model's weights live over the ranks that hold it, and what follows: reduction, clipping, the
+    optimizer, a frozen copy laid out alike."""
+
+    splits_experts: bool
+
+    def place(self, model: Transformer, groups: RankGroups, device: torch.device) -> None: ...
+
+    def sync_gradients(self, plan: ParallelPlan) -> None: ...
+
+    def clip_gradients(self, plan: ParallelPlan, model: nn.Module, max_norm: float) -> float: ...
+
+    def build_optimizer(self, plan: ParallelPlan, decayed: set[str], weight_decay: float, zero: bool, **adamw):
+        ...
+
+    def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None: ...
+
+
+@dataclass(frozen=True)
+class ExpertResident:
+    """The OLMo-core 3 design: each expert resident on one of `parallel.ep` ranks, tokens sent to it by
+    all-to-all; dense weights replicated and their gradients summed DDP-style; AdamW, or ZeRO-1 with its state
+    sharded over each parameter's replicas (`optim.zero`)."""
+
+    config: ParallelConfig
+    splits_experts = True
+
+    def place(self, model: Transformer, groups: RankGroups, device: torch.device) -> None:
+        self.lay_out_frozen(model, groups)
+
+    def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None:
+        """Experts sliced to this rank's and each MoE layer given its exchange (a frozen reference too, so its
+        forwards join the same all-to-alls and checkpoint pieces land in it as in the trained model)."""
+        if groups.ep is None or self.config.ep == 1:
+            return
+        num_experts = model.config.moe.num_experts
+        for layer in model.moe_layers():
+            shard_experts(layer.experts, groups.ep.rank, self.config.ep)
+            layer.dispatcher = AllToAllDispatcher(groups.ep, num_experts, exchange_chunks(self.config),
+                                                  self.config.ep_dispatch == "rowwise")
+
+    def sync_gradients(self, plan: ParallelPlan) -> None:
+        bucket = int(self.config.bucket_mib * 2**20)
+        reduce_gradients([p for _, p in plan.dense_params], plan.replicas, plan.reduce_dtype, bucket)
+        reduce_gradients([p for _, p in plan.expert_params], plan.dp, plan.reduce_dtype, bucket)
+
+    def clip_gradients(self, plan: ParallelPlan, model: nn.Module, max_norm: float) -> float:
+        """Clip to `max_norm` (0: measure only) by the norm of the whole gradient, every stage's and expert's."""
+        return clip_grad_norm(
+            [p for _, p in plan.dense_params], [p for _, p in plan.expert_params], plan.ep, max_norm, plan.pp
+        )
+
+    def build_optimizer(self, plan: ParallelPlan, decayed: set[str], weight_decay: float, zero: bool, **adamw):
+        if zero and plan.context.is_distributed:
+            groups = [ReplicaGroup(plan.dense_params, plan.replicas), ReplicaGroup(plan.expert_params, plan.dp)]
+            return ShardedAdamW(groups, decayed, weight_decay, **adamw)
+        return adamw_over(plan.dense_params + plan.expert_params, decayed, weight_decay, **adamw)
+
+
+@dataclass(frozen=True)
+class FullySharded:
+    """The FSDP2 weight-gathering baseline the expert-resident design is measured against: every block sharded
+    over all ranks, gathered for each forward and backward, gradients reduced inside the backward."""
+
+    config: ParallelConfig
+    splits_experts = False
+
+    def place(self, model: Transformer, groups: RankGroups, device: torch.device) -> None:
+        if groups.world is not None:
+            apply_fsdp(model, device, groups.world)
+
+    def sync_gradients(self, plan: ParallelPlan) -> None:
+        return None  # FSDP reduced them inside the backward
+
+    def clip_gradients(self, plan: ParallelPlan, model: nn.Module, max_norm: float) -> float:
+        if not plan.context.is_distributed:
+            return clip_grad_norm([p for _, p in plan.dense_params], [], plan.ep, max_norm, plan.pp)
+        limit = max_norm if max_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def build_optimizer(self, plan: ParallelPlan, decayed: set[str], weight_decay: float, zero: bool, **adamw):
+        if zero:
+            raise UserError("optim.zero: FSDP already shards optimizer state; set optim.zero=false with parallel.mode=fsdp")
+        return adamw_over(plan.dense_params + plan.expert_params, decayed, weight_decay, **adamw)
+
+    def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None:
+        if groups.world is not None:
+            raise UserError("a reference model needs parallel.mode: ep (FSDP mode is the weight-gathering baseline)")
+
+
+PLACEMENTS = {"ep": ExpertResident, "fsdp": FullySharded}
+
+
+def adamw_over(params: list[tuple[str, nn.Parameter]], decayed: set[str], weight_decay: float, **adamw):
+    """torch's AdamW (its fused kernel wherever the device has one), decaying only the `decayed` names."""
+    return torch.optim.AdamW(
+        [
+            {"params": [p for n, p in params if n in decayed], "weight_decay": weight_decay},
+            {"params": [p for n, p in params if n not in decayed], "weight_decay": 0.0},
+        ],
+        **adamw,
+        **fused_where_available([p for _, p in params]),
+    )
+
+
+def exchange_chunks(config: ParallelConfig) -> int:
+    """Parts of each MoE layer's exchange: one, or `ep_chunks` with `ep_overlap: chunked` (`auto` starts with
+    one; its trial sets the fastest, `ferry/train/overlap_trial.py`)."""
+    return config.ep_chunks if config.ep_overlap == "chunked" else 1

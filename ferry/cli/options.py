@@ -7,6 +7,7 @@ import argparse
 import shlex
 import types
 import typing
+from collections.abc import Callable
 
 from pydantic import BaseModel
 
@@ -105,3 +106,26 @@ def complete_help(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                 command.description = listed.help
             complete_help(command)
     return parser
+
+
+def parse_forms(
+    argv: list[str], parsers: Callable[[str], argparse.ArgumentParser], named: tuple[str, ...], default: str
+) -> tuple[str, argparse.Namespace | None]:
+    """A command of several forms (`ferry release verify DIR`, `ferry rehearse start ...`): the form its first word
+    names (`default` when it names none; `help` when asked or given nothing) and its options. Words after an
+    option join the form's `KEY=VALUE` overrides, where it takes them; anything else is refused here, before
+    anything runs."""
+    if not argv or argv[0] in ("-h", "--help"):
+        return "help", None
+    form = argv[0] if argv[0] in named else default
+    parser = parsers(form)
+    options, extra = parser.parse_known_args(argv[1:] if form != default else argv)
+    refuse_unknown_options(extra, argv)
+    if extra and not hasattr(options, "overrides"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if hasattr(options, "overrides"):
+        options.overrides = [*options.overrides, *extra]
+        unknown = [item for item in options.overrides if "=" not in item]
+        if unknown:
+            raise UserError(f"{parser.prog}: unrecognized arguments: {' '.join(unknown)}")
+    return form, options

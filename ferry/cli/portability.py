@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ferry.cli.options import refuse_unknown_options
+from ferry.cli.options import parse_forms
 from ferry.config import UserError
 
 _FORMS = """usage:
@@ -103,19 +103,8 @@ def add_portability_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def parse_rehearse(argv: list[str]) -> tuple[str, argparse.Namespace | None]:
-    """The form (`rehearse`, `start`, `finish`, or `help` when asked or given nothing) and its options, the
-    overrides among them; bad arguments are refused here, before anything runs."""
-    if not argv or argv[0] in ("-h", "--help"):
-        return "help", None
-    form = argv[0] if argv[0] in ("start", "finish") else "rehearse"
-    parser = _parser(form)
-    options, extra = parser.parse_known_args(argv[1:] if form != "rehearse" else argv)
-    refuse_unknown_options(extra, argv)
-    options.overrides = [*getattr(options, "overrides", []), *extra]
-    unknown = [item for item in options.overrides if "=" not in item]
-    if unknown:
-        raise UserError(f"{parser.prog}: unrecognized arguments: {' '.join(unknown)}")
-    return form, options
+    """The form (`rehearse`, `start`, `finish`, or `help` when asked or given nothing) and its options."""
+    return parse_forms(argv, _parser, ("start", "finish"), "rehearse")
 
 
 def _rehearse(args: argparse.Namespace) -> int:

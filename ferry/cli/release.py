@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from ferry.cli.options import complete_help
+from ferry.cli.options import complete_help, parse_forms
 
 _FORMS = """usage: ferry release PIPELINE_DIR --out DIR [--optimizer] [--data] [--no-export] [--seed-runs]
        ferry release RUN_DIR --out DIR [...]
@@ -88,21 +88,8 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
 
 
 def parse_release(argv: list[str]) -> tuple[str, argparse.Namespace | None]:
-    """The form (`build`, `verify`, `replay`, `branch`, or `help` when asked or given nothing) and its options;
-    bad arguments are refused here, before anything runs."""
-    from ferry.cli.options import refuse_unknown_options
-
-    if not argv or argv[0] in ("-h", "--help"):
-        return "help", None
-    form = argv[0] if argv[0] in ("verify", "replay", "branch") else "build"
-    parser = _parsers()[form]
-    options, extra = parser.parse_known_args(argv[1:] if form != "build" else argv)
-    refuse_unknown_options(extra, argv)
-    if extra and hasattr(options, "overrides"):  # overrides written after an option
-        options.overrides = [*options.overrides, *extra]
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return form, options
+    """The form (`build`, `verify`, `replay`, `branch`, or `help` when asked or given nothing) and its options."""
+    return parse_forms(argv, lambda form: _parsers()[form], ("verify", "replay", "branch"), "build")
 
 
 def _release(args: argparse.Namespace) -> int:

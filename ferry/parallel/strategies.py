@@ -168,7 +168,9 @@ class FullySharded:
 
     def build_optimizer(self, plan: ParallelPlan, decayed: set[str], weight_decay: float, zero: bool, **adamw):
         if zero:
-            raise UserError("optim.zero: FSDP already shards optimizer state; set optim.zero=false with parallel.mode=fsdp")
+            raise UserError(
+                "optim.zero: FSDP already shards optimizer state; set optim.zero=false with parallel.mode=fsdp"
+            )
         return adamw_over(plan.dense_params + plan.expert_params, decayed, weight_decay, **adamw)
 
     def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None:

@@ -64,7 +64,7 @@ class LegResult:
         return statistics.median(values) if values else None
 
     def conditions(self) -> dict | None:
-        """What the leg's throughput was measured under (ferry/portability/rehearsal/conditions.py); None when unmeasured."""
+        """What the leg's throughput was measured under (`conditions.py` beside this); None when unmeasured."""
         return None if self.load is None else throughput_conditions(self.load, self.record)
 
     def kernels(self) -> dict[str, dict]:

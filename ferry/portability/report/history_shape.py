@@ -69,8 +69,8 @@ class LeadTimeShape(_Shape):
 
 
 class ConditionsShape(_Shape):
-    """What a throughput was measured under (ferry/portability/rehearsal/conditions.py). Absent from lines written before
-    ferry measured it: those read as conditions unknown."""
+    """What a throughput was measured under (ferry/portability/rehearsal/conditions.py). Absent from lines written
+    before ferry measured it: those read as conditions unknown."""
 
     under_load: StrictBool | None = None
     others_busy_cores: Number | None = None

@@ -1,10 +1,11 @@
 """Building a run, apart from running it: a few phases, each returning a small immutable record that the next
 takes as arguments, so the order things are built in (and what each needs) reads from the signatures.
 
-    open_job(config)                      -> Job          device, ranks, their collectives
+    open_job(config)                      -> Job          device, ranks, their collectives, the job's layout
+    decide_start(job)                     -> Start        fresh, resumed, from a parent, or restarted by the agent
     choose_numerics(job)                  -> Numerics     hardware profile, precision, kernels, loss scaler
     open_data(job, kind)                  -> RunData      loader, held-out evaluation, tokenizer digest
-    build_model(job, numerics)            -> ModelParts   model, parallel plan, optimizer, compilation
+    build_model(job, numerics, start)     -> ModelParts   model, parallel plan, optimizer, compilation
     build_instruments(job, numerics, ...) -> Instruments  size, FLOPs, metrics, environment
     build_objective(job, numerics, ...)   -> Objective    what the steps optimise, from its variant
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ferry.checkpoint import list_checkpoints
 from ferry.comm import DistContext, init_distributed, launcher_ranks
 from ferry.comm.reductions import RankReductions
 from ferry.config import UserError
@@ -48,7 +50,7 @@ from ferry.train.objectives.base import Objective
 from ferry.train.objectives.kinds import ObjectiveInputs, ObjectiveKind, objective_kind
 from ferry.train.objectives.reference import ReferenceSource
 from ferry.train.optimizer import decayed_parameter_names
-from ferry.train.resilience.core import restarted_by_torchrun
+from ferry.train.resilience.core import torchrun_restart_counts
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class Instruments:
 @dataclass(frozen=True)
 class RunParts:
     job: Job
+    start: Start
     numerics: Numerics
     data: RunData
     model: ModelParts
@@ -140,12 +143,13 @@ class RunParts:
 
 def assemble(config: RunConfig, started_unix: float | None = None) -> RunParts:
     job = open_job(config, started_unix or time.time())
+    start = decide_start(job)
     numerics = choose_numerics(job)
     data = open_data(job, objective_kind(config))
-    model = build_model(job, numerics)
+    model = build_model(job, numerics, start)
     instruments = build_instruments(job, numerics, data, model)
     objective = build_objective(job, numerics, data, model)
-    return RunParts(job, numerics, data, model, instruments, objective)
+    return RunParts(job, start, numerics, data, model, instruments, objective)
 
 
 def open_job(config: RunConfig, started_unix: float) -> Job:
@@ -160,6 +164,32 @@ def open_job(config: RunConfig, started_unix: float) -> Job:
     else:
         choice = {"requested": config.train.micro_batch, "chosen": config.train.micro_batch}
     return Job(config, device, context, layout, started_unix, choice)
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where the run starts, decided once on every rank: what it resumes (`resume`: `latest`, a checkpoint, or None
+    for a fresh start or a start from `init_from`'s weights), and the restart count of every node's torchrun
+    agent (empty outside torchrun), agreed over the ranks in one collective. A job the agent restarted resumes
+    its own newest checkpoint, or starts again at step 0 when it saved none and was not asked to resume."""
+
+    resume: str | None
+    init_from: str | None
+    restart_counts: tuple[int, ...]
+
+    @property
+    def restarted_by_agent(self) -> bool:
+        return any(count > 0 for count in self.restart_counts)
+
+
+def decide_start(job: Job) -> Start:
+    config = job.config
+    counts = tuple(torchrun_restart_counts())
+    resume = config.resume
+    restarted = any(count > 0 for count in counts)
+    if restarted and (list_checkpoints(config.checkpoint.path(config.run.path)) or resume is None):
+        resume = "latest"  # restarted by torchrun's agent: the run's own newest checkpoint, or step 0
+    return Start(resume, config.init_from, counts)
 
 
 def choose_numerics(job: Job) -> Numerics:
@@ -212,7 +242,7 @@ def open_data(job: Job, kind: ObjectiveKind) -> RunData:
     return RunData(kind, loader, evaluation, digest)
 
 
-def build_model(job: Job, numerics: Numerics) -> ModelParts:
+def build_model(job: Job, numerics: Numerics, start: Start) -> ModelParts:
     """The model from the run's seed, moved, compiled and laid out over the ranks, and its optimizer.
 
     A run started from a checkpoint's weights (`init_from`, or its own checkpoint when it resumes) loads every
@@ -225,7 +255,7 @@ def build_model(job: Job, numerics: Numerics) -> ModelParts:
     on_host = config.run.init_device == "host"
     # a pipeline stage keeps part of a whole model's draw: drawn at once, since a later draw sees only that part
     pipelined = config.parallel.pp > 1
-    draw_deferred = drawn and on_host and not pipelined and (config.resume is not None or restarted_by_torchrun())
+    draw_deferred = drawn and on_host and not pipelined and start.resume is not None
     drawn_now = drawn and on_host and not draw_deferred
     model = Transformer(config.model, numerics.kernels, initialise=drawn_now)
     initial_weights = weights_digest(model) if drawn_now and job.is_main else None

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ferry.checkpoint import CheckpointManager, Found, list_checkpoints
+from ferry.checkpoint import CheckpointManager, Found
 from ferry.comm.process_group import shutdown
 from ferry.data import DataCursor
 from ferry.data.loader import realised_counts
@@ -36,7 +36,7 @@ from ferry.train.hooks import CheckpointHook, EvaluationHook, RecordsHook, Trace
 from ferry.train.optimizer import learning_rate
 from ferry.train.overlap_trial import choose_overlap
 from ferry.train.pipeline_context import step_context
-from ferry.train.resilience.core import Resilience, restarted_by_torchrun
+from ferry.train.resilience.core import Resilience
 from ferry.train.restore import checkpoint_state, draw_deferred_weights, initialize_from, resume_from
 from ferry.train.run_dir.announcements import announce, describe_hardware
 from ferry.train.run_dir.lock import RunDirLock
@@ -136,11 +136,9 @@ class Trainer:
         """Restore or initialise the weights, prepare the objective, open the run directory (locked) and its
         sinks, say what the run is, and set up the hooks around its steps."""
         config, parts, resilience = self.config, self.parts, self.resilience
-        resume = config.resume
+        resume = parts.start.resume
         resilience.watch_loading()
-        if restarted_by_torchrun() and (list_checkpoints(config.checkpoint.path(config.run.path)) or resume is None):
-            resume = "latest"  # restarted by torchrun's agent: the run's own newest checkpoint, or step 0
-        resilience.note_agent_restart()
+        resilience.note_agent_restart(list(parts.start.restart_counts))
         found, self.state, notes, resume_times = resume_from(parts, resume, self.state)
         notes += self._weights_if_not_resumed(found)
         notes += parts.objective.prepare(self.context)

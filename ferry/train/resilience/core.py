@@ -167,7 +167,7 @@ class Resilience(Hook):
                     "interval decides the steps that save"
                 )
 
-    def note_agent_restart(self) -> None:
+    def note_agent_restart(self, counts: list[int] | None = None) -> None:
         """Under torchrun, no ferry supervisor recorded the failure: rank 0 does, once per restart torchrun's
         agents count, before the run's records are cut back to the checkpoint it resumes from (they still say
         how far the failed attempt got). The count is agreed over the ranks first (every rank calls this):
@@ -178,8 +178,9 @@ class Resilience(Hook):
         causes itself) any cause file left in the run directory belongs to no recorded failure: it is
         dropped, so that the next failure is not blamed on it. No rank of this attempt has written one yet:
         causes are written from the training loop and the watchdog, which start after the barrier that
-        follows this call."""
-        counts = torchrun_restart_counts(self.agree)
+        follows this call. `counts`: every node agent's restart count, as the run's start agreed them over the ranks
+        (`ferry.train.assembly.decide_start`); agreed here when not given (the agreement is kept: one collective)."""
+        counts = torchrun_restart_counts(self.agree) if counts is None else counts
         if not self.is_main:
             return
         total = sum(counts)  # one more for each restart (more when several nodes saw the same failure)

@@ -413,18 +413,23 @@ def test_a_checkpoint_fault_under_an_auto_interval_fires_at_the_first_save_at_or
 def test_which_save_an_auto_interval_checkpoint_fault_fires_at(make_config, tmp_path):
     faults = ("fault.inject=[{step: 3, kind: corrupt_checkpoint}, {step: 5, kind: corrupt_checkpoint}, "
               "{step: 6, kind: kill_during_save, once: false}]")
-    auto = Resilience(make_config("train.steps=20", "checkpoint.interval=auto", faults), 0, 1, time.time())
-    auto._last_save_step = 0
-    assert auto._save_fault_step(2, "corrupt_checkpoint") is None
-    assert auto._save_fault_step(10, "corrupt_checkpoint") == 3, "one corruption per save, the earliest first"
+    # the checkpoint hook asks the fault injector, with the step it last saved at and whether its interval is fixed
+    injector = Resilience(make_config("train.steps=20", "checkpoint.interval=auto", faults), 0, 1, time.time()).injector
+    last_save_step = 0
+    assert injector.save_fault_step("corrupt_checkpoint", 2, last_save_step, fixed_interval=False) is None
+    assert injector.save_fault_step("corrupt_checkpoint", 10, last_save_step, fixed_interval=False) == 3, (
+        "one corruption per save, the earliest first")
     (tmp_path / "run" / ".faults" / "fired").mkdir(parents=True)
     (tmp_path / "run" / ".faults" / "fired" / "fault-0").write_text("fired")
-    assert auto._save_fault_step(10, "corrupt_checkpoint") == 5, "a once fault not yet fired waits for a save"
-    assert auto._save_fault_step(10, "kill_during_save") == 6
-    auto._last_save_step = 10
-    assert auto._save_fault_step(14, "kill_during_save") is None, "an every-attempt fault fires once per attempt"
+    assert injector.save_fault_step("corrupt_checkpoint", 10, last_save_step, fixed_interval=False) == 5, (
+        "a once fault not yet fired waits for a save")
+    assert injector.save_fault_step("kill_during_save", 10, last_save_step, fixed_interval=False) == 6
+    last_save_step = 10
+    assert injector.save_fault_step("kill_during_save", 14, last_save_step, fixed_interval=False) is None, (
+        "an every-attempt fault fires once per attempt")
     fixed = Resilience(make_config("train.steps=20", "checkpoint.interval=3", faults.replace("5", "9")), 0, 1, 0.0)
-    assert fixed._save_fault_step(6, "kill_during_save") == 6, "a fixed interval: the fault of the save's own step"
+    assert fixed.injector.save_fault_step("kill_during_save", 6, last_save_step, fixed_interval=True) == 6, (
+        "a fixed interval: the fault of the save's own step")
 
 
 @pytest.mark.parametrize(

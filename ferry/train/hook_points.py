@@ -10,6 +10,7 @@ comes before the evaluation, the checkpoint and the records of that step. `at_cl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,6 +24,15 @@ class RunEnd:
     stop_at: int
     last: dict
     trained: bool
+
+
+class Watch(Protocol):
+    """What the hang watchdog offers the hooks whose work is long (a save, an evaluation): the phase it reports
+    a hang in, and the restart of its clock while the work progresses."""
+
+    def phase(self, name: str) -> None: ...
+
+    def touch(self) -> None: ...
 
 
 class Hook:

@@ -1,10 +1,9 @@
 """Everything around a step, as hooks at the named points of `ferry.train.hook_points`, so the training loop
-reads as the loop it is: the torch trace, held-out evaluation, checkpoints, and the run's records. The resilience
-hook (`ferry.train.resilience.core.Resilience`) is one more."""
+reads as the loop it is: the torch trace, held-out evaluation and the run's records here; the checkpoints
+(`ferry.train.checkpoint_hook`) and resilience (`ferry.train.resilience.core.Resilience`) are two more."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,9 +11,8 @@ from ferry.checkpoint import CheckpointManager
 from ferry.metrics import MetricsHub, StepMetrics, TorchTrace
 from ferry.metrics.progress import WorkProgress
 from ferry.platform.process import Stopped
-from ferry.train.hook_points import Hook, RunEnd
-from ferry.train.resilience.core import Resilience
-from ferry.train.run_dir.announcements import eval_line
+from ferry.train.hook_points import Hook, RunEnd, Watch
+from ferry.train.announcements import eval_line
 from ferry.train.run_dir.record import RunRecord
 
 
@@ -36,16 +34,17 @@ class TraceHook(Hook):
 
 class EvaluationHook(Hook):
     """Held-out evaluation after the steps it is due at; its figures join the step's record. Each of its forwards
-    restarts the hang clock, and a long one says how far it is (`say`, at least every 30 s)."""
+    restarts the hang clock (a long evaluation is not a hang), and a long one says how far it is (`say`, at least
+    every 30 s)."""
 
     def __init__(
         self,
-        resilience: Resilience,
+        watch: Watch,
         due: Callable[[int], bool],
         evaluate: Callable[[Callable[[], None]], dict],
         say: Callable[[str], None],
     ):
-        self.resilience = resilience
+        self.watch = watch
         self.due = due
         self.evaluate = evaluate
         self.say = say
@@ -56,45 +55,15 @@ class EvaluationHook(Hook):
         label = f"held-out evaluation at step {record['step']}"
         with WorkProgress(label, None, say=self.say, unit="forwards", bar=False) as work:
 
-            def evaluate(touch: Callable[[], None]) -> dict:
-                def progress() -> None:
-                    touch()
-                    work.advance()
+            def progress() -> None:
+                self.watch.touch()
+                work.advance()
 
-                return self.evaluate(progress)
-
-            record.update(self.resilience.evaluate(evaluate))
-
-
-class CheckpointHook(Hook):
-    """Saves at the interval (fixed or Young/Daly) and at the end, timed as the step's wait; a failing run lets a
-    save still in flight finish (it is of an earlier, good step)."""
-
-    def __init__(
-        self,
-        resilience: Resilience,
-        checkpoints: CheckpointManager,
-        state: Callable[[], tuple],
-        enabled: bool,
-    ):
-        """`state()`: this rank's pieces and the manifest's metadata at the current step."""
-        self.resilience = resilience
-        self.checkpoints = checkpoints
-        self.state = state
-        self.enabled = enabled
-
-    def after_step(self, step: int, record: dict) -> None:
-        if self.resilience.save_due(record["step"], self.checkpoints):
-            self.resilience.save(record["step"], self.checkpoints, self.state, record)
-
-    def after_training(self, step: int) -> None:
-        if self.enabled and self.checkpoints.last_step != step:
-            self.resilience.save(step, self.checkpoints, self.state, {})
-        self.resilience.wait_for_saves(self.checkpoints)
-
-    def on_error(self, exc: BaseException, last: dict) -> None:
-        with contextlib.suppress(Exception):
-            self.checkpoints.wait()
+            self.watch.phase("evaluation")
+            self.watch.touch()
+            record.update(self.evaluate(progress))
+            self.watch.touch()
+            self.watch.phase("between steps")
 
 
 class RecordsHook(Hook):
@@ -107,7 +76,7 @@ class RecordsHook(Hook):
         hub: MetricsHub,
         record: RunRecord | None,
         metrics: StepMetrics,
-        resilience: Resilience,
+        outcome: Callable[[], dict],
         checkpoints: CheckpointManager,
         run_dir: Path,
         steps: int,
@@ -115,14 +84,16 @@ class RecordsHook(Hook):
         describe_hardware: Callable[[], dict],
         data_realised: Callable[[], list[dict]] = list,
     ):
-        """`steps`: the run's last step; `stop_after`: `train.stop_at` as configured (for the closing line);
+        """`outcome()`: the restarts, goodput and checkpoint interval run.json ends with (resilience's and the
+        checkpoint hook's); `steps`: the run's last step; `stop_after`: `train.stop_at` as configured (for the
+        closing line);
         `describe_hardware()`: run.json's hardware section, written again at the end (a measured peak may have
         been measured again); `data_realised()`: what each data source gave the run so far (run.json's
         `data_realised`, written at the end however the run ends)."""
         self.hub = hub
         self.record = record
         self.metrics = metrics
-        self.resilience = resilience
+        self.outcome = outcome
         self.checkpoints = checkpoints
         self.run_dir = run_dir
         self.steps = steps
@@ -144,12 +115,12 @@ class RecordsHook(Hook):
             stopped_by = exc.args[0] if isinstance(exc, Stopped) else "SIGINT"
             self.record.finish(
                 "interrupted", signal=stopped_by, last_step=last, data_realised=self.data_realised(),
-                **self.resilience.finish()
+                **self.outcome()
             )
         else:
             self.record.finish(
                 "failed", error=f"{type(exc).__name__}: {exc}", last_step=last, data_realised=self.data_realised(),
-                **self.resilience.finish()
+                **self.outcome()
             )
 
     def at_close(self, end: RunEnd | None) -> None:
@@ -159,7 +130,7 @@ class RecordsHook(Hook):
 
     def _finish(self, end: RunEnd) -> None:
         status = "completed" if end.step >= self.steps else "stopped"
-        outcome = self.resilience.finish()
+        outcome = self.outcome()
         if self.record is not None:
             self.record.finish(
                 status, last_step=end.last, checkpoints=[str(path) for path in self.checkpoints.saved],

@@ -25,8 +25,7 @@ from ferry.precision import LossScaler
 from ferry.precision.step_weights import StepWeights
 
 if TYPE_CHECKING:
-    from ferry.train.objectives.losses import LossParts
-    from ferry.train.step_statistics import StepStatistics
+    from ferry.train.step_statistics import LossParts, StepStatistics
 
 
 @dataclass

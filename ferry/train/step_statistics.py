@@ -8,10 +8,23 @@ slots after them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ferry.model import ModelOutput, MoEStats
-from ferry.train.objectives.losses import LossParts
+
+
+@dataclass
+class LossParts:
+    """A micro-batch's losses: `objective` is what backward runs on; the rest are detached parts for the
+    metrics (an objective's `ForwardPass.loss` returns them, the step's sums add them up)."""
+
+    objective: torch.Tensor
+    lm_loss_sum: torch.Tensor
+    correct: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
 
 
 class NamedSums:

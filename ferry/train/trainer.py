@@ -32,15 +32,16 @@ from ferry.train.assembly import RunParts, assemble
 from ferry.train.checkpointing import save_on_all_ranks
 from ferry.train.config import RunConfig
 from ferry.train.hook_points import Hook, Hooks, RunEnd
-from ferry.train.hooks import CheckpointHook, EvaluationHook, RecordsHook, TraceHook
+from ferry.train.checkpoint_hook import CheckpointHook
+from ferry.train.hooks import EvaluationHook, RecordsHook, TraceHook
 from ferry.train.optimizer import learning_rate
 from ferry.train.overlap_trial import choose_overlap
 from ferry.train.pipeline_context import step_context
 from ferry.train.resilience.core import Resilience
 from ferry.train.restore import checkpoint_state, draw_deferred_weights, initialize_from, resume_from
-from ferry.train.run_dir.announcements import announce, describe_hardware
+from ferry.train.announcements import announce, describe_hardware
 from ferry.train.run_dir.lock import RunDirLock
-from ferry.train.run_dir.opening import open_run, report_set_aside
+from ferry.train.opening import open_run, report_set_aside
 from ferry.train.state import TrainState
 from ferry.train.step_context import TrainingContext
 from ferry.train.step_statistics import StepStatistics
@@ -158,7 +159,7 @@ class Trainer:
             "removed_unfinished_saves": [str(path) for path in checkpoints.removed_leftovers],
         }
         resilience.begin(resumed_step, resume_info, opened.record, say=opened.hub.message)
-        self.hooks.hooks = self._hooks(opened.hub, opened.record, checkpoints)
+        self.hooks.hooks = self._hooks(opened.hub, opened.record, checkpoints, resumed_step)
 
     def _weights_if_not_resumed(self, found: Found | None) -> list[str]:
         """A run that restored no checkpoint: the seed's weights if it deferred drawing them, then its init_from's."""
@@ -182,19 +183,21 @@ class Trainer:
             is_main=parts.job.is_main, **writes,
         )
 
-    def _hooks(self, hub: MetricsHub, record, checkpoints: CheckpointManager) -> list:
+    def _hooks(self, hub: MetricsHub, record, checkpoints: CheckpointManager, resumed_step: int | None) -> list:
         """In the order they wrap each other (see `ferry.train.hook_points`)."""
         config, parts, resilience = self.config, self.parts, self.resilience
         trace = TorchTrace(config.profile, config.run.path, parts.job.device, parts.job.rank)
+        saves = CheckpointHook(
+            config.checkpoint, resilience.job_mtbf_s, checkpoints, lambda: checkpoint_state(parts, self.state),
+            resilience.watchdog, resilience.injector, resilience.agree, hub.message, parts.job.is_main,
+            resumed_step or 0,
+        )
         records = RecordsHook(
-            hub, record, parts.instruments.metrics, resilience, checkpoints, config.run.path, config.train.steps,
-            config.train.stop_at, partial(describe_hardware, parts),
+            hub, record, parts.instruments.metrics, lambda: {**resilience.finish(), **saves.summary()}, checkpoints,
+            config.run.path, config.train.steps, config.train.stop_at, partial(describe_hardware, parts),
             data_realised=lambda: realised_counts(parts.data.loader, self.state.cursor),
         )
-        saves = CheckpointHook(
-            resilience, checkpoints, lambda: checkpoint_state(parts, self.state), config.checkpoint.enabled
-        )
-        evaluation = EvaluationHook(resilience, self._evaluation_due, self.evaluate, hub.message)
+        evaluation = EvaluationHook(resilience.watchdog, self._evaluation_due, self.evaluate, hub.message)
         return [TraceHook(trace), records, *self.user_hooks, saves, evaluation, resilience]
 
     def train_step(self) -> dict:

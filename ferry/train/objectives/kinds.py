@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 from ferry.data import MixedLoader
 from ferry.data.records import RecordDataset, RecordLoader
@@ -24,8 +24,19 @@ from ferry.train.objectives.grpo import GRPOObjective
 from ferry.train.objectives.lm import LanguageModelObjective
 from ferry.train.objectives.reference import ReferenceSource
 
-if TYPE_CHECKING:
-    from ferry.train.config import RunConfig
+
+class ObjectiveRun(Protocol):
+    """What an objective's variant reads of a run config (`ferry.train.config.RunConfig`, which composes the
+    objectives' settings and so is not imported here)."""
+
+    run: Any
+    model: Any
+    data: Any
+    train: Any
+    eval: Any
+    dpo: DPOConfig
+    grpo: GRPOConfig
+    init_from: str | None
 
 
 @dataclass(frozen=True)
@@ -34,7 +45,7 @@ class ObjectiveInputs:
     losses and length, the held-out sources), its loader, the way to its reference, and what identifies cached
     reference log-probs (model and precision settings)."""
 
-    config: RunConfig
+    config: ObjectiveRun
     loader: MixedLoader | RecordLoader
     references: ReferenceSource
     cache_identity: dict
@@ -47,22 +58,22 @@ class LanguageModelling:
     kind: ClassVar[Literal["lm"]] = "lm"
     samples_its_data: ClassVar[bool] = False
 
-    def loader(self, config: RunConfig) -> MixedLoader:
+    def loader(self, config: ObjectiveRun) -> MixedLoader:
         return MixedLoader(
             config.data, seed=config.run.seed, global_batch=config.train.global_batch, steps=config.train.steps
         )
 
-    def token_evaluation(self, config: RunConfig) -> EvalConfig:
+    def token_evaluation(self, config: ObjectiveRun) -> EvalConfig:
         """Held-out token windows: the `eval` sources are token datasets."""
         return config.eval
 
-    def held_out(self, config: RunConfig) -> dict[str, RecordDataset]:
+    def held_out(self, config: ObjectiveRun) -> dict[str, RecordDataset]:
         return {}
 
-    def sequence_length(self, config: RunConfig, loader: MixedLoader) -> int:
+    def sequence_length(self, config: ObjectiveRun, loader: MixedLoader) -> int:
         return config.data.seq_len
 
-    def step_unit(self, config: RunConfig, tokens_per_step: int) -> str:
+    def step_unit(self, config: ObjectiveRun, tokens_per_step: int) -> str:
         return f"{tokens_per_step:,} tokens"
 
     def build(self, inputs: ObjectiveInputs) -> Objective:
@@ -81,15 +92,15 @@ class _RecordObjective:
 
     record_kind: ClassVar[str]
 
-    def loader(self, config: RunConfig) -> RecordLoader:
+    def loader(self, config: ObjectiveRun) -> RecordLoader:
         return RecordLoader(config.data, seed=config.run.seed, global_batch=config.train.global_batch,
                             kind=self.record_kind)
 
-    def token_evaluation(self, config: RunConfig) -> EvalConfig:
+    def token_evaluation(self, config: ObjectiveRun) -> EvalConfig:
         """No token windows: the `eval` sources are record sets, which the objective evaluates itself."""
         return config.eval.model_copy(update={"sources": []})
 
-    def held_out(self, config: RunConfig) -> dict[str, RecordDataset]:
+    def held_out(self, config: ObjectiveRun) -> dict[str, RecordDataset]:
         return {
             source.name: RecordDataset(source.path, f"eval.sources.{index} ({source.name})", self.record_kind)
             for index, source in enumerate(config.eval.sources)
@@ -112,11 +123,11 @@ class PreferenceOptimisation(_RecordObjective):
     samples_its_data: ClassVar[bool] = False
     record_kind: ClassVar[str] = "preferences"
 
-    def sequence_length(self, config: RunConfig, loader: RecordLoader) -> int:
+    def sequence_length(self, config: ObjectiveRun, loader: RecordLoader) -> int:
         """The longest pair: records are far shorter than `data.seq_len`."""
         return loader.dataset.longest
 
-    def step_unit(self, config: RunConfig, tokens_per_step: int) -> str:
+    def step_unit(self, config: ObjectiveRun, tokens_per_step: int) -> str:
         return f"{config.train.global_batch} preference pairs"
 
     def build(self, inputs: ObjectiveInputs) -> Objective:
@@ -134,11 +145,11 @@ class GroupRelativePolicyOptimisation(_RecordObjective):
     samples_its_data: ClassVar[bool] = True  # two runs part for good at the first token sampled otherwise
     record_kind: ClassVar[str] = "prompts"
 
-    def sequence_length(self, config: RunConfig, loader: RecordLoader) -> int:
+    def sequence_length(self, config: ObjectiveRun, loader: RecordLoader) -> int:
         """The longest prompt with its completion."""
         return loader.dataset.longest + self.settings.max_new_tokens
 
-    def step_unit(self, config: RunConfig, tokens_per_step: int) -> str:
+    def step_unit(self, config: ObjectiveRun, tokens_per_step: int) -> str:
         return f"{config.train.global_batch} prompts x {self.settings.group_size} sampled completions"
 
     def build(self, inputs: ObjectiveInputs) -> Objective:
@@ -148,7 +159,7 @@ class GroupRelativePolicyOptimisation(_RecordObjective):
 ObjectiveKind = LanguageModelling | PreferenceOptimisation | GroupRelativePolicyOptimisation
 
 
-def objective_kind(config: RunConfig) -> ObjectiveKind:
+def objective_kind(config: ObjectiveRun) -> ObjectiveKind:
     """The variant `train.objective` names, with its settings."""
     return {
         "lm": lambda: LanguageModelling(),

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ferry.data.targets import IGNORE_INDEX
 from ferry.model import ModelOutput, MoEConfig
 from ferry.train.objectives.cross_entropy import cross_entropy
-
-
-@dataclass
-class LossParts:
-    """`objective` is what backward runs on; the rest are detached parts for the metrics."""
-
-    objective: torch.Tensor
-    lm_loss_sum: torch.Tensor
-    correct: torch.Tensor
-    aux_loss: torch.Tensor
-    z_loss: torch.Tensor
+from ferry.train.step_statistics import LossParts
 
 
 def compute_loss(

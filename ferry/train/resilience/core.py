@@ -1,18 +1,19 @@
 """What a training run does to survive failures: a hook at the loop's named points, and the calls the run's
 opening and its checkpoint and evaluation hooks make.
 
-It composes the hang watchdog, the fault injector, the Young/Daly checkpoint interval and the
-record of restarts and goodput, so the training loop stays a training loop:
+It composes the hang watchdog, the fault injector and the record of restarts and goodput, so the training
+loop stays a training loop:
 
     begin(...)                  after the resume: the job's events (a fresh start, or a restart)
     before_step(step)           injected faults that strike as a step begins
     after_backward(...)         injected NaN gradients
-    after_step(step, record)    the watchdog's heartbeat, the interval's step times, goodput in the record
-    save_due(step)              a fixed interval or Young/Daly
-    save(...)                   a checkpoint, timed as training waits for it, with the save-time faults
+    after_step(step, record)    the watchdog's heartbeat, goodput in the record
     on_error(exc)               what this rank says as it goes, for whoever restarts the job
     finish()                    restarts and goodput into run.json
     at_close(end)               the watchdog stops
+
+The checkpoints are their own hook's (`ferry.train.checkpoint_hook`); it and the evaluation hook are offered
+the watchdog (`watchdog`: phase and clock) and the checkpoint hook the save-time faults (`injector`).
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from ferry.checkpoint import CheckpointManager
 from ferry.comm.reductions import largest_over_world
 from ferry.platform.process import Stopped
-from ferry.train.config import RunConfig
 from ferry.train.hook_points import Hook, RunEnd
-from ferry.train.resilience.faults import MARKERS_DIR, FaultInjector
+from ferry.train.resilience.config import FaultConfig
+from ferry.train.resilience.faults import FaultInjector
 from ferry.train.resilience.restarts import (
     append_event,
     collect_causes,
@@ -41,13 +42,19 @@ from ferry.train.resilience.restarts import (
     write_cause,
 )
 from ferry.train.resilience.watchdog import Watchdog
-from ferry.train.resilience.young_daly import AutoInterval
 from ferry.train.run_dir.record import METRICS_NAME, RunRecord
 
 Say = Callable[[str], None]
-Agree = Callable[[list[float]], list[float]]  # each value's maximum over the ranks, on every rank
 
-CHECKPOINT_FAULTS = ("kill_during_save", "corrupt_checkpoint")
+
+class ResilientRun(Protocol):
+    """What resilience reads of a run config (`ferry.train.config.RunConfig`, which composes resilience's settings
+    and so is not imported here): where the run lives, and its fault settings."""
+
+    run: Any
+    fault: FaultConfig
+
+Agree = Callable[[list[float]], list[float]]  # each value's maximum over the ranks, on every rank
 
 _agreed: dict = {}  # the process group and environment the restart counts were agreed for, and the counts
 
@@ -91,7 +98,7 @@ class Resilience(Hook):
     """Failure handling of one rank of one run."""
 
     def __init__(
-        self, config: RunConfig, rank: int, world_size: int, started_unix: float, agree: Agree = largest_over_world
+        self, config: ResilientRun, rank: int, world_size: int, started_unix: float, agree: Agree = largest_over_world
     ):
         """`agree(values)`: each value's maximum over the ranks, on every rank (a run passes its
         `RankReductions.largest`, which reduces on the run's device)."""
@@ -104,13 +111,10 @@ class Resilience(Hook):
         self.step = 0
         self.injector = FaultInjector(config.fault.inject, rank, world_size, self.run_dir)
         self.watchdog = Watchdog(config.fault, rank, self._hung)
-        job_mtbf_s = config.fault.mtbf_hours_per_device * 3600.0 / world_size
-        interval = config.checkpoint.interval
-        self.auto = AutoInterval(job_mtbf_s, config.checkpoint.auto_first_step) if interval == "auto" else None
+        self.job_mtbf_s = config.fault.mtbf_hours_per_device * 3600.0 / world_size
         self._record: RunRecord | None = None
         self._restarting = False
         self._first_step_done = False
-        self._last_save_step = 0
         self._lost: dict = {}
         self._productive = 0.0
         self._job_start_unix = started_unix
@@ -128,7 +132,6 @@ class Resilience(Hook):
         """Note where this attempt starts: a new job (fresh, or resumed by hand) or the restart of one."""
         self._say = say
         self.step = resumed_step or 0
-        self._last_save_step = self.step
         self._record = record
         if self.is_main:
             events = read_events(self.run_dir)
@@ -150,22 +153,8 @@ class Resilience(Hook):
             self._productive = sum(record.get("step_s") or 0.0 for record in self._kept_records())
             so_far = goodput(read_events(self.run_dir), [], time.time())
             self._lost = {key: so_far[key] for key in ("lost_steps", "loading_s", "restarting_s")}
-            self._announce_save_faults()
         self.watchdog.phase("start-up")
         self.watchdog.start(self.step)
-
-    def _announce_save_faults(self) -> None:
-        """With `checkpoint.interval: auto` no one knows in advance at which steps the run saves: a checkpoint
-        fault fires at the first save at or after its step (at the latest the run's last save)."""
-        if self.auto is None:
-            return
-        for index, spec in enumerate(self.config.fault.inject):
-            if spec.kind in CHECKPOINT_FAULTS and not self.injector.spent(index):
-                self._say(
-                    f"ferry: note: fault.inject.{index} ({spec.kind} at step {spec.step} on rank {spec.rank}) fires at "
-                    f"the first checkpoint save at or after step {spec.step}: with checkpoint.interval auto, Daly's "
-                    "interval decides the steps that save"
-                )
 
     def note_agent_restart(self, counts: list[int] | None = None) -> None:
         """Under torchrun, no ferry supervisor recorded the failure: rank 0 does, once per restart torchrun's
@@ -221,13 +210,9 @@ class Resilience(Hook):
         self.injector.poison_gradients(step, model)
 
     def after_step(self, step: int, record: dict) -> None:
-        """The heartbeat; goodput and the checkpoint interval in the step's record."""
+        """The heartbeat; goodput in the step's record."""
         self.step = record["step"]
         self.watchdog.beat(record["step"], record["step_s"])
-        if self.auto is not None:
-            self.auto.observe_step(record["step_s"])
-        record["checkpoint_save_s"] = 0.0
-        record["checkpoint_interval_steps"] = self._interval_steps()
         if self.is_main:
             self._productive += record["step_s"]
             record["goodput"] = self._productive / max(time.time() - self._job_start_unix, 1e-9)
@@ -241,71 +226,6 @@ class Resilience(Hook):
         else:
             record.update(goodput=None, lost_steps=None, loading_s=None, restarting_s=None)
         self._first_step_done = True
-
-    def save_due(self, step: int, checkpoints: CheckpointManager) -> bool:
-        if self.auto is not None:
-            return self.config.checkpoint.enabled and self.auto.due(step, checkpoints.last_step)
-        return checkpoints.due(step)
-
-    def save(self, step: int, checkpoints: CheckpointManager, state: Callable[[], tuple], record: dict) -> None:
-        """Save, timing what training waits for; the `auto` interval follows from that wait."""
-        self.watchdog.phase("checkpoint save")
-        kill_step = self._save_fault_step(step, "kill_during_save")
-        started = time.perf_counter()
-        checkpoints.save(*state(), before_publish=None if kill_step is None else self.injector.during_save(kill_step))
-        cost = time.perf_counter() - started
-        record["checkpoint_save_s"] = cost
-        if self.auto is not None:
-            cost, median = self.agree([cost, self.auto.median_step_s() or 0.0])  # one interval on every rank
-            self.auto.observe_save(cost, median or None)
-            record["checkpoint_interval_steps"] = self._interval_steps()
-            self._say(
-                f"ferry: checkpoint at step {step} blocked {cost:.3f} s; Daly's interval for a job MTBF of "
-                f"{self.auto.job_mtbf_s / 3600:.3g} h is {self.auto.interval_s:.1f} s = every "
-                f"{self.auto.interval_steps} steps"
-            )
-        corrupt_step = self._save_fault_step(step, "corrupt_checkpoint")
-        if corrupt_step is not None and self.injector.wants_after_save(corrupt_step):
-            checkpoints.wait()
-            self.injector.after_save(corrupt_step, checkpoints.saved[-1])
-        self._last_save_step = step
-        self.watchdog.touch()
-        self.watchdog.phase("between steps")
-
-    def _save_fault_step(self, step: int, kind: str) -> int | None:
-        """The step of the fault of `kind` this save fires: with a fixed interval, one of this very step; with
-        `auto` (whose saves fall where Daly's interval puts them), the earliest still due at or before this
-        step: a fault fired once per run not yet fired, or one fired at every attempt not yet fired at a save
-        of this attempt. One per save and kind (two corruptions of one file would undo each other)."""
-        if self.auto is None:
-            return step
-        due = [
-            spec.step
-            for index, spec in self.injector.mine
-            if spec.kind == kind
-            and spec.step <= step
-            and (
-                not (self.run_dir / MARKERS_DIR / f"fault-{index}").exists()
-                if spec.once
-                else spec.step > self._last_save_step
-            )
-        ]
-        return min(due) if due else None
-
-    def evaluate(self, run: Callable[[Callable[[], None]], dict]) -> dict:
-        """A held-out evaluation: each of its forwards restarts the hang clock (a long one is not a hang)."""
-        self.watchdog.phase("evaluation")
-        self.watchdog.touch()
-        figures = run(self.watchdog.touch)
-        self.watchdog.touch()
-        self.watchdog.phase("between steps")
-        return figures
-
-    def wait_for_saves(self, checkpoints: CheckpointManager) -> None:
-        """The end of the run waits for a background save: watched with the checkpoint allowance."""
-        self.watchdog.phase("checkpoint save (finishing)")
-        checkpoints.wait()
-        self.watchdog.touch()
 
     def on_error(self, exc: BaseException, last: dict) -> None:
         """Leave this rank's account of the failure in the run directory."""
@@ -322,25 +242,7 @@ class Resilience(Hook):
         if not self.is_main:
             return {}
         events = read_events(self.run_dir)
-        return {
-            "restarts": restarts(events),
-            "goodput": goodput(events, self._all_records(), time.time()),
-            "checkpoint_interval": None
-            if self.auto is None
-            else {
-                "mode": "auto (Daly)",
-                "job_mtbf_hours": self.auto.job_mtbf_s / 3600,
-                "last_save_cost_s": self.auto.last_cost_s,
-                "interval_s": self.auto.interval_s,
-                "interval_steps": self.auto.interval_steps,
-            },
-        }
-
-    def _interval_steps(self) -> int | None:
-        if self.auto is not None:
-            return self.auto.interval_steps
-        interval = self.config.checkpoint.interval
-        return interval or None
+        return {"restarts": restarts(events), "goodput": goodput(events, self._all_records(), time.time())}
 
     def _hung(self, phase: str, message: str, waiting: str | None) -> None:
         write_cause(self.run_dir, self.rank, self.step + 1, phase, f"hang: {message}", waiting_in=waiting)

@@ -86,6 +86,27 @@ class FaultInjector:
 
         return kill
 
+    def save_fault_step(self, kind: str, step: int, last_save_step: int, fixed_interval: bool) -> int | None:
+        """The step of the fault of `kind` a save at `step` fires: with a fixed interval, one of this very step;
+        otherwise (Daly's interval puts the saves where it will) the earliest still due at or before this step: a
+        fault fired once per run not yet fired, or one fired at every attempt not yet fired at a save of this
+        attempt (after `last_save_step`). One per save and kind (two corruptions of one file would undo each
+        other)."""
+        if fixed_interval:
+            return step
+        due = [
+            spec.step
+            for index, spec in self.mine
+            if spec.kind == kind
+            and spec.step <= step
+            and (not self._fired(index) if spec.once else spec.step > last_save_step)
+        ]
+        return min(due) if due else None
+
+    def pending(self, kinds: tuple[str, ...]) -> list[tuple[int, FaultSpec]]:
+        """The job's faults of `kinds` (every rank's) still to fire."""
+        return [(index, spec) for index, spec in enumerate(self.specs) if spec.kind in kinds and not self.spent(index)]
+
     def wants_after_save(self, step: int) -> bool:
         return bool(self._due(step, ("corrupt_checkpoint",), mark=False))
 

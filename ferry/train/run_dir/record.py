@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any, Protocol
 
 import yaml
 
@@ -15,7 +16,6 @@ from ferry.checkpoint.format import parse_step, step_dir_name
 from ferry.checkpoint.manager import ABANDONED_DIR
 from ferry.config import UserError, dump_yaml
 from ferry.metrics.names import RECORD_DIRS
-from ferry.train.config import RunConfig
 
 CONFIG_NAME = "config.yaml"
 RUN_RECORD_NAME = "run.json"
@@ -26,7 +26,19 @@ REPLACED_DIR = "replaced"
 _RUN_FILES = (CONFIG_NAME, RUN_RECORD_NAME, METRICS_NAME, EVENTS_NAME)
 
 
-def prepare_run_dir(config: RunConfig, resume_step: int | None = None) -> Path | None:
+class RecordedRun(Protocol):
+    """What the run directory reads of a run config (`ferry.train.config.RunConfig`, which is composed above this
+    package): where the run and its checkpoints live, whether it may replace another, how far it goes; dumped
+    whole as `config.yaml`."""
+
+    run: Any
+    checkpoint: Any
+    train: Any
+
+    def model_dump(self, **kwargs) -> dict: ...
+
+
+def prepare_run_dir(config: RecordedRun, resume_step: int | None = None) -> Path | None:
     """Create `run.dir` and write the resolved config; returns where an earlier run was kept, if one was.
 
     A fresh start refuses to mix with an earlier run's records and checkpoints

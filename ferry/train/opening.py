@@ -16,7 +16,7 @@ from ferry.checkpoint import CheckpointManager, list_checkpoints, set_aside_aban
 from ferry.checkpoint.format import parse_step
 from ferry.comm import raise_on_every_rank
 from ferry.metrics import MetricsHub, build_sinks, start_prometheus
-from ferry.train.run_dir.announcements import describe, resume_record
+from ferry.train.announcements import describe, resume_record
 from ferry.train.run_dir.lock import RunDirLock
 from ferry.train.run_dir.record import RunRecord, prepare_run_dir
 

@@ -79,7 +79,7 @@ class Trainer:
         self.context: TrainingContext = step_context(
             self.parts, model.model, job.device, model.reductions, partial(self.parts.numerics.autocast, job.device),
             self.parts.instruments.metrics.timer, self.parts.numerics.scaler, model.optimizer,
-            self.resilience.phase, self.resilience.watchdog.touch, self.hooks.after_backward, self._apply_gradients,
+            self.resilience.phase, self.resilience.watchdog.touch, self._after_backward, self._apply_gradients,
             step_weights=model.step_weights,
         )
 
@@ -159,7 +159,7 @@ class Trainer:
             "removed_unfinished_saves": [str(path) for path in checkpoints.removed_leftovers],
         }
         resilience.begin(resumed_step, resume_info, opened.record, say=opened.hub.message)
-        self.hooks.hooks = self._hooks(opened.hub, opened.record, checkpoints, resumed_step)
+        self.hooks = Hooks(self._hooks(opened.hub, opened.record, checkpoints, resumed_step))
 
     def _weights_if_not_resumed(self, found: Found | None) -> list[str]:
         """A run that restored no checkpoint: the seed's weights if it deferred drawing them, then its init_from's."""
@@ -174,6 +174,11 @@ class Trainer:
         carried, notes = initialize_from(self.parts, Path(config.init_from))
         self.state = self.state.with_carried(carried)
         return notes
+
+    def _after_backward(self, step: int, model: torch.nn.Module) -> None:
+        """The hooks of the run as it stands: resilience's alone while it loads (an overlap trial's steps), all of
+        them once the run is open."""
+        self.hooks.after_backward(step, model)
 
     def _checkpoints(self, resumed_step: int | None) -> CheckpointManager:
         config, parts = self.config, self.parts

@@ -20,7 +20,7 @@ from ferry.cli.pipeline import add_pipeline_commands
 from ferry.cli.portability import add_portability_commands
 from ferry.cli.release import add_release_commands
 from ferry.config import UserError
-from ferry.platform.process import Stopped, die_with_parent, stop_on_sigterm
+from ferry.platform.process import Stopped, stop_on_sigterm
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,56 +180,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ferry.train import load_run_config, train
+    from ferry.cli.training import run_training
 
-    preset = []
-    if args.model is not None:
-        from ferry.model.presets import preset_overrides
-
-        preset = preset_overrides(args.model)
-    config = load_run_config(args.config, [*preset, *args.overrides])
-    if args.nproc is not None and args.nproc < 1:
-        raise UserError(f"--nproc must be at least 1, got {args.nproc}")
-    if args.max_restarts is not None and args.max_restarts < 0:
-        raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-    if "WORLD_SIZE" not in os.environ and (args.max_restarts is not None or args.nproc is not None):
-        config.check_world_size(args.nproc or 1)  # refused here, before any rank starts
-        return _launch(args, config)
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        # a rank started by an elastic agent (torchrun, --nproc) dies with it, and by the agent's SIGTERM at once:
-        # a rank blocked in a collective would not run a handler until the collective returned, which after a
-        # peer's failure can be never, and each restart would wait out the agent's grace period
-        die_with_parent()
-    else:
-        stop_on_sigterm()
-    train(config)
-    return 0
-
-
-def _launch(args: argparse.Namespace, config) -> int:
-    """Start the ranks (supervised with --max-restarts); a launcher told to stop says so in the run's record,
-    since its ranks end by the signal without a word."""
-    argv = ["train", args.config, *(["--model", args.model] if args.model else []), *args.overrides]
-    try:
-        if args.max_restarts is not None:
-            from ferry.launch import supervise
-
-            checkpoints = config.checkpoint.path(config.run.path)
-            return supervise(
-                args.nproc or 1, argv, config.run.path, checkpoints, args.max_restarts,
-                config.fault.max_no_progress_restarts,
-            )
-        from ferry.launch import launch_local
-
-        return launch_local(args.nproc, argv)
-    except Stopped as stopped:
-        from ferry.train.run_dir.record import RUN_RECORD_NAME, RunRecord
-
-        if (config.run.path / RUN_RECORD_NAME).is_file():
-            record = RunRecord.reopen(config.run.path)
-            if record.content.get("status") == "running":
-                record.finish("interrupted", signal=str(stopped))
-        raise
+    return run_training(args.config, args.overrides, args.nproc, args.model, args.max_restarts)
 
 
 def _data_verify(args: argparse.Namespace) -> int:

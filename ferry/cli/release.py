@@ -142,11 +142,11 @@ def _branch(options: argparse.Namespace) -> int:
     """The branch's config composed from the release, then `ferry train` on it (its ranks read it from a file
     that lives as long as they do; the run keeps the resolved config in RUN_DIR/config.yaml, which
     `ferry train RUN_DIR/config.yaml resume=latest` continues)."""
-    from ferry.cli.main import main
+    from ferry.cli.training import run_training
     from ferry.portability.release.branch import branch_config
 
     raw = branch_config(options.dir, options.stage, options.out, options.overrides)
     with tempfile.TemporaryDirectory(prefix="ferry-branch-") as scratch:
         config = Path(scratch) / f"{options.stage}.yaml"
         config.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
-        return main(["train", str(config), *(["--nproc", str(options.nproc)] if options.nproc is not None else [])])
+        return run_training(str(config), [], nproc=options.nproc)

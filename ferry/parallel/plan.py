@@ -24,6 +24,7 @@ from ferry.parallel.pipeline_split import StageSplit
 from ferry.parallel.strategies import (
     PLACEMENTS,
     PipelineStages,
+    PlacedParams,
     Placement,
     RankGroups,
     Stages,
@@ -122,12 +123,16 @@ class ParallelPlan:
         checkpoint pieces land in it as in the trained model and its forwards join the same all-to-alls."""
         self.placement.lay_out_frozen(model, self.groups)
 
+    @property
+    def placed(self) -> PlacedParams:
+        return PlacedParams(self.dense_params, self.expert_params)
+
     def sync_gradients(self) -> None:
-        self.placement.sync_gradients(self)
+        self.placement.sync_gradients(self.placed, self.groups, self.reduce_dtype)
 
     def clip_gradients(self, model: nn.Module, max_norm: float) -> float:
         """Clip to `max_norm` (0: measure only) by the norm of the whole, unsharded gradient."""
-        return self.placement.clip_gradients(self, model, max_norm)
+        return self.placement.clip_gradients(self.placed, self.groups, model, max_norm)
 
     def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a statistic (e.g. expert loads) over the whole job."""
@@ -136,7 +141,7 @@ class ParallelPlan:
         return tensor
 
     def build_optimizer(self, decayed: set[str], weight_decay: float, zero: bool, **adamw_kwargs):
-        return self.placement.build_optimizer(self, decayed, weight_decay, zero, **adamw_kwargs)
+        return self.placement.build_optimizer(self.placed, self.groups, decayed, weight_decay, zero, **adamw_kwargs)
 
 
 def build_plan(

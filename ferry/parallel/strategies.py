@@ -17,7 +17,7 @@ every sequence) is one more strategy with its groups, and the rule of which exis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,8 +33,7 @@ from ferry.parallel.gradients import clip_grad_norm, reduce_gradients
 from ferry.parallel.pipeline_split import StageSplit
 from ferry.parallel.zero import ReplicaGroup, ShardedAdamW
 
-if TYPE_CHECKING:
-    from ferry.parallel.plan import ParallelPlan
+Params = list[tuple[str, nn.Parameter]]
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,14 @@ class RankGroups:
             if collectives is not None and all(collectives is not seen for seen in unique):
                 unique.append(collectives)
         return unique
+
+
+@dataclass(frozen=True)
+class PlacedParams:
+    """A rank's parameters as placed: dense ones (replicated, or FSDP's shards) and the expert slices it holds."""
+
+    dense: Params
+    experts: Params
 
 
 class Stages(Protocol):
@@ -93,12 +100,14 @@ class Placement(Protocol):
 
     def place(self, model: Transformer, groups: RankGroups, device: torch.device) -> None: ...
 
-    def sync_gradients(self, plan: ParallelPlan) -> None: ...
+    def sync_gradients(self, placed: PlacedParams, groups: RankGroups, reduce_dtype: torch.dtype) -> None: ...
 
-    def clip_gradients(self, plan: ParallelPlan, model: nn.Module, max_norm: float) -> float: ...
-
-    def build_optimizer(self, plan: ParallelPlan, decayed: set[str], weight_decay: float, zero: bool, **adamw):
+    def clip_gradients(self, placed: PlacedParams, groups: RankGroups, model: nn.Module, max_norm: float) -> float:
         ...
+
+    def build_optimizer(
+        self, placed: PlacedParams, groups: RankGroups, decayed: set[str], weight_decay: float, zero: bool, **adamw
+    ): ...
 
     def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None: ...
 
@@ -126,22 +135,24 @@ class ExpertResident:
             layer.dispatcher = AllToAllDispatcher(groups.ep, num_experts, exchange_chunks(self.config),
                                                   self.config.ep_dispatch == "rowwise")
 
-    def sync_gradients(self, plan: ParallelPlan) -> None:
+    def sync_gradients(self, placed: PlacedParams, groups: RankGroups, reduce_dtype: torch.dtype) -> None:
         bucket = int(self.config.bucket_mib * 2**20)
-        reduce_gradients([p for _, p in plan.dense_params], plan.replicas, plan.reduce_dtype, bucket)
-        reduce_gradients([p for _, p in plan.expert_params], plan.dp, plan.reduce_dtype, bucket)
+        reduce_gradients([p for _, p in placed.dense], groups.replicas, reduce_dtype, bucket)
+        reduce_gradients([p for _, p in placed.experts], groups.dp, reduce_dtype, bucket)
 
-    def clip_gradients(self, plan: ParallelPlan, model: nn.Module, max_norm: float) -> float:
+    def clip_gradients(self, placed: PlacedParams, groups: RankGroups, model: nn.Module, max_norm: float) -> float:
         """Clip to `max_norm` (0: measure only) by the norm of the whole gradient, every stage's and expert's."""
         return clip_grad_norm(
-            [p for _, p in plan.dense_params], [p for _, p in plan.expert_params], plan.ep, max_norm, plan.pp
+            [p for _, p in placed.dense], [p for _, p in placed.experts], groups.ep, max_norm, groups.pp
         )
 
-    def build_optimizer(self, plan: ParallelPlan, decayed: set[str], weight_decay: float, zero: bool, **adamw):
-        if zero and plan.context.is_distributed:
-            groups = [ReplicaGroup(plan.dense_params, plan.replicas), ReplicaGroup(plan.expert_params, plan.dp)]
-            return ShardedAdamW(groups, decayed, weight_decay, **adamw)
-        return adamw_over(plan.dense_params + plan.expert_params, decayed, weight_decay, **adamw)
+    def build_optimizer(
+        self, placed: PlacedParams, groups: RankGroups, decayed: set[str], weight_decay: float, zero: bool, **adamw
+    ):
+        if zero and groups.world is not None:
+            sharded = [ReplicaGroup(placed.dense, groups.replicas), ReplicaGroup(placed.experts, groups.dp)]
+            return ShardedAdamW(sharded, decayed, weight_decay, **adamw)
+        return adamw_over(placed.dense + placed.experts, decayed, weight_decay, **adamw)
 
 
 @dataclass(frozen=True)
@@ -156,22 +167,24 @@ class FullySharded:
         if groups.world is not None:
             apply_fsdp(model, device, groups.world)
 
-    def sync_gradients(self, plan: ParallelPlan) -> None:
+    def sync_gradients(self, placed: PlacedParams, groups: RankGroups, reduce_dtype: torch.dtype) -> None:
         return None  # FSDP reduced them inside the backward
 
-    def clip_gradients(self, plan: ParallelPlan, model: nn.Module, max_norm: float) -> float:
-        if not plan.context.is_distributed:
-            return clip_grad_norm([p for _, p in plan.dense_params], [], plan.ep, max_norm, plan.pp)
+    def clip_gradients(self, placed: PlacedParams, groups: RankGroups, model: nn.Module, max_norm: float) -> float:
+        if groups.world is None:
+            return clip_grad_norm([p for _, p in placed.dense], [], groups.ep, max_norm, groups.pp)
         limit = max_norm if max_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def build_optimizer(self, plan: ParallelPlan, decayed: set[str], weight_decay: float, zero: bool, **adamw):
+    def build_optimizer(
+        self, placed: PlacedParams, groups: RankGroups, decayed: set[str], weight_decay: float, zero: bool, **adamw
+    ):
         if zero:
             raise UserError(
                 "optim.zero: FSDP already shards optimizer state; set optim.zero=false with parallel.mode=fsdp"
             )
-        return adamw_over(plan.dense_params + plan.expert_params, decayed, weight_decay, **adamw)
+        return adamw_over(placed.dense + placed.experts, decayed, weight_decay, **adamw)
 
     def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None:
         if groups.world is not None:

@@ -33,16 +33,8 @@ import numpy as np
 from ferry.config.errors import UserError
 from ferry.data.formats import Part, collect_files, parts
 from ferry.data.manifest import MANIFEST_NAME, TOKENIZER_NAME, file_entry, sha256_file
-from ferry.data.prepare import (
-    PrepareResult,
-    PrepareSpec,
-    ShardWriter,
-    check_parallel,
-    check_spec,
-    spec_settings,
-    token_dtype,
-    token_manifest,
-)
+from ferry.data.prepare import PrepareResult, PrepareSpec, check_parallel, check_spec, spec_settings
+from ferry.data.shards import ShardWriter, token_dtype, token_manifest
 from ferry.data.staging import claim_output, read_json, refuse_inputs_inside, write_json, write_staged
 from ferry.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_from_json
 from ferry.data.workers import PartTokens, read_part_file, source_entries, tokenize_parts

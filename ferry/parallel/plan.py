@@ -53,8 +53,7 @@ class ParallelPlan:
     groups: RankGroups
     stages: Stages
     placement: Placement
-    dense_params: list[tuple[str, nn.Parameter]]
-    expert_params: list[tuple[str, nn.Parameter]]
+    placed: PlacedParams
     expert_slices: dict[str, ExpertSlice]
     reduce_dtype: torch.dtype
     ep_overlap: dict  # how the MoE exchanges run as configured (`auto`'s trial records its choice with the run)
@@ -124,8 +123,12 @@ class ParallelPlan:
         self.placement.lay_out_frozen(model, self.groups)
 
     @property
-    def placed(self) -> PlacedParams:
-        return PlacedParams(self.dense_params, self.expert_params)
+    def dense_params(self) -> list[tuple[str, nn.Parameter]]:
+        return self.placed.dense
+
+    @property
+    def expert_params(self) -> list[tuple[str, nn.Parameter]]:
+        return self.placed.experts
 
     def sync_gradients(self) -> None:
         self.placement.sync_gradients(self.placed, self.groups, self.reduce_dtype)
@@ -176,7 +179,8 @@ def build_plan(
             dense.append((name, param))
     overlap = {"mode": config.ep_overlap, "chunks": exchange_chunks(config), "dispatch": config.ep_dispatch}
     return ParallelPlan(
-        layout, context, stats, groups, stages, placement, dense, experts, slices, reduce_dtype, overlap, logical_names
+        layout, context, stats, groups, stages, placement, PlacedParams(dense, experts), slices, reduce_dtype, overlap,
+        logical_names,
     )
 
 

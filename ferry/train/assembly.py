@@ -169,12 +169,12 @@ def open_job(config: RunConfig, started_unix: float) -> Job:
 @dataclass(frozen=True)
 class Start:
     """Where the run starts, decided once on every rank: what it resumes (`resume`: `latest`, a checkpoint, or None
-    for a fresh start or a start from `init_from`'s weights), and the restart count of every node's torchrun
-    agent (empty outside torchrun), agreed over the ranks in one collective. A job the agent restarted resumes
-    its own newest checkpoint, or starts again at step 0 when it saved none and was not asked to resume."""
+    for a fresh start or a start from `init_from`'s weights, which the config names), and the restart count of
+    every node's torchrun agent (empty outside torchrun), agreed over the ranks in one collective. A job the agent
+    restarted resumes its own newest checkpoint, or starts again at step 0 when it saved none and was not asked
+    to resume."""
 
     resume: str | None
-    init_from: str | None
     restart_counts: tuple[int, ...]
 
     @property
@@ -189,7 +189,7 @@ def decide_start(job: Job) -> Start:
     restarted = any(count > 0 for count in counts)
     if restarted and (list_checkpoints(config.checkpoint.path(config.run.path)) or resume is None):
         resume = "latest"  # restarted by torchrun's agent: the run's own newest checkpoint, or step 0
-    return Start(resume, config.init_from, counts)
+    return Start(resume, counts)
 
 
 def choose_numerics(job: Job) -> Numerics:

@@ -73,7 +73,7 @@ def test_init_optimizer_starts_from_the_checkpoints_adamw_state(two_checkpoints,
 
     early, late = two_checkpoints
     trainer = Trainer(make_config("train.steps=1", f"init_from={late}", "init_optimizer=true"))
-    _, notes = initialize_from(trainer.parts, late)
+    _, notes = initialize_from(trainer.parts.job, trainer.parts.model, late)
     assert "weights and optimizer state initialised" in notes[0]
     stored = verify_checkpoint(late)
     for name, param in trainer.model.named_parameters():

@@ -119,7 +119,7 @@ def test_a_run_started_from_a_checkpoints_weights_draws_none_first(make_config, 
     monkeypatch.setattr(transformer, "truncated_normal_", lambda *args, **kwargs: draws.append(args[0].shape))
     child = Trainer(make_config("train.steps=2", f"init_from={checkpoint}", run_dir=tmp_path / "child"))
     assert draws == [] and child.initial_weights is None
-    initialize_from(child.parts, checkpoint)
+    initialize_from(child.parts.job, child.parts.model, checkpoint)
     for name, tensor in parent.model.state_dict().items():
         assert torch.equal(child.model.state_dict()[name], tensor), name
     Trainer(make_config("train.steps=2", run_dir=tmp_path / "drawn"))
@@ -146,7 +146,7 @@ def test_a_resume_that_finds_nothing_draws_what_a_run_from_scratch_draws(make_co
     resumed = Trainer(make_config("train.steps=3", "resume=latest", run_dir=tmp_path / "resumed"))
     assert drawn == [] and resumed.initial_weights is None
     progress = []
-    assert draw_deferred_weights(resumed.parts, lambda: progress.append(len(drawn))) == scratch.initial_weights
+    assert draw_deferred_weights(resumed.parts.job, resumed.parts.numerics.kernels, resumed.parts.model, lambda: progress.append(len(drawn))) == scratch.initial_weights
     parameters = len(list(resumed.model.parameters()))
     assert len(drawn) > 0 and len(progress) == parameters + 1, "told after each parameter and at the end"
     assert torch.equal(torch.get_rng_state(), generator_after_draw)

@@ -1,12 +1,11 @@
 """What a run says about itself: the console lines it starts with, the description run.json opens with, the
 line of each held-out evaluation, and where a resumed run continued from.
 
-Kept apart from the training loop; these functions only read the run's parts.
+Kept apart from the training loop; these functions only read the records of the run they are given.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ferry.checkpoint import Found
@@ -14,16 +13,30 @@ from ferry.metrics import MetricsHub
 from ferry.train.optimizer import schedule_warning
 
 if TYPE_CHECKING:
-    from ferry.train.assembly import RunParts
+    from ferry.data import MixedLoader
+    from ferry.data.records import RecordLoader
+    from ferry.model import ModelSize
+    from ferry.platform.hardware import MfuPeak
+    from ferry.precision import PrecisionPolicy
+    from ferry.precision.step_weights import StepWeights
+    from ferry.train.assembly import Instruments, Job, ModelParts, Numerics
 
 
 def announce(
-    parts: RunParts, hub: MetricsHub, run_dir: Path, found: Found | None, notes: list[str], overlap: dict
+    job: Job,
+    numerics: Numerics,
+    model: ModelParts,
+    size: ModelSize,
+    step_size: str,
+    hub: MetricsHub,
+    found: Found | None,
+    notes: list[str],
+    overlap: dict,
 ) -> None:
     """The console lines a run starts with: skipped checkpoints, notes, precision, kernels, what it trains
-    where, and where it resumes from."""
-    job, numerics = parts.job, parts.numerics
+    where (a model of `size`, steps of `step_size`), and where it resumes from."""
     config = job.config
+    run_dir = config.run.path
     say = hub.message
     for path, reason in found.skipped if found else []:
         say(f"ferry: warning: skipping checkpoint {path}: {reason}")
@@ -38,14 +51,15 @@ def announce(
     schedule = schedule_warning(config.optim, config.train.steps)
     if schedule is not None:
         say(f"ferry: warning: {schedule}")
-    compiled = parts.model.compiled
+    compiled = model.compiled
     if compiled["mode"] != "none":
         eager = compiled["eager_ops"]
         say(
             f"ferry: compile: {compiled['regions']} blocks compiled on the first step (its compile_s says how long)"
             + (f"; eager inside them: {', '.join(eager)}" if eager else "")
         )
-    say(f"ferry: step shape: {step_shape_line(parts)}")
+    casts = weight_casts(model.step_weights, numerics.precision)
+    say(f"ferry: step shape: {step_shape_line(job.micro_batch, model.recompute, casts)}")
     if "candidates" in overlap:
         measured = ", ".join(
             f"{name} {1000 * figure['step_s']:.1f} ms ({figure['ep_overlap_share']:.0%} overlapped)"
@@ -54,8 +68,6 @@ def announce(
         steps = overlap["trial_steps"]
         say(f"ferry: ep_overlap auto: {overlap['chosen']}, the fastest of {measured} ({steps} steps each)")
     layout = job.layout.record()
-    size = parts.instruments.size
-    step_size = parts.data.kind.step_unit(config, parts.instruments.tokens_per_step)
     pipeline = f"pp {layout['pp_degree']}, " if "pp_degree" in layout else ""
     preset = f"model {config.run.model_preset}, " if config.run.model_preset else ""
     say(
@@ -83,41 +95,45 @@ def announce(
         )
 
 
-def describe(parts: RunParts, initial_weights: str | None, overlap: dict) -> dict:
+def describe(
+    job: Job,
+    numerics: Numerics,
+    model: ModelParts,
+    instruments: Instruments,
+    loader: MixedLoader | RecordLoader,
+    initial_weights: str | None,
+    overlap: dict,
+) -> dict:
     """What run.json says about a run before it trains: config, data, model, layout, hardware, numerics."""
-    job, numerics = parts.job, parts.numerics
-    loader = parts.data.loader
     return {
         "name": job.config.run.name,
         "config": job.config.model_dump(mode="json"),
         "data_mix": loader.mix_record(),
         "tokenizer": loader.tokenizer,
-        "model_size": parts.instruments.size.as_dict(),
+        "model_size": instruments.size.as_dict(),
         "initial_weights_xxh3": initial_weights,
         "layout": job.layout.record(),
-        "hardware": describe_hardware(parts),
+        "hardware": describe_hardware(numerics, instruments.metrics.peak),
         "precision": numerics.precision.as_dict(),
         "kernels": numerics.kernels.as_dict(),
-        "compile": parts.model.compiled,
+        "compile": model.compiled,
         "micro_batch": job.micro_batch,
-        "activation_checkpointing": parts.model.recompute,
-        "weight_casts": _weight_casts(parts),
+        "activation_checkpointing": model.recompute,
+        "weight_casts": weight_casts(model.step_weights, numerics.precision),
         "ep_overlap": overlap,
-        "environment": {**parts.instruments.environment, "comm_backend": job.context.backend},
+        "environment": {**instruments.environment, "comm_backend": job.context.backend},
     }
 
 
-def step_shape_line(parts: RunParts) -> str:
-    """How a step runs: its micro-batch (and how it was chosen), what the backward recomputes, how often the
+def step_shape_line(choice: dict, recompute: dict, casts: dict) -> str:
+    """How a step runs: its micro-batch (and how it was `choice`n), what the backward recomputes, how often the
     weights are cast."""
-    choice, recompute = parts.job.micro_batch, parts.model.recompute
     micro = f"micro-batch {choice['chosen']}"
     if choice["requested"] == "auto":
         micro += (
             f" (auto: the largest whose estimate, {choice['estimate_gib']} GiB, fits {choice['headroom']:.0%} of "
             f"{choice['device_gib']} GiB on {choice['device']})"
         )
-    casts = _weight_casts(parts)
     return (
         f"{micro}; activation checkpointing {recompute['mode']}"
         + (f" (keeps {recompute['kept']})" if recompute["mode"] != "none" else "")
@@ -125,24 +141,22 @@ def step_shape_line(parts: RunParts) -> str:
     )
 
 
-def _weight_casts(parts: RunParts) -> dict:
-    step_weights = parts.model.step_weights
+def weight_casts(step_weights: StepWeights | None, precision: PrecisionPolicy) -> dict:
+    """When the weights are cast to the compute dtype: once a step (`step_weights`), per use, or never."""
     if step_weights is None:
-        precision = parts.numerics.precision
         mode = "per use by autocast" if precision.autocast else "never (compute in the parameter dtype)"
         return {"mode": mode}
     return {"mode": "once a step", "parameters": step_weights.parameters, "dtype": str(step_weights.dtype)}
 
 
-def describe_hardware(parts: RunParts) -> dict:
-    """The hardware section of run.json: the profile, and the peak MFU is computed against with its source (a
+def describe_hardware(numerics: Numerics, peak: MfuPeak) -> dict:
+    """The hardware section of run.json: the profile, and the `peak` MFU is computed against with its source (a
     measured CPU peak may be measured again during the run, so the run's end writes this section again)."""
-    numerics = parts.numerics
     return {
         "profile": numerics.profile.name,
         "peak_tflops": numerics.profile.peak_tflops,
         "mfu_dtype": numerics.precision.mfu_dtype,
-        "mfu_peak": parts.instruments.metrics.peak.provenance,
+        "mfu_peak": peak.provenance,
         "price_per_device_hour_usd": numerics.profile.price_per_device_hour_usd,
         "host_allocator": numerics.host_allocator,
     }

@@ -16,13 +16,13 @@ from ferry.checkpoint import CheckpointManager, list_checkpoints, set_aside_aban
 from ferry.checkpoint.format import parse_step
 from ferry.comm import raise_on_every_rank
 from ferry.metrics import MetricsHub, build_sinks, start_prometheus
-from ferry.train.announcements import describe, resume_record
+from ferry.train.announcements import resume_record
 from ferry.train.run_dir.lock import RunDirLock
 from ferry.train.run_dir.record import RunRecord, prepare_run_dir
 
 if TYPE_CHECKING:
     from ferry.checkpoint.reader import Found
-    from ferry.train.assembly import RunParts
+    from ferry.train.assembly import Job
     from ferry.train.state import TrainState
 
 
@@ -39,16 +39,15 @@ class OpenedRun:
 
 
 def open_run(
-    parts: RunParts,
+    job: Job,
+    description: dict,
     state: TrainState,
-    initial_weights: str | None,
     found: Found | None,
     resumed_step: int | None,
     resume_times: dict,
-    overlap: dict,
 ) -> OpenedRun:
-    """Prepare the run directory and the sinks of the run at `state`, resumed at `resumed_step` (None: fresh)."""
-    job = parts.job
+    """Prepare the run directory and the sinks of the run at `state`, resumed at `resumed_step` (None: fresh);
+    run.json opens with `description` (`ferry.train.announcements.describe`)."""
     config = job.config
     run_dir = config.run.path
 
@@ -64,7 +63,7 @@ def open_run(
                     checkpoint_dir = config.checkpoint.path(run_dir)
                     abandoned = set_aside_abandoned(checkpoint_dir, resumed_step, found.checkpoint.path)
                 resumed_from = resume_record(found, state.carried, resume_times)
-                record = RunRecord(run_dir, {**describe(parts, initial_weights, overlap), "resumed_from": resumed_from})
+                record = RunRecord(run_dir, {**description, "resumed_from": resumed_from})
             hub = build_sinks(
                 config.metrics,
                 run_dir,

@@ -25,7 +25,8 @@ from ferry.train.step_context import ForwardPass, TrainingContext
 from ferry.train.step_statistics import StepStatistics
 
 if TYPE_CHECKING:
-    from ferry.train.assembly import RunParts
+    from ferry.precision import PrecisionPolicy
+    from ferry.train.assembly import Job, ModelParts
 
 
 class PipelineContext(TrainingContext):
@@ -142,17 +143,18 @@ def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if parts[0] is None else torch.cat(parts)
 
 
-def step_context(parts: RunParts, *context_args, step_weights=None) -> TrainingContext:
+def step_context(
+    job: Job, parts: ModelParts, precision: PrecisionPolicy, seq_len: int, *context_args, step_weights=None
+) -> TrainingContext:
     """The run's step context: plain accumulation, or the pipeline's schedule when `parallel.pp` > 1 (its stages
-    built here, exchanging the shapes of the run's micro-batches)."""
-    plan = parts.model.plan
+    built here, exchanging the shapes of the run's micro-batches of `seq_len` tokens)."""
+    plan = parts.plan
     if not plan.pipelined:
         return TrainingContext(*context_args, step_weights=step_weights)
-    config = parts.job.config
+    config = job.config
     model = config.model
-    precision = parts.numerics.precision
     shapes = ExchangedShapes(
-        rows=config.train.micro_batch, seq_len=parts.data.kind.sequence_length(config, parts.data.loader),
+        rows=config.train.micro_batch, seq_len=seq_len,
         dim=model.dim, vocab_size=model.vocab_size, activation_dtype=precision.torch_param_dtype,
         logits_dtype=precision.torch_compute_dtype if precision.autocast else precision.torch_param_dtype,
         loss_chunk=config.train.loss_chunk,
@@ -161,7 +163,7 @@ def step_context(parts: RunParts, *context_args, step_weights=None) -> TrainingC
 
     def pipeline(loss) -> Pipeline:
         return build_pipeline(
-            parts.model.model, plan.split, plan.pp.rank, plan.pp.group, parts.job.device, config.parallel.pp_schedule,
+            parts.model, plan.split, plan.pp.rank, plan.pp.group, job.device, config.parallel.pp_schedule,
             micro_batches, shapes, loss,
         )
 

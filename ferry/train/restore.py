@@ -41,16 +41,20 @@ from ferry.train.optimizer import learning_rate
 from ferry.train.state import TrainState
 
 if TYPE_CHECKING:
-    from ferry.train.assembly import RunParts
+    from ferry.kernels import KernelSelection
+    from ferry.train.assembly import Job, ModelParts, Numerics, RunData
+    from ferry.train.objectives.base import Objective
 
 
-def checkpoint_state(parts: RunParts, state: TrainState) -> tuple[dict[str, TensorPiece], CheckpointMeta]:
+def checkpoint_state(
+    job: Job, numerics: Numerics, model: ModelParts, data: RunData, objective: Objective, environment: dict,
+    state: TrainState,
+) -> tuple[dict[str, TensorPiece], CheckpointMeta]:
     """This rank's share of the train state under logical names, and the manifest's metadata."""
-    job, numerics, model = parts.job, parts.numerics, parts.model
     config = job.config
     step = state.step
     pieces = train_state_pieces(model.model, model.optimizer, model.plan, job.device)
-    digest = parts.data.tokenizer_digest
+    digest = data.tokenizer_digest
     train_state = {
         "data_cursor": state.state_dict()["data_cursor"],
         "schedule": {
@@ -65,7 +69,7 @@ def checkpoint_state(parts: RunParts, state: TrainState) -> tuple[dict[str, Tens
         "loss_scaler": {"kind": numerics.scaler.kind, **numerics.scaler.state_dict()},
         "precision": numerics.precision.as_dict(),
         "tokens_seen": state.tokens_seen,
-        "objective": parts.objective.state(),
+        "objective": objective.state(),
         **({"tokenizer": {"encoding_sha256": digest}} if digest else {}),
     }
     meta = CheckpointMeta(
@@ -74,28 +78,30 @@ def checkpoint_state(parts: RunParts, state: TrainState) -> tuple[dict[str, Tens
         layout=Layout(**{key: value for key, value in job.layout.record().items() if key in Layout.model_fields}),
         model_config=config.model.model_dump(mode="json"),
         run_config=config.model_dump(mode="json"),
-        environment=parts.instruments.environment,
+        environment=environment,
         train_state=train_state,
     )
     return pieces, meta
 
 
-def restore(parts: RunParts, checkpoint: Checkpoint, state: TrainState) -> tuple[TrainState, list[str]]:
+def restore(
+    job: Job, numerics: Numerics, model: ModelParts, data: RunData, objective: Objective, tokens_per_step: int,
+    checkpoint: Checkpoint, state: TrainState,
+) -> tuple[TrainState, list[str]]:
     """Continue from `checkpoint` in this run's layout: weights, optimizer state, scaler, RNG, data position.
 
     Returns the state the checkpoint describes, with what came over, and notes for the user: config fields that
     differ from the checkpoint's (a different model is refused) and states that could not be carried over.
     """
-    job, numerics, model = parts.job, parts.numerics, parts.model
     config = job.config
     notes = [f"config differs from the checkpoint's: {line}" for line in check_config(checkpoint, config)]
     check_resumable(checkpoint)
     recorded = (checkpoint.manifest.train_state.get("tokenizer") or {}).get("encoding_sha256")
-    digest = parts.data.tokenizer_digest
+    digest = data.tokenizer_digest
     if recorded and digest and recorded != digest:
         raise UserError(
             f"resume: {checkpoint.path} was trained on text tokenized otherwise than this run's data "
-            f"({parts.data.loader.datasets[0].label}: encoding digest {digest[:12]}, the checkpoint's "
+            f"({data.loader.datasets[0].label}: encoding digest {digest[:12]}, the checkpoint's "
             f"{recorded[:12]}); prepare the data with the run's tokenizer (ferry data prepare --tokenizer)"
         )
     with checkpoint:
@@ -123,8 +129,8 @@ def restore(parts: RunParts, checkpoint: Checkpoint, state: TrainState) -> tuple
     else:
         kind = saved_scaler["kind"] if saved_scaler else "absent"
         carried["loss_scaler"] = f"not in use here (the checkpoint's: {kind})"
-    restored = state.load_state_dict(saved, parts.instruments.tokens_per_step).with_carried(carried)
-    parts.objective.load_state(saved.get("objective"))
+    restored = state.load_state_dict(saved, tokens_per_step).with_carried(carried)
+    objective.load_state(saved.get("objective"))
     return restored, notes
 
 
@@ -150,10 +156,9 @@ def check_resumable(checkpoint: Checkpoint) -> None:
         )
 
 
-def initialize_from(parts: RunParts, path: Path) -> tuple[dict[str, str], list[str]]:
+def initialize_from(job: Job, model: ModelParts, path: Path) -> tuple[dict[str, str], list[str]]:
     """Start from the weights of the checkpoint at `path` (of the same model), and its AdamW state with
     `init_optimizer`; data position, step counter and schedule start fresh. Returns what came over and a note."""
-    job, model = parts.job, parts.model
     config = job.config
     if not path.exists():
         raise UserError(f"init_from: {str(path)!r} does not exist")
@@ -179,15 +184,19 @@ def initialize_from(parts: RunParts, path: Path) -> tuple[dict[str, str], list[s
 
 
 def resume_from(
-    parts: RunParts, resume: str | None, state: TrainState
+    job: Job,
+    model: ModelParts,
+    resume: str | None,
+    state: TrainState,
+    restore_found: Callable[[Checkpoint, TrainState], tuple[TrainState, list[str]]],
 ) -> tuple[Found | None, TrainState, list[str], dict[str, float]]:
-    """Restore the checkpoint `resume` points to, if any (found None: the run does not resume); the state it
-    describes (`state` itself when nothing was restored) and the notes.
+    """Restore the checkpoint `resume` points to, if any (found None: the run does not resume), by
+    `restore_found` (`restore` given the run's records); the state it describes (`state` itself when nothing
+    was restored) and the notes.
 
     Also returns the seconds spent verifying and restoring it: the part of a move's
     switching lead time that the checkpoint itself costs.
     """
-    job, model = parts.job, parts.model
     config = job.config
     if resume is None:
         return None, state, [], {}
@@ -203,11 +212,13 @@ def resume_from(
     verified = time.perf_counter()
     notes = []
     if found.checkpoint:
-        state, notes = restore(parts, found.checkpoint, state)
+        state, notes = restore_found(found.checkpoint, state)
     return found, state, notes, {"verify_s": verified - started, "restore_s": time.perf_counter() - verified}
 
 
-def draw_deferred_weights(parts: RunParts, progress: Callable[[], None]) -> str | None:
+def draw_deferred_weights(
+    job: Job, kernels: KernelSelection, model: ModelParts, progress: Callable[[], None]
+) -> str | None:
     """Give a run that resumed from nothing the weights a run from scratch starts from; return their digest
     (main rank only, else None).
 
@@ -218,12 +229,12 @@ def draw_deferred_weights(parts: RunParts, progress: Callable[[], None]) -> str 
     ends where that run's does), and each rank copies its piece of every tensor (the layout-neutral load
     path of a checkpoint). `progress` is called as each parameter is drawn and once they are all in place.
     """
-    config = parts.job.config
+    config = job.config
     torch.default_generator.manual_seed(config.run.seed)
-    drawn = Transformer(config.model, parts.numerics.kernels, initialise=False)  # its constructors draw too
+    drawn = Transformer(config.model, kernels, initialise=False)  # its constructors draw too
     drawn.reset_parameters(progress)
-    targets = parts.model.model.state_dict()
+    targets = model.model.state_dict()
     for name, whole in drawn.state_dict().items():
-        copy_into_piece(targets, name, whole, parts.model.plan)
+        copy_into_piece(targets, name, whole, model.plan)
     progress()
-    return weights_digest(drawn) if parts.job.is_main else None
+    return weights_digest(drawn) if job.is_main else None

@@ -38,8 +38,8 @@ from ferry.train.optimizer import learning_rate
 from ferry.train.overlap_trial import choose_overlap
 from ferry.train.pipeline_context import step_context
 from ferry.train.resilience.core import Resilience
-from ferry.train.restore import checkpoint_state, draw_deferred_weights, initialize_from, resume_from
-from ferry.train.announcements import announce, describe_hardware
+from ferry.train.restore import checkpoint_state, draw_deferred_weights, initialize_from, restore, resume_from
+from ferry.train.announcements import announce, describe, describe_hardware
 from ferry.train.run_dir.lock import RunDirLock
 from ferry.train.opening import open_run, report_set_aside
 from ferry.train.state import TrainState
@@ -76,9 +76,11 @@ class Trainer:
         self.initial_weights = model.initial_weights
         self.hub: MetricsHub | None = None
         self._run_lock: RunDirLock | None = None
+        seq_len = self.parts.data.kind.sequence_length(config, self.parts.data.loader)
         self.context: TrainingContext = step_context(
-            self.parts, model.model, job.device, model.reductions, partial(self.parts.numerics.autocast, job.device),
-            self.parts.instruments.metrics.timer, self.parts.numerics.scaler, model.optimizer,
+            job, model, self.parts.numerics.precision, seq_len, model.model, job.device, model.reductions,
+            partial(self.parts.numerics.autocast, job.device), self.parts.instruments.metrics.timer,
+            self.parts.numerics.scaler, model.optimizer,
             self.resilience.phase, self.resilience.watchdog.touch, self._after_backward, self._apply_gradients,
             step_weights=model.step_weights,
         )
@@ -140,7 +142,11 @@ class Trainer:
         resume = parts.start.resume
         resilience.watch_loading()
         resilience.note_agent_restart(list(parts.start.restart_counts))
-        found, self.state, notes, resume_times = resume_from(parts, resume, self.state)
+        restore_found = partial(
+            restore, parts.job, parts.numerics, parts.model, parts.data, parts.objective,
+            parts.instruments.tokens_per_step,
+        )
+        found, self.state, notes, resume_times = resume_from(parts.job, parts.model, resume, self.state, restore_found)
         notes += self._weights_if_not_resumed(found)
         notes += parts.objective.prepare(self.context)
         overlap = parts.model.plan.ep_overlap
@@ -148,10 +154,16 @@ class Trainer:
             overlap = choose_overlap(self, config.parallel.ep_overlap_trial_steps)
         # `latest` with nothing to resume from is a run resumed at step 0: its records are its own
         resumed_step = found.checkpoint.step if found and found.checkpoint else (0 if resume == "latest" else None)
-        opened = open_run(parts, self.state, self.initial_weights, found, resumed_step, resume_times, overlap)
+        description = describe(
+            parts.job, parts.numerics, parts.model, parts.instruments, parts.data.loader, self.initial_weights, overlap
+        )
+        opened = open_run(parts.job, description, self.state, found, resumed_step, resume_times)
         self.hub, self._run_lock = opened.hub, opened.lock
         checkpoints = self._checkpoints(resumed_step)
-        announce(parts, opened.hub, config.run.path, found, notes, overlap)
+        step_size = parts.data.kind.step_unit(config, parts.instruments.tokens_per_step)
+        announce(
+            parts.job, parts.numerics, parts.model, parts.instruments.size, step_size, opened.hub, found, notes, overlap
+        )
         report_set_aside(opened, checkpoints, resumed_step, config.train.steps)
         resume_info = {
             **resume_times,
@@ -167,11 +179,14 @@ class Trainer:
         resumed = bool(found and found.checkpoint)
         if self.parts.model.draw_deferred and not resumed:
             resilience.watchdog.phase("initial weights draw")
-            self.initial_weights = draw_deferred_weights(self.parts, resilience.watchdog.touch)
+            parts = self.parts
+            self.initial_weights = draw_deferred_weights(
+                parts.job, parts.numerics.kernels, parts.model, resilience.watchdog.touch
+            )
             resilience.watchdog.phase("checkpoint load")
         if config.init_from is None or resumed:
             return []
-        carried, notes = initialize_from(self.parts, Path(config.init_from))
+        carried, notes = initialize_from(self.parts.job, self.parts.model, Path(config.init_from))
         self.state = self.state.with_carried(carried)
         return notes
 
@@ -179,6 +194,14 @@ class Trainer:
         """The hooks of the run as it stands: resilience's alone while it loads (an overlap trial's steps), all of
         them once the run is open."""
         self.hooks.after_backward(step, model)
+
+    def _checkpoint_state(self):
+        """What a save of the run as it stands holds: this rank's pieces and the manifest's metadata."""
+        parts = self.parts
+        return checkpoint_state(
+            parts.job, parts.numerics, parts.model, parts.data, parts.objective, parts.instruments.environment,
+            self.state,
+        )
 
     def _checkpoints(self, resumed_step: int | None) -> CheckpointManager:
         config, parts = self.config, self.parts
@@ -193,13 +216,14 @@ class Trainer:
         config, parts, resilience = self.config, self.parts, self.resilience
         trace = TorchTrace(config.profile, config.run.path, parts.job.device, parts.job.rank)
         saves = CheckpointHook(
-            config.checkpoint, resilience.job_mtbf_s, checkpoints, lambda: checkpoint_state(parts, self.state),
+            config.checkpoint, resilience.job_mtbf_s, checkpoints, self._checkpoint_state,
             resilience.watchdog, resilience.injector, resilience.agree, hub.message, parts.job.is_main,
             resumed_step or 0,
         )
         records = RecordsHook(
             hub, record, parts.instruments.metrics, lambda: {**resilience.finish(), **saves.summary()}, checkpoints,
-            config.run.path, config.train.steps, config.train.stop_at, partial(describe_hardware, parts),
+            config.run.path, config.train.steps, config.train.stop_at,
+            lambda: describe_hardware(parts.numerics, parts.instruments.metrics.peak),
             data_realised=lambda: realised_counts(parts.data.loader, self.state.cursor),
         )
         evaluation = EvaluationHook(resilience.watchdog, self._evaluation_due, self.evaluate, hub.message)

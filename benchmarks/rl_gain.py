@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ferry.data import PrepareSpec, prepare_dataset
 from ferry.data.records import RecordDataset
+from ferry.inference.generate import generate
 from ferry.inference.loading import load_model
 from ferry.train.config import load_run_config
 from ferry.train.objectives.grpo import EVAL_SAMPLES, solved_prompts
@@ -55,8 +57,9 @@ def prepare(work: Path) -> dict[str, Path]:
 def solve_rates(run_dir: Path, held_out: RecordDataset) -> tuple[float, float]:
     model = load_model(run_dir, device="cpu").model
     verify = VERIFIERS["numeric"]
-    sampled = solved_prompts(model, held_out, verify, 4, temperature=1.0, samples=EVAL_SAMPLES) / len(held_out)
-    greedy = solved_prompts(model, held_out, verify, 4) / len(held_out)
+    generation = partial(generate, model)
+    sampled = solved_prompts(generation, held_out, verify, 4, temperature=1.0, samples=EVAL_SAMPLES) / len(held_out)
+    greedy = solved_prompts(generation, held_out, verify, 4) / len(held_out)
     return sampled, greedy
 
 

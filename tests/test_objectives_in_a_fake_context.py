@@ -4,7 +4,7 @@ settings, its data and its reference, so its step is tested on its own, without 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,11 +15,13 @@ from ferry.comm.reductions import RankReductions
 from ferry.data import PrepareSpec, prepare_dataset
 from ferry.data.config import DataConfig
 from ferry.data.records import RecordLoader
+from ferry.inference.generate import generate
 from ferry.model import ModelConfig, Transformer
 from ferry.train.objectives.base import RecordTraining
 from ferry.train.objectives.config import DPOConfig, GRPOConfig
 from ferry.train.objectives.dpo import DPO_STATISTICS, DPOObjective
 from ferry.train.objectives.grpo import GRPO_STATISTICS, GRPOObjective
+from ferry.train.step_context import ForwardPass, ScoringPass
 from ferry.train.step_statistics import StepStatistics
 
 CPU = torch.device("cpu")
@@ -41,17 +43,30 @@ class FakeContext:
         self.events: list[str] = []
         self.touches = 0
 
-    def autocast(self):
-        return nullcontext()
-
     @contextmanager
     def phase(self, name: str):
         self.events.append(name)
         yield
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.events.append("backward")
-        loss.backward()
+    def train_passes(self, passes: list[ForwardPass], statistics: StepStatistics) -> None:
+        for forward in passes:
+            self.events.append("forward")
+            output = self.model(
+                forward.tokens_BS, document_ids_BS=forward.document_ids_BS, padding_BS=forward.padding_BS,
+                targets=forward.head,
+            )
+            parts = forward.loss(output)
+            self.events.append("backward")
+            parts.objective.backward()
+            if forward.counted:
+                statistics.add(parts, output, forward.share)
+
+    @torch.no_grad()
+    def score(self, scoring: ScoringPass, model: torch.nn.Module | None = None) -> torch.Tensor:
+        return scoring.reduce((model or self.model)(scoring.tokens_BS, padding_BS=scoring.padding_BS))
+
+    def generate(self, prompts, config, end_ids, row_seeds, progress=None):
+        return generate(self.model, prompts, config, end_ids=end_ids, row_seeds=row_seeds, progress=progress)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

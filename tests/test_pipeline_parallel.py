@@ -177,7 +177,6 @@ def test_a_pipeline_with_zero1_on_4_ranks_trains_as_one_process(reference, stdli
           "train.loss_chunk=0", "train.micro_batch=1", "train.global_batch=5"), 2,
          "zero_bubble runs a step's micro-batches in rounds of about parallel.pp (2): at least 2 that split into "
          "equal rounds (a multiple of 2 always does); this run has 5"),
-        (("train.objective=dpo",), 2, "train.objective dpo is not run under pipeline parallelism"),
         (("eval.sources=[{name: held_out, path: data}]",), 2, "eval.sources is not supported with pipeline"),
         (("model.skip=farskip",), 2, "model.skip=farskip is not supported with pipeline parallelism"),
         ((), 3, "parallel.pp: 2 does not divide the world size 3"),
@@ -185,7 +184,7 @@ def test_a_pipeline_with_zero1_on_4_ranks_trains_as_one_process(reference, stdli
     ],
     ids=[
         "uneven-split", "split-sum", "1f1b-micro-batches", "interleaved-rounds", "zero-bubble-kernels",
-        "zero-bubble-rounds", "dpo", "eval", "farskip", "world", "ep",
+        "zero-bubble-rounds", "eval", "farskip", "world", "ep",
     ],
 )
 def test_a_pipeline_the_run_cannot_take_is_refused_before_any_rank_starts(

@@ -417,3 +417,47 @@ def test_dpo_and_grpo_steps_are_unchanged_by_how_a_step_runs(tmp_path, task, sft
     losses = {name: train(_config(tmp_path, name, [*common, *extra])).losses for name, extra in variants.items()}
     assert losses["recomputed"] == losses["plain"]
     assert losses["bf16-per-step"] == losses["bf16-per-use"] != losses["plain"]
+
+
+@pytest.mark.parametrize(
+    ("objective", "layout"),
+    [("dpo", ("parallel.pp=2",)), ("grpo", ("parallel.pp=2",)), ("dpo", ("parallel.pp=2", "parallel.ep=2"))],
+    ids=["dpo-pp2", "grpo-pp2", "dpo-pp2xep2"],
+)
+def test_a_pipeline_trains_dpo_and_grpo_as_one_process_does(tmp_path, task, sft, objective, layout):
+    """Each objective's passes through two pipeline stages: the reference scored stage to stage, the rollouts
+    decoded stage to stage with each stage's cache (the same tokens drawn), pairs and completions padded to the
+    schedule's shape and the step filled up with passes that weigh nothing. fp32 and the held-out sets on: the
+    losses and figures within the layout tolerance of tests/test_pipeline_parallel.py (1e-6 relative), or 1e-6
+    absolute for those that start at zero (the margins of a policy still equal to its reference, the KL: padded
+    shapes sum the same log-probs in another order, 4e-9 apart at the first step)."""
+    import distributed_training as runs
+
+    from ferry.comm.spawn import run_on_ranks
+
+    data = task["pairs"] if objective == "dpo" else task["prompts"]
+    held_out = task["pairs-held-out"] if objective == "dpo" else task["prompts-held-out"]
+    overrides = [
+        f"train.objective={objective}", f"init_from={sft}", f"data.sources=[{{name: d, path: {data}}}]",
+        f"eval.sources=[{{name: held, path: {held_out}}}]", "eval.interval=2", "grpo.eval_max_new_tokens=2",
+        "model.vocab_size=576", "data.seq_len=64", "train.steps=3", "checkpoint.interval=0", "optim.lr=1e-3",
+        "train.global_batch=8", "train.micro_batch=2", "grpo.group_size=4", "grpo.max_new_tokens=3",
+        "grpo.verifier=numeric", "grpo.kl_coef=0.05", "grpo.iterations=2",
+    ]
+    single = runs.train_run(str(data), str(tmp_path / "one"), *overrides)
+    ranks = run_on_ranks(runs.train_run, 2 * (2 if "parallel.ep=2" in layout else 1), str(data),
+                         str(tmp_path / "pipelined"), *overrides, *layout)
+    assert all(rank["losses"] == ranks[0]["losses"] for rank in ranks)
+    figures = ("loss", "aux_loss", "z_loss", "grad_norm") + (
+        ("rewards/margin", "logps/chosen") if objective == "dpo" else ("kl", "clip_fraction", "completion_length")
+    )
+    for pipelined, alone in zip(ranks[0]["records"], single["records"], strict=True):
+        for figure in figures:
+            assert pipelined[figure] == pytest.approx(alone[figure], rel=1e-6, abs=1e-6), figure
+        assert pipelined["moe.tokens_per_expert"] == alone["moe.tokens_per_expert"]
+        for key in [key for key in alone if key.startswith("eval/")]:
+            assert pipelined[key] == pytest.approx(alone[key], rel=1e-6, abs=1e-6), key
+    if objective == "grpo":
+        assert [r["reward"] for r in ranks[0]["records"]] == [r["reward"] for r in single["records"]]
+        assert max(r["reward"] for r in single["records"]) > 0, "nothing trained: the comparison would be empty"
+        assert any("eval/solve_rate" in record for record in single["records"])

@@ -19,13 +19,14 @@ from torch import nn
 from ferry.model import ModelOutput, MoEStats, Transformer
 from ferry.model.head_loss import HeadLoss, HeadTargets, chunked_head_loss
 
-RouterTerm = Callable[[list[MoEStats]], torch.Tensor]
+RouterTerm = Callable[[list[MoEStats], int], torch.Tensor]
 
 
 class StageModule(nn.Module):
     """Stage `stage_index` of `num_stages`: the blocks `blocks` of `model` (already pruned to this rank's stages),
-    with the embedding on the first stage and the norm and head on the last. `router_term` turns the stage's MoE
-    statistics of one micro-batch into the (scaled) loss term whose gradient joins the residual stream's;
+    with the embedding on the first stage and the norm and head on the last. `router_term(stats, index)` turns the
+    stage's MoE statistics of micro-batch `index` (its forwards run in micro-batch order, counted from the last
+    `take_kept`) into the (scaled) loss term whose gradient joins the residual stream's;
     `loss_chunk` > 0 computes the head and the loss together by chunks of that many tokens."""
 
     def __init__(self, model: Transformer, stage_index: int, num_stages: int, blocks: tuple[int, ...], loss_chunk: int):
@@ -60,9 +61,10 @@ class StageModule(nn.Module):
             x_BSD, layer_stats = block(x_BSD, None, visible_BSS, padding_BS)
             if layer_stats is not None:
                 stats.append(layer_stats)
+        index = len(self.kept_stats)
         self.kept_stats.append([_detached(layer) for layer in stats])
         if stats and self.router_term is not None and torch.is_grad_enabled():
-            x_BSD = _RouterLossGradient.apply(x_BSD, self.router_term(stats))
+            x_BSD = _RouterLossGradient.apply(x_BSD, self.router_term(stats, index))
         if not self.is_last:
             return x_BSD
         h_BSD = self.norm(x_BSD)

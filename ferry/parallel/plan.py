@@ -118,8 +118,10 @@ class ParallelPlan:
         return self.replicas is None or self.replicas.rank == 0
 
     def lay_out_frozen(self, model: Transformer) -> None:
-        """Give a second model (a frozen reference, built like the trained one) this plan's placement, so
-        checkpoint pieces land in it as in the trained model and its forwards join the same all-to-alls."""
+        """Give a second model (a frozen reference, built like the trained one) this plan's stages and placement,
+        so checkpoint pieces land in it as in the trained model and its forwards join the same all-to-alls (and
+        pass between the same pipeline stages)."""
+        self.stages.place(model, self.groups)
         self.placement.lay_out_frozen(model, self.groups)
 
     @property

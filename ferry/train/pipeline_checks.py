@@ -28,13 +28,9 @@ def check_pipeline(config: PipelinedRun, layout: JobLayout) -> None:
     layout was laid out)."""
     parallel, train = config.parallel, config.train
     pp = parallel.pp
-    if train.objective != "lm":
-        raise UserError(
-            f"parallel.pp: train.objective {train.objective} is not run under pipeline parallelism (its steps call "
-            "the whole model for sampling or reference log-probabilities); set parallel.pp=1"
-        )
     refused = (
-        (bool(config.eval.sources), "eval.sources", "the held-out evaluation runs the whole model on one rank",
+        (train.objective == "lm" and bool(config.eval.sources), "eval.sources",
+         "the held-out evaluation runs the whole model on one rank",
          "eval.sources=[] (evaluate the checkpoints afterwards with ferry eval)"),
         (parallel.ep_overlap == "auto", "parallel.ep_overlap=auto", "its trial steps run the whole model",
          "parallel.ep_overlap to none or chunked"),

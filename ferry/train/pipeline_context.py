@@ -1,28 +1,41 @@
 """The step context of a pipeline-parallel run: a step's micro-batches go through torch's pipeline schedule instead
-of a loop of forwards and backwards, and nothing else an objective sees changes.
+of a loop of forwards and backwards, scoring and generation pass from stage to stage, and nothing else an objective
+sees changes.
 
 Every rank of a pipeline reads the same rows (the data is split over the pipeline's replicas only) and hands all
-its micro-batches to the schedule at once. The last stage's loss function is the objective's own loss of each
-micro-batch; the routers' losses of every stage enter through their stage's gradient (`StageModule`), weighted
-as the single process weights them, and every stage adds its layers' statistics to the step's sums, which the
-trainer then reduces over all ranks as usual. The stages' busy times give the step's bubble fraction.
+its micro-batches to the schedule at once. The schedule exchanges shapes fixed in advance (the objective's
+`PassShape`): a shorter micro-batch is padded to them (positions marked padding, which the routers leave out and
+causal attention never lets a real position see), and a step with fewer micro-batches than the schedule runs is
+filled with passes of padding that weigh nothing. The last stage's loss function is the objective's own loss of
+each micro-batch, on its own rows and positions; the routers' losses of every stage enter through their stage's
+gradient (`StageModule`), weighted by that micro-batch's share as the single process weights them, and every stage
+adds its layers' statistics to the step's sums, which the trainer then reduces over all ranks as usual. Sums an
+objective makes itself (rewards, pairs ranked right) are its replica's: every rank of a pipeline computes them
+alike, so the last stage's count and the others' are dropped. The stages' busy times give the step's bubble
+fraction. Scoring and generation run without the schedule (`ferry.parallel.pipeline_forward`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
+from ferry.comm.reductions import RankReductions
+from ferry.data.targets import IGNORE_INDEX
 from ferry.metrics.step import memory_peak_mib
-from ferry.model import MoEConfig, MoEStats
+from ferry.model import ModelOutput, MoEConfig, MoEStats
+from ferry.model.head_loss import HeadTargets
+from ferry.parallel.pipeline_forward import StagedDecoder, StagedForward
 from ferry.parallel.pipeline_schedule import ExchangedShapes, Pipeline, build_pipeline
 from ferry.parallel.plan import ParallelPlan
 from ferry.train.objectives.losses import router_objective
-from ferry.train.step_context import ForwardPass, TrainingContext
-from ferry.train.step_statistics import StepStatistics
+from ferry.train.step_context import ForwardPass, PassShape, ScoringPass, TrainingContext
+from ferry.train.step_statistics import LossParts, StepStatistics
 
 if TYPE_CHECKING:
     from ferry.precision import PrecisionPolicy
@@ -35,37 +48,51 @@ class PipelineContext(TrainingContext):
 
     def __init__(
         self, *args, pipeline: Callable[[Callable], Pipeline], plan: ParallelPlan, moe: MoEConfig, moe_layers: int,
-        **kwargs,
+        shape: PassShape, stream_dtype: torch.dtype, **kwargs,
     ):
-        """`pipeline(loss)`: the schedule and stages, built with this context's loss of a micro-batch."""
+        """`pipeline(loss)`: the schedule and stages, built with this context's loss of a micro-batch, exchanging
+        micro-batches of `shape`; the residual stream passes between stages in `stream_dtype`."""
         super().__init__(*args, **kwargs)
         self.plan = plan
         self.rank = plan.data_rank
         self.world_size = plan.data_world_size
+        split = plan.split
+        self.last_stage = split.num_stages - 1 in split.stages_of(plan.pp.rank)
+        whole = self.reductions
+        self.reductions = RankReductions(
+            whole.context, whole.device, lambda tensor: whole.sum_tensor(tensor if self.last_stage else tensor.zero_())
+        )
         self._moe = moe
         self._moe_layers = moe_layers
+        self._shape = shape
+        self._stream_dtype = stream_dtype
         self._passes: list[ForwardPass] = []
         self._statistics: StepStatistics | None = None
         self._figures: dict = {}
         self.pipeline = pipeline(self.loss)
+        for module in self.pipeline.modules:
+            module.router_term = lambda stats, index: self._router_term(stats, self._passes[index].share)
 
     def train_passes(self, passes: list[ForwardPass], statistics: StepStatistics) -> None:
         """Every micro-batch through the schedule in one call (the schedule, not the objective, orders forwards and
-        backwards); the stages' router statistics and times collected after it."""
-        if len(passes) != self.pipeline.micro_batches:
-            raise ValueError(f"the pipeline runs {self.pipeline.micro_batches} micro-batches a step, got {len(passes)}")
+        backwards), padded to the exchanged shape and filled up to the schedule's count; the stages' router
+        statistics and times collected after it."""
+        count = self.pipeline.micro_batches
+        if len(passes) > count:
+            raise ValueError(f"the pipeline runs {count} micro-batches a step, got {len(passes)}")
+        passes = passes + [self._filler() for _ in range(count - len(passes))]
+        fitted = [self._fitted(forward) for forward in passes]
+        if any(forward.padding_BS is not None for forward in fitted):
+            fitted = [forward if forward.padding_BS is not None else _unpadded(forward) for forward in fitted]
         self._passes, self._statistics = passes, statistics
-        share = passes[0].share
-        for module in self.pipeline.modules:
-            module.router_term = lambda stats, share=share: self._router_term(stats, share)
-        rows = passes[0].tokens_BS.shape[0]
-        micro_batch_of_row = torch.arange(len(passes), device=self.device).repeat_interleave(rows)
+        rows = self._shape.rows
+        micro_batch_of_row = torch.arange(count, device=self.device).repeat_interleave(rows)
         inputs = {
-            "document_ids_BS": _joined([forward.document_ids_BS for forward in passes]),
-            "padding_BS": _joined([forward.padding_BS for forward in passes]),
-            "targets_BS": _joined([forward.head.targets_BS if forward.head else None for forward in passes]),
+            "document_ids_BS": _joined([forward.document_ids_BS for forward in fitted]),
+            "padding_BS": _joined([forward.padding_BS for forward in fitted]),
+            "targets_BS": _joined([forward.head.targets_BS if forward.head else None for forward in fitted]),
         }
-        tokens_BS = torch.cat([forward.tokens_BS for forward in passes])
+        tokens_BS = torch.cat([forward.tokens_BS for forward in fitted])
         self._watch("pipeline schedule")
         started = time.perf_counter()
         try:
@@ -74,20 +101,67 @@ class PipelineContext(TrainingContext):
                     tokens_BS, target=micro_batch_of_row, return_outputs=False,
                     **{name: value for name, value in inputs.items() if value is not None},
                 )
+            schedule_s = time.perf_counter() - started
+            self._add_stage_statistics(statistics)
         finally:
             self._passes, self._statistics = [], None
-        schedule_s = time.perf_counter() - started
-        self._add_stage_statistics(statistics, share)
         self._figures = self._stage_figures(schedule_s)
 
     def loss(self, output: torch.Tensor, micro_batch_of_row: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss function on the last stage: the objective's loss of that micro-batch, its sums added
-        to the step's statistics, scaled as a plain backward would scale it."""
+        """The schedule's loss function on the last stage: the objective's loss of that micro-batch (on its own rows
+        and positions), its sums added to the step's statistics, scaled as a plain backward would scale it."""
         forward = self._passes[int(micro_batch_of_row[0])]
         model_output = self.pipeline.modules[-1].last_output(output)
+        if model_output.logits_BSV is not None:
+            rows, positions = forward.tokens_BS.shape
+            model_output = ModelOutput(model_output.logits_BSV[:rows, :positions], [])
         parts = forward.loss(model_output)
-        self._statistics.add(parts, model_output, forward.share)
+        if forward.counted:
+            self._statistics.add(parts, model_output, forward.share)
         return self._scaler.scale_loss(parts.objective)
+
+    @torch.no_grad()
+    def score(self, scoring: ScoringPass, model: torch.nn.Module | None = None) -> torch.Tensor:
+        staged = StagedForward(model or self.model, self.plan.split, self.plan.pp, self._stream_dtype)
+        with self.autocast():
+            return staged(scoring.tokens_BS, scoring.reduce, padding_BS=scoring.padding_BS)
+
+    def keep_replica_sums(self, statistics: StepStatistics) -> None:
+        if not self.last_stage:
+            statistics.own.vector.zero_()
+
+    def _decoder(self) -> StagedDecoder:
+        return StagedDecoder(StagedForward(self.model, self.plan.split, self.plan.pp, self._stream_dtype))
+
+    def _fitted(self, forward: ForwardPass) -> ForwardPass:
+        """`forward`'s inputs padded to the exchanged shape: more positions and rows, all marked padding."""
+        rows, positions = forward.tokens_BS.shape
+        shape = self._shape
+        if (rows, positions) == (shape.rows, shape.seq_len):
+            return forward
+        if rows > shape.rows or positions > shape.seq_len:
+            raise ValueError(
+                f"a micro-batch of {rows} x {positions} tokens exceeds the pipeline's {shape.rows} x {shape.seq_len}"
+            )
+        grow = (0, shape.seq_len - positions, 0, shape.rows - rows)
+        padding_BS = torch.ones((shape.rows, shape.seq_len), dtype=torch.bool, device=self.device)
+        padding_BS[:rows, :positions] = False if forward.padding_BS is None else forward.padding_BS
+        head = forward.head
+        if head is not None:
+            head = HeadTargets(F.pad(head.targets_BS, grow, value=IGNORE_INDEX), head.chunk_tokens)
+        documents = forward.document_ids_BS
+        return replace(
+            forward, tokens_BS=F.pad(forward.tokens_BS, grow), padding_BS=padding_BS, head=head,
+            document_ids_BS=None if documents is None else F.pad(documents, grow, value=-1),
+        )
+
+    def _filler(self) -> ForwardPass:
+        """A micro-batch of padding that weighs nothing: the schedule runs a fixed count a step."""
+        shape = self._shape
+        tokens_BS = torch.zeros((shape.rows, shape.seq_len), dtype=torch.long, device=self.device)
+        padding_BS = torch.ones_like(tokens_BS, dtype=torch.bool)
+        head = HeadTargets(torch.full_like(tokens_BS, IGNORE_INDEX), shape.loss_chunk) if shape.loss_chunk else None
+        return ForwardPass(tokens_BS, None, padding_BS, head, 0.0, _nothing, counted=False)
 
     def step_figures(self) -> dict:
         return self._figures
@@ -104,14 +178,15 @@ class PipelineContext(TrainingContext):
         z = torch.stack([layer.z_loss for layer in stats]).sum() / self._moe_layers
         return aux, z
 
-    def _add_stage_statistics(self, statistics: StepStatistics, share: float) -> None:
+    def _add_stage_statistics(self, statistics: StepStatistics) -> None:
+        """Each stage's routing of the counted micro-batches (a stage's forwards run in micro-batch order)."""
         for module in self.pipeline.modules:
             kept, _ = module.take_kept()
-            for stats in kept:
-                if not stats:
+            for forward, stats in zip(self._passes, kept, strict=True):
+                if not stats or not forward.counted:
                     continue
                 aux, z = self._stage_router_losses(stats)
-                statistics.add_router(aux, z, stats, share, layers=module.moe_indices)
+                statistics.add_router(aux, z, stats, forward.share, layers=module.moe_indices)
 
     def _stage_figures(self, schedule_s: float) -> dict:
         """Each stage's busy seconds and the peak memory of the rank running it (summed over the pipeline's ranks,
@@ -143,21 +218,33 @@ def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if parts[0] is None else torch.cat(parts)
 
 
+def _unpadded(forward: ForwardPass) -> ForwardPass:
+    """`forward` with its padding stated (none) where another micro-batch of the step has some."""
+    return replace(forward, padding_BS=torch.zeros_like(forward.tokens_BS, dtype=torch.bool))
+
+
+def _nothing(output: ModelOutput) -> LossParts:
+    """A filler's loss: zero, yet joined to the output's graph so the schedule's backward runs through it."""
+    produced = output.logits_BSV if output.logits_BSV is not None else output.head_loss.lm_loss_sum
+    zero = produced.sum() * 0.0
+    return LossParts(zero, zero.detach(), zero.detach(), zero.detach(), zero.detach())
+
+
 def step_context(
-    job: Job, parts: ModelParts, precision: PrecisionPolicy, seq_len: int, *context_args, step_weights=None
+    job: Job, parts: ModelParts, precision: PrecisionPolicy, shape: PassShape, *context_args, step_weights=None
 ) -> TrainingContext:
     """The run's step context: plain accumulation, or the pipeline's schedule when `parallel.pp` > 1 (its stages
-    built here, exchanging the shapes of the run's micro-batches of `seq_len` tokens)."""
+    built here, exchanging micro-batches of the objective's `shape`)."""
     plan = parts.plan
     if not plan.pipelined:
         return TrainingContext(*context_args, step_weights=step_weights)
     config = job.config
     model = config.model
     shapes = ExchangedShapes(
-        rows=config.train.micro_batch, seq_len=seq_len,
+        rows=shape.rows, seq_len=shape.seq_len,
         dim=model.dim, vocab_size=model.vocab_size, activation_dtype=precision.torch_param_dtype,
         logits_dtype=precision.torch_compute_dtype if precision.autocast else precision.torch_param_dtype,
-        loss_chunk=config.train.loss_chunk,
+        loss_chunk=shape.loss_chunk,
     )
     micro_batches = config.train.global_batch // (plan.data_world_size * config.train.micro_batch)
 
@@ -169,5 +256,5 @@ def step_context(
 
     return PipelineContext(
         *context_args, step_weights=step_weights, pipeline=pipeline, plan=plan, moe=model.moe,
-        moe_layers=model.n_layers - model.dense_layers,
+        moe_layers=model.n_layers - model.dense_layers, shape=shape, stream_dtype=precision.torch_param_dtype,
     )

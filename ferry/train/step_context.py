@@ -1,11 +1,12 @@
 """The narrow view of a run through which an objective trains a step.
 
 An objective says what a step computes: its batches, forwards, losses and figures. The context says how that
-runs on this job: the model and its autocast, the named phases a step passes through (each a timer region and the
-hang watchdog's phase at once), the scaled backward, the optimizer update, reductions over the ranks, and a
-heartbeat for long work. The trainer builds it from the run's parts; a test builds a fake one. A way of running
-micro-batches other than plain accumulation (a pipeline schedule, checkpointed activations) goes behind these same
-methods, so no objective changes for it.
+runs on this job: every pass of the model an objective makes goes through it (training passes over a step's
+micro-batches, scoring without gradients, generation), with the named phases a step passes through (each a timer
+region and the hang watchdog's phase at once), the optimizer update, reductions over the ranks, and a heartbeat for
+long work. The trainer builds it from the run's parts; a test builds a fake one. A way of running the model other
+than one process holding all of it (a pipeline's stages, checkpointed activations) goes behind these same methods,
+so no objective changes for it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ferry.comm.reductions import RankReductions
+from ferry.inference import GenerationConfig
+from ferry.inference.generate import GenerationResult, GenerationSync, generate
 from ferry.metrics.timer import StepTimer
 from ferry.model import ModelOutput
 from ferry.model.head_loss import HeadTargets
@@ -40,11 +43,34 @@ class ForwardPass:
     head: HeadTargets | None
     share: float
     loss: Callable[[ModelOutput], LossParts]
+    counted: bool = True  # its losses and routing enter the step's statistics (not a filler's, nor a repeat's)
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """The largest micro-batch an objective trains on (`rows` of `seq_len` positions), and whether its head and loss
+    are computed together by chunks (`loss_chunk` tokens; 0: logits first): what a pipeline's stages exchange."""
+
+    rows: int
+    seq_len: int
+    loss_chunk: int
+
+
+@dataclass
+class ScoringPass:
+    """One batch the model scores without gradients: its inputs, and what to keep of its output (`reduce(output)`,
+    such as each row's summed log-probs): only that travels where the model is split over ranks."""
+
+    tokens_BS: torch.Tensor
+    padding_BS: torch.Tensor | None
+    reduce: Callable[[ModelOutput], torch.Tensor]
 
 
 class StepContext(Protocol):
-    """What an objective may use of the run. `update(step)` runs after the backwards of an update: the fault
-    hooks, then reduce, unscale, clip and step; it returns the gradient norm and whether the optimizer stepped."""
+    """What an objective may use of the run. `rank` and `world_size` place this rank among the ranks a step's
+    records are split over; `reductions` count every replica of the model once. `update(step)` runs after the
+    backwards of an update: the fault hooks, then reduce, unscale, clip and step; it returns the gradient norm and
+    whether the optimizer stepped."""
 
     model: torch.nn.Module
     device: torch.device
@@ -52,14 +78,25 @@ class StepContext(Protocol):
     world_size: int
     reductions: RankReductions
 
-    def autocast(self) -> AbstractContextManager: ...
-
     def phase(self, name: str) -> AbstractContextManager: ...
 
-    def backward(self, loss: torch.Tensor) -> None: ...
-
     def train_passes(self, passes: list[ForwardPass], statistics: StepStatistics) -> None:
-        """Forward and backward every micro-batch, however this job runs them, adding each to `statistics`."""
+        """Forward and backward every micro-batch, however this job runs them, adding the counted ones to
+        `statistics`."""
+
+    def score(self, scoring: ScoringPass, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """`scoring.reduce` of the output of the trained model (or `model`, a frozen one laid out alike), without
+        gradients, the same on every rank that holds a part of the model."""
+
+    def generate(
+        self,
+        prompts: list,
+        config: GenerationConfig,
+        end_ids: list[int],
+        row_seeds: list[int],
+        progress: Callable[[], None] | None = None,
+    ) -> GenerationResult:
+        """The trained model's completions of this rank's `prompts`, every rank decoding in step."""
 
     def zero_grad(self) -> None: ...
 
@@ -137,7 +174,45 @@ class TrainingContext:
                 )
                 parts = forward.loss(output)
             self.backward(parts.objective)
-            statistics.add(parts, output, forward.share)
+            if forward.counted:
+                statistics.add(parts, output, forward.share)
+
+    @torch.no_grad()
+    def score(self, scoring: ScoringPass, model: torch.nn.Module | None = None) -> torch.Tensor:
+        with self.autocast():
+            output = (model or self.model)(scoring.tokens_BS, padding_BS=scoring.padding_BS)
+            return scoring.reduce(output)
+
+    def generate(
+        self,
+        prompts: list,
+        config: GenerationConfig,
+        end_ids: list[int],
+        row_seeds: list[int],
+        progress: Callable[[], None] | None = None,
+    ) -> GenerationResult:
+        return generate(
+            self._decoder(), prompts, config, end_ids=end_ids, row_seeds=row_seeds, sync=self._generation_sync(),
+            progress=progress,
+        )
+
+    def keep_replica_sums(self, statistics: StepStatistics) -> None:
+        """Before the step's statistics are summed over the ranks: an objective's own sums are its replica's, each
+        rank's own here."""
+
+    def _decoder(self) -> torch.nn.Module:
+        return self.model
+
+    def _generation_sync(self) -> GenerationSync | None:
+        """Ranks decoding in step (expert parallelism and pipeline stages need every rank in every forward): the
+        longest prompt, and whether every rank has finished."""
+        reductions = self.reductions
+        if reductions.context.world_size == 1:
+            return None
+        return GenerationSync(
+            longest=lambda value: int(reductions.largest([float(value)])[0]),
+            all_finished=lambda finished: reductions.largest([0.0 if finished else 1.0])[0] == 0.0,
+        )
 
     def zero_grad(self) -> None:
         self._optimizer.zero_grad(set_to_none=True)

@@ -76,9 +76,9 @@ class Trainer:
         self.initial_weights = model.initial_weights
         self.hub: MetricsHub | None = None
         self._run_lock: RunDirLock | None = None
-        seq_len = self.parts.data.kind.sequence_length(config, self.parts.data.loader)
+        shape = self.parts.data.kind.pass_shape(config, self.parts.data.loader)
         self.context: TrainingContext = step_context(
-            job, model, self.parts.numerics.precision, seq_len, model.model, job.device, model.reductions,
+            job, model, self.parts.numerics.precision, shape, model.model, job.device, model.reductions,
             partial(self.parts.numerics.autocast, job.device), self.parts.instruments.metrics.timer,
             self.parts.numerics.scaler, model.optimizer,
             self.resilience.phase, self.resilience.watchdog.touch, self._after_backward, self._apply_gradients,
@@ -247,6 +247,7 @@ class Trainer:
         compiled_before = compile_seconds() if model.compiled["mode"] != "none" else 0.0
         try:
             outcome = objective.step(self.context, self.state.cursor, statistics)
+            self.context.keep_replica_sums(statistics)
         finally:
             self.context.release_weights()
         compiling_s = compile_seconds() - compiled_before if model.compiled["mode"] != "none" else 0.0

@@ -9,6 +9,8 @@ holding preference datasets) report the same rewards without gradients.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +19,7 @@ import torch
 
 from ferry.data import DataCursor
 from ferry.data.records import RecordDataset
-from ferry.data.targets import completion_batch
+from ferry.data.targets import Batch, completion_batch
 from ferry.inference.evaluation import held_out_due
 from ferry.metrics.progress import WorkProgress
 from ferry.train.objectives.base import RecordTraining, StepOutcome
@@ -25,10 +27,11 @@ from ferry.train.objectives.config import DPOConfig
 from ferry.train.objectives.losses import router_losses, router_objective
 from ferry.train.objectives.preference_losses import dpo_losses, token_logprobs
 from ferry.train.objectives.reference import LogprobCache
-from ferry.train.step_statistics import NamedSums
+from ferry.train.step_context import ForwardPass, ScoringPass
+from ferry.train.step_statistics import LossParts, NamedSums
 
 if TYPE_CHECKING:
-    from ferry.model import Transformer
+    from ferry.model import ModelOutput, Transformer
     from ferry.train.step_context import StepContext
     from ferry.train.step_statistics import StepStatistics
 
@@ -95,24 +98,33 @@ class DPOObjective:
     def step(self, context: StepContext, cursor: DataCursor, statistics: StepStatistics) -> StepOutcome:
         context.zero_grad()
         records = self.loader.step_records(cursor, context.rank, context.world_size)
-        reference = self.reference[self.dataset.label]
+        passes = []
         for start in range(0, len(records.indices), self.micro_batch):
             indices = records.indices[start : start + self.micro_batch]
             share = len(indices) / records.global_count
-            with context.phase("forward"), context.autocast():
-                scored = score_pairs(context.model, self.dataset, indices, self.pad_id, context.device)
-                logps_2B, tokens_2B, output = scored
-                losses_B, chosen_B, rejected_B = pair_losses(self.config, logps_2B, tokens_2B, reference[indices])
-                aux_loss, z_loss = router_losses(output)
-                objective = losses_B.sum() / records.global_count + share * router_objective(
-                    self.moe, aux_loss, z_loss
-                )
-            context.backward(objective)
-            statistics.add_router(aux_loss, z_loss, output, share)
-            statistics.own.add(**_pair_sums(losses_B, chosen_B, rejected_B, logps_2B))
-            statistics.own.add(tokens=sum(self._sequence_tokens(index) for index in indices))
+            batch = pair_batch(self.dataset, indices, self.pad_id, context.device)
+            loss = partial(self._pairs_loss, batch, indices, records.global_count, share, statistics.own)
+            passes.append(ForwardPass(batch.inputs_BS, None, batch.padding_BS, None, share, loss))
+        context.train_passes(passes, statistics)
         grad_norm, stepped = context.update(cursor.step + 1)
         return StepOutcome(stepped, grad_norm, tokens=0)
+
+    def _pairs_loss(
+        self, batch: Batch, indices: np.ndarray, pairs: int, share: float, own: NamedSums,
+        output: ModelOutput,
+    ) -> LossParts:
+        """A micro-batch's pair losses over the step's `pairs`, with its routers' share; its pairs' sums (and the
+        tokens it put through the model) added to the step's `own`."""
+        logps_2B = _answer_logps(batch.targets_BS, output)
+        tokens_2B = answer_tokens(batch.targets_BS, logps_2B.dtype)
+        reference = self.reference[self.dataset.label]
+        losses_B, chosen_B, rejected_B = pair_losses(self.config, logps_2B, tokens_2B, reference[indices])
+        aux_loss, z_loss = router_losses(output)
+        objective = losses_B.sum() / pairs + share * router_objective(self.moe, aux_loss, z_loss)
+        own.add(**_pair_sums(losses_B, chosen_B, rejected_B, logps_2B))
+        own.add(tokens=sum(self._sequence_tokens(index) for index in indices))
+        zero = torch.zeros((), dtype=logps_2B.dtype, device=logps_2B.device)
+        return LossParts(objective, zero, zero, aux_loss.detach(), z_loss.detach())
 
     def figures(self, statistics: StepStatistics, outcome: StepOutcome) -> dict:
         """The step's means over its pairs; the tokens the step scored (prompts and both answers, every rank)."""
@@ -143,9 +155,7 @@ class DPOObjective:
             for name, dataset in self.held_out.items():
                 sums = NamedSums.zeros(DPO_STATISTICS, context.device)
                 for indices in _rank_batches(len(dataset), self.config.score_batch, context.rank, context.world_size):
-                    with context.autocast():
-                        scored = score_pairs(model, dataset, indices, self.pad_id, context.device)
-                        logps_2B, tokens_2B, _ = scored
+                    logps_2B, tokens_2B = score_pairs(context.score, dataset, indices, self.pad_id, context.device)
                     reference = self.reference[dataset.label][indices]
                     losses_B, chosen_B, rejected_B = pair_losses(self.config, logps_2B, tokens_2B, reference)
                     if indices.size and indices[0] >= 0:
@@ -177,10 +187,10 @@ class DPOObjective:
         batches = list(_rank_batches(len(dataset), self.config.score_batch, context.rank, context.world_size))
         say = print if context.rank == 0 else None
         label = f"reference log-probs of {dataset.label}"
+        score = partial(context.score, model=model)
         with WorkProgress(label, len(batches), say=say, unit=f"batches of {self.config.score_batch} pairs") as work:
             for indices in batches:
-                with context.autocast():
-                    logps_2B, _, _ = score_pairs(model, dataset, indices, self.pad_id, context.device)
+                logps_2B, _ = score_pairs(score, dataset, indices, self.pad_id, context.device)
                 if indices.size and indices[0] >= 0:
                     logps_N2[indices] = logps_2B.double().view(2, -1).T
                 context.progress()  # scoring a large set is progress, not a hang
@@ -213,20 +223,40 @@ def pair_losses(
     return losses_B, chosen_B, rejected_B
 
 
-def score_pairs(
-    model: Transformer, dataset: RecordDataset, indices: np.ndarray, pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """Summed answer log-probs and answer lengths, chosen answers first then rejected (`[2B]`), and the
-    forward's output (for the router statistics)."""
+def pair_batch(dataset: RecordDataset, indices: np.ndarray, pad_id: int, device: torch.device) -> Batch:
+    """The pairs' prompts with their answers, chosen answers first then rejected (`[2B]` rows)."""
     rows = [int(index) if index >= 0 else 0 for index in indices]  # -1: a filler row that keeps ranks in step
     prompts = [dataset.field(row, "prompt") for row in rows] * 2
     answers = [dataset.field(row, "chosen") for row in rows] + [dataset.field(row, "rejected") for row in rows]
-    batch = completion_batch(prompts, answers, pad_id).to(device)
-    output = model(batch.inputs_BS, padding_BS=batch.padding_BS)
+    return completion_batch(prompts, answers, pad_id).to(device)
+
+
+def score_pairs(
+    score: Callable[[ScoringPass], torch.Tensor],
+    dataset: RecordDataset,
+    indices: np.ndarray,
+    pad_id: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed answer log-probs and answer lengths, chosen answers first then rejected (`[2B]`), scored by
+    `score` (a step context's, or `score_with(model)` in one process)."""
+    batch = pair_batch(dataset, indices, pad_id, device)
     targets_BS = batch.targets_BS
-    logps_2B = token_logprobs(output.logits_BSV, targets_BS).sum(dim=1)
-    tokens_2B = (targets_BS >= 0).sum(dim=1).to(logps_2B.dtype)
-    return logps_2B, tokens_2B, output
+    logps_2B = score(ScoringPass(batch.inputs_BS, batch.padding_BS, partial(_answer_logps, targets_BS)))
+    return logps_2B, answer_tokens(targets_BS, logps_2B.dtype)
+
+
+def score_with(model: Transformer) -> Callable[[ScoringPass], torch.Tensor]:
+    """Scoring by a whole model in this process, under the caller's autocast and gradient mode."""
+    return lambda scoring: scoring.reduce(model(scoring.tokens_BS, padding_BS=scoring.padding_BS))
+
+
+def answer_tokens(targets_BS: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (targets_BS >= 0).sum(dim=1).to(dtype)
+
+
+def _answer_logps(targets_BS: torch.Tensor, output: ModelOutput) -> torch.Tensor:
+    return token_logprobs(output.logits_BSV, targets_BS).sum(dim=1)
 
 
 def _pair_sums(losses_B, chosen_B, rejected_B, logps_2B) -> dict[str, torch.Tensor]:

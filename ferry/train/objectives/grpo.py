@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,7 +33,7 @@ from ferry.data.targets import completion_batch
 from ferry.data.tokenizer import load_tokenizer
 from ferry.inference import GenerationConfig
 from ferry.inference.evaluation import held_out_due
-from ferry.inference.generate import GenerationSync, generate
+from ferry.inference.generate import GenerationResult
 from ferry.train.objectives.base import RecordTraining, StepOutcome
 from ferry.train.objectives.config import GRPOConfig
 from ferry.train.objectives.losses import router_losses, router_objective
@@ -43,12 +44,18 @@ from ferry.train.objectives.preference_losses import (
     token_logprobs,
 )
 from ferry.train.objectives.verifiers import VERIFIERS
+from ferry.train.step_context import ForwardPass, ScoringPass
+from ferry.train.step_statistics import LossParts
 
 if TYPE_CHECKING:
-    from ferry.comm.reductions import RankReductions
-    from ferry.model import Transformer
+    from ferry.data.targets import Batch
+    from ferry.model import ModelOutput, Transformer
     from ferry.train.step_context import StepContext
-    from ferry.train.step_statistics import StepStatistics
+    from ferry.train.step_statistics import NamedSums, StepStatistics
+
+# generating completions: `(prompts, config, end_ids=..., row_seeds=..., progress=...)` -> GenerationResult, as a
+# step context's `generate`, or `ferry.inference.generate` bound to a whole model in one process
+Generation = Callable[..., GenerationResult]
 
 # the sums of a step: rewards, the groups' reward spreads, groups, completions, completion tokens, kept groups,
 # trained tokens, clipped tokens, the KL, the tokens trained on (prompts and completions of the kept groups, once
@@ -145,15 +152,19 @@ class GRPOObjective:
         rounds = int(context.reductions.largest([float(len(batches))])[0])
         if trained_tokens == 0:
             return StepOutcome(False, 0.0, tokens=0)
+        micro_batches = [
+            self._micro_batch(context, rollouts, batches[index] if index < len(batches) else [])
+            for index in range(rounds)
+        ]
         old_logps: dict[int, torch.Tensor] = {}
         grad_norm, stepped = 0.0, False
         for iteration in range(self.config.iterations):
             context.zero_grad()
-            for round_index in range(rounds):
-                rows = batches[round_index] if round_index < len(batches) else []
-                self._train_batch(
-                    context, statistics, rollouts, rows, round_index, trained_tokens, old_logps, iteration
-                )
+            passes = [
+                self._train_pass(micro, index, trained_tokens, old_logps, iteration, own)
+                for index, micro in enumerate(micro_batches)
+            ]
+            context.train_passes(passes, statistics)
             grad_norm, stepped = context.update(cursor.step + 1)
         return StepOutcome(stepped, grad_norm, tokens=0)
 
@@ -188,9 +199,8 @@ class GRPOObjective:
         for name, dataset in self.held_out.items():
             for rates, temperature, samples in ((sampled, self.config.temperature, EVAL_SAMPLES), (greedy, 0.0, 1)):
                 solved = solved_prompts(
-                    context.model, dataset, self.verify, max_new_tokens, context.rank, context.world_size,
-                    _sync(context.reductions), temperature=temperature, samples=samples, seed=self.seed,
-                    progress=context.progress,
+                    context.generate, dataset, self.verify, max_new_tokens, context.rank, context.world_size,
+                    temperature=temperature, samples=samples, seed=self.seed, progress=context.progress,
                 )
                 rates[name] = context.reductions.sum(solved) / len(dataset)
         return {"eval/solve_rate": sampled, "eval/greedy_solve_rate": greedy}
@@ -214,9 +224,7 @@ class GRPOObjective:
         prompts = [self.dataset.field(index, "prompt") for index in indices for _ in range(group)]
         seeds = [_seed(self.seed, _SEED_STREAM, step, index, sample) for index in indices for sample in range(group)]
         sampling = GenerationConfig(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature)
-        result = generate(
-            context.model, prompts, sampling, end_ids=[self.stop_id], row_seeds=seeds, sync=_sync(context.reductions)
-        )
+        result = context.generate(prompts, sampling, end_ids=[self.stop_id], row_seeds=seeds)
         completions = [np.asarray(completion.tokens, dtype=np.int64) for completion in result.completions]
         rewards = [
             self._reward(completion.tokens, self.dataset.answers[index])
@@ -230,79 +238,100 @@ class GRPOObjective:
     def _reward(self, tokens: list[int], answer: str) -> float:
         return self.verify(_text(self.tokenizer, tokens, self.stop_id), answer)
 
-    def _train_batch(
-        self,
-        context: StepContext,
-        statistics: StepStatistics,
-        rollouts: Rollouts,
-        rows: list[int],
-        round_index: int,
-        trained_tokens: int,
-        old_logps: dict[int, torch.Tensor],
-        iteration: int,
-    ) -> None:
-        """Forward and backward of one micro-batch of kept completions (or a zero-weight filler)."""
+    def _micro_batch(self, context: StepContext, rollouts: Rollouts, rows: list[int]) -> _MicroBatch:
+        """Kept completions `rows` as one micro-batch (none: a zero-weight filler that keeps the ranks in step), with
+        the reference's log-probs of its tokens when the loss has a KL term."""
         filler = not rows
         rows = rows or [0]
         prompts = [rollouts.prompts[row] for row in rows]
         completions = [rollouts.completions[row] for row in rows]
         batch = completion_batch(prompts, completions, self.pad_id).to(context.device)
-        inputs_BS, targets_BS = batch.inputs_BS, batch.targets_BS
-        mask_BS = targets_BS >= 0
         advantages_B1 = rollouts.advantages_PG.view(-1)[rows].to(context.device)[:, None]
-        weight = 0.0 if filler else 1.0
         share = 0.0 if filler else len(rows) / (self.prompts_per_step * self.config.group_size)
-        with context.phase("forward"), context.autocast():
-            output = context.model(inputs_BS, padding_BS=batch.padding_BS)
-            logps_BS = token_logprobs(output.logits_BSV, targets_BS)
-            if iteration == 0:
-                old_logps[round_index] = logps_BS.detach()
-            losses_BS, clipped_BS = clipped_policy_loss(
-                logps_BS, old_logps[round_index], advantages_B1, self.config.clip_low, self.config.clip_high
-            )
-            kl_BS = torch.zeros_like(logps_BS)
-            if self.reference_model is not None:
-                with torch.no_grad():
-                    reference_BS = token_logprobs(self.reference_model(inputs_BS).logits_BSV, targets_BS)
-                kl_BS = k3_kl(logps_BS, reference_BS)
-                losses_BS = losses_BS + self.config.kl_coef * kl_BS
-            policy_loss = (losses_BS * mask_BS).sum() / trained_tokens
-            aux_loss, z_loss = router_losses(output)
-            objective = weight * policy_loss + share * router_objective(self.moe, aux_loss, z_loss)
-        context.backward(objective)
-        if filler:
-            return
-        own = statistics.own
-        own.add(  # clipping and KL: over the tokens of every update
-            trained_tokens=mask_BS.sum().item(),
-            clipped_tokens=(clipped_BS & mask_BS).sum().item(),
-            kl=(kl_BS.detach() * mask_BS).sum().item(),
+        reference_BS = None
+        if self.reference_model is not None:
+            scoring = ScoringPass(batch.inputs_BS, batch.padding_BS, partial(_token_logprobs, batch.targets_BS))
+            reference_BS = context.score(scoring, model=self.reference_model)
+        return _MicroBatch(batch, advantages_B1, 0.0 if filler else 1.0, share, reference_BS)
+
+    def _train_pass(
+        self,
+        micro: _MicroBatch,
+        index: int,
+        trained_tokens: int,
+        old_logps: dict[int, torch.Tensor],
+        iteration: int,
+        own: NamedSums,
+    ) -> ForwardPass:
+        """One micro-batch of an update: its figures count in the first update only (a filler's never)."""
+        loss = partial(self._policy_loss, micro, index, trained_tokens, old_logps, iteration, own)
+        batch = micro.batch
+        counted = iteration == 0 and micro.weight > 0
+        return ForwardPass(batch.inputs_BS, None, batch.padding_BS, None, micro.share, loss, counted=counted)
+
+    def _policy_loss(
+        self,
+        micro: _MicroBatch,
+        index: int,
+        trained_tokens: int,
+        old_logps: dict[int, torch.Tensor],
+        iteration: int,
+        own: NamedSums,
+        output: ModelOutput,
+    ) -> LossParts:
+        """The clipped policy loss of a micro-batch's completion tokens over the step's `trained_tokens` (the KL to
+        the reference added), with its routers' share; the first update's log-probs are the old policy's."""
+        targets_BS = micro.batch.targets_BS
+        mask_BS = targets_BS >= 0
+        logps_BS = token_logprobs(output.logits_BSV, targets_BS)
+        if iteration == 0:
+            old_logps[index] = logps_BS.detach()
+        losses_BS, clipped_BS = clipped_policy_loss(
+            logps_BS, old_logps[index], micro.advantages_B1, self.config.clip_low, self.config.clip_high
         )
-        if iteration == 0:  # the loss and the routers: as the first update saw them
-            statistics.add_router(aux_loss, z_loss, output, share)
-            own.add(loss=policy_loss.detach().item())
+        kl_BS = torch.zeros_like(logps_BS)
+        if micro.reference_BS is not None:
+            kl_BS = k3_kl(logps_BS, micro.reference_BS)
+            losses_BS = losses_BS + self.config.kl_coef * kl_BS
+        policy_loss = (losses_BS * mask_BS).sum() / trained_tokens
+        aux_loss, z_loss = router_losses(output)
+        objective = micro.weight * policy_loss + micro.share * router_objective(self.moe, aux_loss, z_loss)
+        if micro.weight > 0:
+            own.add(  # clipping and KL: over the tokens of every update
+                trained_tokens=mask_BS.sum().item(),
+                clipped_tokens=(clipped_BS & mask_BS).sum().item(),
+                kl=(kl_BS.detach() * mask_BS).sum().item(),
+            )
+            if iteration == 0:  # the loss: as the first update saw it
+                own.add(loss=policy_loss.detach().item())
+        zero = torch.zeros((), dtype=logps_BS.dtype, device=logps_BS.device)
+        return LossParts(objective, zero, zero, aux_loss.detach(), z_loss.detach())
 
 
-def _sync(reductions: RankReductions) -> GenerationSync | None:
-    """Ranks decoding in step (expert parallelism needs every rank in every forward): the longest prompt, and
-    whether every rank has finished."""
-    if reductions.context.world_size == 1:
-        return None
-    return GenerationSync(
-        longest=lambda value: int(reductions.largest([float(value)])[0]),
-        all_finished=lambda finished: reductions.largest([0.0 if finished else 1.0])[0] == 0.0,
-    )
+@dataclass
+class _MicroBatch:
+    """Kept completions trained together: their batch, advantages, weight (0: a filler), share of the step's
+    completions, and the reference's log-probs of their tokens (None without a KL term)."""
+
+    batch: Batch
+    advantages_B1: torch.Tensor
+    weight: float
+    share: float
+    reference_BS: torch.Tensor | None
+
+
+def _token_logprobs(targets_BS: torch.Tensor, output: ModelOutput) -> torch.Tensor:
+    return token_logprobs(output.logits_BSV, targets_BS)
 
 
 @torch.no_grad()
 def solved_prompts(
-    model: Transformer,
+    generation: Generation,
     dataset: RecordDataset,
     verify: Callable[[str, str], float],
     max_new_tokens: int,
     rank: int = 0,
     world_size: int = 1,
-    sync: GenerationSync | None = None,
     temperature: float = 0.0,
     samples: int = 1,
     seed: int = 0,
@@ -311,7 +340,8 @@ def solved_prompts(
     """How many of this rank's share of `dataset`'s prompts are solved: each prompt counts the share of its
     `samples` completions the verifier accepts (greedy at temperature 0). Sample j of prompt i is drawn with
     the seed (seed, i, j) whatever the ranks. A rank without prompts of its own still decodes one, uncounted,
-    to stay in step with the others. `progress()` is called at every decoding step."""
+    to stay in step with the others. `generation`: a step context's, or `partial(generate, model)` in one
+    process. `progress()` is called at every decoding step."""
     tokenizer = load_tokenizer(dataset.path / dataset.tokenizer["file"])
     stop_id = tokenizer.token_id(IM_END)
     per_rank = -(-len(dataset) // world_size)
@@ -319,9 +349,8 @@ def solved_prompts(
     rows = [index for index in mine for _ in range(samples)] or [0]
     seeds = [_seed(seed, _EVAL_STREAM, index, sample) for index in mine for sample in range(samples)] or [0]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
-    result = generate(
-        model, [dataset.field(row, "prompt") for row in rows], config, end_ids=[stop_id], row_seeds=seeds, sync=sync,
-        progress=progress,
+    result = generation(
+        [dataset.field(row, "prompt") for row in rows], config, end_ids=[stop_id], row_seeds=seeds, progress=progress
     )
     if not mine:
         return 0.0

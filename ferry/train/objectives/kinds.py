@@ -23,6 +23,7 @@ from ferry.train.objectives.dpo import DPOObjective
 from ferry.train.objectives.grpo import GRPOObjective
 from ferry.train.objectives.lm import LanguageModelObjective
 from ferry.train.objectives.reference import ReferenceSource
+from ferry.train.step_context import PassShape
 
 
 class ObjectiveRun(Protocol):
@@ -72,6 +73,10 @@ class LanguageModelling:
 
     def sequence_length(self, config: ObjectiveRun, loader: MixedLoader) -> int:
         return config.data.seq_len
+
+    def pass_shape(self, config: ObjectiveRun, loader: MixedLoader) -> PassShape:
+        """Micro-batches of packed rows; the head's loss by chunks as `train.loss_chunk` says."""
+        return PassShape(config.train.micro_batch, config.data.seq_len, config.train.loss_chunk)
 
     def step_unit(self, config: ObjectiveRun, tokens_per_step: int) -> str:
         return f"{tokens_per_step:,} tokens"
@@ -127,6 +132,10 @@ class PreferenceOptimisation(_RecordObjective):
         """The longest pair: records are far shorter than `data.seq_len`."""
         return loader.dataset.longest
 
+    def pass_shape(self, config: ObjectiveRun, loader: RecordLoader) -> PassShape:
+        """Each pair twice (its prompt with the chosen, then with the rejected answer), scored from logits."""
+        return PassShape(2 * config.train.micro_batch, self.sequence_length(config, loader), 0)
+
     def step_unit(self, config: ObjectiveRun, tokens_per_step: int) -> str:
         return f"{config.train.global_batch} preference pairs"
 
@@ -148,6 +157,10 @@ class GroupRelativePolicyOptimisation(_RecordObjective):
     def sequence_length(self, config: ObjectiveRun, loader: RecordLoader) -> int:
         """The longest prompt with its completion."""
         return loader.dataset.longest + self.settings.max_new_tokens
+
+    def pass_shape(self, config: ObjectiveRun, loader: RecordLoader) -> PassShape:
+        """Each prompt's group of completions, scored from logits."""
+        return PassShape(config.train.micro_batch * self.settings.group_size, self.sequence_length(config, loader), 0)
 
     def step_unit(self, config: ObjectiveRun, tokens_per_step: int) -> str:
         return f"{config.train.global_batch} prompts x {self.settings.group_size} sampled completions"

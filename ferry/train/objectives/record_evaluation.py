@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 
 import numpy as np
 import torch
 
 from ferry.data.records import RecordDataset
+from ferry.inference.generate import generate
 from ferry.model import Transformer
 from ferry.train.objectives.config import DPOConfig, GRPOConfig
-from ferry.train.objectives.dpo import pair_losses, score_pairs
+from ferry.train.objectives.dpo import pair_losses, score_pairs, score_with
 from ferry.train.objectives.grpo import EVAL_SAMPLES, solved_prompts
 from ferry.train.objectives.verifiers import VERIFIERS
 
@@ -30,10 +32,11 @@ def prompt_figures(model: Transformer, dataset: RecordDataset, config: GRPOConfi
     longest_prompt = int((dataset.spans[:, 0, 1] - dataset.spans[:, 0, 0]).max())
     _check_fits(dataset, "prompt", longest_prompt, max_new_tokens, model)
     verify = VERIFIERS[config.verifier]
+    generation = partial(generate, model)
     sampled = solved_prompts(
-        model, dataset, verify, max_new_tokens, temperature=config.temperature, samples=EVAL_SAMPLES, seed=seed
+        generation, dataset, verify, max_new_tokens, temperature=config.temperature, samples=EVAL_SAMPLES, seed=seed
     )
-    greedy = solved_prompts(model, dataset, verify, max_new_tokens, temperature=0.0, samples=1, seed=seed)
+    greedy = solved_prompts(generation, dataset, verify, max_new_tokens, temperature=0.0, samples=1, seed=seed)
     return {
         "kind": "prompts",
         "records": len(dataset),
@@ -62,11 +65,11 @@ def preference_figures(
     for start in range(0, len(dataset), config.score_batch):
         indices = np.arange(start, min(start + config.score_batch, len(dataset)))
         with autocast or nullcontext():
-            logps_2B, tokens_2B, _ = score_pairs(model, dataset, indices, pad_id, device)
+            logps_2B, tokens_2B = score_pairs(score_with(model), dataset, indices, pad_id, device)
             chosen_B, rejected_B = logps_2B.double().view(2, -1)
             pair = [(chosen_B > rejected_B).sum(), chosen_B.sum(), rejected_B.sum()]
             if reference is not None:
-                reference_2B = score_pairs(reference, dataset, indices, pad_id, device)[0]
+                reference_2B = score_pairs(score_with(reference), dataset, indices, pad_id, device)[0]
                 _, chosen_reward_B, rejected_reward_B = pair_losses(
                     config, logps_2B, tokens_2B, reference_2B.double().view(2, -1).T
                 )

@@ -47,6 +47,7 @@ from ferry.data import PrepareSpec, prepare_dataset
 from ferry.data.tokenizer import encoding_digest
 from ferry.inference import EvalConfig, HeldOutEvaluation, HeldOutSource, load_model
 from ferry.inference.loading import build_model
+from ferry.inference.scoring import score_with
 from ferry.train import load_run_config, train
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -145,7 +146,7 @@ def held_out_loss(run_dir: Path, held_out: Path, seq_len: int, tokens: int) -> f
         EvalConfig(sources=[source], batches=batches, batch_size=EVAL_BATCH), seq_len, EVAL_BATCH, EVAL_BATCH
     )
     evaluation.check_tokenizer(encoding_digest(loaded.tokenizer), model.config.vocab_size, str(loaded.tokenizer_path))
-    return evaluation.run(model, next(model.parameters()).device)["held_out"].loss
+    return evaluation.run(score_with(model), next(model.parameters()).device)["held_out"].loss
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict[str, dict[str, float]]:

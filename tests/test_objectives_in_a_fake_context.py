@@ -21,7 +21,8 @@ from ferry.train.objectives.base import RecordTraining
 from ferry.train.objectives.config import DPOConfig, GRPOConfig
 from ferry.train.objectives.dpo import DPO_STATISTICS, DPOObjective
 from ferry.train.objectives.grpo import GRPO_STATISTICS, GRPOObjective
-from ferry.train.step_context import ForwardPass, ScoringPass
+from ferry.inference.scoring import ScoringPass
+from ferry.train.step_context import ForwardPass
 from ferry.train.step_statistics import StepStatistics
 
 CPU = torch.device("cpu")

@@ -177,14 +177,13 @@ def test_a_pipeline_with_zero1_on_4_ranks_trains_as_one_process(reference, stdli
           "train.loss_chunk=0", "train.micro_batch=1", "train.global_batch=5"), 2,
          "zero_bubble runs a step's micro-batches in rounds of about parallel.pp (2): at least 2 that split into "
          "equal rounds (a multiple of 2 always does); this run has 5"),
-        (("eval.sources=[{name: held_out, path: data}]",), 2, "eval.sources is not supported with pipeline"),
         (("model.skip=farskip",), 2, "model.skip=farskip is not supported with pipeline parallelism"),
         ((), 3, "parallel.pp: 2 does not divide the world size 3"),
         (("parallel.ep=2",), 2, "parallel.ep: 2 does not divide the 1 ranks of each pipeline stage"),
     ],
     ids=[
         "uneven-split", "split-sum", "1f1b-micro-batches", "interleaved-rounds", "zero-bubble-kernels",
-        "zero-bubble-rounds", "eval", "farskip", "world", "ep",
+        "zero-bubble-rounds", "farskip", "world", "ep",
     ],
 )
 def test_a_pipeline_the_run_cannot_take_is_refused_before_any_rank_starts(
@@ -197,12 +196,28 @@ def test_a_pipeline_the_run_cannot_take_is_refused_before_any_rank_starts(
 
 
 def test_a_refused_pipeline_setting_gets_its_own_reason_and_fix_only(make_config):
-    config = make_config("model.n_layers=4", "parallel.pp=2", "eval.sources=[{name: held_out, path: data}]")
+    config = make_config("model.n_layers=4", "parallel.pp=2", "model.tie_embeddings=true")
     with pytest.raises(UserError) as refused:
         config.check_world_size(2)
     message = str(refused.value)
-    assert "the held-out evaluation runs the whole model on one rank); set eval.sources=[]" in message
-    assert not any(other in message for other in ("tied", "memory model", "FarSkip", "overlap trial"))
+    assert "(the tied head lives on another stage than its embedding); set model.tie_embeddings=false" in message
+    assert not any(other in message for other in ("eval.sources", "memory model", "FarSkip", "overlap trial"))
+
+
+def test_a_pipeline_evaluates_held_out_data_as_one_process_does(stdlib_dataset, tmp_path):
+    """Held-out windows scored stage to stage while the run trains: within documents, the head and loss by chunks
+    on the last stage as the run trains them, the sums counted once per pipeline; the single process's figures
+    within the tolerance."""
+    held_out = (f"eval.sources=[{{name: held, path: {stdlib_dataset}}}]", "eval.interval=3", "train.steps=3",
+                "data.document_masking=true", "train.loss_chunk=16")
+    single = pipeline_runs.train_reporting(str(stdlib_dataset), str(tmp_path / "one"), *PIPELINED_MODEL, *held_out)
+    pp = run_on_ranks(pipeline_runs.train_reporting, 2, str(stdlib_dataset), str(tmp_path / "pp2"), *PIPELINED_MODEL,
+                      *held_out, "parallel.pp=2")
+    evaluated = [(record, alone) for record, alone in zip(pp[0]["records"], single["records"]) if "eval.loss" in alone]
+    assert len(evaluated) == 1 and "eval.loss" in evaluated[0][0]
+    for pipelined, alone in evaluated:
+        assert _relative([pipelined["eval.loss"]["held"]], [alone["eval.loss"]["held"]]) < TOLERANCE
+    assert _relative(pp[0]["losses"], single["losses"]) < TOLERANCE
 
 
 def test_ferry_train_refuses_a_bad_pipeline_with_exit_2(stdlib_dataset, tmp_path, capsys):

@@ -343,15 +343,17 @@ def test_a_replay_or_branch_asked_to_write_inside_the_release_is_refused(release
     assert not (full / "work").exists() and not (full / "branch").exists()
 
 
-def test_a_replay_on_a_pipeline_runs_without_held_out_evaluation_and_says_so(released, tmp_path, capsys):
+def test_a_replay_on_a_pipeline_evaluates_its_held_out_data_and_passes(released, tmp_path, capsys):
     code = main(["release", "replay", str(released / "full"), "--stage", "pretrain", "--steps", "6", "--env",
-                 "cpu-pp2", "--work", str(tmp_path / "pp2")])
+                 "cpu-pp2", "--work", str(tmp_path / "pp2"), "eval.interval=3"])
     captured = capsys.readouterr()
     assert code == 0, captured.err[-3000:]
-    assert ("cpu-pp2 runs a pipeline (parallel.pp 2), which cannot evaluate held-out data while it trains: "
-            "eval.sources (held_out) left out there") in captured.err
     assert "PASS under profile same-hardware (only layout, kernels or collectives differ: parallel.pp" in captured.out
-    assert yaml.safe_load((tmp_path / "pp2" / "replay" / "config.yaml").read_text())["eval"]["sources"] == []
+    replay = tmp_path / "pp2" / "replay"
+    sources = yaml.safe_load((replay / "config.yaml").read_text())["eval"]["sources"]
+    assert [source["name"] for source in sources] == ["held_out"]
+    records = [json.loads(line) for line in (replay / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records if "held_out" in record.get("eval.loss", {})] == [3, 6]
 
 
 def test_an_environments_settings_are_honoured_or_refused_never_ignored(released, tmp_path, capsys):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -24,6 +24,8 @@ from ferry.data import TokenDataset, document_ids
 from ferry.data.targets import IGNORE_INDEX, split_windows
 from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.inference.config import EvalConfig
+from ferry.inference.scoring import Scorer, ScoringPass
+from ferry.model import ModelOutput
 from ferry.model.head_loss import HeadTargets
 
 
@@ -135,23 +137,21 @@ class HeldOutEvaluation:
     @torch.no_grad()
     def run(
         self,
-        model: torch.nn.Module,
+        score: Scorer,
         device: torch.device,
         rank: int = 0,
         world_size: int = 1,
-        autocast: AbstractContextManager | None = None,
         sum_over_ranks: Callable[[torch.Tensor], None] | None = None,
         progress: Callable[[], None] | None = None,
     ) -> dict[str, SourceLoss]:
-        """Every source's mean token loss over its windows (all ranks get the same figures); `progress`
+        """Every source's mean token loss over its windows (all ranks get the same figures), each micro-batch
+        scored by `score` (a run's step context, or `score_with(model)`) among `world_size` ranks; `progress`
         is called after every forward (the hang watchdog's heartbeat)."""
         if self.batch_size % (self.micro_batch * world_size):
             raise ValueError(
                 f"a batch of {self.batch_size} does not split into micro-batches of {self.micro_batch} "
                 f"on {world_size} ranks"
             )
-        was_training = model.training
-        model.eval()
         sums_2N = torch.zeros(2 * len(self.sources), dtype=torch.float64, device=device)
         rows = self.batch_size // world_size
         for index, source in enumerate(self.sources):
@@ -162,13 +162,12 @@ class HeldOutEvaluation:
                         mine[micro_start : micro_start + self.micro_batch], self.seq_len
                     )
                     inputs_BS, targets_BS = inputs_BS.to(device), targets_BS.to(device)
-                    sums_2N[2 * index] += self._loss_sum(model, inputs_BS, targets_BS, autocast).double()
+                    sums_2N[2 * index] += score(self._scoring(inputs_BS, targets_BS)).double()
                     sums_2N[2 * index + 1] += (targets_BS != IGNORE_INDEX).sum().double()
                     if progress is not None:
                         progress()
         if sum_over_ranks is not None:
             sum_over_ranks(sums_2N)
-        model.train(was_training)
         totals = sums_2N.tolist()
         return {
             source.name: SourceLoss(totals[2 * index] / max(totals[2 * index + 1], 1.0), int(totals[2 * index + 1]))
@@ -176,18 +175,18 @@ class HeldOutEvaluation:
         }
 
 
-    def _loss_sum(
-        self, model: torch.nn.Module, inputs_BS: torch.Tensor, targets_BS: torch.Tensor, autocast
-    ) -> torch.Tensor:
-        """The summed token loss of one micro-batch."""
+    def _scoring(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> ScoringPass:
+        """One micro-batch, reduced to its summed token loss."""
         head = HeadTargets(targets_BS, self.loss_chunk) if self.loss_chunk else None
-        with autocast or nullcontext():
-            documents_BS = None if self.document_eos is None else document_ids(inputs_BS, self.document_eos)
-            output = model(inputs_BS, document_ids_BS=documents_BS, targets=head)
-        if output.head_loss is not None:
-            return output.head_loss.lm_loss_sum
-        logits_TV = output.logits_BSV.reshape(-1, output.logits_BSV.shape[-1]).float()
-        return F.cross_entropy(logits_TV, targets_BS.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+        documents_BS = None if self.document_eos is None else document_ids(inputs_BS, self.document_eos)
+        return ScoringPass(inputs_BS, None, partial(_loss_sum, targets_BS), documents_BS, head)
+
+
+def _loss_sum(targets_BS: torch.Tensor, output: ModelOutput) -> torch.Tensor:
+    if output.head_loss is not None:
+        return output.head_loss.lm_loss_sum
+    logits_TV = output.logits_BSV.reshape(-1, output.logits_BSV.shape[-1]).float()
+    return F.cross_entropy(logits_TV, targets_BS.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def eval_record(losses: dict[str, SourceLoss]) -> dict:

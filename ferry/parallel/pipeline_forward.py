@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ferry.comm.collectives import Collectives
 from ferry.model import KVCache, ModelOutput, Transformer
+from ferry.model.head_loss import HeadTargets, chunked_head_loss
 from ferry.parallel.pipeline_split import StageSplit
 
 # what a result may be, by the code its header carries
@@ -43,11 +44,16 @@ class StagedForward:
         reduce: Callable[[ModelOutput], torch.Tensor],
         cache: KVCache | None = None,
         padding_BS: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+        head: HeadTargets | None = None,
     ) -> torch.Tensor:
         """`reduce(output)` of the model's output for `tokens_BS`, on every rank of the pipeline; with a cache, the
-        tokens continue what it holds (each rank writes its blocks' layers)."""
+        tokens continue what it holds (each rank writes its blocks' layers). Attention stays within the documents
+        of `document_ids_BS`; with `head`, the last stage computes the head and loss together, as the whole model's
+        forward does."""
         model, split = self.model, self.split
         step = cache.begin(tokens_BS.shape[1]) if cache is not None else None
+        visible_BSS = Transformer.visibility(document_ids_BS)
         last = split.num_stages - 1
         x_BSD = None
         result = None
@@ -58,14 +64,19 @@ class StagedForward:
                 x_BSD = self._receive(tokens_BS, self._owner(stage - 1))
             for index in split.blocks[stage]:
                 layer_cache = cache.layer(index, step) if cache is not None else None
-                x_BSD, _ = model.layers[index](x_BSD, layer_cache, None, padding_BS)
+                x_BSD, _ = model.layers[index](x_BSD, layer_cache, visible_BSS, padding_BS)
             if stage == last:
-                result = reduce(ModelOutput(model.output(model.norm(x_BSD)), []))
+                result = reduce(self._output(model.norm(x_BSD), head))
             elif self._owner(stage + 1) != self.pp.rank:
                 self._send(x_BSD, self._owner(stage + 1))
         if cache is not None:
             cache.commit(step)
         return self._broadcast(result, self._owner(last))
+
+    def _output(self, h_BSD: torch.Tensor, head: HeadTargets | None) -> ModelOutput:
+        if head is not None:
+            return ModelOutput(None, [], chunked_head_loss(h_BSD, self.model.output.weight, head))
+        return ModelOutput(self.model.output(h_BSD), [])
 
     def _my_stages(self) -> Iterator[int]:
         return iter(self.split.stages_of(self.pp.rank))

@@ -139,6 +139,7 @@ def _token_figures(
     otherwise; and those settings (window length, batches and their size)."""
     from ferry.data.tokenizer import encoding_digest
     from ferry.inference import EvalConfig, HeldOutEvaluation
+    from ferry.inference.scoring import score_with
 
     if not paths:
         return {}, {}
@@ -186,7 +187,7 @@ def _token_figures(
     )
     forwards = sum(-(-len(source.windows) // micro_batch) for source in evaluation.sources)
     with WorkProgress("eval", forwards, say=say, unit="forwards") as progress:
-        losses = evaluation.run(model, next(model.parameters()).device, progress=progress.advance)
+        losses = evaluation.run(score_with(model), next(model.parameters()).device, progress=progress.advance)
     figures = {
         name: {"kind": "tokens", "loss": r.loss, "perplexity": r.perplexity, "tokens": r.tokens}
         for name, r in losses.items()

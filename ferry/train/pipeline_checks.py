@@ -29,9 +29,6 @@ def check_pipeline(config: PipelinedRun, layout: JobLayout) -> None:
     parallel, train = config.parallel, config.train
     pp = parallel.pp
     refused = (
-        (train.objective == "lm" and bool(config.eval.sources), "eval.sources",
-         "the held-out evaluation runs the whole model on one rank",
-         "eval.sources=[] (evaluate the checkpoints afterwards with ferry eval)"),
         (parallel.ep_overlap == "auto", "parallel.ep_overlap=auto", "its trial steps run the whole model",
          "parallel.ep_overlap to none or chunked"),
         (config.model.tie_embeddings, "model.tie_embeddings", "the tied head lives on another stage than its embedding",

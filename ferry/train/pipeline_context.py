@@ -34,7 +34,8 @@ from ferry.parallel.pipeline_forward import StagedDecoder, StagedForward
 from ferry.parallel.pipeline_schedule import ExchangedShapes, Pipeline, build_pipeline
 from ferry.parallel.plan import ParallelPlan
 from ferry.train.objectives.losses import router_objective
-from ferry.train.step_context import ForwardPass, PassShape, ScoringPass, TrainingContext
+from ferry.inference.scoring import ScoringPass
+from ferry.train.step_context import ForwardPass, PassShape, TrainingContext
 from ferry.train.step_statistics import LossParts, StepStatistics
 
 if TYPE_CHECKING:
@@ -124,7 +125,10 @@ class PipelineContext(TrainingContext):
     def score(self, scoring: ScoringPass, model: torch.nn.Module | None = None) -> torch.Tensor:
         staged = StagedForward(model or self.model, self.plan.split, self.plan.pp, self._stream_dtype)
         with self.autocast():
-            return staged(scoring.tokens_BS, scoring.reduce, padding_BS=scoring.padding_BS)
+            return staged(
+                scoring.tokens_BS, scoring.reduce, padding_BS=scoring.padding_BS,
+                document_ids_BS=scoring.document_ids_BS, head=scoring.head,
+            )
 
     def keep_replica_sums(self, statistics: StepStatistics) -> None:
         if not self.last_stage:

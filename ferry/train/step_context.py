@@ -21,6 +21,7 @@ import torch
 from ferry.comm.reductions import RankReductions
 from ferry.inference import GenerationConfig
 from ferry.inference.generate import GenerationResult, GenerationSync, generate
+from ferry.inference.scoring import ScoringPass, score_with
 from ferry.metrics.timer import StepTimer
 from ferry.model import ModelOutput
 from ferry.model.head_loss import HeadTargets
@@ -54,16 +55,6 @@ class PassShape:
     rows: int
     seq_len: int
     loss_chunk: int
-
-
-@dataclass
-class ScoringPass:
-    """One batch the model scores without gradients: its inputs, and what to keep of its output (`reduce(output)`,
-    such as each row's summed log-probs): only that travels where the model is split over ranks."""
-
-    tokens_BS: torch.Tensor
-    padding_BS: torch.Tensor | None
-    reduce: Callable[[ModelOutput], torch.Tensor]
 
 
 class StepContext(Protocol):
@@ -179,9 +170,7 @@ class TrainingContext:
 
     @torch.no_grad()
     def score(self, scoring: ScoringPass, model: torch.nn.Module | None = None) -> torch.Tensor:
-        with self.autocast():
-            output = (model or self.model)(scoring.tokens_BS, padding_BS=scoring.padding_BS)
-            return scoring.reduce(output)
+        return score_with(model or self.model, self.autocast())(scoring)
 
     def generate(
         self,

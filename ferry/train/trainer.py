@@ -205,7 +205,8 @@ class Trainer:
 
     def _checkpoints(self, resumed_step: int | None) -> CheckpointManager:
         config, parts = self.config, self.parts
-        writes = {"write": partial(save_on_all_ranks, plan=parts.model.plan)} if parts.job.context.is_distributed else {}
+        distributed = parts.job.context.is_distributed
+        writes = {"write": partial(save_on_all_ranks, plan=parts.model.plan)} if distributed else {}
         return CheckpointManager(
             config.checkpoint, config.checkpoint.path(config.run.path), last_step=resumed_step,
             is_main=parts.job.is_main, **writes,
@@ -310,14 +311,18 @@ class Trainer:
         """Held-out loss and perplexity of every `eval` source, and the objective's own held-out figures when due:
         the same figures on every rank. `progress` is called after each forward. Its collectives are left out of
         the next step's `comm_bytes`."""
-        parts = self.parts
-        job, model, evaluation = parts.job, parts.model, parts.data.evaluation
+        parts, context = self.parts, self.context
+        model, evaluation = parts.model, parts.data.evaluation
         record = {}
         if evaluation.sources:
-            losses = evaluation.run(
-                model.model, job.device, job.rank, job.world_size, parts.numerics.autocast(job.device),
-                model.plan.sum_over_ranks, progress,
-            )
+            model.model.eval()
+            try:
+                losses = evaluation.run(
+                    context.score, context.device, context.rank, context.world_size, context.reductions.sum_tensor,
+                    progress,
+                )
+            finally:
+                model.model.train()
             record = eval_record(losses)
         if parts.objective.evaluation_due(self.state.step, self.config.train.steps):
             with self.context.reporting(progress):

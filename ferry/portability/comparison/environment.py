@@ -55,15 +55,13 @@ class Environment(Section):
         base: dict[str, Any],
         *overrides: dict[str, Any],
         by: str = "the rehearsal",
-        notes: list[str] | None = None,
     ) -> RunConfig:
         """`base` (a resolved run config as plain data) with this environment and then `overrides`, the settings
         the procedure (`by`: a rehearsal's leg, a replay) owns, laid over it.
 
         A key the run config does not have, or a value it does not accept, is a `ConfigError`
         naming this environment's file; so is a key of the environment that the procedure sets itself, which
-        would otherwise be dropped without a word. Held-out evaluation on a layout that cannot run it (a
-        pipeline) is left out, and `notes` gets a line saying so.
+        would otherwise be dropped without a word.
         """
         try:
             raw = apply_override_mapping(base, self.overrides, self.label)
@@ -73,7 +71,7 @@ class Environment(Section):
             config = validate(RunConfig, raw)
         except ConfigError as exc:
             raise ConfigError(f"environment {self.label}: {exc}") from None
-        return evaluation_where_it_runs(config, self.name, notes)
+        return config
 
     def with_overrides(self, overrides: dict[str, Any], origin: str) -> Environment:
         """This environment with more dotted keys laid over its own (a command line's), named as such."""
@@ -116,20 +114,6 @@ class Environment(Section):
 def _overlap(key: str, other: str) -> bool:
     """Whether two dotted keys set the same value or one sets a section holding the other."""
     return key == other or key.startswith(f"{other}.") or other.startswith(f"{key}.")
-
-
-def evaluation_where_it_runs(config: RunConfig, environment: str, notes: list[str] | None) -> RunConfig:
-    """The config without its held-out evaluation where the layout cannot run it during training (a pipeline:
-    each rank holds a part of the model), with a note naming the sources left out; else the config."""
-    if config.parallel.pp == 1 or not config.eval.sources:
-        return config
-    if notes is not None:
-        names = ", ".join(source.name for source in config.eval.sources)
-        notes.append(
-            f"{environment} runs a pipeline (parallel.pp {config.parallel.pp}), which cannot evaluate held-out data "
-            f"while it trains: eval.sources ({names}) left out there; the training loss is what is judged"
-        )
-    return config.model_copy(update={"eval": config.eval.model_copy(update={"sources": []})})
 
 
 def known_environments() -> dict[str, Path]:

@@ -242,10 +242,7 @@ def _start(
     base: dict, source: Environment, steps: int, switch_at: int, work: Path, out: Path, say: Say, seed_runs: bool = True
 ) -> Bundle:
     """The source half; `seed_runs` False skips the seed runs when the judging profile is known not to need them."""
-    notes: list[str] = []
-    config = source.run_config(base, _leg_overrides(work, steps, switch_at, resume="")["source"], notes=notes)
-    for note in notes:
-        say(f"ferry: rehearse: {note}")
+    config = source.run_config(base, _leg_overrides(work, steps, switch_at, resume="")["source"])
     say(f"ferry: rehearse: source {source.name}: {steps} steps from scratch, switch checkpoint at step {switch_at}")
     leg = run_leg("source", source, config, work, say, steps=steps)
     if not leg.ok:
@@ -289,10 +286,7 @@ def _finish(
     source = bundle.source()
     base = apply_overrides(bundle.base_config, overrides)
     legs = _leg_overrides(work, bundle.steps, bundle.switch_at, resume=str(bundle.checkpoint.resolve()))
-    notes: list[str] = []
-    resumed_config = target.run_config(base, legs["target-resumed"], notes=notes)
-    for note in notes:
-        say(f"ferry: rehearse: {note}")
+    resumed_config = target.run_config(base, legs["target-resumed"])
     scratch_config = target.run_config(base, legs["target-scratch"])
     _check_reference(bundle, source, legs["source"])
     _check_seed_runs(bundle, source)

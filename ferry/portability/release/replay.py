@@ -95,13 +95,10 @@ def replay_stage(
         load_environment(env) if env is not None else
         Environment(name="this machine (the recorded config)", nproc=entry.get("world_size") or 1)
     ).with_overrides(_parsed(overrides), "the command line's overrides")
-    notes: list[str] = []
-    config = environment.run_config(base, procedure, by="the replay", notes=notes)
+    config = environment.run_config(base, procedure, by="the replay")
     profile, reason = judging_profile(recorded_config, entry.get("world_size") or 1, config, environment.nproc)
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    for note in notes:
-        say(f"ferry: replay of stage {stage}: {note}")
     say(f"ferry: replay of stage {stage}: {count} step(s) on {environment.name}, judged under {profile} ({reason})")
     seed_runs: list[Path] = []
     if tolerance_profile(profile).seeds:

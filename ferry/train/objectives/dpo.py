@@ -21,13 +21,14 @@ from ferry.data import DataCursor
 from ferry.data.records import RecordDataset
 from ferry.data.targets import Batch, completion_batch
 from ferry.inference.evaluation import held_out_due
+from ferry.inference.scoring import Scorer, ScoringPass
 from ferry.metrics.progress import WorkProgress
 from ferry.train.objectives.base import RecordTraining, StepOutcome
 from ferry.train.objectives.config import DPOConfig
 from ferry.train.objectives.losses import router_losses, router_objective
 from ferry.train.objectives.preference_losses import dpo_losses, token_logprobs
 from ferry.train.objectives.reference import LogprobCache
-from ferry.train.step_context import ForwardPass, ScoringPass
+from ferry.train.step_context import ForwardPass
 from ferry.train.step_statistics import LossParts, NamedSums
 
 if TYPE_CHECKING:
@@ -232,23 +233,18 @@ def pair_batch(dataset: RecordDataset, indices: np.ndarray, pad_id: int, device:
 
 
 def score_pairs(
-    score: Callable[[ScoringPass], torch.Tensor],
+    score: Scorer,
     dataset: RecordDataset,
     indices: np.ndarray,
     pad_id: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed answer log-probs and answer lengths, chosen answers first then rejected (`[2B]`), scored by
-    `score` (a step context's, or `score_with(model)` in one process)."""
+    `score` (a step context's, or `ferry.inference.scoring.score_with(model)` in one process)."""
     batch = pair_batch(dataset, indices, pad_id, device)
     targets_BS = batch.targets_BS
     logps_2B = score(ScoringPass(batch.inputs_BS, batch.padding_BS, partial(_answer_logps, targets_BS)))
     return logps_2B, answer_tokens(targets_BS, logps_2B.dtype)
-
-
-def score_with(model: Transformer) -> Callable[[ScoringPass], torch.Tensor]:
-    """Scoring by a whole model in this process, under the caller's autocast and gradient mode."""
-    return lambda scoring: scoring.reduce(model(scoring.tokens_BS, padding_BS=scoring.padding_BS))
 
 
 def answer_tokens(targets_BS: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

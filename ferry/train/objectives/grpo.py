@@ -34,6 +34,7 @@ from ferry.data.tokenizer import load_tokenizer
 from ferry.inference import GenerationConfig
 from ferry.inference.evaluation import held_out_due
 from ferry.inference.generate import GenerationResult
+from ferry.inference.scoring import ScoringPass
 from ferry.train.objectives.base import RecordTraining, StepOutcome
 from ferry.train.objectives.config import GRPOConfig
 from ferry.train.objectives.losses import router_losses, router_objective
@@ -44,7 +45,7 @@ from ferry.train.objectives.preference_losses import (
     token_logprobs,
 )
 from ferry.train.objectives.verifiers import VERIFIERS
-from ferry.train.step_context import ForwardPass, ScoringPass
+from ferry.train.step_context import ForwardPass
 from ferry.train.step_statistics import LossParts
 
 if TYPE_CHECKING:

@@ -20,7 +20,8 @@ from ferry.data.records import RecordDataset
 from ferry.inference.generate import generate
 from ferry.model import Transformer
 from ferry.train.objectives.config import DPOConfig, GRPOConfig
-from ferry.train.objectives.dpo import pair_losses, score_pairs, score_with
+from ferry.inference.scoring import score_with
+from ferry.train.objectives.dpo import pair_losses, score_pairs
 from ferry.train.objectives.grpo import EVAL_SAMPLES, solved_prompts
 from ferry.train.objectives.verifiers import VERIFIERS
 

@@ -13,6 +13,7 @@ from ferry.cli.main import main
 from ferry.config import UserError
 from ferry.data import PrepareSpec, prepare_dataset
 from ferry.inference import EvalConfig, HeldOutEvaluation
+from ferry.inference.scoring import score_with
 from ferry.metrics.plots import _loss, plot_run
 from ferry.train import Trainer
 
@@ -107,8 +108,9 @@ def test_the_windows_and_the_figure_do_not_depend_on_the_micro_batch(make_config
     assert (whole.sources[0].windows == split.sources[0].windows).all()
     available = whole.sources[0].dataset.num_windows(32)
     assert whole.sources[0].windows[-1] >= available * 23 // 24, "spread over the whole dataset"
-    assert whole.run(trainer.model, trainer.parts.job.device)["a"].loss == pytest.approx(
-        split.run(trainer.model, trainer.parts.job.device)["a"].loss, rel=1e-6
+    score = score_with(trainer.model)
+    assert whole.run(score, trainer.parts.job.device)["a"].loss == pytest.approx(
+        split.run(score, trainer.parts.job.device)["a"].loss, rel=1e-6
     )
 
 

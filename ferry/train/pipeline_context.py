@@ -35,7 +35,7 @@ from ferry.parallel.pipeline_schedule import ExchangedShapes, Pipeline, build_pi
 from ferry.parallel.plan import ParallelPlan
 from ferry.train.objectives.losses import router_objective
 from ferry.inference.scoring import ScoringPass
-from ferry.train.step_context import ForwardPass, PassShape, TrainingContext
+from ferry.train.step_context import ForwardPass, PassShape, TrainingContext, evaluating
 from ferry.train.step_statistics import LossParts, StepStatistics
 
 if TYPE_CHECKING:
@@ -123,8 +123,9 @@ class PipelineContext(TrainingContext):
 
     @torch.no_grad()
     def score(self, scoring: ScoringPass, model: torch.nn.Module | None = None) -> torch.Tensor:
-        staged = StagedForward(model or self.model, self.plan.split, self.plan.pp, self._stream_dtype)
-        with self.autocast():
+        model = model or self.model
+        staged = StagedForward(model, self.plan.split, self.plan.pp, self._stream_dtype)
+        with evaluating(model), self.autocast():
             return staged(
                 scoring.tokens_BS, scoring.reduce, padding_BS=scoring.padding_BS,
                 document_ids_BS=scoring.document_ids_BS, head=scoring.head,

@@ -96,6 +96,17 @@ class StepContext(Protocol):
     def progress(self) -> None: ...
 
 
+@contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in evaluation mode inside (a scoring pass is not a training forward), back as it was after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 class TrainingContext:
     """The step context of a training run: plain gradient accumulation over the micro-batches an objective
     runs, one optimizer update when it asks."""
@@ -170,7 +181,9 @@ class TrainingContext:
 
     @torch.no_grad()
     def score(self, scoring: ScoringPass, model: torch.nn.Module | None = None) -> torch.Tensor:
-        return score_with(model or self.model, self.autocast())(scoring)
+        model = model or self.model
+        with evaluating(model):
+            return score_with(model, self.autocast())(scoring)
 
     def generate(
         self,

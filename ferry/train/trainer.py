@@ -315,14 +315,10 @@ class Trainer:
         model, evaluation = parts.model, parts.data.evaluation
         record = {}
         if evaluation.sources:
-            model.model.eval()
-            try:
-                losses = evaluation.run(
-                    context.score, context.device, context.rank, context.world_size, context.reductions.sum_tensor,
-                    progress,
-                )
-            finally:
-                model.model.train()
+            losses = evaluation.run(
+                context.score, context.device, context.rank, context.world_size, context.reductions.sum_tensor,
+                progress,
+            )
             record = eval_record(losses)
         if parts.objective.evaluation_due(self.state.step, self.config.train.steps):
             with self.context.reporting(progress):

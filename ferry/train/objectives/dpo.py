@@ -148,26 +148,20 @@ class DPOObjective:
     @torch.no_grad()
     def evaluate(self, context: StepContext) -> dict:
         """Rewards on every held-out pair set: the same pairs every time, split over the ranks."""
-        model = context.model
-        was_training = model.training
-        model.eval()
         accuracy, margin = {}, {}
-        try:
-            for name, dataset in self.held_out.items():
-                sums = NamedSums.zeros(DPO_STATISTICS, context.device)
-                for indices in _rank_batches(len(dataset), self.config.score_batch, context.rank, context.world_size):
-                    logps_2B, tokens_2B = score_pairs(context.score, dataset, indices, self.pad_id, context.device)
-                    reference = self.reference[dataset.label][indices]
-                    losses_B, chosen_B, rejected_B = pair_losses(self.config, logps_2B, tokens_2B, reference)
-                    if indices.size and indices[0] >= 0:
-                        sums.add(**_pair_sums(losses_B, chosen_B, rejected_B, logps_2B))
-                    context.progress()
-                context.reductions.sum_tensor(sums.vector)
-                figures = sums.values()
-                accuracy[name] = figures["right"] / len(dataset)
-                margin[name] = (figures["chosen"] - figures["rejected"]) / len(dataset)
-        finally:
-            model.train(was_training)
+        for name, dataset in self.held_out.items():
+            sums = NamedSums.zeros(DPO_STATISTICS, context.device)
+            for indices in _rank_batches(len(dataset), self.config.score_batch, context.rank, context.world_size):
+                logps_2B, tokens_2B = score_pairs(context.score, dataset, indices, self.pad_id, context.device)
+                reference = self.reference[dataset.label][indices]
+                losses_B, chosen_B, rejected_B = pair_losses(self.config, logps_2B, tokens_2B, reference)
+                if indices.size and indices[0] >= 0:
+                    sums.add(**_pair_sums(losses_B, chosen_B, rejected_B, logps_2B))
+                context.progress()
+            context.reductions.sum_tensor(sums.vector)
+            figures = sums.values()
+            accuracy[name] = figures["right"] / len(dataset)
+            margin[name] = (figures["chosen"] - figures["rejected"]) / len(dataset)
         return {"eval/rewards/accuracy": accuracy, "eval/rewards/margin": margin}
 
     def state(self) -> dict:

@@ -34,7 +34,6 @@ from ferry.kernels.config import KernelsConfig  # noqa: E402
 from ferry.metrics.kept_memory import KeptMemory  # noqa: E402
 from ferry.metrics.parameter_traffic import ParameterTraffic  # noqa: E402
 from ferry.model import Transformer  # noqa: E402
-from ferry.model.recompute import apply_activation_checkpointing  # noqa: E402
 from ferry.precision.step_weights import StepWeights  # noqa: E402
 from ferry.train.config import RunConfig  # noqa: E402
 from ferry.train.memory import kept_bytes_per_token_layer  # noqa: E402
@@ -48,9 +47,7 @@ def build(config: RunConfig, mode: str = "none") -> Transformer:
     every mode runs the same kernels."""
     kernels = select_kernels(KernelsConfig(), "cpu", torch.float32, replayed=True)
     torch.manual_seed(0)
-    model = Transformer(config.model, kernels)
-    apply_activation_checkpointing(model, mode)
-    return model
+    return Transformer(config.model, kernels, recompute=mode)
 
 
 def kept(config: RunConfig, tokens: int) -> dict:

@@ -43,6 +43,10 @@ CASES = {
     ),
     "qwen3-mqa-top1-tied": (
         "qwen3_moe", dict(n_kv_heads=1, qk_norm_scope="head", tie_embeddings=True, moe=dict(num_experts=8, top_k=1, expert_ffn_dim=8))
+    ),    # heads twice as wide as dim // n_heads, as Qwen3-30B-A3B's (128 at width 2,048 over 32 heads)
+    "qwen3-own-head-dim": (
+        "qwen3_moe",
+        dict(n_kv_heads=2, head_dim=16, qk_norm_scope="head", moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16)),
     ),
 }
 
@@ -86,6 +90,23 @@ def test_the_transformers_config_reads_back_as_the_same_model(case):
     assert back_arch == arch
     assert back.rope_scaling == config.rope_scaling and back.rope_theta == config.rope_theta
     assert back.moe.model_dump() == {**config.moe.model_dump(), "aux_loss_coef": back.moe.aux_loss_coef}
+
+
+def test_a_head_width_of_its_own_goes_to_transformers_and_back_and_olmoe_refuses_it():
+    arch, overrides = CASES["qwen3-own-head-dim"]
+    config = ModelConfig.model_validate({**BASE, **overrides})
+    assert Transformer(config).layers[0].attn.wq.weight.shape == (4 * 16, 32)
+    hf = hf_config(config, arch, 0, "float32")
+    assert hf.head_dim == 16
+    from ferry.interop.architectures import model_config_from_hf, natural_architecture
+
+    back, _ = model_config_from_hf(hf)
+    assert back.head_dim == 16 and back.model_dump()["head_dim"] == 16
+    assert natural_architecture(config.model_copy(update={"qk_norm_scope": "projection"})) == "qwen3_moe"
+    olmoe = config.model_copy(update={"qk_norm_scope": "projection"})
+    assert any(problem.startswith("model.head_dim 16: olmoe") for problem in refusals(olmoe, "olmoe"))
+    default = ModelConfig.model_validate({**BASE, **CASES["qwen3-linear-x2"][1]})
+    assert "head_dim" not in hf_config(default, "qwen3_moe", 0, "float32").to_dict(), "an export writes what it wrote"
 
 
 @pytest.mark.parametrize(

@@ -141,17 +141,11 @@ def run_generate(args: argparse.Namespace) -> int:
         f"ferry: {loaded.origin}: prefill {result.prefill_tokens} tokens at {result.prefill_tokens_per_s:,.0f} tok/s, "
         f"decode {result.decode_tokens} tokens at {result.decode_tokens_per_s:,.0f} tok/s "
         f"({len(prompts)} prompt(s), {next(loaded.model.parameters()).device}, {args.dtype}); "
-        f"cache {result.cache_bytes_per_token:,} bytes per token ({_cache_kind(loaded.model.config)})",
+        f"cache {result.cache_bytes_per_token:,} bytes per token "
+        f"({loaded.model.config.attention_kind.describe_cache(loaded.model.config)})",
         file=sys.stderr,
     )
     return 0
-
-
-def _cache_kind(config) -> str:
-    """What the cache keeps of a token, in the terms of its attention."""
-    if config.attention == "mla":
-        return f"MLA latent: {config.mla.kv_lora_rank} + {config.mla.qk_rope_head_dim} rotary values a layer"
-    return f"keys and values: 2 x {config.n_kv_heads} heads x {config.head_dim} a layer"
 
 
 def _prompts_file(path: str | None) -> list[str]:

@@ -23,6 +23,7 @@ from ferry.interop.deepseek import (
     deepseek_to_hf_state,
 )
 from ferry.model import ModelConfig
+from ferry.model.variants import ATTENTION_KINDS
 
 Architecture = Literal["olmoe", "qwen3_moe", "deepseek_v3"]
 ARCHITECTURES: tuple[str, ...] = ("olmoe", "qwen3_moe", "deepseek_v3")
@@ -32,17 +33,10 @@ def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) 
     """Every reason `config` cannot be written as `arch`, each naming the ferry field."""
     if arch not in ARCHITECTURES:
         return [f"--arch {arch!r}: choose one of {', '.join(ARCHITECTURES)}"]
-    problems = []
-    if config.skip != "standard":
-        problems.append(
-            f"model.skip: {config.skip} wires the residual stream otherwise than any transformers model ({arch} "
-            "included): the export would compute another function"
-        )
+    problems = config.skip_kind.export_refusals(config, arch) + config.attention_kind.export_refusals(config, arch)
     if arch == "deepseek_v3":
         return problems + deepseek_refusals(config, expert_bias_nonzero)
     moe = config.moe
-    if config.attention != "gqa":
-        problems.append(f"model.attention: {arch} has grouped-query attention, the model mla (deepseek_v3 has)")
     if config.attention_gate != "none":
         problems.append(f"model.attention_gate {config.attention_gate!r}: {arch} has no attention output gate")
     if moe.n_group > 1 or moe.routed_scaling_factor != 1.0:
@@ -64,10 +58,9 @@ def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) 
 
 
 def natural_architecture(config: ModelConfig) -> str:
-    """The architecture `--arch` defaults to: DeepSeek-V3 for MLA, else the one whose query/key norm the model has."""
-    if config.attention == "mla":
-        return "deepseek_v3"
-    return "qwen3_moe" if config.qk_norm_scope == "head" or config.dense_layers else "olmoe"
+    """The architecture `--arch` defaults to: its attention kind's (DeepSeek-V3 for MLA; for GQA, the one whose
+    query/key norm the model has)."""
+    return config.attention_kind.hf_architecture(config)
 
 
 def hf_config(config: ModelConfig, arch: str, eos_token_id: int | None, dtype: str):
@@ -80,7 +73,7 @@ def hf_config(config: ModelConfig, arch: str, eos_token_id: int | None, dtype: s
         hidden_size=config.dim,
         num_hidden_layers=config.n_layers,
         num_attention_heads=config.n_heads,
-        num_key_value_heads=config.n_kv_heads,
+        **config.attention_kind.hf_config_fields(config, arch),
         max_position_embeddings=config.max_seq_len,
         rms_norm_eps=config.norm_eps,
         tie_word_embeddings=config.tie_embeddings,
@@ -167,9 +160,7 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
         problems.append("clip_qkv: ferry does not clip queries, keys and values")
     if getattr(hf, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf.hidden_act!r}: ferry's experts are SwiGLU (silu)")
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    if arch != "deepseek_v3" and head_dim * hf.num_attention_heads != hf.hidden_size:
-        problems.append(f"head_dim {head_dim}: ferry's heads split hidden_size ({hf.hidden_size}) evenly")
+    attention = next(kind for kind in ATTENTION_KINDS.values() if arch in kind.hf_architectures)
     dense_layers = 0
     if arch == "qwen3_moe":
         dense = sorted(hf.mlp_only_layers or [])
@@ -190,12 +181,12 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
         norm_eps=float(hf.rms_norm_eps),
         tie_embeddings=bool(hf.tie_word_embeddings),
         init_std=float(hf.initializer_range),
+        **attention.fields_from_hf(hf, problems),
     )
     if arch == "deepseek_v3":
-        fields = deepseek_model_fields(hf, problems)
+        fields = deepseek_model_fields(hf)
     else:
         fields = dict(
-            n_kv_heads=hf.num_key_value_heads,
             qk_norm=True,
             qk_norm_scope="projection" if arch == "olmoe" else "head",
             dense_layers=dense_layers,
@@ -215,14 +206,14 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
 
 def to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """ferry's state dict (routers' zero expert biases dropped) under transformers' names."""
-    if config.attention == "mla":
+    if natural_architecture(config) == "deepseek_v3":
         return deepseek_to_hf_state(state, config)
     hf = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
     if not config.tie_embeddings:
         hf["lm_head.weight"] = state["output.weight"]
     for index in range(config.n_layers):
         ours, theirs = f"layers.{index}.", f"model.layers.{index}."
-        for name, hf_name in _LAYER_NAMES.items():
+        for name, hf_name in _layer_names(config).items():
             if ours + name in state:
                 hf[theirs + hf_name] = state[ours + name]
         if index < config.dense_layers:
@@ -241,13 +232,13 @@ def from_hf_state(
 ) -> dict[str, torch.Tensor]:
     """transformers' state dict back under ferry's names (the inverse of `to_hf_state`); `rope_interleave` says a
     DeepSeek-V3 checkpoint lays its rotary rows out in pairs."""
-    if config.attention == "mla":
+    if natural_architecture(config) == "deepseek_v3":
         return deepseek_from_hf_state(hf, config, rope_interleave)
     state = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     state["output.weight"] = hf["model.embed_tokens.weight"] if config.tie_embeddings else hf["lm_head.weight"]
     for index in range(config.n_layers):
         ours, theirs = f"layers.{index}.", f"model.layers.{index}."
-        for name, hf_name in _LAYER_NAMES.items():
+        for name, hf_name in _layer_names(config).items():
             if theirs + hf_name in hf:
                 state[ours + name] = hf[theirs + hf_name]
         if index < config.dense_layers:
@@ -265,16 +256,15 @@ def from_hf_state(
     return state
 
 
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "attn.q_norm.weight": "self_attn.q_norm.weight",
-    "attn.k_norm.weight": "self_attn.k_norm.weight",
-}
+def _layer_names(config: ModelConfig) -> dict[str, str]:
+    """ferry's names of a layer's norms and attention tensors against transformers'."""
+    return {
+        "attn_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        **config.attention_kind.hf_layer_names,
+    }
+
+
 _DENSE_NAMES = {
     "ffn.w_gate.weight": "mlp.gate_proj.weight",
     "ffn.w_up.weight": "mlp.up_proj.weight",

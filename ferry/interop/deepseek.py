@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ferry.model import ModelConfig
+from ferry.model.variants.mla import MultiHeadLatentAttention
 
 LATENT_NORM_EPS = 1e-6  # transformers builds DeepSeek-V3's latent norms with this eps, whatever rms_norm_eps is
 
@@ -23,8 +24,6 @@ LATENT_NORM_EPS = 1e-6  # transformers builds DeepSeek-V3's latent norms with th
 def deepseek_refusals(config: ModelConfig, expert_bias_nonzero: bool) -> list[str]:
     """Every reason `config` cannot be written as DeepSeek-V3, each naming the ferry field."""
     moe, problems = config.moe, []
-    if config.attention != "mla":
-        problems.append("model.attention: deepseek_v3 is multi-head latent attention (mla), the model uses gqa")
     if config.attention_gate != "none":
         problems.append(
             f"model.attention_gate {config.attention_gate!r}: transformers has no gated MLA model; "
@@ -50,11 +49,10 @@ def deepseek_hf_config(config: ModelConfig, common: dict):
     """transformers' `DeepseekV3Config` for `config`; `common` holds the fields every architecture shares."""
     from transformers import DeepseekV3Config
 
-    moe, mla = config.moe, config.mla
-    fields = {key: value for key, value in common.items() if key not in ("num_experts", "num_key_value_heads")}
+    moe = config.moe
+    fields = {key: value for key, value in common.items() if key != "num_experts"}
     return DeepseekV3Config(
         **fields,
-        num_key_value_heads=config.n_heads,
         n_routed_experts=moe.num_experts,
         intermediate_size=config.dense_ffn_dim,
         moe_intermediate_size=moe.expert_ffn_dim,
@@ -63,35 +61,18 @@ def deepseek_hf_config(config: ModelConfig, common: dict):
         n_group=moe.n_group,
         topk_group=moe.topk_group,
         first_k_dense_replace=config.dense_layers,
-        q_lora_rank=mla.q_lora_rank or None,
-        kv_lora_rank=mla.kv_lora_rank,
-        qk_nope_head_dim=mla.qk_nope_head_dim,
-        qk_rope_head_dim=mla.qk_rope_head_dim,
-        v_head_dim=mla.v_head_dim,
-        rope_interleave=False,
         num_mtp_layers=0,
     )
 
 
-def deepseek_model_fields(hf, problems: list[str]) -> dict:
-    """The ferry model fields (beyond those every architecture shares) a `DeepseekV3Config` describes. Its
-    multi-token-prediction modules (`num_mtp_layers`) serve speculative decoding only; transformers' causal LM
-    leaves them out of its forward and its weights, and so does ferry."""
-    if hf.num_key_value_heads != hf.num_attention_heads:
-        problems.append("num_key_value_heads: MLA gives every head its own keys and values")
+def deepseek_model_fields(hf) -> dict:
+    """The ferry model fields (beyond those every architecture shares and its attention's) a `DeepseekV3Config`
+    describes. Its multi-token-prediction modules (`num_mtp_layers`) serve speculative decoding only;
+    transformers' causal LM leaves them out of its forward and its weights, and so does ferry."""
     routed = hf.n_routed_experts
     return {
-        "attention": "mla",
-        "qk_norm": False,
         "dense_layers": min(hf.first_k_dense_replace or 0, hf.num_hidden_layers),
         "dense_ffn_dim": hf.intermediate_size,
-        "mla": {
-            "q_lora_rank": hf.q_lora_rank or 0,
-            "kv_lora_rank": hf.kv_lora_rank,
-            "qk_nope_head_dim": hf.qk_nope_head_dim,
-            "qk_rope_head_dim": hf.qk_rope_head_dim,
-            "v_head_dim": hf.v_head_dim,
-        },
         "moe": {
             "num_experts": routed,
             "top_k": hf.num_experts_per_tok,
@@ -171,18 +152,11 @@ _EMPTY_SHARED = {
 
 
 def _layer_names(dense: bool) -> dict[str, str]:
-    """ferry's names of a layer's tensors (those a layer has) against DeepSeek-V3's."""
+    """ferry's names of a layer's tensors (those a layer has) against DeepSeek-V3's (the attention's: MLA's)."""
     names = {
         "attn_norm.weight": "input_layernorm.weight",
         "ffn_norm.weight": "post_attention_layernorm.weight",
-        "attn.wq.weight": "self_attn.q_proj.weight",
-        "attn.wq_a.weight": "self_attn.q_a_proj.weight",
-        "attn.q_norm.weight": "self_attn.q_a_layernorm.weight",
-        "attn.wq_b.weight": "self_attn.q_b_proj.weight",
-        "attn.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
-        "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
-        "attn.wkv_b.weight": "self_attn.kv_b_proj.weight",
-        "attn.wo.weight": "self_attn.o_proj.weight",
+        **MultiHeadLatentAttention.hf_layer_names,
     }
     if dense:
         return {**names, "ffn.w_gate.weight": "mlp.gate_proj.weight", "ffn.w_up.weight": "mlp.up_proj.weight",

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 from ferry.config.section import Section
+from ferry.model.variants import ATTENTION_KINDS, SKIP_KINDS, AttentionKind, SkipKind
 
 
 class BiasBalancingConfig(Section):
@@ -143,6 +144,9 @@ class ModelConfig(Section):
     attention: Literal["gqa", "mla"] = Field(
         "gqa", description="gqa: grouped-query attention; mla: multi-head latent attention (the `mla` section)"
     )
+    head_dim: int | None = Field(
+        None, ge=2, description="gqa: the width of a head; unset = dim // n_heads (Qwen3's, GPT-OSS's are their own)"
+    )
     n_heads: int = Field(4, ge=1)
     n_kv_heads: int = Field(4, ge=1, description="grouped-query attention: heads sharing one key/value head")
     max_seq_len: int = Field(1024, ge=1)
@@ -170,27 +174,14 @@ class ModelConfig(Section):
     )
     moe: MoEConfig = MoEConfig()
 
-    @field_validator("n_heads")
+    @field_validator("n_heads", "n_kv_heads")
     @classmethod
-    def _heads_divide_dim(cls, n_heads: int, info: ValidationInfo) -> int:
-        dim = info.data.get("dim")
-        if info.data.get("attention") == "mla":  # MLA's head widths are its own (the mla section)
-            return n_heads
-        if dim is not None and dim % n_heads:
-            raise ValueError(f"n_heads must divide dim ({dim})")
-        if dim is not None and (dim // n_heads) % 2:
-            raise ValueError(f"head dimension dim/n_heads = {dim // n_heads} must be even for RoPE")
-        return n_heads
-
-    @field_validator("n_kv_heads")
-    @classmethod
-    def _kv_heads_divide_heads(cls, n_kv_heads: int, info: ValidationInfo) -> int:
-        n_heads = info.data.get("n_heads")
-        if info.data.get("attention") == "mla":  # MLA has no shared key/value heads
-            return n_kv_heads
-        if n_heads is not None and n_heads % n_kv_heads:
-            raise ValueError(f"n_kv_heads must divide n_heads ({n_heads})")
-        return n_kv_heads
+    def _heads_fit(cls, value: int, info: ValidationInfo) -> int:
+        """The attention kind's rules for its heads, named by the field (the fields before it in `info.data`)."""
+        kind = ATTENTION_KINDS.get(info.data.get("attention"))
+        if kind is not None:
+            kind.check_field(info.field_name, value, info.data)
+        return value
 
     @field_validator("dense_layers")
     @classmethod
@@ -202,33 +193,42 @@ class ModelConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _mla_keys_and_values_per_head(cls, data):
-        """Under MLA every head has its own keys and values: n_kv_heads is n_heads unless said otherwise (and
-        saying otherwise is refused below), so that a dumped config reads back."""
-        if isinstance(data, dict) and data.get("attention") == "mla" and "n_kv_heads" not in data:
-            return {**data, "n_kv_heads": data.get("n_heads", cls.model_fields["n_heads"].default)}
-        return data
+    def _kind_defaults(cls, data):
+        """The defaults the attention kind implies (MLA: as many key/value heads as query heads)."""
+        if not isinstance(data, dict):
+            return data
+        kind = ATTENTION_KINDS.get(data.get("attention", cls.model_fields["attention"].default))
+        return kind.with_defaults(data, cls.model_fields) if kind is not None else data
 
     @model_validator(mode="after")
     def _attention_fields_agree(self) -> "ModelConfig":
-        if self.attention == "mla":
-            if self.qk_norm:
-                raise ValueError("qk_norm: MLA normalises its latents instead (mla.latent_norm_eps); leave it false")
-            if self.n_kv_heads != self.n_heads:
-                raise ValueError(
-                    f"n_kv_heads {self.n_kv_heads}: MLA gives every head its own keys and values (from the shared "
-                    f"latent); leave n_kv_heads unset or {self.n_heads}"
-                )
-        elif self.rope_scaling.mscale_all_dim:
-            raise ValueError("rope_scaling.mscale_all_dim scales MLA's softmax (DeepSeek's YaRN); this model is gqa")
+        """The attention kind checks its fields; an unset `head_dim` then takes the kind's width, so that
+        `head_dim` always says how wide a head is (GQA: `dim // n_heads`; MLA: its query/key width), while a dump
+        leaves it out unless set otherwise (`_unset_head_dim_left_out`)."""
+        kind = self.attention_kind
+        kind.check(self)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", kind.default_head_dim(self))  # frozen: set once, here, while validated
         return self
 
+    @model_serializer(mode="wrap")
+    def _unset_head_dim_left_out(self, handler):
+        """Configs, run records and checkpoint manifests read as before the field existed: a head width that is
+        the kind's own is not written."""
+        data = handler(self)
+        if isinstance(data, dict) and self.head_dim == self.attention_kind.default_head_dim(self):
+            data.pop("head_dim", None)
+        return data
+
     @property
-    def head_dim(self) -> int:
-        """The query/key width of a head (MLA: its position-free part and its rotary part together)."""
-        return self.mla.qk_head_dim if self.attention == "mla" else self.dim // self.n_heads
+    def attention_kind(self) -> AttentionKind:
+        return ATTENTION_KINDS[self.attention]
+
+    @property
+    def skip_kind(self) -> SkipKind:
+        return SKIP_KINDS[self.skip]
 
     @property
     def rope_dim(self) -> int:
         """The width RoPE rotates: a whole head under GQA, the decoupled rotary part under MLA."""
-        return self.mla.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+        return self.attention_kind.rope_dim(self)

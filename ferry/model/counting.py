@@ -26,8 +26,7 @@ def count_model(config: ModelConfig, seq_len: int) -> ModelSize:
     6 x active matmul parameters plus causal attention's score and value products:
     3 x n_layers x seq_len x n_heads x (query/key width + value width), half the square
     as causal (6 x n_layers x seq_len x n_heads x head_dim when the widths are equal, as
-    in GQA). MLA's key/value expansion is a matmul parameter like any other: in training
-    each token's latent is expanded once.
+    in GQA). What each attention kind counts is its own (`ferry/model/variants/`).
     """
     dim, layers = config.dim, config.n_layers
     attention, score_width, value_width = _attention_params(config)
@@ -56,24 +55,10 @@ def count_model(config: ModelConfig, seq_len: int) -> ModelSize:
 
 
 def _attention_params(config: ModelConfig) -> tuple[int, int, int]:
-    """One layer's attention parameters (projections, norms, gate), and a head's query/key and value widths."""
-    dim, heads = config.dim, config.n_heads
-    if config.attention == "mla":
-        mla = config.mla
-        if mla.q_lora_rank:
-            queries = dim * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * heads * mla.qk_head_dim
-        else:
-            queries = dim * heads * mla.qk_head_dim
-        latent = dim * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank
-        expansion = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-        params = queries + latent + expansion + heads * mla.v_head_dim * dim
-        score_width, value_width = mla.qk_head_dim, mla.v_head_dim
-    else:
-        q_width = heads * config.head_dim
-        kv_width = config.n_kv_heads * config.head_dim
-        params = dim * q_width * 2 + dim * kv_width * 2
-        if config.qk_norm:
-            params += 2 * config.head_dim if config.qk_norm_scope == "head" else q_width + kv_width
-        score_width = value_width = config.head_dim
+    """One layer's attention parameters (its kind's, and the output gate's), and a head's query/key and value
+    widths."""
+    kind = config.attention_kind
+    score_width, value_width = kind.head_widths(config)
+    heads = config.n_heads
     gate_width = {"none": 0, "head": heads, "elementwise": heads * value_width}[config.attention_gate]
-    return params + dim * gate_width, score_width, value_width
+    return kind.parameters(config) + config.dim * gate_width, score_width, value_width

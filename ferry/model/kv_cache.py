@@ -90,11 +90,9 @@ class KVCache:
 
 
 def _entry_shapes(config: ModelConfig, capacity: int) -> list[tuple[int, ...]]:
-    """Per layer and row: GQA keeps keys and values [G, T, C]; MLA keeps the normalised latent [T, kv_lora_rank]
-    and the rotated shared rotary key [T, qk_rope_head_dim], from which every head's keys and values follow."""
-    if config.attention == "mla":
-        return [(capacity, config.mla.kv_lora_rank), (capacity, config.mla.qk_rope_head_dim)]
-    return [(config.n_kv_heads, capacity, config.head_dim)] * 2
+    """Per layer and row, the attention kind's buffers (GQA: keys and values [G, T, C]; MLA: the normalised
+    latent and the rotated shared rotary key, [T, L] and [T, R])."""
+    return config.attention_kind.cache_entry_shapes(config, capacity)
 
 
 def cache_bytes_per_token(config: ModelConfig, itemsize: int) -> int:

@@ -52,13 +52,11 @@ def recomputed(fn: Callable, mode: Recompute, *args):
     return checkpoint(run, *args, use_reentrant=False, context_fn=contexts)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: Recompute) -> dict:
-    """Set every block of `model` to `mode`; what run.json records about it."""
-    for block in model.layers:
-        block.recompute = mode
+def activation_checkpointing_record(mode: Recompute, blocks: int) -> dict:
+    """What run.json records of `mode`, which the model's `blocks` were built with (`Transformer(recompute=)`)."""
     if mode == "none":
         return {"mode": "none"}
     kept = "block inputs, router top-k, host reads, expert-parallel exchanges"
     if mode == "selective":
         kept += ", GEMM and attention outputs"
-    return {"mode": mode, "blocks": len(model.layers), "kept": kept}
+    return {"mode": mode, "blocks": blocks, "kept": kept}

@@ -10,14 +10,12 @@ import torch
 from torch import nn
 
 from ferry.kernels import KernelSelection, portable_kernels
-from ferry.model.attention import Attention
 from ferry.model.config import ModelConfig
 from ferry.model.farskip import FarSkipStream, LateOutput
 from ferry.model.feedforward import SwiGLU
 from ferry.model.head_loss import HeadLoss, HeadTargets, chunked_head_loss
 from ferry.model.initialisation import truncated_normal_
 from ferry.model.kv_cache import KVCache, LayerCache
-from ferry.model.latent_attention import LatentAttention
 from ferry.model.linear import Linear
 from ferry.model.moe import MoELayer, MoEStats
 from ferry.model.norm import RMSNorm
@@ -39,15 +37,21 @@ class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(x)); with `model.skip: farskip` the stream in and
     out is a `FarSkipStream` and the previous block's FFN output joins after this block's attention."""
 
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, use_moe: bool, kernels: KernelSelection):
+    def __init__(
+        self,
+        config: ModelConfig,
+        rope: RotaryEmbedding,
+        use_moe: bool,
+        kernels: KernelSelection,
+        recompute: Recompute = "none",
+    ):
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
-        self.attn = (LatentAttention if config.attention == "mla" else Attention)(config, rope, kernels)
+        self.attn = config.attention_kind.module(config, rope, kernels)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
         dense = not use_moe
         self.ffn = SwiGLU(config.dim, config.dense_ffn_dim, kernels) if dense else MoELayer(config.dim, config.moe, kernels)
-
-    recompute: Recompute = "none"  # set by `apply_activation_checkpointing`
+        self.recompute = recompute
 
     def forward(
         self,
@@ -104,17 +108,26 @@ class Transformer(nn.Module):
     """Decoder-only MoE language model; the first `dense_layers` blocks use a dense FFN.
 
     `kernels` fixes the implementation of every kernel op for the model's lifetime
-    (chosen for the device it will run on); without one, every op is portable.
+    (chosen for the device it will run on); without one, every op is portable. `recompute` is what every block
+    keeps for its backward (`train.activation_checkpointing`, `ferry/model/recompute.py`).
     """
 
-    def __init__(self, config: ModelConfig, kernels: KernelSelection | None = None, initialise: bool = True):
+    def __init__(
+        self,
+        config: ModelConfig,
+        kernels: KernelSelection | None = None,
+        initialise: bool = True,
+        recompute: Recompute = "none",
+    ):
         super().__init__()
         self.config = config
+        self.skip = config.skip_kind
         self.kernels = kernels or portable_kernels()
         rope = RotaryEmbedding(config.rope_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
-            Block(config, rope, index >= config.dense_layers, self.kernels) for index in range(config.n_layers)
+            Block(config, rope, index >= config.dense_layers, self.kernels, recompute)
+            for index in range(config.n_layers)
         )
         self.norm = RMSNorm(config.dim, config.norm_eps, self.kernels)
         self.output = Linear(config.dim, config.vocab_size, self.kernels)
@@ -197,7 +210,7 @@ class Transformer(nn.Module):
         step = cache.begin(tokens_BS.shape[1]) if cache is not None else None
         visible_BSS = self.visibility(document_ids_BS)
         x_BSD = self.tok_embeddings(tokens_BS)
-        stream = FarSkipStream(x_BSD) if self.config.skip == "farskip" else x_BSD
+        stream = self.skip.stream(x_BSD)
         moe_stats = []
         for index, block in enumerate(self.layers):
             layer_cache = cache.layer(index, step) if cache is not None else None
@@ -206,7 +219,7 @@ class Transformer(nn.Module):
                 moe_stats.append(stats)
         if cache is not None:
             cache.commit(step)
-        h_BSD = self.norm(stream.joined() if isinstance(stream, FarSkipStream) else stream)
+        h_BSD = self.norm(self.skip.joined(stream))
         if targets is not None:
             return ModelOutput(None, moe_stats, chunked_head_loss(h_BSD, self.output.weight, targets))
         return ModelOutput(self.output(h_BSD), moe_stats)

@@ -33,7 +33,7 @@ from ferry.metrics import StepMetrics
 from ferry.model import ModelSize, Transformer, count_model
 from ferry.model.compilation import Compile, compile_blocks
 from ferry.model.digest import weights_digest
-from ferry.model.recompute import apply_activation_checkpointing
+from ferry.model.recompute import activation_checkpointing_record
 from ferry.parallel import build_plan
 from ferry.parallel.layout import JobLayout
 from ferry.parallel.plan import ParallelPlan
@@ -257,7 +257,8 @@ def build_model(job: Job, numerics: Numerics, start: Start) -> ModelParts:
     pipelined = config.parallel.pp > 1
     draw_deferred = drawn and on_host and not pipelined and start.resume is not None
     drawn_now = drawn and on_host and not draw_deferred
-    model = Transformer(config.model, numerics.kernels, initialise=drawn_now)
+    recompute_mode = config.train.activation_checkpointing
+    model = Transformer(config.model, numerics.kernels, initialise=drawn_now, recompute=recompute_mode)
     initial_weights = weights_digest(model) if drawn_now and job.is_main else None
     model = model.to(job.device, dtype=numerics.precision.torch_param_dtype)
     if drawn and not on_host:
@@ -265,7 +266,7 @@ def build_model(job: Job, numerics: Numerics, start: Start) -> ModelParts:
         initial_weights = weights_digest(model) if job.is_main else None
     decayed = decayed_parameter_names(model)
     expert_parallel = config.parallel.mode == "ep" and config.parallel.ep > 1
-    recompute = apply_activation_checkpointing(model, config.train.activation_checkpointing)
+    recompute = activation_checkpointing_record(recompute_mode, len(model.layers))
     compiled = compile_blocks(model, resolve_compile(config.train.compile, job.device), expert_parallel)
     compiled["requested"] = config.train.compile
     plan = build_plan(

@@ -42,6 +42,7 @@ from ferry.checkpoint.writer import RankRecord, begin_save, build_manifest, publ
 from ferry.comm import DistContext, gather_objects
 from ferry.config import ConfigError
 from ferry.model import ModelConfig
+from ferry.model.variants import SKIP_KINDS
 from ferry.parallel import ParallelPlan
 from ferry.train.config import RunConfig
 from ferry.train.optimizer import decayed_parameter_names
@@ -138,12 +139,14 @@ TRAINING_FIELDS = (
 )
 
 
-# A standard model continued with FarSkip wiring computes another function from the first step on; the FarSkip
-# paper converts trained models so (then distils), so the start is allowed and said (ferry/model/farskip.py).
-CONVERSIONS = {("model.skip", "standard", "farskip"): (
-    "model.skip: standard -> farskip: the checkpoint's standard model continues with FarSkip wiring, another "
-    "function from here (a conversion, as the FarSkip paper's before its distillation)"
-)}
+# Checkpoints of one variant that another may continue, with what to say: each skip kind names the kinds it may
+# start from (FarSkip from a standard model: another function from the first step on, as the FarSkip paper
+# converts trained models before distilling them).
+CONVERSIONS = {
+    ("model.skip", source, kind.name): message
+    for kind in SKIP_KINDS.values()
+    for source, message in kind.converts_from.items()
+}
 
 
 def check_config(checkpoint: Checkpoint, config: RunConfig) -> list[str]:

@@ -103,23 +103,25 @@ def _rank_estimate(config: RunConfig, world_size: int, device: str, micro: int, 
 def kept_bytes_per_token_layer(config: RunConfig, mode: str, compute_bytes: int) -> int:
     """What one token keeps for the backward in one block, by `train.activation_checkpointing` mode.
 
-    none: the attention's inputs and outputs (12 x dim) and, for each of its top-k experts, the expert's input,
-    hidden and output rows. selective: the block's input (the residual stream, in the parameter dtype), the
-    outputs of the GEMMs (the query/key/value projection, 3 x dim; the attention; the output projection; the
-    router's scores; each expert's gate, up and down rows) and the routing choice. full: the block's input and
-    the routing choice. Both also keep the dispatch's three maps between token order and expert order, which the
-    MoE kernels hold on their autograd context, where a checkpoint cannot drop them. Expert parallelism adds, in
-    both checkpointed modes, the rows the exchange received in each direction, which a recompute reads instead
-    of sending them again.
+    none: the block's input, both norms' outputs and the residual between attention and FFN (4 x dim), the
+    smaller keeps (norm statistics, router scores, the routing choice), estimated at 2 x dim, what the attention
+    kind keeps (`AttentionKind.kept_values`) and, for each of its top-k experts, the expert's input, hidden and
+    output rows. selective: the block's input (the residual stream, in the parameter dtype), the outputs of the
+    attention's GEMMs and kernels, the router's scores, each expert's gate, up and down rows, and the routing
+    choice. full: the block's input and the routing choice. Both also keep the dispatch's three maps between
+    token order and expert order, which the MoE kernels hold on their autograd context, where a checkpoint
+    cannot drop them. Expert parallelism adds, in both checkpointed modes, the rows the exchange received in each
+    direction, which a recompute reads instead of sending them again.
     """
     model, moe = config.model, config.model.moe
     dim, top_k, ffn = model.dim, moe.top_k, moe.expert_ffn_dim
+    attention = model.attention_kind.kept_values(model, mode) * compute_bytes
     if mode == "none":
-        return (12 * dim + top_k * (2 * dim + 3 * ffn)) * compute_bytes
+        return (6 * dim + top_k * (2 * dim + 3 * ffn)) * compute_bytes + attention
     routing = top_k * (_INDEX_BYTES + compute_bytes) + 3 * top_k * _INDEX_BYTES  # the choice; the dispatch's maps
-    kept = dim * _param_bytes(config) + routing
+    kept = dim * _param_bytes(config) + routing + attention
     if mode == "selective":
-        kept += (5 * dim + moe.num_experts + top_k * (2 * ffn + dim)) * compute_bytes
+        kept += (moe.num_experts + top_k * (2 * ffn + dim)) * compute_bytes
     if config.parallel.mode == "ep" and config.parallel.ep > 1:
         kept += 2 * top_k * dim * compute_bytes
     return kept

@@ -35,8 +35,8 @@ def check_pipeline(config: PipelinedRun, layout: JobLayout) -> None:
          "model.tie_embeddings=false"),
         (train.micro_batch == "auto", "train.micro_batch=auto", "the memory model does not choose a pipeline's "
          "micro-batch", "train.micro_batch to a number"),
-        (config.model.skip == "farskip", "model.skip=farskip", "a FarSkip stream is two tensors, one still "
-         "travelling, where a stage hands over one", "model.skip=standard"),
+        (bool(config.model.skip_kind.pipeline_refusal), f"model.skip={config.model.skip}",
+         config.model.skip_kind.pipeline_refusal, "model.skip=standard"),
     )
     for asked, setting, reason, fix in refused:
         if asked:

@@ -1,0 +1,94 @@
+"""What an attention kind and a skip-wiring kind answer (`ferry/model/variants/`), so that no caller branches on
+a variant's name.
+
+A kind is stateless: every answer is a function of the model config it is asked about. The config is imported
+for its type only, since the config itself asks its kinds to validate and resolve it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+from pydantic.fields import FieldInfo
+from torch import nn
+
+if TYPE_CHECKING:
+    from ferry.kernels import KernelSelection
+    from ferry.model.config import ModelConfig
+    from ferry.model.recompute import Recompute
+    from ferry.model.rope import RotaryEmbedding
+
+
+class AttentionKind(Protocol):
+    """One way of attending (`model.attention`)."""
+
+    name: ClassVar[str]
+    hf_architectures: ClassVar[tuple[str, ...]]  # the transformers architectures whose attention it is
+    hf_layer_names: ClassVar[dict[str, str]]  # a layer's attention tensors: ferry's name -> transformers'
+
+    def with_defaults(self, data: dict, fields: dict[str, FieldInfo]) -> dict:
+        """The raw model section with the defaults this kind implies filled in, before validation (`fields`: the
+        model config's, for their defaults)."""
+
+    def check_field(self, field: str, value: int, data: dict[str, Any]) -> None:
+        """Raise ValueError for a head count (`n_heads`, `n_kv_heads`) this kind cannot run, so that the error
+        names that field; `data` holds the fields validated before it."""
+
+    def check(self, config: ModelConfig) -> None:
+        """Raise ValueError, naming the field, for settings this kind cannot run together."""
+
+    def default_head_dim(self, config: ModelConfig) -> int:
+        """The query/key width of a head when `model.head_dim` is unset (what `ModelConfig.head_dim` then holds)."""
+
+    def rope_dim(self, config: ModelConfig) -> int:
+        """The width RoPE rotates."""
+
+    def module(self, config: ModelConfig, rope: RotaryEmbedding, kernels: KernelSelection) -> nn.Module:
+        """A block's attention module."""
+
+    def parameters(self, config: ModelConfig) -> int:
+        """One layer's attention parameters (projections and norms; the output gate is counted apart)."""
+
+    def head_widths(self, config: ModelConfig) -> tuple[int, int]:
+        """A head's query/key width and value width: the widths the score and value products run at."""
+
+    def kept_values(self, config: ModelConfig, mode: Recompute) -> int:
+        """Values (of the compute dtype) one token keeps for the backward in one layer's attention, by
+        `train.activation_checkpointing` mode."""
+
+    def cache_entry_shapes(self, config: ModelConfig, capacity: int) -> list[tuple[int, ...]]:
+        """The decoding cache of one layer and row: one shape per buffer, its token slot second-last."""
+
+    def describe_cache(self, config: ModelConfig) -> str:
+        """What the cache keeps of a token, in the terms of this attention."""
+
+    def hf_architecture(self, config: ModelConfig) -> str:
+        """The transformers architecture an export defaults to."""
+
+    def export_refusals(self, config: ModelConfig, arch: str) -> list[str]:
+        """Why `config`'s attention cannot be written as `arch`, each naming the ferry field."""
+
+    def hf_config_fields(self, config: ModelConfig, arch: str) -> dict[str, Any]:
+        """The transformers config fields of this attention."""
+
+    def fields_from_hf(self, hf: Any, problems: list[str]) -> dict[str, Any]:
+        """The ferry model fields of this attention a transformers config describes; what ferry cannot compute
+        is added to `problems`, naming the transformers field."""
+
+
+class SkipKind(Protocol):
+    """One way of wiring the residual stream between blocks (`model.skip`)."""
+
+    name: ClassVar[str]
+    pipeline_refusal: ClassVar[str | None]  # why a pipeline stage cannot hand this stream over; None when it can
+    converts_from: ClassVar[dict[str, str]]  # the skip kinds a checkpoint may be continued from, and what to say
+
+    def stream(self, x_BSD: torch.Tensor) -> Any:
+        """The stream the first block reads, from the embeddings."""
+
+    def joined(self, stream: Any) -> torch.Tensor:
+        """The whole residual stream after the last block, for the final norm."""
+
+    def export_refusals(self, config: ModelConfig, arch: str) -> list[str]:
+        """Why this wiring cannot be written as `arch`."""

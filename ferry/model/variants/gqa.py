@@ -1,0 +1,123 @@
+"""`model.attention: gqa`: grouped-query attention (`ferry/model/attention.py`), `n_heads` query heads sharing
+`n_kv_heads` key/value heads, each `head_dim` wide (by default `dim // n_heads`; Qwen3's and GPT-OSS's heads are
+wider or narrower than that split)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic.fields import FieldInfo
+from torch import nn
+
+if TYPE_CHECKING:
+    from ferry.kernels import KernelSelection
+    from ferry.model.config import ModelConfig
+    from ferry.model.recompute import Recompute
+    from ferry.model.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class GroupedQueryAttention:
+    """Queries, keys and values projected per head; the cache keeps every layer's keys and values."""
+
+    name: ClassVar[str] = "gqa"
+    hf_architectures: ClassVar[tuple[str, ...]] = ("olmoe", "qwen3_moe")
+    hf_layer_names: ClassVar[dict[str, str]] = {
+        "attn.wq.weight": "self_attn.q_proj.weight",
+        "attn.wk.weight": "self_attn.k_proj.weight",
+        "attn.wv.weight": "self_attn.v_proj.weight",
+        "attn.wo.weight": "self_attn.o_proj.weight",
+        "attn.q_norm.weight": "self_attn.q_norm.weight",
+        "attn.k_norm.weight": "self_attn.k_norm.weight",
+    }
+
+    def with_defaults(self, data: dict, fields: dict[str, FieldInfo]) -> dict:
+        return data
+
+    def check_field(self, field: str, value: int, data: dict[str, Any]) -> None:
+        """`head_dim` unset splits `dim` over the heads, which must then divide it; RoPE rotates pairs; key/value
+        heads are shared by equal groups of query heads."""
+        dim, head_dim = data.get("dim"), data.get("head_dim")
+        if field == "n_heads" and dim is not None:
+            if head_dim is None and dim % value:
+                raise ValueError(f"n_heads must divide dim ({dim}), or set head_dim")
+            if (head_dim or dim // value) % 2:
+                raise ValueError(f"head dimension {head_dim or dim // value} must be even for RoPE")
+        n_heads = data.get("n_heads")
+        if field == "n_kv_heads" and n_heads is not None and n_heads % value:
+            raise ValueError(f"n_kv_heads must divide n_heads ({n_heads})")
+
+    def check(self, config: ModelConfig) -> None:
+        if config.rope_scaling.mscale_all_dim:
+            raise ValueError("rope_scaling.mscale_all_dim scales MLA's softmax (DeepSeek's YaRN); this model is gqa")
+
+    def default_head_dim(self, config: ModelConfig) -> int:
+        return config.dim // config.n_heads
+
+    def rope_dim(self, config: ModelConfig) -> int:
+        return config.head_dim
+
+    def module(self, config: ModelConfig, rope: RotaryEmbedding, kernels: KernelSelection) -> nn.Module:
+        from ferry.model.attention import Attention  # the module reads the config, which asks this kind
+
+        return Attention(config, rope, kernels)
+
+    def parameters(self, config: ModelConfig) -> int:
+        q_width, kv_width = self._widths(config)
+        params = config.dim * q_width * 2 + config.dim * kv_width * 2
+        if config.qk_norm:
+            params += 2 * config.head_dim if config.qk_norm_scope == "head" else q_width + kv_width
+        return params
+
+    def head_widths(self, config: ModelConfig) -> tuple[int, int]:
+        return config.head_dim, config.head_dim
+
+    def kept_values(self, config: ModelConfig, mode: Recompute) -> int:
+        """none: the query/key/value projection, the rotated queries and keys and the attention's output, each
+        counted at the query width (keys and values are narrower with fewer key/value heads: an upper bound).
+        selective: the projection, the attention's output and the output projection's. full: nothing."""
+        q_width, _ = self._widths(config)
+        return {"none": 6 * q_width, "selective": 4 * q_width + config.dim, "full": 0}[mode]
+
+    def cache_entry_shapes(self, config: ModelConfig, capacity: int) -> list[tuple[int, ...]]:
+        """Keys and values, [G, T, C] each."""
+        return [(config.n_kv_heads, capacity, config.head_dim)] * 2
+
+    def describe_cache(self, config: ModelConfig) -> str:
+        return f"keys and values: 2 x {config.n_kv_heads} heads x {config.head_dim} a layer"
+
+    def hf_architecture(self, config: ModelConfig) -> str:
+        """Qwen3-MoE where its per-head norm, its dense layers or its own head width are needed; else OLMoE."""
+        own_width = config.head_dim * config.n_heads != config.dim
+        return "qwen3_moe" if config.qk_norm_scope == "head" or config.dense_layers or own_width else "olmoe"
+
+    def export_refusals(self, config: ModelConfig, arch: str) -> list[str]:
+        if arch not in self.hf_architectures:
+            return [f"model.attention: {arch} is multi-head latent attention (mla), the model uses gqa"]
+        if arch == "olmoe" and config.head_dim * config.n_heads != config.dim:
+            return [f"model.head_dim {config.head_dim}: olmoe's heads split hidden_size ({config.dim}); "
+                    "qwen3_moe has a head_dim of its own"]
+        return []
+
+    def hf_config_fields(self, config: ModelConfig, arch: str) -> dict[str, Any]:
+        """Key/value heads, and `head_dim` where it is not transformers' default split (so that an export of a
+        model with the default writes what it always wrote)."""
+        fields: dict[str, Any] = {"num_key_value_heads": config.n_kv_heads}
+        if config.head_dim != self.default_head_dim(config):
+            fields["head_dim"] = config.head_dim
+        return fields
+
+    def fields_from_hf(self, hf: Any, problems: list[str]) -> dict[str, Any]:
+        split = hf.hidden_size // hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or split
+        fields: dict[str, Any] = {"n_kv_heads": hf.num_key_value_heads}
+        if head_dim * hf.num_attention_heads != hf.hidden_size:
+            if hf.model_type == "olmoe":
+                problems.append(f"head_dim {head_dim}: OLMoE's query/key norms span hidden_size ({hf.hidden_size})")
+            fields["head_dim"] = head_dim
+        return fields
+
+    def _widths(self, config: ModelConfig) -> tuple[int, int]:
+        """The query projection's width and the key (or value) projection's."""
+        return config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim

@@ -47,6 +47,23 @@ def test_cached_logits_equal_the_full_forward_for_left_padded_rows(case):
         model(padded_BS[:, :1], cache)
 
 
+def test_a_pipeline_stage_caches_only_its_own_blocks():
+    """A stage's model (its blocks kept, the others absent) decodes with a cache of its blocks alone: a quarter
+    of the buffers for one block of four; asking it for another block is an error that names what it keeps."""
+    config = ModelConfig.model_validate({**BASE, "n_layers": 4})
+    model = _random_model(config)
+    model.keep_only({2}, embedding=False, head=False)
+    assert model.held_blocks() == [2]
+    whole = KVCache(config, torch.tensor([0, 1]), 8, torch.float32, torch.device("cpu"))
+    stage = KVCache(config, torch.tensor([0, 1]), 8, torch.float32, torch.device("cpu"), layers=model.held_blocks())
+    assert [4 * buffer.numel() for buffer in stage.buffers] == [buffer.numel() for buffer in whole.buffers]
+    assert stage.bytes_per_token == whole.bytes_per_token, "the model's figure, every stage's layers together"
+    step = stage.begin(1)
+    assert stage.layer(2, step).buffers[0].shape == whole.layer(2, step).buffers[0].shape
+    with pytest.raises(ValueError, match=r"block 0 is not cached here \(this cache keeps blocks \[2\]\)"):
+        stage.layer(0, step)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_tokens_equal_transformers_generate_on_the_export(case):
     arch, overrides = CASES[case]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +37,8 @@ class LayerCache:
 
 
 class KVCache:
-    """Keys and values of every layer (under MLA, the latent they are expanded from) for a batch of left-padded
-    rows, in buffers allocated once.
+    """Keys and values of every layer this process holds (under MLA, the latent they are expanded from; a
+    pipeline stage holds its own blocks') for a batch of left-padded rows, in buffers allocated once.
 
     Row b's tokens start at slot `pad_B[b]`, so the newest token of every row sits in
     the same slot and one decoding step appends one column for the whole batch. No
@@ -47,13 +48,22 @@ class KVCache:
     """
 
     def __init__(
-        self, config: ModelConfig, pad_B: torch.Tensor, capacity: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        pad_B: torch.Tensor,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        layers: Sequence[int] | None = None,
     ):
+        """`layers`: the indices of the blocks whose entries it keeps (default: every block)."""
         if capacity > config.max_seq_len:
             raise ValueError(f"a cache of {capacity} slots exceeds model.max_seq_len ({config.max_seq_len})")
         self.config = config
+        held = range(config.n_layers) if layers is None else layers
+        self._slot = {index: slot for slot, index in enumerate(held)}
         self.buffers = tuple(
-            torch.zeros((config.n_layers, pad_B.shape[0], *shape), dtype=dtype, device=device)
+            torch.zeros((len(self._slot), pad_B.shape[0], *shape), dtype=dtype, device=device)
             for shape in _entry_shapes(config, capacity)
         )
         self.pad_B = pad_B.to(device)
@@ -65,7 +75,8 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """What one token of one row occupies over every layer: MLA's reason to exist, in numbers."""
+        """What one token of one row occupies over every layer of the model (a pipeline's stages together): MLA's
+        reason to exist, in numbers."""
         return cache_bytes_per_token(self.config, self.buffers[0].dtype.itemsize)
 
     def begin(self, new: int) -> CacheStep:
@@ -83,7 +94,10 @@ class KVCache:
         return CacheStep(self.length, self.length + new, positions_BS, visible_BST)
 
     def layer(self, index: int, step: CacheStep) -> LayerCache:
-        return LayerCache(tuple(buffer[index] for buffer in self.buffers), step)
+        if index not in self._slot:
+            raise ValueError(f"block {index} is not cached here (this cache keeps blocks {sorted(self._slot)})")
+        slot = self._slot[index]
+        return LayerCache(tuple(buffer[slot] for buffer in self.buffers), step)
 
     def commit(self, step: CacheStep) -> None:
         self.length = step.stop

@@ -166,6 +166,10 @@ class Transformer(nn.Module):
         first = self.config.dense_layers
         return {index - first: block.ffn for index, block in enumerate(self.layers) if isinstance(block.ffn, MoELayer)}
 
+    def held_blocks(self) -> list[int]:
+        """The indices of the blocks this model holds (under pipeline parallelism, its own stages')."""
+        return [index for index, block in enumerate(self.layers) if not isinstance(block, AbsentBlock)]
+
     def keep_only(self, blocks: set[int], embedding: bool, head: bool) -> None:
         """Drop what other pipeline stages hold: the blocks not in `blocks`, the embedding and the final norm and
         head unless asked to keep them. Drawn first on every rank, the kept weights are the single process's."""

@@ -123,6 +123,10 @@ class StagedDecoder:
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return self.staged.model.parameters()
 
+    def held_blocks(self) -> list[int]:
+        """This stage's blocks: the layers its part of the cache keeps."""
+        return self.staged.model.held_blocks()
+
     @property
     def training(self) -> bool:
         return self.staged.model.training

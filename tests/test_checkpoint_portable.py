@@ -68,3 +68,26 @@ def test_a_checkpoint_is_read_without_ferry_or_torch(make_config, tmp_path):
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == expected
     assert len(expected) == 3 * len(list(trainer.model.parameters()))
+
+
+def test_a_muon_checkpoint_is_read_without_ferry_or_torch(make_config, tmp_path):
+    """Muon's momentum of each matrix (the experts' one 3D tensor a layer) and AdamW's moments of the rest, under
+    their logical names, read by the same few lines."""
+    trainer = Trainer(make_config("optim.name=muon", "train.steps=2", run_dir=tmp_path / "run"))
+    trainer.fit()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    expected = {}
+    for name, param in trainer.model.named_parameters():
+        state = trainer.optimizer.state[param]
+        keys = ["momentum_buffer"] if "momentum_buffer" in state else ["exp_avg", "exp_avg_sq"]
+        for logical, tensor in [(f"model.{name}", param), *((f"optim.{key}.{name}", state[key]) for key in keys)]:
+            data = tensor.detach().contiguous().numpy()
+            expected[logical] = [list(data.shape), hashlib.sha256(data.tobytes()).hexdigest()]
+    assert any(name.startswith("optim.momentum_buffer.") and len(shape) == 3 for name, (shape, _) in expected.items())
+    (tmp_path / "expected.json").write_text(json.dumps(list(expected)))
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", _READER, str(checkpoint), str(tmp_path / "expected.json")],
+        env={}, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == expected

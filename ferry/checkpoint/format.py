@@ -24,7 +24,15 @@ from ferry.config.errors import UserError, first_problem
 CHECKPOINT_FORMAT = "ferry-checkpoint"
 # 2: every file also records its xxh3-128 (ferry/checkpoint/digests.py); version 1 manifests still load.
 # 3: the manifest records the sha256 of its own content (`manifest_sha256`); versions 1 and 2 still load.
-FORMAT_VERSION = 3
+# 4: the optimizer state may be Muon's (`train_state.optimizer.kind`, `optim.momentum_buffer.<param>`), which a
+#    reader of version 3 would take for AdamW's: only such checkpoints are written as 4, AdamW's stay 3.
+FORMAT_VERSION = 4
+ADAMW_FORMAT_VERSION = 3
+
+
+def format_version_of(train_state: dict) -> int:
+    """The version a checkpoint of `train_state` is written as: the oldest that describes it."""
+    return FORMAT_VERSION if (train_state.get("optimizer") or {}).get("kind") == "Muon" else ADAMW_FORMAT_VERSION
 MANIFEST_DIGEST = "manifest_sha256"
 MANIFEST_NAME = "manifest.json"
 TENSOR_SUFFIX = ".safetensors"

@@ -27,6 +27,7 @@ def inspect_lines(path: Path) -> list[str]:
         f"  layout      {layout.describe()}",
         f"  saved on    {environment.get('device_type')} ({environment.get('device_name')}), "
         f"torch {environment.get('torch')}, ferry {environment.get('code', {}).get('ferry')}",
+        *_optimizer_line(manifest),
         f"  files       {len(manifest.files)}, {_size(sum(f.bytes for f in manifest.files.values()))}",
     ]
     file_width = max((len(name) for name in manifest.files), default=0)
@@ -40,6 +41,20 @@ def inspect_lines(path: Path) -> list[str]:
         pieces = f"  in {len(record.pieces)} pieces" if len(record.pieces) > 1 else ""
         lines.append(f"    {name:<{width}}  {record.dtype:<8}  {shape:<18}  {size:>10}{pieces}")
     return lines
+
+
+def _optimizer_line(manifest: Manifest) -> list[str]:
+    """Which optimizer's state the checkpoint holds and for how many parameters (none for weights alone)."""
+    kind = (manifest.train_state.get("optimizer") or {}).get("kind")
+    if kind is None:
+        return []
+    states: dict[str, int] = {}
+    for name in manifest.tensors:
+        if name.startswith("optim."):
+            key = name.removeprefix("optim.").partition(".")[0]
+            states[key] = states.get(key, 0) + 1
+    held = ", ".join(f"{key} of {count} parameters" for key, count in states.items())
+    return [f"  optimizer   {kind}: {held or 'no state saved'}"]
 
 
 def verify_lines(path: Path) -> list[str]:

@@ -26,7 +26,6 @@ from ferry.checkpoint.files import fsync_dir, record_file
 from ferry.checkpoint.format import (
     CHECKPOINT_FORMAT,
     DEFAULT_FILE_BYTES,
-    FORMAT_VERSION,
     MANIFEST_NAME,
     FileRecord,
     Layout,
@@ -36,6 +35,7 @@ from ferry.checkpoint.format import (
     TensorRecord,
     coverage_problem,
     dtype_name,
+    format_version_of,
     name_group,
     rank_file_name,
     staging_dir_name,
@@ -158,7 +158,7 @@ def build_manifest(records: list[RankRecord], meta: CheckpointMeta) -> Manifest:
             raise ValueError(f"{name}: {problem}")
     return Manifest(
         format=CHECKPOINT_FORMAT,
-        format_version=FORMAT_VERSION,
+        format_version=format_version_of(meta.train_state),
         step=meta.step,
         tokens_seen=meta.tokens_seen,
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -19,6 +19,7 @@ from ferry.comm import Collectives, CommStats, DistContext, build_mesh, build_pi
 from ferry.model import Transformer
 from ferry.model.experts import Experts
 from ferry.parallel.config import ParallelConfig
+from ferry.parallel.muon import MuonSettings
 from ferry.parallel.layout import JobLayout, lay_out_job
 from ferry.parallel.pipeline_split import StageSplit
 from ferry.parallel.strategies import (
@@ -145,8 +146,14 @@ class ParallelPlan:
             self.world.all_reduce(tensor)
         return tensor
 
-    def build_optimizer(self, decayed: set[str], weight_decay: float, zero: bool, **adamw_kwargs):
-        return self.placement.build_optimizer(self.placed, self.groups, decayed, weight_decay, zero, **adamw_kwargs)
+    def build_optimizer(
+        self, decayed: set[str], weight_decay: float, zero: bool, muon: MuonSettings | None = None, **adamw_kwargs
+    ):
+        """AdamW over this rank's parameters (sharded over their replicas with `zero`), or with `muon` Muon for
+        the matrices it names and AdamW for the rest."""
+        return self.placement.build_optimizer(
+            self.placed, self.groups, decayed, weight_decay, zero, muon, **adamw_kwargs
+        )
 
 
 def build_plan(

@@ -25,12 +25,13 @@ from torch import nn
 from ferry.comm import Collectives
 from ferry.config import UserError
 from ferry.model import Transformer
-from ferry.parallel.adamw import fused_where_available
 from ferry.parallel.config import ParallelConfig
 from ferry.parallel.expert_parallel import AllToAllDispatcher, shard_experts
 from ferry.parallel.fsdp import apply_fsdp
 from ferry.parallel.gradients import clip_grad_norm, reduce_gradients
 from ferry.parallel.pipeline_split import StageSplit
+from ferry.parallel.muon import MuonSettings
+from ferry.parallel.optimizers import optimizer_over
 from ferry.parallel.zero import ReplicaGroup, ShardedAdamW
 
 Params = list[tuple[str, nn.Parameter]]
@@ -106,7 +107,8 @@ class Placement(Protocol):
         ...
 
     def build_optimizer(
-        self, placed: PlacedParams, groups: RankGroups, decayed: set[str], weight_decay: float, zero: bool, **adamw
+        self, placed: PlacedParams, groups: RankGroups, decayed: set[str], weight_decay: float, zero: bool,
+        muon: MuonSettings | None, **adamw,
     ): ...
 
     def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None: ...
@@ -147,12 +149,15 @@ class ExpertResident:
         )
 
     def build_optimizer(
-        self, placed: PlacedParams, groups: RankGroups, decayed: set[str], weight_decay: float, zero: bool, **adamw
+        self, placed: PlacedParams, groups: RankGroups, decayed: set[str], weight_decay: float, zero: bool,
+        muon: MuonSettings | None, **adamw,
     ):
+        """Every rank holds whole matrices (its experts whole, its stages' blocks whole), so Muon's iteration runs
+        where the parameter lives; under ZeRO-1 on the rank that owns it, which then sends the update."""
         if zero and groups.world is not None:
             sharded = [ReplicaGroup(placed.dense, groups.replicas), ReplicaGroup(placed.experts, groups.dp)]
-            return ShardedAdamW(sharded, decayed, weight_decay, **adamw)
-        return adamw_over(placed.dense + placed.experts, decayed, weight_decay, **adamw)
+            return ShardedAdamW(sharded, decayed, weight_decay, muon, **adamw)
+        return optimizer_over(placed.dense + placed.experts, decayed, weight_decay, muon, **adamw)
 
 
 @dataclass(frozen=True)
@@ -178,13 +183,19 @@ class FullySharded:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def build_optimizer(
-        self, placed: PlacedParams, groups: RankGroups, decayed: set[str], weight_decay: float, zero: bool, **adamw
+        self, placed: PlacedParams, groups: RankGroups, decayed: set[str], weight_decay: float, zero: bool,
+        muon: MuonSettings | None, **adamw,
     ):
         if zero:
             raise UserError(
                 "optim.zero: FSDP already shards optimizer state; set optim.zero=false with parallel.mode=fsdp"
             )
-        return adamw_over(placed.dense + placed.experts, decayed, weight_decay, **adamw)
+        if muon is not None and groups.world is not None:
+            raise UserError(
+                "optim.name: muon orthogonalises whole matrices, and FSDP holds a shard of each on every rank; use "
+                "parallel.mode=ep (experts resident, whole matrices everywhere), or optim.name=adamw"
+            )
+        return optimizer_over(placed.dense + placed.experts, decayed, weight_decay, muon, **adamw)
 
     def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None:
         if groups.world is not None:
@@ -192,18 +203,6 @@ class FullySharded:
 
 
 PLACEMENTS = {"ep": ExpertResident, "fsdp": FullySharded}
-
-
-def adamw_over(params: list[tuple[str, nn.Parameter]], decayed: set[str], weight_decay: float, **adamw):
-    """torch's AdamW (its fused kernel wherever the device has one), decaying only the `decayed` names."""
-    return torch.optim.AdamW(
-        [
-            {"params": [p for n, p in params if n in decayed], "weight_decay": weight_decay},
-            {"params": [p for n, p in params if n not in decayed], "weight_decay": 0.0},
-        ],
-        **adamw,
-        **fused_where_available([p for _, p in params]),
-    )
 
 
 def exchange_chunks(config: ParallelConfig) -> int:

@@ -1,10 +1,10 @@
-"""ZeRO-1: AdamW whose state is sharded over the ranks that replicate the parameters.
+"""ZeRO-1: AdamW (or Muon with AdamW) whose state is sharded over the ranks that replicate the parameters.
 
 Every parameter is owned by one rank of its replica group (greedy by size, in
 name order, so every rank computes the same assignment). A rank keeps Adam moments
-only for what it owns, updates only that, then each owner broadcasts its updated
-parameters to the group. AdamW is elementwise, so the result equals plain AdamW;
-the optimizer memory per rank falls by the group size.
+(or Muon's momentum) only for what it owns, updates only that, then each owner broadcasts its updated
+parameters to the group. AdamW is elementwise and Muon works on whole matrices, which an owner holds whole, so
+the result equals the unsharded optimizer's; the optimizer memory per rank falls by the group size.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ferry.comm import Collectives
-from ferry.parallel.adamw import fused_where_available
+from ferry.parallel.muon import MuonSettings
+from ferry.parallel.optimizers import optimizer_over
 
 
 @dataclass
@@ -30,7 +31,14 @@ class ReplicaGroup:
 class ShardedAdamW:
     """The `torch.optim.Optimizer` surface the trainer uses, over owner-partitioned parameters."""
 
-    def __init__(self, groups: list[ReplicaGroup], decayed: set[str], weight_decay: float, **adamw_kwargs):
+    def __init__(
+        self,
+        groups: list[ReplicaGroup],
+        decayed: set[str],
+        weight_decay: float,
+        muon: MuonSettings | None = None,
+        **adamw_kwargs,
+    ):
         self.groups = groups
         self.owner: dict[str, int] = {}
         owned: list[tuple[str, nn.Parameter]] = []
@@ -41,14 +49,7 @@ class ShardedAdamW:
                 self.owner[name] = owner
             owned += [(name, p) for name, p in group.params if self.owner[name] == rank]
         self.owned_names = [name for name, _ in owned]
-        self.local = torch.optim.AdamW(
-            [
-                {"params": [p for name, p in owned if name in decayed], "weight_decay": weight_decay},
-                {"params": [p for name, p in owned if name not in decayed], "weight_decay": 0.0},
-            ],
-            **adamw_kwargs,
-            **fused_where_available([p for _, p in owned]),
-        )
+        self.local = optimizer_over(owned, decayed, weight_decay, muon, **adamw_kwargs)
 
     @property
     def param_groups(self):

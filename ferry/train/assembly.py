@@ -49,7 +49,7 @@ from ferry.train.memory import choose_micro_batch
 from ferry.train.objectives.base import Objective
 from ferry.train.objectives.kinds import ObjectiveInputs, ObjectiveKind, objective_kind
 from ferry.train.objectives.reference import ReferenceSource
-from ferry.train.optimizer import decayed_parameter_names
+from ferry.train.optimizer import decayed_parameter_names, muon_settings
 from ferry.train.resilience.core import torchrun_restart_counts
 
 
@@ -265,6 +265,7 @@ def build_model(job: Job, numerics: Numerics, start: Start) -> ModelParts:
         model.reset_parameters()
         initial_weights = weights_digest(model) if job.is_main else None
     decayed = decayed_parameter_names(model)
+    muon = muon_settings(config.optim, model)
     expert_parallel = config.parallel.mode == "ep" and config.parallel.ep > 1
     recompute = activation_checkpointing_record(recompute_mode, len(model.layers))
     compiled = compile_blocks(model, resolve_compile(config.train.compile, job.device), expert_parallel)
@@ -275,7 +276,7 @@ def build_model(job: Job, numerics: Numerics, start: Start) -> ModelParts:
     step_weights = _step_weights(config, model, numerics.precision)
     optim = config.optim
     optimizer = plan.build_optimizer(
-        decayed, optim.weight_decay, optim.zero, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps
+        decayed, optim.weight_decay, optim.zero, muon, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps
     )
     reductions = RankReductions(job.context, job.device, plan.sum_over_ranks)
     return ModelParts(

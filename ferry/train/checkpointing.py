@@ -4,7 +4,8 @@ whatever the parallel layout on either side.
 Names (docs/checkpoint-format.md), all independent of world size, device and precision:
 
   model.<state_dict key>          every parameter and persistent buffer (routers' expert_bias_E too)
-  optim.<state key>.<param name>  AdamW `exp_avg`, `exp_avg_sq` and `step` of parameter model.<param name>
+  optim.<state key>.<param name>  AdamW `exp_avg`, `exp_avg_sq` and `step`, or Muon's `momentum_buffer`, of
+                                  parameter model.<param name>
   rng.cpu, rng.<device type>      generator states, one row per rank: [world_size, state bytes]
 
 A rank contributes the pieces it is responsible for: expert slices (EP), FSDP shards,
@@ -44,6 +45,8 @@ from ferry.config import ConfigError
 from ferry.model import ModelConfig
 from ferry.model.variants import SKIP_KINDS
 from ferry.parallel import ParallelPlan
+from ferry.parallel.muon import MuonWithAdamW
+from ferry.parallel.zero import ShardedAdamW
 from ferry.train.config import RunConfig
 from ferry.train.optimizer import decayed_parameter_names
 
@@ -123,7 +126,16 @@ def optimizer_record(model: nn.Module, optimizer) -> dict:
     for group in optimizer.param_groups:
         hyperparameters = {key: value for key, value in group.items() if key != "params"}
         groups.append({**hyperparameters, "params": [names[param] for param in group["params"]]})
-    return {"kind": "AdamW", "decayed": sorted(decayed_parameter_names(model)), "param_groups_on_rank_0": groups}
+    return {
+        "kind": optimizer_kind(optimizer), "decayed": sorted(decayed_parameter_names(model)),
+        "param_groups_on_rank_0": groups,
+    }
+
+
+def optimizer_kind(optimizer) -> str:
+    """`Muon` (Muon for the matrices, AdamW for the rest) or `AdamW`, sharded by ZeRO-1 or not."""
+    local = optimizer.local if isinstance(optimizer, ShardedAdamW) else optimizer
+    return "Muon" if isinstance(local, MuonWithAdamW) else "AdamW"
 
 
 # Model fields that change no weight: a long-context stage sets them over its parent's checkpoint.
@@ -216,8 +228,13 @@ def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer, plan:
     owners, EP slices, FSDP shards); hyperparameters stay those of this run's config.
     """
     saved = checkpoint.manifest.train_state["optimizer"]
-    if saved.get("kind") != "AdamW":
-        raise CheckpointError(f"{checkpoint.path}: holds {saved.get('kind')} state, this run uses AdamW")
+    kind = optimizer_kind(optimizer)
+    if saved.get("kind") != kind:
+        raise CheckpointError(
+            f"{checkpoint.path}: holds {saved.get('kind')} state and this run trains with {kind} (optim.name "
+            f"{kind.lower()}): a run continues with the optimizer it saved; to change optimizer, start from the "
+            f"checkpoint's weights alone: init_from={checkpoint.path} init_optimizer=false"
+        )
     params = dict(model.named_parameters())
     held = {param for group in optimizer.param_groups for param in group["params"]}
     state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}

@@ -60,11 +60,35 @@ class RunSection(Section):
         return Path(self.dir) if self.dir else Path("runs") / self.name
 
 
+class MuonSection(Section):
+    """Muon's settings (`optim.name: muon`; ferry/parallel/muon.py): the momentum in PyTorch's form (an
+    exponential moving average of the gradients, `lerp`), with Nesterov's look-ahead; Newton-Schulz's quintic
+    iteration, its steps and dtype; the update's scale per matrix."""
+
+    momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    nesterov: bool = True
+    ns_steps: int = Field(5, ge=1, le=20, description="Newton-Schulz iterations")
+    ns_dtype: Literal["bf16", "fp32"] = Field(
+        "bf16", description="the dtype Newton-Schulz runs in: bf16 (the usual; its result moves ~0.5% with a "
+        "last-bit change of its input) or fp32 (layouts then agree within the suite's tolerance)"
+    )
+    update_scale: Literal["match_rms_adamw", "original"] = Field(
+        "match_rms_adamw", description="match_rms_adamw: 0.2 x sqrt(max(A, B)) per [A, B] matrix, the update's RMS "
+        "AdamW's, so optim.lr and optim.weight_decay carry over (Moonlight); original: sqrt(max(1, A / B))"
+    )
+
+
 class OptimConfig(Section):
-    """AdamW with a linear warm-up, then the schedule: cosine or linear decay to `min_lr_ratio * lr` at the
+    """AdamW, or Muon for the hidden weight matrices with AdamW for the rest (`name: muon`), with a linear
+    warm-up, then the schedule: cosine or linear decay to `min_lr_ratio * lr` at the
     last step, warm-up-stable-decay (`wsd`: constant, then a linear decay over the last `decay_fraction`
     of the steps), or `constant`. `min_lr_ratio: 0` decays to zero."""
 
+    name: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw; muon: the matrices of attention, dense FFN and experts (each expert's on its "
+        "own) by Muon, the embedding, head, norms and routers by AdamW; one lr and weight decay for both"
+    )
+    muon: MuonSection = MuonSection()
     lr: float = Field(3e-3, gt=0.0)
     betas: list[float] = Field(default_factory=lambda: [0.9, 0.95], min_length=2, max_length=2)
     eps: float = Field(1e-8, gt=0.0)

@@ -27,6 +27,7 @@ class MemoryEstimate:
     state_bytes: int
     backward_bytes: int
     optimizer_bytes: int
+    optimizer_state: str = "AdamW moments"  # what the state holds besides parameters and gradients
 
     @property
     def total_bytes(self) -> int:
@@ -36,8 +37,8 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         return (
-            f"parameters, gradients and AdamW moments {gib(self.state_bytes)} GiB; activations and compute-dtype "
-            f"weight copies kept for the backward {gib(self.backward_bytes)} GiB; the optimizer step's "
+            f"parameters, gradients and {self.optimizer_state} {gib(self.state_bytes)} GiB; activations and "
+            f"compute-dtype weight copies kept for the backward {gib(self.backward_bytes)} GiB; the optimizer step's "
             f"temporaries {gib(self.optimizer_bytes)} GiB; estimated"
         )
 
@@ -51,12 +52,16 @@ def memory_estimate(
 
     State: parameters and gradients in the parameter dtype and AdamW's two fp32 moments (experts split
     over `parallel.ep`, moments over the ranks sharing each parameter under ZeRO-1, everything over all
-    ranks under FSDP). Backward: what each token of a micro-batch keeps in each layer
+    ranks under FSDP); with `optim.name: muon`, one momentum buffer in the parameter dtype for the hidden matrices
+    and AdamW's two moments for the embedding, head and routers (all of them counted on every rank: an upper
+    bound). Backward: what each token of a micro-batch keeps in each layer
     (`kept_bytes_per_token_layer`), and with activation checkpointing the one block being recomputed; the
     logits with their fp32 loss and gradient; and, under autocast, the compute-dtype copies of the weights,
     which the backward keeps whether they are made per micro-batch or once a step
     (`ferry/precision/step_weights.py`: released before the optimizer step). Optimizer: AdamW's full-size
-    temporary (the square root of the second moments, in the foreach implementation torch uses by default).
+    temporary (the square root of the second moments, in the foreach implementation torch uses by default); under
+    Muon that of its AdamW part, and Newton-Schulz's working set for the largest matrix (a layer's experts at
+    once: the input, two iterates and the Gram products).
     Under pipeline parallelism, the largest of the pipeline's ranks: its stages' parameters and the micro-batches
     its schedule keeps in flight (`ferry/train/pipeline_memory.py`).
     """
@@ -88,7 +93,8 @@ def _rank_estimate(config: RunConfig, world_size: int, device: str, micro: int, 
         local = dense_params + expert_params / ep
         replicas = max(world_size // ep, 1)
         moments = (dense_params / world_size + expert_params / ep / replicas) if config.optim.zero else local
-    state = local * 2 * param_bytes + moments * 8
+    adamw_share, newton_schulz = _muon_terms(config, share)
+    state = local * 2 * param_bytes + moments * (8 * adamw_share + param_bytes * (1 - adamw_share))
     compute_bytes = _compute_bytes(config, device)
     tokens = micro * config.data.seq_len
     mode = config.train.activation_checkpointing
@@ -97,7 +103,30 @@ def _rank_estimate(config: RunConfig, world_size: int, device: str, micro: int, 
         activations += tokens * kept_bytes_per_token_layer(config, "none", compute_bytes)
     logits = _head_bytes(config, tokens, compute_bytes) * share.in_flight if share.head else 0
     copies = local * compute_bytes if compute_bytes < param_bytes else 0
-    return MemoryEstimate(int(state), int(activations + logits + copies), int(moments * 4))
+    optimizer = moments * 4 * adamw_share + newton_schulz
+    held = "Muon momentum and AdamW moments" if config.optim.name == "muon" else "AdamW moments"
+    return MemoryEstimate(int(state), int(activations + logits + copies), int(optimizer), held)
+
+
+def _muon_terms(config: RunConfig, share: RankShare) -> tuple[float, float]:
+    """The share of `share`'s parameters AdamW updates (1 without Muon) and the bytes of Newton-Schulz's working
+    set (0 without Muon): the embedding, head and routers take AdamW, the rest Muon's one buffer."""
+    if config.optim.name != "muon":
+        return 1.0, 0.0
+    model, moe = config.model, config.model.moe
+    moe_layers = model.n_layers - model.dense_layers
+    adamw_params = model.vocab_size * model.dim * 2 + moe_layers * moe.num_experts * model.dim
+    adamw_share = min(1.0, adamw_params / max(share.total_params, 1))
+    ns_bytes = 2 if config.optim.muon.ns_dtype == "bf16" else 4
+    matrices = [(1, model.n_heads * model.head_dim, model.dim)]  # [batch, rows, columns]
+    if model.dense_layers and model.dense_ffn_dim:
+        matrices.append((1, model.dense_ffn_dim, model.dim))
+    if moe_layers:
+        matrices.append((max(moe.num_experts // config.parallel.ep, 1), moe.expert_ffn_dim, model.dim))
+    newton_schulz = ns_bytes * max(
+        batch * (3 * rows * columns + 2 * min(rows, columns) ** 2) for batch, rows, columns in matrices
+    )
+    return adamw_share, newton_schulz
 
 
 def kept_bytes_per_token_layer(config: RunConfig, mode: str, compute_bytes: int) -> int:

@@ -29,6 +29,7 @@ from ferry.train.checkpointing import (
     RNG,
     check_config,
     copy_into_piece,
+    optimizer_kind,
     optimizer_prefetch,
     optimizer_record,
     restore_model,
@@ -39,6 +40,12 @@ from ferry.train.checkpointing import (
 )
 from ferry.train.optimizer import learning_rate
 from ferry.train.state import TrainState
+
+# what a resume carries of each optimizer's state
+CARRIED_STATE = {
+    "AdamW": "carried (AdamW moments and step counts)",
+    "Muon": "carried (Muon momentum of the matrices; AdamW moments and step counts of the rest)",
+}
 
 if TYPE_CHECKING:
     from ferry.kernels import KernelSelection
@@ -112,7 +119,7 @@ def restore(
     saved = checkpoint.manifest.train_state
     carried = {
         "weights": "carried",
-        "optimizer": "carried (AdamW moments and step counts)",
+        "optimizer": CARRIED_STATE[optimizer_kind(model.optimizer)],
         "data_cursor": "carried",
         "schedule": f"carried (continues at step {checkpoint.step} of {config.train.steps})",
         "rng": "carried" if not rng_notes else "not carried: " + "; ".join(rng_notes),

@@ -1,0 +1,149 @@
+"""Muon for the hidden matrices (each expert's on its own), AdamW for the rest: equal to torch.optim.Muon where both
+apply, on every layout equal to one process (Newton-Schulz in fp32; in bf16 a last-bit change of its input moves
+its output by ~0.5%), its state in the neutral checkpoint, and a change of optimizer refused at a resume.
+
+Layout tolerance, fixed before measuring: 1e-5 relative on the loss of every step over 10 steps."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from ferry.cli.main import main
+from ferry.comm.spawn import run_on_ranks
+from ferry.config import UserError
+from ferry.model import ModelConfig, Transformer
+from ferry.parallel.muon import MuonSettings, MuonWithAdamW, muon_parameter_names, orthogonalise
+from ferry.train import Trainer
+from ferry.train.memory import memory_estimate
+
+import distributed_training as runs
+
+MODEL = ModelConfig(
+    vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, dense_layers=1, dense_ffn_dim=64,
+    moe={"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16, "shared_expert_ffn_dim": 16},
+)
+FP32_MUON = ("optim.name=muon", "optim.muon.ns_dtype=fp32")
+TOLERANCE = 1e-5
+
+
+def _settings(names: set[str], ns_dtype: str = "bf16") -> MuonSettings:
+    return MuonSettings(frozenset(names), 0.95, True, 5, ns_dtype, "match_rms_adamw")
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    names = muon_parameter_names(Transformer(MODEL))
+    assert {"layers.0.attn.wq.weight", "layers.0.ffn.w_down.weight", "layers.1.ffn.experts.w_gate_EFD",
+            "layers.1.ffn.shared_expert.w_up.weight"} <= names
+    assert not names & {"tok_embeddings.weight", "output.weight", "norm.weight", "layers.1.ffn.router.weight_ED",
+                        "layers.0.attn_norm.weight"}
+
+
+def test_on_matrices_in_bf16_it_is_torch_muon():
+    """Same momentum form (PyTorch's lerp, Nesterov), Newton-Schulz, RMS-matched scale and decoupled decay."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(shape)) for shape in ((48, 32), (16, 40), (32, 32))]
+    theirs = [torch.nn.Parameter(param.detach().clone()) for param in ours]
+    named = [(f"w{index}", param) for index, param in enumerate(ours)]
+    names = {name for name, _ in named}
+    muon = MuonWithAdamW(named, names, 0.1, _settings(names), lr=0.02)
+    reference = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    for _ in range(5):
+        for mine, peer in zip(ours, theirs):
+            mine.grad = torch.randn_like(mine)
+            peer.grad = mine.grad.clone()
+        muon.step()
+        reference.step()
+    for mine, peer in zip(ours, theirs):
+        torch.testing.assert_close(mine, peer, rtol=1e-6, atol=1e-6)
+        assert torch.equal(muon.state[mine]["momentum_buffer"], reference.state[peer]["momentum_buffer"])
+
+
+def test_each_expert_matrix_is_orthogonalised_on_its_own():
+    torch.manual_seed(1)
+    experts_EFD = torch.randn(4, 16, 32)
+    batched = orthogonalise(experts_EFD, 5, torch.float32)
+    for expert in range(4):
+        torch.testing.assert_close(batched[expert], orthogonalise(experts_EFD[expert], 5, torch.float32),
+                                   rtol=1e-5, atol=1e-5)
+    singular = torch.linalg.svdvals(batched)
+    assert 0.5 < singular.min() and singular.max() < 1.5, "Newton-Schulz's quintic lands near 1, not on it"
+
+
+def test_a_muon_run_trains_saves_its_momentum_and_resumes_as_if_never_stopped(make_config, tmp_path):
+    whole = Trainer(make_config("optim.name=muon", "train.steps=6", run_dir=tmp_path / "whole")).fit()
+    assert whole.losses[-1] < whole.losses[0]
+    first = Trainer(make_config("optim.name=muon", "train.steps=6", "checkpoint.interval=3",
+                                run_dir=tmp_path / "split"))
+    first.fit(stop_at=3)
+    manifest = json.loads((tmp_path / "split" / "checkpoints" / "step-00000003" / "manifest.json").read_text())
+    assert manifest["format_version"] == 4 and manifest["train_state"]["optimizer"]["kind"] == "Muon"
+    tensors = manifest["tensors"]
+    assert "optim.momentum_buffer.layers.0.attn.wq.weight" in tensors
+    assert tensors["optim.momentum_buffer.layers.1.ffn.experts.w_up_EFD"]["shape"] == [4, 32, 32]
+    assert "optim.exp_avg.layers.0.attn.wq.weight" not in tensors and "optim.exp_avg.output.weight" in tensors
+    resumed = Trainer(make_config("optim.name=muon", "train.steps=6", "resume=latest", run_dir=tmp_path / "split"))
+    assert resumed.fit().losses == whole.losses[3:]
+    record = json.loads((tmp_path / "split" / "run.json").read_text())
+    assert record["resumed_from"]["carried"]["optimizer"].startswith("carried (Muon momentum")
+
+
+def test_a_resume_across_optimizers_is_refused_naming_the_way_to_switch(make_config, tmp_path, capsys):
+    Trainer(make_config("train.steps=2", "checkpoint.interval=2", run_dir=tmp_path / "adamw")).fit()
+    with pytest.raises(UserError) as refused:
+        Trainer(make_config("optim.name=muon", "train.steps=4", "resume=latest", run_dir=tmp_path / "adamw")).fit()
+    assert "holds AdamW state and this run trains with Muon (optim.name muon)" in str(refused.value)
+    checkpoint = tmp_path / "adamw" / "checkpoints" / "step-00000002"
+    assert f"init_from={checkpoint} init_optimizer=false" in str(refused.value)
+    switched = Trainer(make_config("optim.name=muon", "train.steps=2", f"init_from={checkpoint}",
+                                   run_dir=tmp_path / "muon"))
+    assert len(switched.fit().losses) == 2
+
+
+def test_fsdp_is_refused_for_muon_naming_why(stdlib_dataset, tmp_path):
+    with pytest.raises(Exception) as refused:
+        run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path), "optim.name=muon", "parallel.mode=fsdp",
+                     timeout_s=120)
+    assert "optim.name: muon orthogonalises whole matrices, and FSDP holds a shard of each" in str(refused.value)
+
+
+def test_the_memory_model_counts_one_buffer_for_the_matrices(make_config):
+    adamw = memory_estimate(make_config(), 1, "cpu")
+    muon = memory_estimate(make_config("optim.name=muon"), 1, "cpu")
+    assert muon.state_bytes < adamw.state_bytes and muon.backward_bytes == adamw.backward_bytes
+
+
+@pytest.fixture(scope="module")
+def one_process(stdlib_dataset, tmp_path_factory):
+    return runs.train_run(str(stdlib_dataset), str(tmp_path_factory.mktemp("muon-one")), *FP32_MUON,
+                          "model.n_layers=4", "train.micro_batch=2")
+
+
+@pytest.mark.parametrize(
+    ("ranks", "layout"),
+    [(2, ("parallel.ep=2",)), (2, ("parallel.ep=2", "optim.zero=true")), (2, ("optim.zero=true",)),
+     (2, ("parallel.pp=2",)), (4, ("parallel.pp=2", "parallel.ep=2", "optim.zero=true"))],
+    ids=["ep2", "ep2-zero", "dp2-zero", "pp2", "pp2-ep2-zero"],
+)
+def test_every_layout_trains_as_one_process_does(one_process, stdlib_dataset, tmp_path, ranks, layout):
+    """Whole matrices everywhere: experts resident, each ZeRO owner orthogonalising the matrices it owns whole,
+    each pipeline stage its own."""
+    laid_out = run_on_ranks(runs.train_run, ranks, str(stdlib_dataset), str(tmp_path), *FP32_MUON,
+                            "model.n_layers=4", "train.micro_batch=2", *layout)
+    losses, alone = laid_out[0]["losses"], one_process["losses"]
+    assert len(losses) == 10 and losses[-1] < losses[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, alone, strict=True)) < TOLERANCE
+    assert math.isfinite(laid_out[0]["records"][-1]["grad_norm"])
+
+
+def test_ferry_train_takes_muon_from_the_command_line(stdlib_dataset, tmp_path, capsys):
+    from conftest import REPO
+
+    code = main(["train", str(REPO / "configs" / "tiny.yaml"), f"data.sources.0.path={stdlib_dataset}",
+                 "model.vocab_size=512", f"run.dir={tmp_path}", "train.steps=3", "eval.sources=[]", "optim.name=muon"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    config = json.loads((tmp_path / "run.json").read_text())["config"]["optim"]
+    assert config["name"] == "muon" and config["muon"]["ns_steps"] == 5 and config["muon"]["nesterov"] is True

@@ -73,7 +73,7 @@ def test_each_expert_matrix_is_orthogonalised_on_its_own():
     assert 0.5 < singular.min() and singular.max() < 1.5, "Newton-Schulz's quintic lands near 1, not on it"
 
 
-def test_a_muon_run_trains_saves_its_momentum_and_resumes_as_if_never_stopped(make_config, tmp_path):
+def test_a_muon_run_trains_saves_its_momentum_and_resumes_as_if_never_stopped(make_config, tmp_path, capsys):
     whole = Trainer(make_config("optim.name=muon", "train.steps=6", run_dir=tmp_path / "whole")).fit()
     assert whole.losses[-1] < whole.losses[0]
     first = Trainer(make_config("optim.name=muon", "train.steps=6", "checkpoint.interval=3",
@@ -85,6 +85,11 @@ def test_a_muon_run_trains_saves_its_momentum_and_resumes_as_if_never_stopped(ma
     assert "optim.momentum_buffer.layers.0.attn.wq.weight" in tensors
     assert tensors["optim.momentum_buffer.layers.1.ffn.experts.w_up_EFD"]["shape"] == [4, 32, 32]
     assert "optim.exp_avg.layers.0.attn.wq.weight" not in tensors and "optim.exp_avg.output.weight" in tensors
+    assert main(["ckpt", "inspect", str(tmp_path / "split" / "checkpoints" / "step-00000003")]) == 0
+    inspected = capsys.readouterr().out
+    assert "  format      ferry-checkpoint v4" in inspected
+    assert "  optimizer   Muon: step of 8 parameters, exp_avg of 8 parameters, exp_avg_sq of 8 parameters, " \
+           "momentum_buffer of 14 parameters" in inspected  # the embedding, head, 4 norms and the router: AdamW
     resumed = Trainer(make_config("optim.name=muon", "train.steps=6", "resume=latest", run_dir=tmp_path / "split"))
     assert resumed.fit().losses == whole.losses[3:]
     record = json.loads((tmp_path / "split" / "run.json").read_text())

@@ -32,7 +32,8 @@ ADAMW_FORMAT_VERSION = 3
 
 def format_version_of(train_state: dict) -> int:
     """The version a checkpoint of `train_state` is written as: the oldest that describes it."""
-    return FORMAT_VERSION if (train_state.get("optimizer") or {}).get("kind") == "Muon" else ADAMW_FORMAT_VERSION
+    optimizer = train_state.get("optimizer")
+    return FORMAT_VERSION if isinstance(optimizer, dict) and optimizer.get("kind") == "Muon" else ADAMW_FORMAT_VERSION
 MANIFEST_DIGEST = "manifest_sha256"
 MANIFEST_NAME = "manifest.json"
 TENSOR_SUFFIX = ".safetensors"

@@ -45,7 +45,8 @@ def inspect_lines(path: Path) -> list[str]:
 
 def _optimizer_line(manifest: Manifest) -> list[str]:
     """Which optimizer's state the checkpoint holds and for how many parameters (none for weights alone)."""
-    kind = (manifest.train_state.get("optimizer") or {}).get("kind")
+    optimizer = manifest.train_state.get("optimizer")
+    kind = optimizer.get("kind") if isinstance(optimizer, dict) else None
     if kind is None:
         return []
     states: dict[str, int] = {}

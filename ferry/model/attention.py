@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ferry.kernels import KernelSelection, portable_kernels
 from ferry.kernels.amp import in_autocast_dtype
 from ferry.model.attention_gate import build_output_gate
-from ferry.model.config import ModelConfig
 from ferry.model.kv_cache import LayerCache
 from ferry.model.linear import Linear
 from ferry.model.norm import RMSNorm
 from ferry.model.rope import RotaryEmbedding
 
+if TYPE_CHECKING:
+    from ferry.model.variants.base import ModelShape
+
 
 class Attention(nn.Module):
     """`n_heads` query heads share `n_kv_heads` key/value heads; RoPE on queries and keys."""
 
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, kernels: KernelSelection | None = None):
+    def __init__(self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection | None = None):
         super().__init__()
         kernels = kernels or portable_kernels()
         self.n_heads = config.n_heads

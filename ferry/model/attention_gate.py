@@ -3,12 +3,16 @@ computed from the attention's input, which lets a head say "nothing here" withou
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ferry.kernels import KernelSelection
-from ferry.model.config import ModelConfig
 from ferry.model.linear import Linear
+
+if TYPE_CHECKING:
+    from ferry.model.variants.base import ModelShape
 
 
 class OutputGate(nn.Module):
@@ -28,7 +32,7 @@ class OutputGate(nn.Module):
 
 
 def build_output_gate(
-    config: ModelConfig, n_heads: int, head_width: int, kernels: KernelSelection | None
+    config: ModelShape, n_heads: int, head_width: int, kernels: KernelSelection | None
 ) -> OutputGate | None:
     """The gate `config.attention_gate` asks for, or None."""
     if config.attention_gate == "none":

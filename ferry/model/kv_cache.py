@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ferry.model.config import ModelConfig
+if TYPE_CHECKING:
+    from ferry.model.variants.base import ModelShape
+
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class KVCache:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelShape,
         pad_B: torch.Tensor,
         capacity: int,
         dtype: torch.dtype,
@@ -103,12 +106,12 @@ class KVCache:
         self.length = step.stop
 
 
-def _entry_shapes(config: ModelConfig, capacity: int) -> list[tuple[int, ...]]:
+def _entry_shapes(config: ModelShape, capacity: int) -> list[tuple[int, ...]]:
     """Per layer and row, the attention kind's buffers (GQA: keys and values [G, T, C]; MLA: the normalised
     latent and the rotated shared rotary key, [T, L] and [T, R])."""
     return config.attention_kind.cache_entry_shapes(config, capacity)
 
 
-def cache_bytes_per_token(config: ModelConfig, itemsize: int) -> int:
+def cache_bytes_per_token(config: ModelShape, itemsize: int) -> int:
     """Bytes one cached token of one row takes over every layer, at `itemsize` bytes an element."""
     return config.n_layers * itemsize * sum(math.prod(shape) for shape in _entry_shapes(config, 1))

@@ -14,24 +14,27 @@ R the rotary part, N the position-free query/key part, K = N + R, E the value wi
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ferry.kernels import KernelSelection, portable_kernels
 from ferry.model.attention_gate import build_output_gate
-from ferry.model.config import ModelConfig
 from ferry.model.kv_cache import LayerCache
 from ferry.model.linear import Linear
 from ferry.model.norm import RMSNorm
 from ferry.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from ferry.model.variants.base import ModelShape
 
 
 class LatentAttention(nn.Module):
     """MLA with the softmax scale DeepSeek uses: 1/sqrt(K), times YaRN's `softmax_factor` when the context is
     stretched (`RopeScalingConfig.softmax_factor`)."""
 
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, kernels: KernelSelection | None = None):
+    def __init__(self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection | None = None):
         super().__init__()
         kernels = kernels or portable_kernels()
         mla = config.mla

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from ferry.model.config import RopeScalingConfig
+from ferry.model.rope_config import RopeScalingConfig
 
 
 class RotaryEmbedding(nn.Module):

@@ -15,9 +15,30 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ferry.kernels import KernelSelection
-    from ferry.model.config import ModelConfig
     from ferry.model.recompute import Recompute
     from ferry.model.rope import RotaryEmbedding
+
+
+class ModelShape(Protocol):
+    """What the kinds and the attention modules read of a model config (`ferry.model.config.ModelConfig`, which
+    asks its kinds to check and complete it, and so is not imported by them)."""
+
+    dim: int
+    n_layers: int
+    dense_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    norm_eps: float
+    qk_norm: bool
+    qk_norm_scope: str
+    attention_gate: str
+    mla: Any  # the `mla` section: latent and head widths
+    rope_scaling: Any
+
+    @property
+    def attention_kind(self) -> AttentionKind: ...
 
 
 class AttentionKind(Protocol):
@@ -35,41 +56,41 @@ class AttentionKind(Protocol):
         """Raise ValueError for a head count (`n_heads`, `n_kv_heads`) this kind cannot run, so that the error
         names that field; `data` holds the fields validated before it."""
 
-    def check(self, config: ModelConfig) -> None:
+    def check(self, config: ModelShape) -> None:
         """Raise ValueError, naming the field, for settings this kind cannot run together."""
 
-    def default_head_dim(self, config: ModelConfig) -> int:
-        """The query/key width of a head when `model.head_dim` is unset (what `ModelConfig.head_dim` then holds)."""
+    def default_head_dim(self, config: ModelShape) -> int:
+        """The query/key width of a head when `model.head_dim` is unset (what the config's `head_dim` then holds)."""
 
-    def rope_dim(self, config: ModelConfig) -> int:
+    def rope_dim(self, config: ModelShape) -> int:
         """The width RoPE rotates."""
 
-    def module(self, config: ModelConfig, rope: RotaryEmbedding, kernels: KernelSelection) -> nn.Module:
+    def module(self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection) -> nn.Module:
         """A block's attention module."""
 
-    def parameters(self, config: ModelConfig) -> int:
+    def parameters(self, config: ModelShape) -> int:
         """One layer's attention parameters (projections and norms; the output gate is counted apart)."""
 
-    def head_widths(self, config: ModelConfig) -> tuple[int, int]:
+    def head_widths(self, config: ModelShape) -> tuple[int, int]:
         """A head's query/key width and value width: the widths the score and value products run at."""
 
-    def kept_values(self, config: ModelConfig, mode: Recompute) -> int:
+    def kept_values(self, config: ModelShape, mode: Recompute) -> int:
         """Values (of the compute dtype) one token keeps for the backward in one layer's attention, by
         `train.activation_checkpointing` mode."""
 
-    def cache_entry_shapes(self, config: ModelConfig, capacity: int) -> list[tuple[int, ...]]:
+    def cache_entry_shapes(self, config: ModelShape, capacity: int) -> list[tuple[int, ...]]:
         """The decoding cache of one layer and row: one shape per buffer, its token slot second-last."""
 
-    def describe_cache(self, config: ModelConfig) -> str:
+    def describe_cache(self, config: ModelShape) -> str:
         """What the cache keeps of a token, in the terms of this attention."""
 
-    def hf_architecture(self, config: ModelConfig) -> str:
+    def hf_architecture(self, config: ModelShape) -> str:
         """The transformers architecture an export defaults to."""
 
-    def export_refusals(self, config: ModelConfig, arch: str) -> list[str]:
+    def export_refusals(self, config: ModelShape, arch: str) -> list[str]:
         """Why `config`'s attention cannot be written as `arch`, each naming the ferry field."""
 
-    def hf_config_fields(self, config: ModelConfig, arch: str) -> dict[str, Any]:
+    def hf_config_fields(self, config: ModelShape, arch: str) -> dict[str, Any]:
         """The transformers config fields of this attention."""
 
     def fields_from_hf(self, hf: Any, problems: list[str]) -> dict[str, Any]:
@@ -90,5 +111,5 @@ class SkipKind(Protocol):
     def joined(self, stream: Any) -> torch.Tensor:
         """The whole residual stream after the last block, for the final norm."""
 
-    def export_refusals(self, config: ModelConfig, arch: str) -> list[str]:
+    def export_refusals(self, config: ModelShape, arch: str) -> list[str]:
         """Why this wiring cannot be written as `arch`."""

@@ -12,7 +12,7 @@ import torch
 from ferry.model.farskip import FarSkipStream
 
 if TYPE_CHECKING:
-    from ferry.model.config import ModelConfig
+    from ferry.model.variants.base import ModelShape
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class FarSkipWiring:
     def joined(self, stream: FarSkipStream) -> torch.Tensor:
         return stream.joined()
 
-    def export_refusals(self, config: ModelConfig, arch: str) -> list[str]:
+    def export_refusals(self, config: ModelShape, arch: str) -> list[str]:
         return [
             f"model.skip: {self.name} wires the residual stream otherwise than any transformers model ({arch} "
             "included): the export would compute another function"

@@ -12,7 +12,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ferry.kernels import KernelSelection
-    from ferry.model.config import ModelConfig
+    from ferry.model.variants.base import ModelShape
     from ferry.model.recompute import Recompute
     from ferry.model.rope import RotaryEmbedding
 
@@ -48,51 +48,51 @@ class GroupedQueryAttention:
         if field == "n_kv_heads" and n_heads is not None and n_heads % value:
             raise ValueError(f"n_kv_heads must divide n_heads ({n_heads})")
 
-    def check(self, config: ModelConfig) -> None:
+    def check(self, config: ModelShape) -> None:
         if config.rope_scaling.mscale_all_dim:
             raise ValueError("rope_scaling.mscale_all_dim scales MLA's softmax (DeepSeek's YaRN); this model is gqa")
 
-    def default_head_dim(self, config: ModelConfig) -> int:
+    def default_head_dim(self, config: ModelShape) -> int:
         return config.dim // config.n_heads
 
-    def rope_dim(self, config: ModelConfig) -> int:
+    def rope_dim(self, config: ModelShape) -> int:
         return config.head_dim
 
-    def module(self, config: ModelConfig, rope: RotaryEmbedding, kernels: KernelSelection) -> nn.Module:
+    def module(self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection) -> nn.Module:
         from ferry.model.attention import Attention  # the module reads the config, which asks this kind
 
         return Attention(config, rope, kernels)
 
-    def parameters(self, config: ModelConfig) -> int:
+    def parameters(self, config: ModelShape) -> int:
         q_width, kv_width = self._widths(config)
         params = config.dim * q_width * 2 + config.dim * kv_width * 2
         if config.qk_norm:
             params += 2 * config.head_dim if config.qk_norm_scope == "head" else q_width + kv_width
         return params
 
-    def head_widths(self, config: ModelConfig) -> tuple[int, int]:
+    def head_widths(self, config: ModelShape) -> tuple[int, int]:
         return config.head_dim, config.head_dim
 
-    def kept_values(self, config: ModelConfig, mode: Recompute) -> int:
+    def kept_values(self, config: ModelShape, mode: Recompute) -> int:
         """none: the query/key/value projection, the rotated queries and keys and the attention's output, each
         counted at the query width (keys and values are narrower with fewer key/value heads: an upper bound).
         selective: the projection, the attention's output and the output projection's. full: nothing."""
         q_width, _ = self._widths(config)
         return {"none": 6 * q_width, "selective": 4 * q_width + config.dim, "full": 0}[mode]
 
-    def cache_entry_shapes(self, config: ModelConfig, capacity: int) -> list[tuple[int, ...]]:
+    def cache_entry_shapes(self, config: ModelShape, capacity: int) -> list[tuple[int, ...]]:
         """Keys and values, [G, T, C] each."""
         return [(config.n_kv_heads, capacity, config.head_dim)] * 2
 
-    def describe_cache(self, config: ModelConfig) -> str:
+    def describe_cache(self, config: ModelShape) -> str:
         return f"keys and values: 2 x {config.n_kv_heads} heads x {config.head_dim} a layer"
 
-    def hf_architecture(self, config: ModelConfig) -> str:
+    def hf_architecture(self, config: ModelShape) -> str:
         """Qwen3-MoE where its per-head norm, its dense layers or its own head width are needed; else OLMoE."""
         own_width = config.head_dim * config.n_heads != config.dim
         return "qwen3_moe" if config.qk_norm_scope == "head" or config.dense_layers or own_width else "olmoe"
 
-    def export_refusals(self, config: ModelConfig, arch: str) -> list[str]:
+    def export_refusals(self, config: ModelShape, arch: str) -> list[str]:
         if arch not in self.hf_architectures:
             return [f"model.attention: {arch} is multi-head latent attention (mla), the model uses gqa"]
         if arch == "olmoe" and config.head_dim * config.n_heads != config.dim:
@@ -100,7 +100,7 @@ class GroupedQueryAttention:
                     "qwen3_moe has a head_dim of its own"]
         return []
 
-    def hf_config_fields(self, config: ModelConfig, arch: str) -> dict[str, Any]:
+    def hf_config_fields(self, config: ModelShape, arch: str) -> dict[str, Any]:
         """Key/value heads, and `head_dim` where it is not transformers' default split (so that an export of a
         model with the default writes what it always wrote)."""
         fields: dict[str, Any] = {"num_key_value_heads": config.n_kv_heads}
@@ -118,6 +118,6 @@ class GroupedQueryAttention:
             fields["head_dim"] = head_dim
         return fields
 
-    def _widths(self, config: ModelConfig) -> tuple[int, int]:
+    def _widths(self, config: ModelShape) -> tuple[int, int]:
         """The query projection's width and the key (or value) projection's."""
         return config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim

@@ -15,7 +15,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ferry.kernels import KernelSelection
-    from ferry.model.config import ModelConfig
+    from ferry.model.variants.base import ModelShape
     from ferry.model.recompute import Recompute
     from ferry.model.rope import RotaryEmbedding
 
@@ -47,7 +47,7 @@ class MultiHeadLatentAttention:
     def check_field(self, field: str, value: int, data: dict[str, Any]) -> None:
         """MLA's head widths are its own (the mla section); its key/value heads are checked with the rest."""
 
-    def check(self, config: ModelConfig) -> None:
+    def check(self, config: ModelShape) -> None:
         if config.head_dim is not None:
             raise ValueError("head_dim: MLA's head widths are its own (the mla section); leave head_dim unset")
         if config.qk_norm:
@@ -58,20 +58,20 @@ class MultiHeadLatentAttention:
                 f"latent); leave n_kv_heads unset or {config.n_heads}"
             )
 
-    def default_head_dim(self, config: ModelConfig) -> int:
+    def default_head_dim(self, config: ModelShape) -> int:
         """The position-free part and the rotary part together."""
         return config.mla.qk_head_dim
 
-    def rope_dim(self, config: ModelConfig) -> int:
+    def rope_dim(self, config: ModelShape) -> int:
         """The decoupled rotary part only."""
         return config.mla.qk_rope_head_dim
 
-    def module(self, config: ModelConfig, rope: RotaryEmbedding, kernels: KernelSelection) -> nn.Module:
+    def module(self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection) -> nn.Module:
         from ferry.model.latent_attention import LatentAttention  # the module reads the config, which asks this kind
 
         return LatentAttention(config, rope, kernels)
 
-    def parameters(self, config: ModelConfig) -> int:
+    def parameters(self, config: ModelShape) -> int:
         """The key/value expansion is a matmul parameter like any other: in training each token's latent is
         expanded once."""
         dim, heads, mla = config.dim, config.n_heads, config.mla
@@ -83,10 +83,10 @@ class MultiHeadLatentAttention:
         expansion = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
         return queries + latent + expansion + heads * mla.v_head_dim * dim
 
-    def head_widths(self, config: ModelConfig) -> tuple[int, int]:
+    def head_widths(self, config: ModelShape) -> tuple[int, int]:
         return config.mla.qk_head_dim, config.mla.v_head_dim
 
-    def kept_values(self, config: ModelConfig, mode: Recompute) -> int:
+    def kept_values(self, config: ModelShape, mode: Recompute) -> int:
         """none: the latent projection (L + R) and the normalised latent (L), the query latent and its norm (with
         `q_lora_rank`), every head's queries and keys (K each), its values and output (padded to the query/key
         width, the attention op's one head width) and the output narrowed back to E for the output projection.
@@ -106,23 +106,23 @@ class MultiHeadLatentAttention:
             return queries + (latent + rope) + expansion + heads * padded + config.dim
         return 0
 
-    def cache_entry_shapes(self, config: ModelConfig, capacity: int) -> list[tuple[int, ...]]:
+    def cache_entry_shapes(self, config: ModelShape, capacity: int) -> list[tuple[int, ...]]:
         """The normalised latent [T, L] and the rotated shared rotary key [T, R], from which every head's keys and
         values follow."""
         return [(capacity, config.mla.kv_lora_rank), (capacity, config.mla.qk_rope_head_dim)]
 
-    def describe_cache(self, config: ModelConfig) -> str:
+    def describe_cache(self, config: ModelShape) -> str:
         return f"MLA latent: {config.mla.kv_lora_rank} + {config.mla.qk_rope_head_dim} rotary values a layer"
 
-    def hf_architecture(self, config: ModelConfig) -> str:
+    def hf_architecture(self, config: ModelShape) -> str:
         return "deepseek_v3"
 
-    def export_refusals(self, config: ModelConfig, arch: str) -> list[str]:
+    def export_refusals(self, config: ModelShape, arch: str) -> list[str]:
         if arch not in self.hf_architectures:
             return [f"model.attention: {arch} has grouped-query attention, the model mla (deepseek_v3 has)"]
         return []
 
-    def hf_config_fields(self, config: ModelConfig, arch: str) -> dict[str, Any]:
+    def hf_config_fields(self, config: ModelShape, arch: str) -> dict[str, Any]:
         """DeepSeek-V3's latent sizes; ferry rotates halves, so the rotary rows are not interleaved."""
         mla = config.mla
         return {

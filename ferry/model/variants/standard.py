@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from ferry.model.config import ModelConfig
+    from ferry.model.variants.base import ModelShape
 
 
 @dataclass(frozen=True)
@@ -25,5 +25,5 @@ class StandardWiring:
     def joined(self, stream: torch.Tensor) -> torch.Tensor:
         return stream
 
-    def export_refusals(self, config: ModelConfig, arch: str) -> list[str]:
+    def export_refusals(self, config: ModelShape, arch: str) -> list[str]:
         return []

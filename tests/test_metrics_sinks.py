@@ -71,6 +71,7 @@ def full_record(step: int) -> dict:
         **eval_record({"held_out": SourceLoss(loss=3.25, tokens=4096)}),
         **OBJECTIVE_KEYS,
         **PIPELINE_KEYS,
+        **OPT_IN_KEYS,
     }
 
 
@@ -88,6 +89,10 @@ OBJECTIVE_KEYS = {
 PIPELINE_KEYS = {
     "pp.bubble": 0.2, "pp.schedule_s": 0.35, "pp.stage_busy_s": [0.28, 0.3], "pp.stage_mem_peak_mib": [410.5, 398.0],
 }
+
+
+# what a run that tracks its attention logits adds (metrics.attn_max_logit, optim.muon.qk_clip)
+OPT_IN_KEYS = {"attn.max_logit": 12.5, "attn.clipped_heads": 2}
 
 
 def scrape(url: str) -> str:

@@ -35,6 +35,10 @@ class MetricsConfig(Section):
     """Where the per-step records go besides `metrics.jsonl`."""
 
     sinks: SinksConfig = SinksConfig()
+    attn_max_logit: bool = Field(
+        False, description="record each step's largest attention logit (`attn.max_logit`): a product of queries and "
+        "keys per layer beside the attention, which never forms the logits (on whenever optim.muon.qk_clip is)"
+    )
 
 
 class ProfileConfig(Section):

@@ -29,7 +29,7 @@ class Metric:
 
     `scale` turns the record's unit into the exported one (Prometheus wants base units: bytes, not MiB).
     `objective`: the `train.objective` whose steps report it (None: every objective's). `pipeline`: reported by
-    pipeline-parallel runs only.
+    pipeline-parallel runs only. `opt_in`: reported by runs that ask for it only.
     """
 
     key: str
@@ -39,6 +39,7 @@ class Metric:
     scale: float = 1.0
     objective: str | None = None
     pipeline: bool = False
+    opt_in: bool = False
 
 
 def _step(key: str, prometheus: str, help: str, scale: float = 1.0, objective: str | None = None) -> Metric:
@@ -122,6 +123,15 @@ METRICS: tuple[Metric, ...] = (
         "pp.stage_mem_peak_mib", "ferry_pipeline_stage_memory_peak_bytes", "stage",
         "peak memory of the process running each pipeline stage (bytes)", 2**20, pipeline=True,
     ),
+    Metric(
+        "attn.max_logit", "ferry_attention_max_logit", "step",
+        "largest attention logit of the step's training forwards, over every layer and head (metrics.attn_max_logit, "
+        "or optim.muon.qk_clip)", opt_in=True,
+    ),
+    Metric(
+        "attn.clipped_heads", "ferry_attention_clipped_heads", "step",
+        "heads (over every layer) whose query and key weights QK-clip scaled after the step's update", opt_in=True,
+    ),
     Metric("moe.tokens_per_expert", "ferry_moe_expert_tokens", "expert", "assignments per expert in the step"),
     *_moe("imbalance", "busiest expert's load / mean expert load", "mean"),
     *_moe("cv", "coefficient of variation of the expert loads", "mean"),
@@ -172,7 +182,7 @@ def objective_keys(objective: str, pipelined: bool = False) -> set[str]:
     pipeline's too)."""
     return {
         metric.key for metric in METRICS
-        if metric.objective in (None, objective) and (pipelined or not metric.pipeline)
+        if metric.objective in (None, objective) and (pipelined or not metric.pipeline) and not metric.opt_in
     }
 
 

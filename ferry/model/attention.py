@@ -12,6 +12,7 @@ from ferry.kernels.amp import in_autocast_dtype
 from ferry.model.attention_gate import build_output_gate
 from ferry.model.kv_cache import LayerCache
 from ferry.model.linear import Linear
+from ferry.model.max_logit import MaxLogits
 from ferry.model.norm import RMSNorm
 from ferry.model.rope import RotaryEmbedding
 
@@ -22,7 +23,14 @@ if TYPE_CHECKING:
 class Attention(nn.Module):
     """`n_heads` query heads share `n_kv_heads` key/value heads; RoPE on queries and keys."""
 
-    def __init__(self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection | None = None):
+    def __init__(
+        self,
+        config: ModelShape,
+        rope: RotaryEmbedding,
+        kernels: KernelSelection | None = None,
+        track_max_logits: bool = False,
+    ):
+        """`track_max_logits`: keep each head's largest logit of the training forwards (`max_logits`)."""
         super().__init__()
         kernels = kernels or portable_kernels()
         self.n_heads = config.n_heads
@@ -42,6 +50,7 @@ class Attention(nn.Module):
         self._linear = kernels["linear"]
         self._attention = kernels["attention"]
         self._masked_attention = kernels["attention.masked"]
+        self.max_logits = MaxLogits() if track_max_logits else None
 
     def forward(
         self, x_BSD: torch.Tensor, cache: LayerCache | None = None, visible_BSS: torch.Tensor | None = None
@@ -61,10 +70,14 @@ class Attention(nn.Module):
         q_BHSC = q_BSHC.transpose(1, 2)
         k_BGSC = k_BSGC.transpose(1, 2)
         v_BGSC = v_BSY.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if cache is None:
+            q_BHSC, k_BGSC = self.rope(q_BHSC), self.rope(k_BGSC)
+            if self.max_logits is not None and torch.is_grad_enabled():
+                self.max_logits.observe(q_BHSC, k_BGSC, self.head_dim**-0.5, visible_BSS)
         if visible_BSS is not None:
-            out_BHSC = self._masked_attention(self.rope(q_BHSC), self.rope(k_BGSC), v_BGSC, visible_BSS)
+            out_BHSC = self._masked_attention(q_BHSC, k_BGSC, v_BGSC, visible_BSS)
         elif cache is None:
-            out_BHSC = self._attention(self.rope(q_BHSC), self.rope(k_BGSC), v_BGSC)
+            out_BHSC = self._attention(q_BHSC, k_BGSC, v_BGSC)
         else:
             positions_BS = cache.step.positions_BS
             k_BGTC, v_BGTC = cache.extend(self.rope(k_BGSC, positions_BS), v_BGSC)
@@ -73,6 +86,18 @@ class Attention(nn.Module):
         if self.gate is not None:
             out_BSHC = self.gate(x_BSD, out_BSHC)
         return self.wo(out_BSHC.reshape(batch, seq_len, -1))
+
+    @torch.no_grad()
+    def clip_logits(self, gamma_H: torch.Tensor) -> None:
+        """Scale head h's logits by `gamma_H[h]` (at most 1; QK-clip). Heads sharing keys scale them alike: the
+        keys of a group by the square root of its smallest gamma, each query by the rest of its own, so every head
+        gets exactly its gamma. Queries and keys are linear in their weights (RoPE rotates them), so scaling the
+        weights' rows scales the logits."""
+        groups, per_group = self.n_kv_heads, self.n_heads // self.n_kv_heads
+        gamma_GP = gamma_H.view(groups, per_group).to(self.wq.weight.dtype)
+        key_G = gamma_GP.amin(dim=1).sqrt()
+        self.wk.weight.view(groups, self.head_dim, -1).mul_(key_G[:, None, None])
+        self.wq.weight.view(self.n_heads, self.head_dim, -1).mul_((gamma_GP / key_G[:, None]).reshape(-1, 1, 1))
 
     def _project_qkv(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The query, key and value projections as one GEMM over the three weights side by side.

@@ -23,6 +23,7 @@ from ferry.kernels import KernelSelection, portable_kernels
 from ferry.model.attention_gate import build_output_gate
 from ferry.model.kv_cache import LayerCache
 from ferry.model.linear import Linear
+from ferry.model.max_logit import MaxLogits
 from ferry.model.norm import RMSNorm
 from ferry.model.rope import RotaryEmbedding
 
@@ -34,7 +35,14 @@ class LatentAttention(nn.Module):
     """MLA with the softmax scale DeepSeek uses: 1/sqrt(K), times YaRN's `softmax_factor` when the context is
     stretched (`RopeScalingConfig.softmax_factor`)."""
 
-    def __init__(self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection | None = None):
+    def __init__(
+        self,
+        config: ModelShape,
+        rope: RotaryEmbedding,
+        kernels: KernelSelection | None = None,
+        track_max_logits: bool = False,
+    ):
+        """`track_max_logits`: keep each head's largest logit of the training forwards (`max_logits`)."""
         super().__init__()
         kernels = kernels or portable_kernels()
         mla = config.mla
@@ -58,6 +66,7 @@ class LatentAttention(nn.Module):
         self.rope = rope
         self._attention = kernels["attention"]
         self._masked_attention = kernels["attention.masked"]
+        self.max_logits = MaxLogits() if track_max_logits else None
 
     def forward(
         self, x_BSD: torch.Tensor, cache: LayerCache | None = None, visible_BSS: torch.Tensor | None = None
@@ -75,6 +84,8 @@ class LatentAttention(nn.Module):
         if cache is not None:
             latent_BTL, k_rope_BTR = cache.extend(latent_BTL, k_rope_BTR)
         k_BHTK, v_BHTE = self._expand(latent_BTL, k_rope_BTR)
+        if cache is None and self.max_logits is not None and torch.is_grad_enabled():
+            self.max_logits.observe(q_BHSK, k_BHTK, self.scale, visible_BSS)
         if cache is not None:
             out_BHSE = self._masked_attention(q_BHSK, k_BHTK, v_BHTE, cache.step.visible_BST, scale=self.scale)
         elif visible_BSS is not None:
@@ -85,6 +96,19 @@ class LatentAttention(nn.Module):
         if self.gate is not None:
             out_BSHE = self.gate(x_BSD, out_BSHE)
         return self.wo(out_BSHE.reshape(batch, seq_len, -1))
+
+    @torch.no_grad()
+    def clip_logits(self, gamma_H: torch.Tensor) -> None:
+        """Scale head h's logits by `gamma_H[h]` (at most 1; QK-clip, as Kimi K2 does for MLA): its position-free
+        query and key parts (the key's from the latent's up-projection) by the square root each, its rotary query
+        part by the whole; the rotary key, shared by every head, is left alone."""
+        root_H = gamma_H.sqrt()
+        queries = (self.wq_b if self.compressed_queries else self.wq).weight
+        q_HKD = queries.view(self.n_heads, self.nope_dim + self.rope_dim, -1)
+        q_HKD[:, : self.nope_dim].mul_(root_H.to(queries.dtype)[:, None, None])
+        q_HKD[:, self.nope_dim :].mul_(gamma_H.to(queries.dtype)[:, None, None])
+        kv_HZL = self.wkv_b.weight.view(self.n_heads, self.nope_dim + self.v_dim, -1)
+        kv_HZL[:, : self.nope_dim].mul_(root_H.to(kv_HZL.dtype)[:, None, None])
 
     def _queries(self, x_BSD: torch.Tensor) -> torch.Tensor:
         if self.compressed_queries:

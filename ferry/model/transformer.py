@@ -44,10 +44,11 @@ class Block(nn.Module):
         use_moe: bool,
         kernels: KernelSelection,
         recompute: Recompute = "none",
+        track_max_logits: bool = False,
     ):
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
-        self.attn = config.attention_kind.module(config, rope, kernels)
+        self.attn = config.attention_kind.module(config, rope, kernels, track_max_logits)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
         dense = not use_moe
         self.ffn = SwiGLU(config.dim, config.dense_ffn_dim, kernels) if dense else MoELayer(config.dim, config.moe, kernels)
@@ -118,7 +119,10 @@ class Transformer(nn.Module):
         kernels: KernelSelection | None = None,
         initialise: bool = True,
         recompute: Recompute = "none",
+        track_max_logits: bool = False,
     ):
+        """`track_max_logits`: every attention keeps each head's largest logit of the training forwards
+        (`ferry/model/max_logit.py`)."""
         super().__init__()
         self.config = config
         self.skip = config.skip_kind
@@ -126,7 +130,7 @@ class Transformer(nn.Module):
         rope = RotaryEmbedding(config.rope_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
-            Block(config, rope, index >= config.dense_layers, self.kernels, recompute)
+            Block(config, rope, index >= config.dense_layers, self.kernels, recompute, track_max_logits)
             for index in range(config.n_layers)
         )
         self.norm = RMSNorm(config.dim, config.norm_eps, self.kernels)

@@ -72,6 +72,12 @@ class MuonSection(Section):
         "bf16", description="the dtype Newton-Schulz runs in: bf16 (the usual; its result moves ~0.5% with a "
         "last-bit change of its input) or fp32 (layouts then agree within the suite's tolerance)"
     )
+    qk_clip: float | None = Field(
+        None, gt=0.0, description="QK-clip (Kimi K2's MuonClip): after each update, the query and key weights of a "
+        "head whose largest attention logit in the step passed this threshold are scaled so that it would not "
+        "have (GQA: a group's shared keys by the root of its smallest factor, each query by the rest; MLA: the "
+        "head's own query and key parts, not the shared rotary key); off when unset; refused with model.qk_norm"
+    )
     update_scale: Literal["match_rms_adamw", "original"] = Field(
         "match_rms_adamw", description="match_rms_adamw: 0.2 x sqrt(max(A, B)) per [A, B] matrix, the update's RMS "
         "AdamW's, so optim.lr and optim.weight_decay carry over (Moonlight); original: sqrt(max(1, A / B))"
@@ -242,6 +248,22 @@ class RunConfig(Section):
                 f"objective {train.objective} samples or caches what a trial step would use up: set none or chunked"
             )
         return parallel
+
+    @field_validator("optim")
+    @classmethod
+    def _qk_clip_where_it_acts(cls, optim: OptimConfig, info: ValidationInfo) -> OptimConfig:
+        model = info.data.get("model")
+        if optim.muon.qk_clip is None:
+            return optim
+        if optim.name != "muon":
+            raise ValueError("muon.qk_clip rescales the query and key weights after Muon's update: set name=muon")
+        if model is not None and model.qk_norm:
+            raise ValueError(
+                "muon.qk_clip scales the query and key projections, which model.qk_norm normalises back, and its "
+                "gains are shared by the heads it would scale one by one: set model.qk_norm=false or leave "
+                "muon.qk_clip unset"
+            )
+        return optim
 
     @field_validator("fault")
     @classmethod

@@ -29,6 +29,7 @@ from ferry.model.compilation import compile_seconds
 from ferry.parallel.expert_parallel import EP_EXCHANGES
 from ferry.parallel.zero import optimizer_state_bytes
 from ferry.train.assembly import RunParts, assemble
+from ferry.train.attention_logits import AttentionLogits
 from ferry.train.checkpointing import save_on_all_ranks
 from ferry.train.config import RunConfig
 from ferry.train.hook_points import Hook, Hooks, RunEnd
@@ -70,6 +71,10 @@ class Trainer:
         self.config = config = self.parts.job.config  # with its micro-batch decided
         job, model = self.parts.job, self.parts.model
         self.resilience = Resilience(config, job.rank, job.world_size, job.started_unix, model.reductions.largest)
+        tracked = config.metrics.attn_max_logit or config.optim.muon.qk_clip is not None
+        self.attention_logits = (
+            AttentionLogits(model.model, model.reductions, config.optim.muon.qk_clip) if tracked else None
+        )
         self.hooks = Hooks([self.resilience])
         self.user_hooks = list(hooks)
         self.state = TrainState(self.parts.data.loader.new_cursor())
@@ -287,6 +292,7 @@ class Trainer:
             "skipped_steps": scaler.skipped_steps,
             **({"compile_s": compiling_s} if compiling_s else {}),
             **self.context.step_figures(),
+            **(self.attention_logits.figures() if self.attention_logits is not None else {}),
             **self._moe_diagnostics(statistics),
         }
 
@@ -302,10 +308,13 @@ class Trainer:
         config, parts = self.config, self.parts
         model = parts.model
         raise_on_nonfinite = config.fault.on_nonfinite == "raise"
-        return apply_gradients(
+        grad_norm, stepped = apply_gradients(
             model.plan, parts.numerics.scaler, model.optimizer, model.model, parts.job.device, config.optim.grad_clip,
             raise_on_nonfinite, step,
         )
+        if self.attention_logits is not None:
+            self.attention_logits.after_update(stepped)
+        return grad_norm, stepped
 
     def evaluate(self, progress) -> dict:
         """Held-out loss and perplexity of every `eval` source, and the objective's own held-out figures when due:

@@ -65,8 +65,11 @@ class AttentionKind(Protocol):
     def rope_dim(self, config: ModelShape) -> int:
         """The width RoPE rotates."""
 
-    def module(self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection) -> nn.Module:
-        """A block's attention module."""
+    def module(
+        self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection, track_max_logits: bool = False
+    ) -> nn.Module:
+        """A block's attention module (keeping each head's largest training logit with `track_max_logits`); it
+        has `clip_logits(gamma_H)`, which scales each head's logits by its gamma."""
 
     def parameters(self, config: ModelShape) -> int:
         """One layer's attention parameters (projections and norms; the output gate is counted apart)."""

@@ -58,10 +58,12 @@ class GroupedQueryAttention:
     def rope_dim(self, config: ModelShape) -> int:
         return config.head_dim
 
-    def module(self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection) -> nn.Module:
+    def module(
+        self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection, track_max_logits: bool = False
+    ) -> nn.Module:
         from ferry.model.attention import Attention  # the module reads the config, which asks this kind
 
-        return Attention(config, rope, kernels)
+        return Attention(config, rope, kernels, track_max_logits)
 
     def parameters(self, config: ModelShape) -> int:
         q_width, kv_width = self._widths(config)

@@ -66,10 +66,12 @@ class MultiHeadLatentAttention:
         """The decoupled rotary part only."""
         return config.mla.qk_rope_head_dim
 
-    def module(self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection) -> nn.Module:
+    def module(
+        self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection, track_max_logits: bool = False
+    ) -> nn.Module:
         from ferry.model.latent_attention import LatentAttention  # the module reads the config, which asks this kind
 
-        return LatentAttention(config, rope, kernels)
+        return LatentAttention(config, rope, kernels, track_max_logits)
 
     def parameters(self, config: ModelShape) -> int:
         """The key/value expansion is a matmul parameter like any other: in training each token's latent is

@@ -4,9 +4,12 @@ Every (optimizer, learning rate) trains the demo (`configs/tiny.yaml`, its 300 s
 evaluation every `--eval-interval` steps. Per optimizer the learning rate with the lowest final held-out loss is
 kept; then: the held-out loss of each at equal tokens (the last step), the steps Muon needs to reach AdamW's final
 held-out loss (interpolated between evaluations; the goal is at most 0.75 of AdamW's), the optimizer phase's
-median time a step (reductions, clipping and the update) and the optimizer state, Muon's against AdamW's.
+median time a step (reductions, clipping and the update) and the optimizer state, Muon's against AdamW's. Then
+QK-clip: the MLA demo (`configs/mla-tiny.yaml`) with Muon, its largest attention logit every 50 steps without and
+with `optim.muon.qk_clip` at `--qk-clip`, and what recording that logit costs the demo's step (AdamW, median step
+time with `metrics.attn_max_logit` against without).
 
-    python benchmarks/muon_vs_adamw.py [--lrs 1e-3 3e-3 6e-3] [--steps 300] [--eval-interval 20]
+    python benchmarks/muon_vs_adamw.py [--lrs 1e-3 3e-3 6e-3] [--steps 300] [--eval-interval 20] [--qk-clip 3]
                                        [--work runs/bench-muon] [--threads N]
 
 Needs the demo's datasets (`make demo` prepares `data/stdlib` and `data/stdlib-held-out`).
@@ -28,13 +31,15 @@ REPO = Path(__file__).resolve().parent.parent
 OPTIMIZERS = ("adamw", "muon")
 
 
-def run(optimizer: str, lr: float, steps: int, interval: int, work: Path) -> dict:
-    run_dir = work / f"{optimizer}-lr{lr:g}"
+def run(
+    optimizer: str, lr: float, steps: int, interval: int, work: Path, config: str = "tiny", *extra: str
+) -> dict:
+    run_dir = work / "-".join([config, optimizer, f"lr{lr:g}", *(value.split("=")[-1] for value in extra)])
     held_out = f"eval.sources=[{{name: held_out, path: {REPO / 'data' / 'stdlib-held-out'}}}]"
-    config = load_run_config(REPO / "configs" / "tiny.yaml", [
+    config = load_run_config(REPO / "configs" / f"{config}.yaml", [
         f"data.sources.0.path={REPO / 'data' / 'stdlib'}", held_out, f"eval.interval={interval}",
         f"train.steps={steps}", f"optim.name={optimizer}", f"optim.lr={lr}", f"run.dir={run_dir}",
-        "run.overwrite=true", "checkpoint.interval=0", "train.log_every=100",
+        "run.overwrite=true", "checkpoint.interval=0", "train.log_every=100", *extra,
     ])
     train(config)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -44,7 +49,24 @@ def run(optimizer: str, lr: float, steps: int, interval: int, work: Path) -> dic
         "optimizer_s": statistics.median(record["optimizer_s"] for record in records[1:]),
         "step_s": statistics.median(record["step_s"] for record in records[1:]),
         "state_mib": records[-1]["optimizer_state_mib"],
+        "max_logit": [record.get("attn.max_logit") for record in records],
     }
+
+
+def qk_clip(args: argparse.Namespace, adamw: dict) -> None:
+    """The MLA demo's largest logit with and without QK-clip, and the cost of recording it on the demo."""
+    logged = "metrics.attn_max_logit=true"
+    free = run("muon", 3e-3, args.steps, args.eval_interval, args.work, "mla-tiny", logged)
+    clipped = run("muon", 3e-3, args.steps, args.eval_interval, args.work, "mla-tiny",
+                  f"optim.muon.qk_clip={args.qk_clip}")
+    shown = range(0, args.steps, 50)
+    print(f"MLA demo, Muon lr 3e-3: largest attention logit at steps {[step + 1 for step in shown]}")
+    for name, result in (("without QK-clip", free), (f"QK-clip {args.qk_clip:g}", clipped)):
+        logits = ", ".join(f"{result['max_logit'][step]:.2f}" for step in shown)
+        print(f"  {name:<16} {logits}; peak {max(result['max_logit']):.2f}; held-out {result['final']:.4f}")
+    recorded = run("adamw", adamw["lr"], args.steps, args.eval_interval, args.work, "tiny", logged)
+    print(f"recording attn.max_logit on the demo: median step {1000 * recorded['step_s']:.1f} ms against "
+          f"{1000 * adamw['step_s']:.1f} ms ({recorded['step_s'] / adamw['step_s'] - 1:+.1%})")
 
 
 def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
@@ -65,6 +87,7 @@ def main() -> None:
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 6e-3])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-interval", type=int, default=20)
+    parser.add_argument("--qk-clip", type=float, default=3.0, help="QK-clip's threshold on the MLA demo")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "bench-muon")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
@@ -88,6 +111,7 @@ def main() -> None:
     print(f"optimizer phase a step: Muon/AdamW {muon['optimizer_s'] / adamw['optimizer_s']:.2f}x "
           f"({muon['optimizer_s'] / muon['step_s']:.1%} of Muon's step, {adamw['optimizer_s'] / adamw['step_s']:.1%} "
           f"of AdamW's); optimizer state Muon/AdamW {muon['state_mib'] / adamw['state_mib']:.2f}x")
+    qk_clip(args, adamw)
 
 
 if __name__ == "__main__":

@@ -152,3 +152,30 @@ def test_ferry_train_takes_muon_from_the_command_line(stdlib_dataset, tmp_path, 
     assert code == 0, capsys.readouterr().err[-2000:]
     config = json.loads((tmp_path / "run.json").read_text())["config"]["optim"]
     assert config["name"] == "muon" and config["muon"]["ns_steps"] == 5 and config["muon"]["nesterov"] is True
+
+
+def test_ferry_launch_explains_the_memory_a_muon_rank_holds(tmp_path):
+    """At Moonlight's shape on two 8-GPU nodes: Muon's one buffer for the matrices where AdamW keeps two moments."""
+    from conftest import REPO
+
+    from ferry.launch.environment import explain
+    from ferry.launch.spec import build_launch_spec
+    from ferry.model.presets import preset_overrides
+
+    def memory_line(*overrides: str) -> str:
+        spec = build_launch_spec(
+            str(REPO / "configs" / "tiny.yaml"),
+            [*preset_overrides("moonlight-16b-a3b"), "train.micro_batch=1", "parallel.ep=16", *overrides],
+            platform="p5.48xlarge", nodes=2, master_addr="10.1.0.11", image="registry.example.com/ferry:0.1.0",
+            workdir=tmp_path,
+        )
+        return explain(spec).splitlines()[1]
+
+    adamw, muon = memory_line(), memory_line("optim.name=muon")
+    assert "parameters, gradients and AdamW moments" in adamw
+    assert "parameters, gradients and Muon momentum and AdamW moments" in muon
+
+    def state_gib(line: str) -> float:
+        return float(line.split("moments ")[1].split(" GiB")[0].replace(",", ""))
+
+    assert state_gib(muon) < state_gib(adamw)

@@ -11,6 +11,7 @@ import textwrap
 from ferry.launch.platform import PLATFORM_DIR
 from ferry.launch.spec import LaunchSpec
 from ferry.launch.torchrun_form import LAUNCHER_ENV, LAUNCHER_ENV_SOURCE
+from ferry.train.memory import gib, memory_estimate
 
 TORCHRUN_SETS = {
     "RANK": "global rank of the worker",
@@ -52,6 +53,7 @@ def explain(spec: LaunchSpec, width: int = 100) -> str:
         f"{spec.job_name}: {spec.nodes} node(s) of {platform.name} x {spec.nproc_per_node} process(es), "
         f"{spec.platform.comm_backend}, hardware profile {platform.hardware}",
         *_pipeline_layout(spec),
+        _memory_line(spec),
         "",
         "set by ferry for torchrun:",
         *(f"  {name}={value}" for name, value in LAUNCHER_ENV.items()),
@@ -79,6 +81,14 @@ def explain(spec: LaunchSpec, width: int = 100) -> str:
             lines += ["", f"set by {scheduler} and read by the rendered files:"]
             lines += [f"  {name:<28} {meaning}" for name, meaning in SCHEDULER_SETS[scheduler].items()]
     return "\n".join(lines)
+
+
+def _memory_line(spec: LaunchSpec) -> str:
+    """What one rank holds at a step's peak by the memory model (`ferry/train/memory.py`), with the optimizer's
+    state as the config chooses it (AdamW's two moments, or Muon's one buffer for the matrices)."""
+    device = "cuda" if spec.platform.accelerator_resource else "cpu"
+    estimate = memory_estimate(spec.config, spec.world_size, device)
+    return f"memory per rank: about {gib(estimate.total_bytes)} GiB at a step's peak ({estimate.describe()})"
 
 
 def _pipeline_layout(spec: LaunchSpec) -> list[str]:

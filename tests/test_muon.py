@@ -108,13 +108,6 @@ def test_a_resume_across_optimizers_is_refused_naming_the_way_to_switch(make_con
     assert len(switched.fit().losses) == 2
 
 
-def test_fsdp_is_refused_for_muon_naming_why(stdlib_dataset, tmp_path):
-    with pytest.raises(Exception) as refused:
-        run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path), "optim.name=muon", "parallel.mode=fsdp",
-                     timeout_s=120)
-    assert "optim.name: muon orthogonalises whole matrices, and FSDP holds a shard of each" in str(refused.value)
-
-
 def test_the_memory_model_counts_one_buffer_for_the_matrices(make_config):
     adamw = memory_estimate(make_config(), 1, "cpu")
     muon = memory_estimate(make_config("optim.name=muon"), 1, "cpu")
@@ -130,12 +123,13 @@ def one_process(stdlib_dataset, tmp_path_factory):
 @pytest.mark.parametrize(
     ("ranks", "layout"),
     [(2, ("parallel.ep=2",)), (2, ("parallel.ep=2", "optim.zero=true")), (2, ("optim.zero=true",)),
-     (2, ("parallel.pp=2",)), (4, ("parallel.pp=2", "parallel.ep=2", "optim.zero=true"))],
-    ids=["ep2", "ep2-zero", "dp2-zero", "pp2", "pp2-ep2-zero"],
+     (2, ("parallel.pp=2",)), (4, ("parallel.pp=2", "parallel.ep=2", "optim.zero=true")),
+     (2, ("parallel.mode=fsdp",))],
+    ids=["ep2", "ep2-zero", "dp2-zero", "pp2", "pp2-ep2-zero", "fsdp2"],
 )
 def test_every_layout_trains_as_one_process_does(one_process, stdlib_dataset, tmp_path, ranks, layout):
     """Whole matrices everywhere: experts resident, each ZeRO owner orthogonalising the matrices it owns whole,
-    each pipeline stage its own."""
+    each pipeline stage its own, FSDP's shards gathered whole first."""
     laid_out = run_on_ranks(runs.train_run, ranks, str(stdlib_dataset), str(tmp_path), *FP32_MUON,
                             "model.n_layers=4", "train.micro_batch=2", *layout)
     losses, alone = laid_out[0]["losses"], one_process["losses"]

@@ -94,8 +94,10 @@ def test_qk_clip_scales_the_heads_past_its_threshold(make_config, tmp_path):
                                      "name=muon"),
         (("optim.name=muon", "optim.muon.qk_clip=10", "model.qk_norm=true"),
          "model.qk_norm normalises back, and its gains are shared by the heads"),
+        (("optim.name=muon", "optim.muon.qk_clip=10", "model.qk_norm=false", "parallel.mode=fsdp"),
+         "optim.muon.qk_clip scales rows of the query and key weights by head, and FSDP holds a shard"),
     ],
-    ids=["adamw", "qk-norm"],
+    ids=["adamw", "qk-norm", "fsdp"],
 )
 def test_qk_clip_is_refused_where_it_cannot_act(make_config, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

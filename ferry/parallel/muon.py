@@ -30,6 +30,8 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ferry.parallel.adamw import fused_where_available
 
@@ -118,10 +120,22 @@ class MuonWithAdamW(torch.optim.Optimizer):
         momentum = group["momentum"]
         buffer.lerp_(grad, 1 - momentum)
         update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-        orthogonal = orthogonalise(update, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
+        orthogonal = _orthogonal_in_place_of(param, update, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
         lr = group["lr"]
         param.mul_(1 - lr * group["weight_decay"])
         param.add_(orthogonal, alpha=-lr * update_scale(group["update_scale"], param.shape[-2:]))
+
+
+def _orthogonal_in_place_of(param: nn.Parameter, update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """`update` orthogonalised as a whole matrix, laid out as `param` is: an FSDP shard (a DTensor) gathers the
+    whole update, orthogonalises it on every rank alike and keeps its own rows of the result."""
+    if not isinstance(update, DTensor):
+        return orthogonalise(update, steps, dtype)
+    whole = orthogonalise(update.full_tensor(), steps, dtype)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))].contiguous()
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 def update_scale(kind: UpdateScale, shape: torch.Size) -> float:

@@ -190,11 +190,6 @@ class FullySharded:
             raise UserError(
                 "optim.zero: FSDP already shards optimizer state; set optim.zero=false with parallel.mode=fsdp"
             )
-        if muon is not None and groups.world is not None:
-            raise UserError(
-                "optim.name: muon orthogonalises whole matrices, and FSDP holds a shard of each on every rank; use "
-                "parallel.mode=ep (experts resident, whole matrices everywhere), or optim.name=adamw"
-            )
         return optimizer_over(placed.dense + placed.experts, decayed, weight_decay, muon, **adamw)
 
     def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None:

@@ -265,6 +265,17 @@ class RunConfig(Section):
             )
         return optim
 
+    @field_validator("parallel")
+    @classmethod
+    def _qk_clip_on_whole_weights(cls, parallel: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
+        optim = info.data.get("optim")
+        if parallel.mode == "fsdp" and optim is not None and optim.muon.qk_clip is not None:
+            raise ValueError(
+                "mode fsdp: optim.muon.qk_clip scales rows of the query and key weights by head, and FSDP holds a "
+                "shard of them on every rank: set mode=ep, or leave optim.muon.qk_clip unset"
+            )
+        return parallel
+
     @field_validator("fault")
     @classmethod
     def _faults_within_the_run(cls, fault: FaultConfig, info: ValidationInfo) -> FaultConfig:

@@ -57,7 +57,7 @@ class StagedForward:
         last = split.num_stages - 1
         x_BSD = None
         result = None
-        for stage in self._my_stages():
+        for stage in split.stages_of(self.pp.rank):
             if stage == 0:
                 x_BSD = model.tok_embeddings(tokens_BS)
             elif self._owner(stage - 1) != self.pp.rank:
@@ -77,9 +77,6 @@ class StagedForward:
         if head is not None:
             return ModelOutput(None, [], chunked_head_loss(h_BSD, self.model.output.weight, head))
         return ModelOutput(self.model.output(h_BSD), [])
-
-    def _my_stages(self) -> Iterator[int]:
-        return iter(self.split.stages_of(self.pp.rank))
 
     def _owner(self, stage: int) -> int:
         return stage % self.split.pp

@@ -258,10 +258,9 @@ def build_model(job: Job, numerics: Numerics, start: Start) -> ModelParts:
     draw_deferred = drawn and on_host and not pipelined and start.resume is not None
     drawn_now = drawn and on_host and not draw_deferred
     recompute_mode = config.train.activation_checkpointing
-    track_max_logits = config.metrics.attn_max_logit or config.optim.muon.qk_clip is not None
     model = Transformer(
         config.model, numerics.kernels, initialise=drawn_now, recompute=recompute_mode,
-        track_max_logits=track_max_logits,
+        track_max_logits=config.tracks_attention_logits,
     )
     initial_weights = weights_digest(model) if drawn_now and job.is_main else None
     model = model.to(job.device, dtype=numerics.precision.torch_param_dtype)

@@ -36,13 +36,12 @@ class AttentionLogits:
         max_LH = torch.tensor(self.reductions.largest(max_LH.flatten().tolist())).view(self.n_layers, self.n_heads)
         clipped = 0
         if self.tau is not None and stepped:
-            gamma_LH = (self.tau / max_LH).clamp(max=1.0)
+            past_LH = max_LH > self.tau
+            gamma_LH = torch.where(past_LH, self.tau / max_LH, 1.0)
             for index, attention in self.layers.items():
-                past = max_LH[index] > self.tau
-                if bool(past.any()):
-                    device = attention.wo.weight.device
-                    attention.clip_logits(torch.where(past, gamma_LH[index], 1.0).to(device))
-            clipped = int((max_LH > self.tau).sum())
+                if bool(past_LH[index].any()):
+                    attention.clip_logits(gamma_LH[index].to(attention.wo.weight.device))
+            clipped = int(past_LH.sum())
         self._figures = {"attn.max_logit": float(max_LH.max()), "attn.clipped_heads": clipped}
 
     def figures(self) -> dict:

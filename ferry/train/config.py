@@ -215,6 +215,12 @@ class RunConfig(Section):
         False, description="with init_from, start from that checkpoint's AdamW state too (moments and step counts)"
     )
 
+    @property
+    def tracks_attention_logits(self) -> bool:
+        """Whether the attention keeps each head's largest training logit: asked for as a figure, or QK-clip acts
+        on it."""
+        return self.metrics.attn_max_logit or self.optim.muon.qk_clip is not None
+
     def check_world_size(self, world_size: int, distributed: bool | None = None) -> JobLayout:
         """The job's layout over `world_size` ranks (`ferry.parallel.layout`), laid out and checked here once:
         a job size the layout, the pipeline or the batch cannot be split over is refused before any rank starts.

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ferry.comm.reductions import RankReductions
 from ferry.data.targets import IGNORE_INDEX
+from ferry.inference.scoring import ScoringPass
 from ferry.metrics.step import memory_peak_mib
 from ferry.model import ModelOutput, MoEConfig, MoEStats
 from ferry.model.head_loss import HeadTargets
@@ -34,7 +35,6 @@ from ferry.parallel.pipeline_forward import StagedDecoder, StagedForward
 from ferry.parallel.pipeline_schedule import ExchangedShapes, Pipeline, build_pipeline
 from ferry.parallel.plan import ParallelPlan
 from ferry.train.objectives.losses import router_objective
-from ferry.inference.scoring import ScoringPass
 from ferry.train.step_context import ForwardPass, PassShape, TrainingContext, evaluating
 from ferry.train.step_statistics import LossParts, StepStatistics
 
@@ -124,9 +124,8 @@ class PipelineContext(TrainingContext):
     @torch.no_grad()
     def score(self, scoring: ScoringPass, model: torch.nn.Module | None = None) -> torch.Tensor:
         model = model or self.model
-        staged = StagedForward(model, self.plan.split, self.plan.pp, self._stream_dtype)
         with evaluating(model), self.autocast():
-            return staged(
+            return self._staged(model)(
                 scoring.tokens_BS, scoring.reduce, padding_BS=scoring.padding_BS,
                 document_ids_BS=scoring.document_ids_BS, head=scoring.head,
             )
@@ -136,7 +135,11 @@ class PipelineContext(TrainingContext):
             statistics.own.vector.zero_()
 
     def _decoder(self) -> StagedDecoder:
-        return StagedDecoder(StagedForward(self.model, self.plan.split, self.plan.pp, self._stream_dtype))
+        return StagedDecoder(self._staged(self.model))
+
+    def _staged(self, model: torch.nn.Module) -> StagedForward:
+        """`model`'s forwards without gradients, stage to stage over this rank's pipeline."""
+        return StagedForward(model, self.plan.split, self.plan.pp, self._stream_dtype)
 
     def _fitted(self, forward: ForwardPass) -> ForwardPass:
         """`forward`'s inputs padded to the exchanged shape: more positions and rows, all marked padding."""
@@ -232,7 +235,7 @@ def _nothing(output: ModelOutput) -> LossParts:
     """A filler's loss: zero, yet joined to the output's graph so the schedule's backward runs through it."""
     produced = output.logits_BSV if output.logits_BSV is not None else output.head_loss.lm_loss_sum
     zero = produced.sum() * 0.0
-    return LossParts(zero, zero.detach(), zero.detach(), zero.detach(), zero.detach())
+    return LossParts.of_objective(zero, zero, zero)
 
 
 def step_context(

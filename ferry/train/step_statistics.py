@@ -26,6 +26,13 @@ class LossParts:
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
 
+    @classmethod
+    def of_objective(cls, objective: torch.Tensor, aux_loss: torch.Tensor, z_loss: torch.Tensor) -> LossParts:
+        """An objective with no token loss of its own in the step's sums (DPO, GRPO, a pipeline's filler), which
+        keeps its figures in its own sums."""
+        zero = torch.zeros((), dtype=objective.dtype, device=objective.device)
+        return cls(objective, zero, zero, aux_loss.detach(), z_loss.detach())
+
 
 class NamedSums:
     """Float64 sums addressed by name, over a slice of a vector that is reduced whole."""

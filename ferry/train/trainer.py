@@ -71,9 +71,9 @@ class Trainer:
         self.config = config = self.parts.job.config  # with its micro-batch decided
         job, model = self.parts.job, self.parts.model
         self.resilience = Resilience(config, job.rank, job.world_size, job.started_unix, model.reductions.largest)
-        tracked = config.metrics.attn_max_logit or config.optim.muon.qk_clip is not None
         self.attention_logits = (
-            AttentionLogits(model.model, model.reductions, config.optim.muon.qk_clip) if tracked else None
+            AttentionLogits(model.model, model.reductions, config.optim.muon.qk_clip)
+            if config.tracks_attention_logits else None
         )
         self.hooks = Hooks([self.resilience])
         self.user_hooks = list(hooks)

@@ -124,8 +124,7 @@ class DPOObjective:
         objective = losses_B.sum() / pairs + share * router_objective(self.moe, aux_loss, z_loss)
         own.add(**_pair_sums(losses_B, chosen_B, rejected_B, logps_2B))
         own.add(tokens=sum(self._sequence_tokens(index) for index in indices))
-        zero = torch.zeros((), dtype=logps_2B.dtype, device=logps_2B.device)
-        return LossParts(objective, zero, zero, aux_loss.detach(), z_loss.detach())
+        return LossParts.of_objective(objective, aux_loss, z_loss)
 
     def figures(self, statistics: StepStatistics, outcome: StepOutcome) -> dict:
         """The step's means over its pairs; the tokens the step scored (prompts and both answers, every rank)."""

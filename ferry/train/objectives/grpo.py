@@ -157,15 +157,11 @@ class GRPOObjective:
             self._micro_batch(context, rollouts, batches[index] if index < len(batches) else [])
             for index in range(rounds)
         ]
-        old_logps: dict[int, torch.Tensor] = {}
         grad_norm, stepped = 0.0, False
         for iteration in range(self.config.iterations):
             context.zero_grad()
-            passes = [
-                self._train_pass(micro, index, trained_tokens, old_logps, iteration, own)
-                for index, micro in enumerate(micro_batches)
-            ]
-            context.train_passes(passes, statistics)
+            update = _Update(trained_tokens, iteration, own)
+            context.train_passes([self._train_pass(micro, update) for micro in micro_batches], statistics)
             grad_norm, stepped = context.update(cursor.step + 1)
         return StepOutcome(stepped, grad_norm, tokens=0)
 
@@ -255,70 +251,64 @@ class GRPOObjective:
             reference_BS = context.score(scoring, model=self.reference_model)
         return _MicroBatch(batch, advantages_B1, 0.0 if filler else 1.0, share, reference_BS)
 
-    def _train_pass(
-        self,
-        micro: _MicroBatch,
-        index: int,
-        trained_tokens: int,
-        old_logps: dict[int, torch.Tensor],
-        iteration: int,
-        own: NamedSums,
-    ) -> ForwardPass:
+    def _train_pass(self, micro: _MicroBatch, update: _Update) -> ForwardPass:
         """One micro-batch of an update: its figures count in the first update only (a filler's never)."""
-        loss = partial(self._policy_loss, micro, index, trained_tokens, old_logps, iteration, own)
         batch = micro.batch
-        counted = iteration == 0 and micro.weight > 0
+        counted = update.iteration == 0 and micro.weight > 0
+        loss = partial(self._policy_loss, micro, update)
         return ForwardPass(batch.inputs_BS, None, batch.padding_BS, None, micro.share, loss, counted=counted)
 
-    def _policy_loss(
-        self,
-        micro: _MicroBatch,
-        index: int,
-        trained_tokens: int,
-        old_logps: dict[int, torch.Tensor],
-        iteration: int,
-        own: NamedSums,
-        output: ModelOutput,
-    ) -> LossParts:
-        """The clipped policy loss of a micro-batch's completion tokens over the step's `trained_tokens` (the KL to
+    def _policy_loss(self, micro: _MicroBatch, update: _Update, output: ModelOutput) -> LossParts:
+        """The clipped policy loss of a micro-batch's completion tokens over the step's trained tokens (the KL to
         the reference added), with its routers' share; the first update's log-probs are the old policy's."""
         targets_BS = micro.batch.targets_BS
         mask_BS = targets_BS >= 0
         logps_BS = token_logprobs(output.logits_BSV, targets_BS)
-        if iteration == 0:
-            old_logps[index] = logps_BS.detach()
+        if update.iteration == 0:
+            micro.old_logps_BS = logps_BS.detach()
         losses_BS, clipped_BS = clipped_policy_loss(
-            logps_BS, old_logps[index], micro.advantages_B1, self.config.clip_low, self.config.clip_high
+            logps_BS, micro.old_logps_BS, micro.advantages_B1, self.config.clip_low, self.config.clip_high
         )
         kl_BS = torch.zeros_like(logps_BS)
         if micro.reference_BS is not None:
             kl_BS = k3_kl(logps_BS, micro.reference_BS)
             losses_BS = losses_BS + self.config.kl_coef * kl_BS
-        policy_loss = (losses_BS * mask_BS).sum() / trained_tokens
+        policy_loss = (losses_BS * mask_BS).sum() / update.trained_tokens
         aux_loss, z_loss = router_losses(output)
         objective = micro.weight * policy_loss + micro.share * router_objective(self.moe, aux_loss, z_loss)
         if micro.weight > 0:
-            own.add(  # clipping and KL: over the tokens of every update
+            update.own.add(  # clipping and KL: over the tokens of every update
                 trained_tokens=mask_BS.sum().item(),
                 clipped_tokens=(clipped_BS & mask_BS).sum().item(),
                 kl=(kl_BS.detach() * mask_BS).sum().item(),
             )
-            if iteration == 0:  # the loss: as the first update saw it
-                own.add(loss=policy_loss.detach().item())
-        zero = torch.zeros((), dtype=logps_BS.dtype, device=logps_BS.device)
-        return LossParts(objective, zero, zero, aux_loss.detach(), z_loss.detach())
+            if update.iteration == 0:  # the loss: as the first update saw it
+                update.own.add(loss=policy_loss.detach().item())
+        return LossParts.of_objective(objective, aux_loss, z_loss)
 
 
 @dataclass
 class _MicroBatch:
     """Kept completions trained together: their batch, advantages, weight (0: a filler), share of the step's
-    completions, and the reference's log-probs of their tokens (None without a KL term)."""
+    completions, the reference's log-probs of their tokens (None without a KL term), and the old policy's (the
+    first update's, kept for the later ones)."""
 
     batch: Batch
     advantages_B1: torch.Tensor
     weight: float
     share: float
     reference_BS: torch.Tensor | None
+    old_logps_BS: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Update:
+    """One update over a step's rollouts: the completion tokens it trains on over every rank, which of the step's
+    `grpo.iterations` it is, and the step's own sums."""
+
+    trained_tokens: int
+    iteration: int
+    own: NamedSums
 
 
 def _token_logprobs(targets_BS: torch.Tensor, output: ModelOutput) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from ferry.comm import Collectives, CommConfig, CommStats, build_mesh, init_distributed
 from ferry.model.experts import Experts
 from ferry.parallel.expert_parallel import AllToAllDispatcher, shard_experts
-from ferry.parallel.zero import ReplicaGroup, ShardedAdamW
+from ferry.parallel.zero import ReplicaGroup, ShardedOptimizer
 
 CPU = torch.device("cpu")
 
@@ -53,7 +53,7 @@ def zero_equals_adamw(steps: int):
     twin.load_state_dict(model.state_dict())
     named = list(model.named_parameters())
     decayed = {name for name, p in named if p.ndim == 2}
-    sharded = ShardedAdamW([ReplicaGroup(named, world)], decayed, 0.1, lr=1e-2)
+    sharded = ShardedOptimizer([ReplicaGroup(named, world)], decayed, 0.1, lr=1e-2)
     plain = torch.optim.AdamW(
         [
             {"params": [p for n, p in twin.named_parameters() if n in decayed], "weight_decay": 0.1},

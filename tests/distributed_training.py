@@ -18,11 +18,13 @@ def tiny_config(dataset: str, run_dir: str, *overrides: str) -> RunConfig:
 
 
 def train_run(dataset: str, run_dir: str, *overrides: str) -> dict:
-    """Train on every rank; rank 0 returns its metrics records and optimizer memory."""
+    """Train on every rank; rank 0, which writes the metrics records, returns them (another rank may finish
+    while rank 0 still writes the last)."""
     trainer = Trainer(tiny_config(dataset, run_dir, *overrides))
     result = trainer.fit()
-    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {"losses": result.losses, "records": records, "rank": trainer.parts.job.rank}
+    rank = trainer.parts.job.rank
+    metrics = (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
+    return {"losses": result.losses, "records": [json.loads(line) for line in metrics], "rank": rank}
 
 
 def train_counting_exchanges(dataset: str, run_dir: str, *overrides: str) -> dict:
@@ -70,3 +72,24 @@ def train_recording_overlap(dataset: str, run_dir: str, *overrides: str) -> dict
     finally:
         PendingAllToAll.issue, PendingAllToAll.complete, Attention.forward = issue, complete, attend
     return {**result, "events": events}
+
+
+def train_counting_orthogonalised(dataset: str, run_dir: str, *overrides: str) -> dict:
+    """`train_run`, counting the matrices this rank's Muon orthogonalises (a stack of experts counts each)."""
+    import math
+
+    from ferry.parallel import muon, muon_fsdp
+
+    counted = {"matrices": 0}
+    original = muon.orthogonalise
+
+    def counting(update, steps, dtype):
+        counted["matrices"] += math.prod(update.shape[:-2])
+        return original(update, steps, dtype)
+
+    muon.orthogonalise = muon_fsdp.orthogonalise = counting
+    try:
+        result = train_run(dataset, run_dir, *overrides)
+    finally:
+        muon.orthogonalise = muon_fsdp.orthogonalise = original
+    return {**result, **counted}

@@ -16,7 +16,9 @@ from ferry.cli.main import main
 from ferry.comm.spawn import run_on_ranks
 from ferry.config import UserError
 from ferry.model import ModelConfig, Transformer
-from ferry.parallel.muon import MuonSettings, MuonWithAdamW, muon_parameter_names, orthogonalise
+from ferry.parallel.muon import MuonSettings, MuonWithAdamW, muon_parameter_names
+from ferry.parallel.newton_schulz import orthogonalise
+from ferry.parallel.ownership import slices_by_owner
 from ferry.train import Trainer
 from ferry.train.memory import memory_estimate
 
@@ -136,6 +138,55 @@ def test_every_layout_trains_as_one_process_does(one_process, stdlib_dataset, tm
     assert len(losses) == 10 and losses[-1] < losses[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, alone, strict=True)) < TOLERANCE
     assert math.isfinite(laid_out[0]["records"][-1]["grad_norm"])
+
+
+# Three layers over two ZeRO owners: rank 0 owns experts 0-2 of layer 1's w_up, rank 1 expert 3
+SPLIT_STACK = ModelConfig(
+    vocab_size=512, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64, dense_layers=1, dense_ffn_dim=64,
+    moe={"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32},
+)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_zero_owns_each_expert_matrix_and_spreads_the_matrices_by_size(ranks):
+    params = list(Transformer(SPLIT_STACK).named_parameters())
+    by_owner = slices_by_owner(params, ranks)
+    assert any(not piece.whole for owned in by_owner for piece in owned), "a stack is split between owners"
+    for name, param in params:
+        rows = sorted((piece.start, piece.stop) for owned in by_owner for piece in owned if piece.name == name)
+        assert [start for start, _ in rows] == [0] + [stop for _, stop in rows[:-1]] and rows[-1][1] == param.shape[0]
+    loads = [sum(piece.tensor.numel() for piece in owned) for owned in by_owner]
+    largest_piece = max(param[0].numel() if param.ndim >= 3 else param.numel() for _, param in params)
+    assert max(loads) - min(loads) <= largest_piece, "every rank's load within one piece of another's"
+
+
+def test_a_stack_split_between_zero_owners_trains_and_resumes_as_one_process(stdlib_dataset, tmp_path):
+    """The owners of one layer's experts orthogonalise their own experts' matrices, and the checkpoint holds each
+    owner's rows of the momentum: it resumes in one process, and one process's checkpoint in the split layout."""
+    split_stack = ("model.n_layers=3", *FP32_MUON)
+    alone = runs.train_run(str(stdlib_dataset), str(tmp_path / "one"), *split_stack)["losses"]
+    zero = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "zero"), *split_stack,
+                        "optim.zero=true")[0]["losses"]
+    from_zero = runs.train_run(str(stdlib_dataset), str(tmp_path / "from-zero"), *split_stack,
+                               f"resume={tmp_path / 'zero' / 'checkpoints' / 'step-00000005'}")["losses"]
+    into_zero = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "into-zero"), *split_stack,
+                             "optim.zero=true", f"resume={tmp_path / 'one' / 'checkpoints' / 'step-00000005'}")
+    for losses, expected in [(zero, alone), (from_zero, alone[5:]), (into_zero[0]["losses"], alone[5:])]:
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, expected, strict=True)) < TOLERANCE
+
+
+def test_under_fsdp_each_matrix_is_orthogonalised_once_by_its_owner(stdlib_dataset, tmp_path):
+    """Each rank gathers the matrices it owns and orthogonalises only those; the experts, sharded by expert, where
+    they are: over the ranks, every matrix once a step (on every rank alike it would be twice)."""
+    ranks = run_on_ranks(runs.train_counting_orthogonalised, 2, str(stdlib_dataset), str(tmp_path), *FP32_MUON,
+                         "parallel.mode=fsdp", "train.steps=3")
+    model = Transformer(runs.tiny_config(str(stdlib_dataset), str(tmp_path)).model)
+    matrices = sum(
+        param.shape[0] if param.ndim >= 3 else 1
+        for name, param in model.named_parameters() if name in muon_parameter_names(model)
+    )
+    assert sum(rank["matrices"] for rank in ranks) == 3 * matrices
+    assert all(rank["matrices"] > 0 for rank in ranks)
 
 
 def test_ferry_train_takes_muon_from_the_command_line(stdlib_dataset, tmp_path, capsys):

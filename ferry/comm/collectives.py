@@ -83,6 +83,20 @@ class Collectives:
             dist.broadcast(tensor, src=self.group_rank_to_global(group_src), group=self.group)
         return tensor
 
+    def gather(self, tensor: torch.Tensor, group_dst: int, op: str = "gather") -> list[torch.Tensor] | None:
+        """Every rank's `tensor` (all of one shape) on rank `group_dst` of the group, in rank order; None elsewhere."""
+        gathered = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == group_dst else None
+        with self.timed(op, tensor.numel() * tensor.element_size() * self.size):
+            dist.gather(tensor.contiguous(), gathered, dst=self.group_rank_to_global(group_dst), group=self.group)
+        return gathered
+
+    def scatter(self, output: torch.Tensor, pieces: list[torch.Tensor] | None, group_src: int,
+                op: str = "scatter") -> torch.Tensor:
+        """Rank `group_src`'s `pieces[r]` into rank r's `output` (all of `output`'s shape)."""
+        with self.timed(op, output.numel() * output.element_size() * self.size):
+            dist.scatter(output, pieces, src=self.group_rank_to_global(group_src), group=self.group)
+        return output
+
     def region(self, name: str):
         """The step timer's region `name` when a timer is attached (comm sits below metrics, so it is handed one)."""
         return self.timer.region(name) if self.timer is not None else nullcontext()

@@ -31,15 +31,13 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ferry.comm import Collectives
 from ferry.parallel.adamw import fused_where_available
+from ferry.parallel.muon_fsdp import orthogonalised_shards
+from ferry.parallel.newton_schulz import NS_DTYPES, orthogonalise
 
-# Keller Jordan's quintic coefficients (torch.optim.Muon's defaults)
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_EPS = 1e-7
 UpdateScale = Literal["match_rms_adamw", "original"]
-NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,8 @@ def muon_parameter_names(model: nn.Module) -> set[str]:
 
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon over the parameters `settings.matrices` names, AdamW (`adamw`: its settings) over the others of
-    `params`; `decayed` names the parameters with weight decay."""
+    `params`; `decayed` names the parameters with weight decay. FSDP-sharded matrices (DTensors) are orthogonalised
+    by one owner among the ranks of `shard_owners` each (`ferry/parallel/muon_fsdp.py`)."""
 
     def __init__(
         self,
@@ -75,6 +74,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         decayed: set[str],
         weight_decay: float,
         settings: MuonSettings,
+        shard_owners: Collectives | None = None,
         **adamw,
     ):
         matrices = [(n, p) for n, p in params if n in settings.matrices]
@@ -98,6 +98,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         groups = [group for group in [*self._adamw.param_groups, *muon_groups] if group["params"]]
         super().__init__(groups, {"lr": lr})
         self._adamw.state = self.state  # one state: each parameter's under its own keys
+        self._shard_owners = shard_owners
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -107,11 +108,25 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["optimizer"] != "muon":
                 continue
+            steps, dtype = group["ns_steps"], NS_DTYPES[group["ns_dtype"]]
+            sharded = []
             for param in group["params"]:
-                if param.grad is not None:
-                    self._muon_step(param, group)
+                if param.grad is None:
+                    continue
+                update = self._momentum_update(param, group)
+                if isinstance(update, DTensor):
+                    sharded.append((param, update))  # orthogonalised together, each by one owner
+                else:
+                    self._apply(param, orthogonalise(update, steps, dtype), group)
+            if sharded:
+                shards = orthogonalised_shards([update for _, update in sharded], steps, dtype, self._shard_owners)
+                for (param, _), local in zip(sharded, shards, strict=True):
+                    orthogonal = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                                    shape=param.shape, stride=param.stride())
+                    self._apply(param, orthogonal, group)
 
-    def _muon_step(self, param: nn.Parameter, group: dict) -> None:
+    def _momentum_update(self, param: nn.Parameter, group: dict) -> torch.Tensor:
+        """The momentum buffer stepped with the gradient, and the update it gives (Nesterov's or the buffer)."""
         grad = param.grad
         state = self.state[param]
         if "momentum_buffer" not in state:
@@ -119,23 +134,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
         buffer = state["momentum_buffer"]
         momentum = group["momentum"]
         buffer.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-        orthogonal = _orthogonal_in_place_of(param, update, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
+        return grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+
+    @staticmethod
+    def _apply(param: nn.Parameter, orthogonal: torch.Tensor, group: dict) -> None:
+        """Decoupled weight decay, then the step along the orthogonalised update at the matrix's scale."""
         lr = group["lr"]
         param.mul_(1 - lr * group["weight_decay"])
         param.add_(orthogonal, alpha=-lr * update_scale(group["update_scale"], param.shape[-2:]))
-
-
-def _orthogonal_in_place_of(param: nn.Parameter, update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """`update` orthogonalised as a whole matrix, laid out as `param` is: an FSDP shard (a DTensor) gathers the
-    whole update, orthogonalises it on every rank alike and keeps its own rows of the result."""
-    if not isinstance(update, DTensor):
-        return orthogonalise(update, steps, dtype)
-    whole = orthogonalise(update.full_tensor(), steps, dtype)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    local = whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))].contiguous()
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
 
 
 def update_scale(kind: UpdateScale, shape: torch.Size) -> float:
@@ -144,25 +150,3 @@ def update_scale(kind: UpdateScale, shape: torch.Size) -> float:
     if kind == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, columns))
     return math.sqrt(max(1.0, rows / columns))
-
-
-def orthogonalise(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """The quintic Newton-Schulz approximation of U V^T for `update` = U S V^T, of each matrix of a batch
-    [..., A, B] on its own, in `dtype` (returned in it). Each matrix is scaled to Frobenius norm 1 first, so its
-    spectral norm is at most 1; the wide orientation keeps the Gram matrix the smaller one."""
-    a, b, c = NS_COEFFICIENTS
-    x = update.to(dtype)
-    tall = update.shape[-2] > update.shape[-1]
-    if tall:
-        x = x.mT
-    if x.ndim == 2:  # torch.optim.Muon's operations, one by one
-        x = x.div(x.norm().clamp(min=NS_EPS))
-        for _ in range(steps):
-            gram = x @ x.T
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    else:
-        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
-        for _ in range(steps):
-            gram = x @ x.mT
-            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.mT if tall else x

@@ -32,7 +32,7 @@ from ferry.parallel.gradients import clip_grad_norm, reduce_gradients
 from ferry.parallel.pipeline_split import StageSplit
 from ferry.parallel.muon import MuonSettings
 from ferry.parallel.optimizers import optimizer_over
-from ferry.parallel.zero import ReplicaGroup, ShardedAdamW
+from ferry.parallel.zero import ReplicaGroup, ShardedOptimizer
 
 Params = list[tuple[str, nn.Parameter]]
 
@@ -156,7 +156,7 @@ class ExpertResident:
         where the parameter lives; under ZeRO-1 on the rank that owns it, which then sends the update."""
         if zero and groups.world is not None:
             sharded = [ReplicaGroup(placed.dense, groups.replicas), ReplicaGroup(placed.experts, groups.dp)]
-            return ShardedAdamW(sharded, decayed, weight_decay, muon, **adamw)
+            return ShardedOptimizer(sharded, decayed, weight_decay, muon, **adamw)
         return optimizer_over(placed.dense + placed.experts, decayed, weight_decay, muon, **adamw)
 
 
@@ -190,7 +190,7 @@ class FullySharded:
             raise UserError(
                 "optim.zero: FSDP already shards optimizer state; set optim.zero=false with parallel.mode=fsdp"
             )
-        return optimizer_over(placed.dense + placed.experts, decayed, weight_decay, muon, **adamw)
+        return optimizer_over(placed.dense + placed.experts, decayed, weight_decay, muon, groups.world, **adamw)
 
     def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None:
         if groups.world is not None:

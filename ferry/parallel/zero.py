@@ -1,9 +1,10 @@
 """ZeRO-1: AdamW (or Muon with AdamW) whose state is sharded over the ranks that replicate the parameters.
 
-Every parameter is owned by one rank of its replica group (greedy by size, in
-name order, so every rank computes the same assignment). A rank keeps Adam moments
+Every piece of optimizer state has one owner among the ranks of its replica group: a matrix or vector whole, a
+stack of expert matrices split by matrix (`ferry/parallel/ownership.py`: consecutive runs balanced by size, in
+model order, so every rank computes the same assignment and the ranks finish together). A rank keeps Adam moments
 (or Muon's momentum) only for what it owns, updates only that, then each owner broadcasts its updated
-parameters to the group. AdamW is elementwise and Muon works on whole matrices, which an owner holds whole, so
+rows to the group. AdamW is elementwise and Muon works on whole matrices, which an owner holds whole, so
 the result equals the unsharded optimizer's; the optimizer memory per rank falls by the group size.
 """
 
@@ -18,6 +19,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ferry.comm import Collectives
 from ferry.parallel.muon import MuonSettings
 from ferry.parallel.optimizers import optimizer_over
+from ferry.parallel.ownership import ParamSlice, slices_by_owner
 
 
 @dataclass
@@ -28,8 +30,8 @@ class ReplicaGroup:
     collectives: Collectives | None
 
 
-class ShardedAdamW:
-    """The `torch.optim.Optimizer` surface the trainer uses, over owner-partitioned parameters."""
+class ShardedOptimizer:
+    """The `torch.optim.Optimizer` surface the trainer uses, over owner-partitioned parameter slices."""
 
     def __init__(
         self,
@@ -40,16 +42,17 @@ class ShardedAdamW:
         **adamw_kwargs,
     ):
         self.groups = groups
-        self.owner: dict[str, int] = {}
-        owned: list[tuple[str, nn.Parameter]] = []
+        self.slices: list[list[list[ParamSlice]]] = []  # per group, per rank of the group
+        self.owned: list[ParamSlice] = []
         for group in groups:
             size = group.collectives.size if group.collectives is not None else 1
             rank = group.collectives.rank if group.collectives is not None else 0
-            for name, owner in _assign_owners(group.params, size).items():
-                self.owner[name] = owner
-            owned += [(name, p) for name, p in group.params if self.owner[name] == rank]
-        self.owned_names = [name for name, _ in owned]
-        self.local = optimizer_over(owned, decayed, weight_decay, muon, **adamw_kwargs)
+            by_owner = slices_by_owner(group.params, size)
+            self.slices.append(by_owner)
+            self.owned += by_owner[rank]
+        self.local = optimizer_over(
+            [(piece.name, piece.tensor) for piece in self.owned], decayed, weight_decay, muon, **adamw_kwargs
+        )
 
     @property
     def param_groups(self):
@@ -66,14 +69,19 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
+        for piece in self.owned:
+            piece.take_gradient()
         self.local.step()
-        for group in self.groups:
+        for piece in self.owned:
+            if not piece.whole:
+                piece.tensor.grad = None
+        for group, by_owner in zip(self.groups, self.slices, strict=True):
             if group.collectives is None or group.collectives.size == 1:
                 continue
-            for owner in range(group.collectives.size):
-                tensors = [p.data for name, p in group.params if self.owner[name] == owner]
-                if not tensors:
+            for owner, pieces in enumerate(by_owner):
+                if not pieces:
                     continue
+                tensors = [piece.param.data[piece.start : piece.stop] for piece in pieces]
                 flat = _flatten_dense_tensors(tensors)
                 group.collectives.broadcast(flat, group_src=owner)
                 for tensor, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
@@ -82,17 +90,6 @@ class ShardedAdamW:
     def state_bytes(self) -> int:
         """Bytes of optimizer state held on this rank (the ZeRO-1 saving shows here)."""
         return optimizer_state_bytes(self.local)
-
-
-def _assign_owners(params: list[tuple[str, nn.Parameter]], size: int) -> dict[str, int]:
-    """Largest-first greedy balance of parameter sizes over `size` ranks; ties to the lower rank."""
-    load = [0] * size
-    owners: dict[str, int] = {}
-    for name, param in sorted(params, key=lambda item: -item[1].numel()):
-        owner = min(range(size), key=lambda rank: (load[rank], rank))
-        owners[name] = owner
-        load[owner] += param.numel()
-    return owners
 
 
 def optimizer_state_bytes(optimizer) -> int:

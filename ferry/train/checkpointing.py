@@ -46,7 +46,7 @@ from ferry.model import ModelConfig
 from ferry.model.variants import SKIP_KINDS
 from ferry.parallel import ParallelPlan
 from ferry.parallel.muon import MuonWithAdamW
-from ferry.parallel.zero import ShardedAdamW
+from ferry.parallel.zero import ShardedOptimizer
 from ferry.train.config import RunConfig
 from ferry.train.optimizer import decayed_parameter_names
 
@@ -67,19 +67,17 @@ def train_state_pieces(
     for name, tensor in model.state_dict().items():
         if isinstance(tensor, DTensor) or plan.is_replica_writer(name):
             pieces[MODEL + name] = _piece(name, tensor, plan)
-    names = _param_names(model)
-    sharded_state = _is_state_sharded(optimizer)
-    for param, state in optimizer.state.items():
-        name = names[param]
-        if not (sharded_state or isinstance(param, DTensor) or plan.is_replica_writer(name)):
+    sharded_state = isinstance(optimizer, ShardedOptimizer)  # each owner writes what it holds
+    for name, tensor, piece in _state_holders(model, optimizer, plan):
+        state = optimizer.state.get(tensor)
+        if not state or not (sharded_state or isinstance(tensor, DTensor) or plan.is_replica_writer(name)):
             continue
-        holds_origin = not any(_piece(name, param, plan).offset)
         for key, value in state.items():
             if value.ndim == 0:
-                if holds_origin:  # a step count is the same everywhere: the holder of element 0 writes it
+                if not any(piece.offset):  # a step count is the same everywhere: the holder of element 0 writes it
                     pieces[f"{OPTIM}{key}.{name}"] = TensorPiece.whole(value)
             else:
-                pieces[f"{OPTIM}{key}.{name}"] = _piece(name, value, plan)
+                pieces[f"{OPTIM}{key}.{name}"] = _placed_like(value, piece)
     pieces[RNG + "cpu"] = _rank_row(torch.get_rng_state(), rank, world_size)
     if device.type != "cpu":
         state = torch.get_device_module(device.type).get_rng_state(device)
@@ -122,6 +120,8 @@ def save_on_all_ranks(
 def optimizer_record(model: nn.Module, optimizer) -> dict:
     """The optimizer's kind and parameter groups by parameter name, over the whole model (all ranks)."""
     names = _param_names(model)
+    if isinstance(optimizer, ShardedOptimizer):
+        names.update({owned.tensor: owned.name for owned in optimizer.owned})
     groups = []
     for group in optimizer.param_groups:
         hyperparameters = {key: value for key, value in group.items() if key != "params"}
@@ -134,7 +134,7 @@ def optimizer_record(model: nn.Module, optimizer) -> dict:
 
 def optimizer_kind(optimizer) -> str:
     """`Muon` (Muon for the matrices, AdamW for the rest) or `AdamW`, sharded by ZeRO-1 or not."""
-    local = optimizer.local if isinstance(optimizer, ShardedAdamW) else optimizer
+    local = optimizer.local if isinstance(optimizer, ShardedOptimizer) else optimizer
     return "Muon" if isinstance(local, MuonWithAdamW) else "AdamW"
 
 
@@ -236,25 +236,24 @@ def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer, plan:
             f"checkpoint's weights alone: init_from={checkpoint.path} init_optimizer=false"
         )
     params = dict(model.named_parameters())
-    held = {param for group in optimizer.param_groups for param in group["params"]}
-    state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-    boxes = []
+    stored: dict[str, list[str]] = {}
     for logical in checkpoint.names(OPTIM):
         key, _, name = logical.removeprefix(OPTIM).partition(".")
-        if name not in params and plan.pipelined and name in plan.logical_names:
-            continue  # a parameter of another pipeline stage
-        if name not in params:
+        if name not in params and not (plan.pipelined and name in plan.logical_names):  # else another stage's
             raise CheckpointError(f"{checkpoint.path}: {logical} belongs to no parameter of this model")
-        param = params[name]
-        if param not in held:
-            continue
-        value = checkpoint.prefetched(logical)
-        if key == "step":
-            value = checkpoint.read(logical)
-        elif not _adoptable(value, param):
-            value = torch.empty_like(param, memory_format=torch.contiguous_format)  # filled whole below
-            boxes.append(_box(checkpoint, logical, _piece(name, value, plan)))
-        state.setdefault(param, {})[key] = value
+        stored.setdefault(name, []).append(key)
+    state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+    boxes = []
+    for name, tensor, piece in _state_holders(model, optimizer, plan):
+        for key in stored.get(name, []):
+            logical = f"{OPTIM}{key}.{name}"
+            value = checkpoint.prefetched(logical)
+            if key == "step":
+                value = checkpoint.read(logical)
+            elif not _adoptable(value, tensor, piece):
+                value = torch.empty_like(tensor, memory_format=torch.contiguous_format)  # filled whole below
+                boxes.append(_box(checkpoint, logical, _placed_like(value, piece)))
+            state.setdefault(tensor, {})[key] = value
     checkpoint.read_many(boxes)
     optimizer.state.clear()
     optimizer.state.update(state)
@@ -266,25 +265,24 @@ def optimizer_prefetch(model: nn.Module, optimizer, plan: ParallelPlan) -> Prefe
     Moments of parameters this rank holds whole on the CPU, in the parameter's dtype:
     `restore_optimizer` then adopts them as they are, and their bytes are read once.
     """
-    params = dict(model.named_parameters())
-    held = {param for group in optimizer.param_groups for param in group["params"]}
+    whole_on_cpu = {
+        name: tensor
+        for name, tensor, piece in _state_holders(model, optimizer, plan)
+        if not isinstance(tensor, DTensor) and piece.global_shape == tuple(tensor.shape) and tensor.device.type == "cpu"
+    }
 
     def fresh_moments(manifest: Manifest) -> dict[str, torch.Tensor]:
         moments = {}
         for logical, record in manifest.tensors.items():
             key, _, name = logical.removeprefix(OPTIM).partition(".")
-            param = params.get(name) if logical.startswith(OPTIM) and key != "step" else None
+            tensor = whole_on_cpu.get(name) if logical.startswith(OPTIM) and key != "step" else None
             if (
-                param is None
-                or param not in held
-                or isinstance(param, DTensor)
-                or _piece(name, param, plan).global_shape != tuple(param.shape)
-                or param.device.type != "cpu"
-                or record.shape != list(param.shape)
-                or record.dtype != str(param.dtype).removeprefix("torch.")
+                tensor is None
+                or record.shape != list(tensor.shape)
+                or record.dtype != str(tensor.dtype).removeprefix("torch.")
             ):
                 continue
-            moments[logical] = torch.empty(record.shape, dtype=param.dtype)
+            moments[logical] = torch.empty(record.shape, dtype=tensor.dtype)
         return moments
 
     return fresh_moments
@@ -334,18 +332,34 @@ def _box(checkpoint: Checkpoint, name: str, piece: TensorPiece) -> tuple[str, to
     return name, piece.local, piece.offset
 
 
-def _adoptable(value: torch.Tensor | None, param: nn.Parameter) -> bool:
-    """Whether a prefetched whole tensor can be this parameter's optimizer state as it is."""
+def _adoptable(value: torch.Tensor | None, tensor: torch.Tensor, piece: TensorPiece) -> bool:
+    """Whether a prefetched whole tensor can be the optimizer state of `tensor`, held whole, as it is."""
     return (
         value is not None
-        and not isinstance(param, DTensor)
-        and (value.shape, value.dtype, value.device) == (param.shape, param.dtype, param.device)
+        and not isinstance(tensor, DTensor)
+        and piece.global_shape == tuple(tensor.shape)
+        and (value.shape, value.dtype, value.device) == (tensor.shape, tensor.dtype, tensor.device)
     )
 
 
-def _is_state_sharded(optimizer) -> bool:
-    """ZeRO-1 keeps each parameter's state on its owner only: every owner writes what it holds."""
-    return hasattr(optimizer, "owner")
+def _state_holders(model: nn.Module, optimizer, plan: ParallelPlan) -> list[tuple[str, torch.Tensor, TensorPiece]]:
+    """Each tensor this rank's optimizer keeps state for, with the name of its parameter and where it sits in the
+    parameter's global tensor: the parameters it steps, or under ZeRO-1 the slices this rank owns."""
+    if isinstance(optimizer, ShardedOptimizer):
+        holders = []
+        for owned in optimizer.owned:
+            parent = _piece(owned.name, owned.param, plan)
+            offset = (parent.offset[0] + owned.start, *parent.offset[1:])
+            holders.append((owned.name, owned.tensor, TensorPiece(owned.tensor, offset, parent.global_shape)))
+        return holders
+    names = _param_names(model)
+    held = [param for group in optimizer.param_groups for param in group["params"]]
+    return [(names[param], param, _piece(names[param], param, plan)) for param in held]
+
+
+def _placed_like(value: torch.Tensor, piece: TensorPiece) -> TensorPiece:
+    """Optimizer state `value` of the tensor at `piece`, placed where that tensor is."""
+    return TensorPiece(value.to_local() if isinstance(value, DTensor) else value, piece.offset, piece.global_shape)
 
 
 def _param_names(model: nn.Module) -> dict[nn.Parameter, str]:

@@ -93,7 +93,7 @@ def _rank_estimate(config: RunConfig, world_size: int, device: str, micro: int, 
         local = dense_params + expert_params / ep
         replicas = max(world_size // ep, 1)
         moments = (dense_params / world_size + expert_params / ep / replicas) if config.optim.zero else local
-    adamw_share, newton_schulz = _muon_terms(config, share)
+    adamw_share, newton_schulz = _muon_terms(config, share, world_size)
     state = local * 2 * param_bytes + moments * (8 * adamw_share + param_bytes * (1 - adamw_share))
     compute_bytes = _compute_bytes(config, device)
     tokens = micro * config.data.seq_len
@@ -108,9 +108,10 @@ def _rank_estimate(config: RunConfig, world_size: int, device: str, micro: int, 
     return MemoryEstimate(int(state), int(activations + logits + copies), int(optimizer), held)
 
 
-def _muon_terms(config: RunConfig, share: RankShare) -> tuple[float, float]:
+def _muon_terms(config: RunConfig, share: RankShare, world_size: int) -> tuple[float, float]:
     """The share of `share`'s parameters AdamW updates (1 without Muon) and the bytes of Newton-Schulz's working
-    set (0 without Muon): the embedding, head and routers take AdamW, the rest Muon's one buffer."""
+    set (0 without Muon): the embedding, head and routers take AdamW, the rest Muon's one buffer. Under FSDP a
+    rank also holds the whole matrices it owns, gathered, and their orthogonalisation (`muon_fsdp.py`)."""
     if config.optim.name != "muon":
         return 1.0, 0.0
     model, moe = config.model, config.model.moe
@@ -126,6 +127,9 @@ def _muon_terms(config: RunConfig, share: RankShare) -> tuple[float, float]:
     newton_schulz = ns_bytes * max(
         batch * (3 * rows * columns + 2 * min(rows, columns) ** 2) for batch, rows, columns in matrices
     )
+    if config.parallel.mode == "fsdp":
+        owned_matrices = max(share.total_params - share.expert_params - adamw_params, 0) / world_size
+        newton_schulz += owned_matrices * (_param_bytes(config) + ns_bytes)
     return adamw_share, newton_schulz
 
 

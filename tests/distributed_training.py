@@ -93,3 +93,11 @@ def train_counting_orthogonalised(dataset: str, run_dir: str, *overrides: str) -
     finally:
         muon.orthogonalise = muon_fsdp.orthogonalise = original
     return {**result, **counted}
+
+
+def train_reporting_failure(dataset: str, run_dir: str, *overrides: str) -> dict:
+    """`train_run`, returning the error that ended it on this rank (its type and message) instead of raising."""
+    try:
+        return {**train_run(dataset, run_dir, *overrides), "error": None}
+    except Exception as exc:  # the test reads every rank's
+        return {"error": f"{type(exc).__name__}: {exc}", "exit_code": getattr(exc, "exit_code", None)}

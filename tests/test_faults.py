@@ -8,9 +8,11 @@ import shutil
 import time
 
 import pytest
+import torch
 import yaml
 from conftest import REPO, TINY_RUN
 
+from ferry.checkpoint import list_checkpoints
 from ferry.cli.main import main
 from ferry.train import Trainer
 from ferry.train.resilience import core as resilience_module
@@ -130,6 +132,37 @@ def test_two_ranks_survive_a_kill_and_a_hang_with_losses_bitwise_equal(config_fi
     assert good["restarting_s"] > 0 and good["saving_s"] > 0
 
 
+@pytest.mark.parametrize("killed", [[1], [0, 1]], ids=["one-rank", "all-ranks"])
+def test_a_kill_while_the_background_writers_run_restarts_from_the_newest_complete_checkpoint(
+    config_file, tmp_path, killed
+):
+    """Two ranks save in the background (`async_save: auto`); SIGKILL strikes from the writer thread of one rank,
+    or of every rank, once its files are written: nothing of step 4 is published, the restart removes the
+    unfinished save, resumes from step 2 and ends where the uninterrupted run does."""
+    common = [config_file, "--nproc", "2", "parallel.ep=2", "optim.zero=true", "train.steps=8"]
+    assert main(["train", *common, f"run.dir={tmp_path / 'straight'}"]) == 0
+    faults = ", ".join(f"{{step: 4, rank: {rank}, kind: kill_during_save}}" for rank in killed)
+    drilled = tmp_path / "drilled"
+    assert main(["train", *common, "--max-restarts", "2", f"run.dir={drilled}", f"fault.inject=[{faults}]"]) == 0
+    assert _losses(drilled) == _losses(tmp_path / "straight")
+    record = json.loads((drilled / "run.json").read_text())
+    assert record["checkpoint_async"]["on"] is True
+    (restart,) = record["restarts"]
+    assert restart["resumed_from_step"] == 2
+    assert restart["removed_unfinished_saves"] == [str(drilled / "checkpoints" / ".step-00000004.partial")]
+    final, expected = _final_tensors(drilled), _final_tensors(tmp_path / "straight")
+    assert final.keys() == expected.keys() and all(torch.equal(final[key], expected[key]) for key in expected)
+
+
+def _final_tensors(run_dir) -> dict:
+    """Every tensor of the run's last checkpoint, by file and name."""
+    from safetensors.torch import load_file
+
+    final = list_checkpoints(run_dir / "checkpoints")[-1]
+    return {(path.name, name): tensor for path in sorted(final.glob("*.safetensors"))
+            for name, tensor in load_file(path).items()}
+
+
 def test_a_kill_during_a_save_and_a_corrupt_checkpoint_fall_back_to_the_previous_valid_one(config_file, tmp_path):
     assert main(["train", config_file, f"run.dir={tmp_path / 'straight'}"]) == 0
     faults = "fault.inject=[{step: 4, kind: kill_during_save}, {step: 6, kind: corrupt_checkpoint}, {step: 7, kind: raise}]"
@@ -186,7 +219,7 @@ def test_a_supervisor_that_gives_up_after_a_sigkill_completes_the_run_record(tmp
         steps = range(1, 3) if len(attempts) == 1 else range(3, 3)
         with (run_dir / "metrics.jsonl").open("a") as handle:
             for step in steps:
-                handle.write(json.dumps({"step": step, "loss": 1.0, "step_s": 0.01, "checkpoint_save_s": 0.0}) + "\n")
+                handle.write(json.dumps({"step": step, "loss": 1.0, "step_s": 0.01, "checkpoint.blocked_s": 0.0}) + "\n")
         return Outcome(exit_codes={0: -9}, failed_at_unix=now)
 
     monkeypatch.setattr(supervisor, "run_ranks", killed_at_step_3)
@@ -268,10 +301,10 @@ def test_an_auto_interval_is_computed_from_the_measured_save_and_written_into_th
                          "checkpoint.keep=40", "fault.mtbf_hours_per_device=0.00005", run_dir=run_dir)
     Trainer(config).fit()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert records[1]["checkpoint_interval_steps"] is None and records[2]["checkpoint_save_s"] > 0
+    assert records[1]["checkpoint_interval_steps"] is None and records[2]["checkpoint.blocked_s"] > 0
     intervals = [record["checkpoint_interval_steps"] for record in records[2:]]
     assert all(isinstance(steps, int) and steps >= 1 for steps in intervals)
-    saves = [record for record in records if record["checkpoint_save_s"] > 0]
+    saves = [record for record in records if record["checkpoint.blocked_s"] > 0]
     assert saves[0]["step"] == 3 and len(saves) >= 2
     for save, following in zip(saves, saves[1:]):  # each save comes the interval computed at the one before
         assert following["step"] - save["step"] == save["checkpoint_interval_steps"]
@@ -289,7 +322,7 @@ def test_after_a_restart_an_auto_interval_saves_again(config_file, tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (restart,) = json.loads((run_dir / "run.json").read_text())["restarts"]
     resumed = restart["resumed_from_step"]
-    saves_after = [r["step"] for r in records if r["step"] > resumed and r["checkpoint_save_s"] > 0]
+    saves_after = [r["step"] for r in records if r["step"] > resumed and r["checkpoint.blocked_s"] > 0]
     assert saves_after and saves_after[0] == resumed + 3
     assert all(r["checkpoint_interval_steps"] for r in records if r["step"] >= resumed + 3)
 

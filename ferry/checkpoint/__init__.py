@@ -7,6 +7,7 @@ from ferry.checkpoint.config import CheckpointConfig
 from ferry.checkpoint.diff import Difference, config_differences
 from ferry.checkpoint.format import CheckpointError, Layout, Manifest, TensorPiece
 from ferry.checkpoint.manager import CheckpointManager, clear_checkpoints, set_aside_abandoned
+from ferry.checkpoint.ranked import SaveFailed
 from ferry.checkpoint.reader import (
     Checkpoint,
     Found,
@@ -40,6 +41,7 @@ __all__ = [
     "Manifest",
     "TensorPiece",
     "CheckpointManager",
+    "SaveFailed",
     "clear_checkpoints",
     "set_aside_abandoned",
     "Checkpoint",

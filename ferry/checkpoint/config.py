@@ -38,8 +38,16 @@ class CheckpointConfig(Section):
         description="the file digest a resume checks: xxh3_128 finds corrupt and truncated files as surely and "
         "runs ~8x faster than sha256; both are in every manifest, and `ferry ckpt verify` checks both",
     )
-    async_save: bool = Field(
-        False, description="copy the tensors, then write on a background thread while training goes on"
+    async_save: bool | Literal["auto"] = Field(
+        "auto",
+        description="true: copy the tensors to host memory, then write them on a background thread per rank while "
+        "training goes on; auto: so on a multi-rank run whose snapshot fits in half the host's free memory, "
+        "otherwise false (the choice is in run.json)",
+    )
+    on_failure: Literal["stop", "continue"] = Field(
+        "stop",
+        description="a save the storage refuses (full, no permission, an I/O error): stop the run with the error, "
+        "or go on training and try again at the next save; counted in the step record either way",
     )
 
     @field_validator("interval")

@@ -113,7 +113,10 @@ def write_rank_files(
             for part, names in enumerate(_parts(members, max_file_bytes)):
                 file = rank_file_name(group, rank, part)
                 tensors = _unshared({name: members[name].local.detach().contiguous() for name in names})
-                save_file(tensors, staging / file)
+                try:
+                    save_file(tensors, staging / file)
+                except Exception as exc:  # safetensors' own error names no file: this one does
+                    raise OSError(f"writing {staging / file}: {exc}") from exc
                 give_ordinary_mode(staging / file)
                 finishing[file] = pool.submit(record_file, staging / file, fsync=True)
                 for name in names:

@@ -15,11 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from ferry.checkpoint import CheckpointConfig, CheckpointManager
+from ferry.checkpoint import CheckpointConfig, CheckpointManager, SaveFailed
 from ferry.train.hook_points import Hook, Watch
+from ferry.train.resilience.faults import STORAGE_FAULTS
 from ferry.train.resilience.young_daly import AutoInterval
 
-CHECKPOINT_FAULTS = ("kill_during_save", "corrupt_checkpoint")
+CHECKPOINT_FAULTS = ("kill_during_save", "corrupt_checkpoint", *STORAGE_FAULTS)
 
 
 class SaveFaults(Protocol):
@@ -27,7 +28,7 @@ class SaveFaults(Protocol):
 
     def save_fault_step(self, kind: str, step: int, last_save_step: int, fixed_interval: bool) -> int | None: ...
 
-    def during_save(self, step: int) -> Callable[[], None] | None: ...
+    def during_save(self, step: int) -> Callable[[Path], None] | None: ...
 
     def wants_after_save(self, step: int) -> bool: ...
 
@@ -37,8 +38,10 @@ class SaveFaults(Protocol):
 
 
 class CheckpointHook(Hook):
-    """Saves at the interval (fixed or Young/Daly) and at the end, timed as the step's wait; a failing run lets a
-    save still in flight finish (it is of an earlier, good step)."""
+    """Saves at the interval (fixed or Young/Daly) and at the end, timed as the step's wait, and after each step
+    learns how a save in flight ended; a failed save stops the run or, with `checkpoint.on_failure: continue`,
+    is counted and training goes on. A failing run lets this rank's writer finish (its save is of an earlier,
+    good step)."""
 
     def __init__(
         self,
@@ -66,6 +69,7 @@ class CheckpointHook(Hook):
         self.is_main = is_main
         self.auto = AutoInterval(job_mtbf_s, config.auto_first_step) if config.interval == "auto" else None
         self._last_save_step = resumed_step
+        self.failed_saves = 0
 
     def before_training(self) -> None:
         """With `checkpoint.interval: auto` no one knows in advance at which steps the run saves: a checkpoint
@@ -82,21 +86,34 @@ class CheckpointHook(Hook):
     def after_step(self, step: int, record: dict) -> None:
         if self.auto is not None:
             self.auto.observe_step(record["step_s"])
-        record["checkpoint_save_s"] = 0.0
+        self._by_policy(self.checkpoints.poll)
         record["checkpoint_interval_steps"] = self.interval_steps()
         if self._due(record["step"]):
             self.save(record["step"], record)
+        record["checkpoint.blocked_s"], record["checkpoint.write_s"] = self.checkpoints.take_costs()
+        record["checkpoint.failed_saves"] = self.failed_saves
 
     def after_training(self, step: int) -> None:
         if self.config.enabled and self.checkpoints.last_step != step:
             self.save(step, {})
         self.watch.phase("checkpoint save (finishing)")
-        self.checkpoints.wait()
+        self._by_policy(self.checkpoints.wait)
         self.watch.touch()
 
     def on_error(self, exc: BaseException, last: dict) -> None:
         with contextlib.suppress(Exception):
-            self.checkpoints.wait()
+            self.checkpoints.abandon()
+
+    def _by_policy(self, saving: Callable[[], None]) -> None:
+        """Run `saving` (a save, or learning how one ended); a failed save stops the run, or with
+        `checkpoint.on_failure: continue` is counted and said, and training goes on (every rank alike)."""
+        try:
+            saving()
+        except SaveFailed as failure:
+            self.failed_saves += 1
+            if self.config.on_failure == "stop":
+                raise
+            self.say(f"ferry: warning: {failure}; training goes on (checkpoint.on_failure: continue)")
 
     def _due(self, step: int) -> bool:
         if self.auto is not None:
@@ -107,13 +124,13 @@ class CheckpointHook(Hook):
         """Save, timing what training waits for; the `auto` interval follows from that wait."""
         self.watch.phase("checkpoint save")
         fixed = self.auto is None
-        kill_step = self.faults.save_fault_step("kill_during_save", step, self._last_save_step, fixed)
+        during = None
+        for kind in ("kill_during_save", *STORAGE_FAULTS):
+            fault_step = self.faults.save_fault_step(kind, step, self._last_save_step, fixed)
+            during = during or (None if fault_step is None else self.faults.during_save(fault_step))
         started = time.perf_counter()
-        self.checkpoints.save(
-            *self.state(), before_publish=None if kill_step is None else self.faults.during_save(kill_step)
-        )
+        self._by_policy(lambda: self.checkpoints.save(*self.state(), before_publish=during))
         cost = time.perf_counter() - started
-        record["checkpoint_save_s"] = cost
         if self.auto is not None:
             cost, median = self.agree([cost, self.auto.median_step_s() or 0.0])  # one interval on every rank
             self.auto.observe_save(cost, median or None)
@@ -125,8 +142,9 @@ class CheckpointHook(Hook):
             )
         corrupt_step = self.faults.save_fault_step("corrupt_checkpoint", step, self._last_save_step, fixed)
         if corrupt_step is not None and self.faults.wants_after_save(corrupt_step):
-            self.checkpoints.wait()
-            self.faults.after_save(corrupt_step, self.checkpoints.saved[-1])
+            written = self.checkpoints.written_here()  # only this rank corrupts: no collective
+            if written is not None:
+                self.faults.after_save(corrupt_step, written)
         self._last_save_step = step
         self.watch.touch()
         self.watch.phase("between steps")
@@ -137,10 +155,15 @@ class CheckpointHook(Hook):
         return self.config.interval or None
 
     def summary(self) -> dict:
-        """The interval a run saved at, for run.json (`checkpoint_interval`; None for a fixed one)."""
+        """How a run saved, for run.json: in the background or not and why (`checkpoint_async`), and at what
+        interval (`checkpoint_interval`; None for a fixed one)."""
         if not self.is_main:
             return {}
         return {
+            "checkpoint_async": {
+                "setting": self.config.async_save, "on": self.checkpoints.asynchronous,
+                "rule": self.checkpoints.async_rule,
+            },
             "checkpoint_interval": None
             if self.auto is None
             else {

@@ -17,12 +17,9 @@ groups) is JSON in the manifest's `train_state`.
 
 from __future__ import annotations
 
-import json
 from functools import partial
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from pydantic import ValidationError
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -31,7 +28,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ferry.checkpoint import (
     Checkpoint,
     CheckpointError,
-    CheckpointMeta,
     Difference,
     Manifest,
     Prefetch,
@@ -39,7 +35,6 @@ from ferry.checkpoint import (
     TensorPiece,
     config_differences,
 )
-from ferry.checkpoint.writer import RankRecord, begin_save, build_manifest, publish, write_manifest, write_rank_files
 from ferry.comm import DistContext, gather_objects
 from ferry.config import ConfigError
 from ferry.model import ModelConfig
@@ -83,38 +78,6 @@ def train_state_pieces(
         state = torch.get_device_module(device.type).get_rng_state(device)
         pieces[RNG + device.type] = _rank_row(state, rank, world_size)
     return pieces
-
-
-def save_on_all_ranks(
-    root: Path,
-    pieces: dict[str, TensorPiece],
-    meta: CheckpointMeta,
-    plan: ParallelPlan,
-    max_file_bytes: int,
-    before_publish=None,
-) -> Path:
-    """Every rank writes its files into one staging directory; rank 0 writes the manifest and publishes.
-
-    Rank records travel between ranks as JSON text; nothing is pickled to disk. `before_publish`
-    runs on this rank once its files are written (fault injection kills the process there).
-    """
-    from ferry.checkpoint.format import staging_dir_name, step_dir_name
-
-    if plan.context.rank == 0:
-        begin_save(root, meta.step)
-    dist.barrier()
-    staging = root / staging_dir_name(meta.step)
-    record = write_rank_files(staging, plan.context.rank, pieces, max_file_bytes)
-    if before_publish is not None:
-        before_publish()
-    gathered: list[str] | None = [""] * plan.context.world_size if plan.context.rank == 0 else None
-    dist.gather_object(_record_json(record), gathered, dst=0)
-    final = root / step_dir_name(meta.step)
-    if plan.context.rank == 0:
-        write_manifest(staging, build_manifest([_record_from_json(text) for text in gathered], meta))
-        publish(staging, final)
-    dist.barrier()
-    return final
 
 
 def optimizer_record(model: nn.Module, optimizer) -> dict:
@@ -374,25 +337,6 @@ def _rank_state(checkpoint: Checkpoint, name: str, rank: int) -> torch.Tensor:
     row = torch.empty(1, checkpoint.record(name).shape[1], dtype=torch.uint8)
     checkpoint.read_into(name, row, (rank, 0))
     return row[0]
-
-
-def _record_json(record: RankRecord) -> str:
-    return json.dumps(
-        {
-            "files": {name: file.model_dump() for name, file in record.files.items()},
-            "tensors": {name: [dtype, shape, piece.model_dump()] for name, (dtype, shape, piece) in record.tensors.items()},
-        }
-    )
-
-
-def _record_from_json(text: str) -> RankRecord:
-    from ferry.checkpoint.format import FileRecord, PieceRecord
-
-    data = json.loads(text)
-    record = RankRecord()
-    record.files = {name: FileRecord(**file) for name, file in data["files"].items()}
-    record.tensors = {name: (dtype, shape, PieceRecord(**piece)) for name, (dtype, shape, piece) in data["tensors"].items()}
-    return record
 
 
 def shared_verification(context: DistContext) -> SharedVerification | None:

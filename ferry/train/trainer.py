@@ -30,7 +30,6 @@ from ferry.parallel.expert_parallel import EP_EXCHANGES
 from ferry.parallel.zero import optimizer_state_bytes
 from ferry.train.assembly import RunParts, assemble
 from ferry.train.attention_logits import AttentionLogits
-from ferry.train.checkpointing import save_on_all_ranks
 from ferry.train.config import RunConfig
 from ferry.train.hook_points import Hook, Hooks, RunEnd
 from ferry.train.checkpoint_hook import CheckpointHook
@@ -210,11 +209,9 @@ class Trainer:
 
     def _checkpoints(self, resumed_step: int | None) -> CheckpointManager:
         config, parts = self.config, self.parts
-        distributed = parts.job.context.is_distributed
-        writes = {"write": partial(save_on_all_ranks, plan=parts.model.plan)} if distributed else {}
         return CheckpointManager(
             config.checkpoint, config.checkpoint.path(config.run.path), last_step=resumed_step,
-            is_main=parts.job.is_main, **writes,
+            rank=parts.job.rank, world_size=parts.job.world_size, agree=self.resilience.agree,
         )
 
     def _hooks(self, hub: MetricsHub, record, checkpoints: CheckpointManager, resumed_step: int | None) -> list:

@@ -7,7 +7,11 @@
     raise             an exception at the start of the step
     nan               the step's gradients are poisoned with NaN after the backward
     corrupt_checkpoint  the checkpoint of the step is damaged after it is written (a flipped byte)
-    kill_during_save  SIGKILL while the checkpoint of the step is half written
+    kill_during_save  SIGKILL while the checkpoint of the step is half written (with asynchronous saves, from
+                      the rank's writer thread, while training goes on)
+    disk_full_during_save, permission_denied_during_save, io_error_during_save
+                      the storage refuses the rank's write of the checkpoint of the step once its tensor files
+                      are written (ENOSPC, EACCES, EIO), as ferry's write layer would meet it
 
 A fault fires once per run directory (a marker is written, and synced, before it fires), so a
 restarted run does not trip it again; `once: false` makes it fire at every attempt, as a
@@ -17,6 +21,7 @@ them to tell what each fault led to.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -32,6 +37,13 @@ from ferry.train.resilience.config import FaultSpec
 from ferry.train.run_dir.record import FAULTS_DIR
 
 MARKERS_DIR = Path(FAULTS_DIR) / "fired"
+# What each storage fault makes the write of a rank's checkpoint files raise
+STORAGE_ERRORS = {
+    "disk_full_during_save": errno.ENOSPC,
+    "permission_denied_during_save": errno.EACCES,
+    "io_error_during_save": errno.EIO,
+}
+STORAGE_FAULTS = tuple(STORAGE_ERRORS)
 
 
 class InjectedFault(RuntimeError):
@@ -73,18 +85,22 @@ class FaultInjector:
             with torch.no_grad():
                 local.view(-1)[0] = float("nan")
 
-    def during_save(self, step: int) -> Callable[[], None] | None:
-        """A `kill_during_save` fault: the hook a save calls once this rank's files are written."""
-        due = self._due(step, ("kill_during_save",), mark=False)
+    def during_save(self, step: int) -> Callable[[Path], None] | None:
+        """A `kill_during_save` or storage fault: the hook a save calls with its staging directory once this rank's
+        files are written (the first due of the step fires)."""
+        due = self._due(step, ("kill_during_save", *STORAGE_FAULTS), mark=False)[:1]
         if not due:
             return None
+        index, spec = due[0]
 
-        def kill() -> None:
-            for index, spec in due:
-                self._mark(index, spec)
-            os.kill(os.getpid(), signal.SIGKILL)
+        def strike(staging: Path) -> None:
+            self._mark(index, spec)
+            if spec.kind == "kill_during_save":
+                os.kill(os.getpid(), signal.SIGKILL)
+            code = STORAGE_ERRORS[spec.kind]
+            raise OSError(code, os.strerror(code), str(staging / "manifest.json"))
 
-        return kill
+        return strike
 
     def save_fault_step(self, kind: str, step: int, last_save_step: int, fixed_interval: bool) -> int | None:
         """The step of the fault of `kind` a save at `step` fires: with a fixed interval, one of this very step;

@@ -223,7 +223,7 @@ def goodput(events: list[dict], records: list[dict], now: float) -> dict:
         # a failure some attempt followed: the last one of a job its supervisor gave up on was not restarted
         "restarts": sum(1 for index, event in enumerate(job) if event["event"] == "failure" and index + 1 < len(job)),
         "lost_steps": sum(row["steps_lost"] or 0 for row in rows),
-        "saving_s": sum(record.get("checkpoint_save_s") or 0.0 for record in kept),
+        "saving_s": sum(record.get("checkpoint.blocked_s") or 0.0 for record in kept),
         "loading_s": sum(
             (event.get("verify_s") or 0.0) + (event.get("restore_s") or 0.0) for event in restorations if event
         )

@@ -87,13 +87,13 @@ def test_a_failed_save_leaves_no_checkpoint_and_the_previous_one_intact(tmp_path
     pieces = {"model.w": TensorPiece.whole(torch.ones(3)), "optim.exp_avg.w": TensorPiece.whole(torch.ones(3))}
     save_checkpoint(tmp_path, pieces, _meta(1))
 
-    def disk_full(tensors, path):
+    def disk_full(path, tensors):
         if "optim" in Path(path).name:
             raise OSError(28, "No space left on device")
-        torch_save_file(tensors, path)
+        return write_file(path, tensors)
 
-    torch_save_file = writer.save_file
-    monkeypatch.setattr(writer, "save_file", disk_full)
+    write_file = writer.write_tensor_file
+    monkeypatch.setattr(writer, "write_tensor_file", disk_full)
     with pytest.raises(OSError, match="No space"):
         save_checkpoint(tmp_path, pieces, _meta(2))
     assert sorted(p.name for p in tmp_path.iterdir()) == [".step-00000002.partial", "step-00000001"]

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from ferry.checkpoint.files import fsync_dir, record_file
+from ferry.checkpoint.byte_writes import write_tensor_file
+from ferry.checkpoint.files import fsync_dir
 from ferry.checkpoint.format import (
     CHECKPOINT_FORMAT,
     DEFAULT_FILE_BYTES,
@@ -97,34 +97,36 @@ def begin_save(root: Path, step: int) -> Path:
 def write_rank_files(
     staging: Path, rank: int, pieces: dict[str, TensorPiece], max_file_bytes: int = DEFAULT_FILE_BYTES
 ) -> RankRecord:
-    """Write this rank's pieces, per name group, into files of at most `max_file_bytes`, each fsynced and hashed.
-
-    A file is hashed and fsynced on a helper thread while the next one is written. Each takes the mode the
-    umask gives `manifest.json`, not safetensors' 0600: whoever may read the manifest may read the tensors.
-    """
+    """Write this rank's pieces, per name group, into files of at most `max_file_bytes`, each fsynced and hashed
+    as it is written (`byte_writes.py`), several at once. Each takes the mode the umask gives `manifest.json`:
+    whoever may read the manifest may read the tensors."""
     groups: dict[str, dict[str, TensorPiece]] = {}
     for name, piece in pieces.items():
         piece.check(name)
         groups.setdefault(name_group(name), {})[name] = piece
     record = RankRecord()
-    finishing = {}
+    writing = {}
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         for group, members in groups.items():
             for part, names in enumerate(_parts(members, max_file_bytes)):
                 file = rank_file_name(group, rank, part)
-                tensors = _unshared({name: members[name].local.detach().contiguous() for name in names})
-                try:
-                    save_file(tensors, staging / file)
-                except Exception as exc:  # safetensors' own error names no file: this one does
-                    raise OSError(f"writing {staging / file}: {exc}") from exc
-                give_ordinary_mode(staging / file)
-                finishing[file] = pool.submit(record_file, staging / file, fsync=True)
+                tensors = {name: members[name].local.detach().contiguous() for name in names}
+                writing[file] = pool.submit(_write_file, staging / file, tensors)
                 for name in names:
                     piece = members[name]
                     entry = PieceRecord(file=file, offset=list(piece.offset), shape=list(piece.local.shape))
                     record.tensors[name] = (dtype_name(piece.local.dtype), list(piece.global_shape), entry)
-        record.files = {file: done.result() for file, done in finishing.items()}
+        record.files = {file: done.result() for file, done in writing.items()}
     return record
+
+
+def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
+    try:
+        written = write_tensor_file(path, tensors)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    give_ordinary_mode(path)
+    return written
 
 
 def _parts(members: dict[str, TensorPiece], max_file_bytes: int) -> list[list[str]]:
@@ -201,18 +203,3 @@ def publish(staging: Path, final: Path) -> Path:
     if displaced is not None:
         shutil.rmtree(displaced)
     return final
-
-
-def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copy a tensor whose bytes overlap an earlier one's (tied weights): safetensors refuses shared memory."""
-    claimed: dict[int, list[tuple[int, int]]] = {}
-    result = {}
-    for name, tensor in tensors.items():
-        ranges = claimed.setdefault(tensor.untyped_storage().data_ptr(), [])
-        start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
-        if any(start < other_end and other_start < end for other_start, other_end in ranges):
-            tensor = tensor.clone()
-        else:
-            ranges.append((start, end))
-        result[name] = tensor
-    return result

@@ -28,6 +28,7 @@ class MemoryEstimate:
     backward_bytes: int
     optimizer_bytes: int
     optimizer_state: str = "AdamW moments"  # what the state holds besides parameters and gradients
+    snapshot_bytes: int = 0  # host memory: an asynchronous checkpoint's copy of the rank's train state
 
     @property
     def total_bytes(self) -> int:
@@ -40,6 +41,8 @@ class MemoryEstimate:
             f"parameters, gradients and {self.optimizer_state} {gib(self.state_bytes)} GiB; activations and "
             f"compute-dtype weight copies kept for the backward {gib(self.backward_bytes)} GiB; the optimizer step's "
             f"temporaries {gib(self.optimizer_bytes)} GiB; estimated"
+            + (f"; and in host memory an asynchronous checkpoint's snapshot {gib(self.snapshot_bytes)} GiB"
+               if self.snapshot_bytes else "")
         )
 
 
@@ -105,7 +108,10 @@ def _rank_estimate(config: RunConfig, world_size: int, device: str, micro: int, 
     copies = local * compute_bytes if compute_bytes < param_bytes else 0
     optimizer = moments * 4 * adamw_share + newton_schulz
     held = "Muon momentum and AdamW moments" if config.optim.name == "muon" else "AdamW moments"
-    return MemoryEstimate(int(state), int(activations + logits + copies), int(optimizer), held)
+    saved_state = local * param_bytes + state - local * 2 * param_bytes  # the parameters and the optimizer's state
+    asynchronous = config.checkpoint.async_save is True or (config.checkpoint.async_save == "auto" and world_size > 1)
+    snapshot = saved_state if asynchronous and config.checkpoint.enabled else 0
+    return MemoryEstimate(int(state), int(activations + logits + copies), int(optimizer), held, int(snapshot))
 
 
 def _muon_terms(config: RunConfig, share: RankShare, world_size: int) -> tuple[float, float]:

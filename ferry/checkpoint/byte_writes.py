@@ -1,0 +1,62 @@
+"""Writing a safetensors file from tensors where they lie, its digests computed as it is written.
+
+safetensors' `save_file` builds the whole file in memory before it writes it: for one rank's 0.7 GB, 1.5 s of
+allocating and copying where the write itself takes 0.3 s. The manifest then needs the file's digests, which
+would be a second pass over it. Here the header goes out first, then each tensor's bytes straight from its
+memory, each also fed to the digests: one pass, no copy. The layout is safetensors' own (a little-endian u64
+header length, the JSON header padded with spaces to a multiple of 8 bytes, the tensors' bytes in header order),
+and the safetensors library itself checks every header before a checkpoint is read (`reader._check_headers`),
+as `byte_reads.py` reads the bytes back by range.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from ferry.checkpoint.format import FileRecord
+from ferry.platform.digests import RECORDED, Digests
+
+# safetensors' names of the dtypes a checkpoint holds
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
+    """Write `tensors` (contiguous, in host memory) as the safetensors file `path`, fsynced; returns its size and
+    every recorded digest."""
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    digests = Digests(RECORDED)
+    with open(path, "wb") as handle:
+        for chunk in (struct.pack("<Q", len(text)), text, *(_bytes_of(tensor) for tensor in tensors.values())):
+            handle.write(chunk)
+            digests.update(chunk)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return FileRecord(bytes=8 + len(text) + offset, **digests.hexdigests())
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in place (no copy); it must be contiguous and in host memory."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"a tensor file is written from contiguous host memory, not {tensor.device} / strided")
+    size = tensor.numel() * tensor.element_size()
+    if size == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * size).from_address(tensor.data_ptr())).cast("B")

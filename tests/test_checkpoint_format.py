@@ -157,3 +157,19 @@ def test_config_differences_name_dotted_fields():
         "model.dim: checkpoint 32, this run 64",
         "data.sources.0.path: checkpoint 'a', this run 'b'",
     ]
+
+
+def test_a_tensor_file_written_from_memory_is_what_safetensors_reads_and_its_digests_are_the_files(tmp_path):
+    """ferry writes tensor files itself (one pass, no copy); the safetensors library reads them back as written."""
+    from safetensors.torch import load_file
+
+    from ferry.checkpoint.byte_writes import write_tensor_file
+    from ferry.platform.digests import RECORDED, digest_file
+
+    tensors = {"w": torch.randn(5, 3).to(torch.bfloat16), "step": torch.tensor(7.0), "empty": torch.zeros(0, 4),
+               "ids": torch.arange(9, dtype=torch.int64), "mask": torch.tensor([True, False])}
+    record = write_tensor_file(tmp_path / "x.safetensors", tensors)
+    back = load_file(tmp_path / "x.safetensors")
+    assert back.keys() == tensors.keys() and all(torch.equal(back[name], tensors[name]) for name in tensors)
+    assert record.bytes == (tmp_path / "x.safetensors").stat().st_size
+    assert record.model_dump(exclude={"bytes"}) == digest_file(tmp_path / "x.safetensors", RECORDED)

@@ -73,7 +73,7 @@ def _pread_exactly(descriptor: int, path: Path, name: str, byte_range: tuple[int
     start, end = byte_range
     if end - start != out.nbytes:
         raise CheckpointError(f"{path}: {name} holds {end - start} bytes, {out.nbytes} expected")
-    view = _bytes_of(out)
+    view = bytes_of(out)
     done = 0
     while done < len(view):
         count = os.preadv(descriptor, [view[done:]], start + done)
@@ -82,7 +82,8 @@ def _pread_exactly(descriptor: int, path: Path, name: str, byte_range: tuple[int
         done += count
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
+def bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes where they lie (no copy): its memory as the file holds it (contiguous, host memory)."""
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
@@ -112,7 +113,7 @@ def hash_and_fill(path: Path, targets: dict[str, torch.Tensor], names: Iterable[
                     raise CheckpointError(f"{path}: the header puts {name} at bytes {start}-{end}: not possible")
                 digest.update(whole[position:start])
                 _pread_exactly(descriptor, path, name, (start, end), targets[name])
-                digest.update(_bytes_of(targets[name]))
+                digest.update(bytes_of(targets[name]))
                 position = end
             digest.update(whole[position:])
     return digest.hexdigests()

@@ -11,7 +11,6 @@ as `byte_reads.py` reads the bytes back by range.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import struct
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ferry.checkpoint.byte_reads import bytes_of
 from ferry.checkpoint.format import FileRecord
 from ferry.platform.digests import RECORDED, Digests
 
@@ -32,8 +32,8 @@ SAFETENSORS_DTYPES = {
 
 
 def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
-    """Write `tensors` (contiguous, in host memory) as the safetensors file `path`, fsynced; returns its size and
-    every recorded digest."""
+    """Write `tensors` (contiguous, in host memory: the writer's pieces are) as the safetensors file `path`,
+    fsynced; returns its size and every recorded digest."""
     header, offset = {}, 0
     for name, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
@@ -44,19 +44,10 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecor
     text += b" " * (-len(text) % 8)
     digests = Digests(RECORDED)
     with open(path, "wb") as handle:
-        for chunk in (struct.pack("<Q", len(text)), text, *(_bytes_of(tensor) for tensor in tensors.values())):
+        for chunk in (struct.pack("<Q", len(text)), text, *(bytes_of(tensor) for tensor in tensors.values())):
             handle.write(chunk)
             digests.update(chunk)
         handle.flush()
         os.fsync(handle.fileno())
     return FileRecord(bytes=8 + len(text) + offset, **digests.hexdigests())
 
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes in place (no copy); it must be contiguous and in host memory."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(f"a tensor file is written from contiguous host memory, not {tensor.device} / strided")
-    size = tensor.numel() * tensor.element_size()
-    if size == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * size).from_address(tensor.data_ptr())).cast("B")

@@ -157,15 +157,16 @@ import ferry.checkpoint.writer as writer
 from ferry.train import Trainer, load_run_config
 
 config_path, signal_path = sys.argv[1:]
-write_file = writer.save_file
+write_file = writer.write_tensor_file
 
-def write_then_hang(tensors, path):
-    write_file(tensors, path)
+def write_then_hang(path, tensors):
+    written = write_file(path, tensors)
     if Path(path).parent.name == ".step-00000004.partial":
         Path(signal_path).write_text("one file of the step-4 save is written")
         time.sleep(600)
+    return written
 
-writer.save_file = write_then_hang
+writer.write_tensor_file = write_then_hang
 Trainer(load_run_config(config_path)).fit()
 """
 

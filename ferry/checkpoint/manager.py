@@ -42,8 +42,6 @@ ABANDONED_DIR = "abandoned"
 _WRITTEN, _WRITING, _FAILED = 0.0, 1.0, 2.0
 # `async_save: auto` writes in the background when the snapshot takes at most this share of the free host memory
 SNAPSHOT_SHARE_OF_HOST = 0.5
-# The background writer's niceness: the lowest priority, so the steps keep the cores they use
-WRITER_NICENESS = 19
 
 
 @dataclass
@@ -207,11 +205,7 @@ class CheckpointManager:
         return snapshot, copied
 
     def _write_in_background(self, save: _Save) -> None:
-        """The writer thread: at the lowest CPU priority (it and the hashing threads it starts), so that it takes
-        the cores training leaves idle rather than slowing the steps down."""
         started = time.perf_counter()
-        with contextlib.suppress(OSError, AttributeError):  # Linux schedules threads by their own niceness
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
         try:
             if save.copied is not None:
                 save.copied.synchronize()

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 from ferry.checkpoint import list_checkpoints
 from ferry.comm.spawn import run_on_ranks
 from ferry.data import PrepareSpec, prepare_dataset
+from scratch import DIR_HELP, scratch_dir
 
 MODEL = {
     "vocab_size": 4096, "dim": 1024, "n_layers": 2, "n_heads": 8, "n_kv_heads": 8, "max_seq_len": 128,
@@ -87,14 +86,13 @@ def _writing(row: dict, records: list[dict]) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory under runs/)")
+    parser.add_argument("--dir", default=None, help=DIR_HELP)
     parser.add_argument("--steps", type=int, default=42)
     parser.add_argument("--interval", type=int, default=8)
     args = parser.parse_args()
-    base = Path(args.dir) if args.dir else Path("runs")
-    base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="checkpoint-async-", dir=base))
-    try:
+    if args.steps <= 2 * args.interval:
+        parser.error("--steps must exceed twice --interval: the first background save is reported apart")
+    with scratch_dir(args.dir, "checkpoint-async-") as work:
         dataset = work / "stdlib"
         prepare_dataset(PrepareSpec(embedded="stdlib", embedded_max_bytes=2_000_000, vocab_size=4096), dataset)
         runs = {}
@@ -105,8 +103,6 @@ def main() -> None:
             print(f"{name}: {json.dumps(runs[name])}")
         last = list_checkpoints(work / "foreground" / "checkpoints")[-1]
         state = sum(path.stat().st_size for path in last.glob("*.safetensors"))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     fore, back = runs["foreground"], runs["background"]
     figures = {
         "state_gb": round(state / 1e9, 3),

@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from ferry.train.checkpointing import (
     train_state_pieces,
 )
 from ferry.train.optimizer import decayed_parameter_names
+from scratch import DIR_HELP, scratch_dir
 
 CPU = torch.device("cpu")
 
@@ -65,16 +65,11 @@ MODEL = ModelConfig(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory under runs/)")
+    parser.add_argument("--dir", default=None, help=DIR_HELP)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    base = Path(args.dir) if args.dir else Path("runs")
-    base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="checkpoint-io-", dir=base))
-    try:
+    with scratch_dir(args.dir, "checkpoint-io-") as work:
         figures = run(work, args.repeats)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(figures))
 
 

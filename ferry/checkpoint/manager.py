@@ -209,9 +209,8 @@ class CheckpointManager:
         try:
             if save.copied is not None:
                 save.copied.synchronize()
-            write_share(save.staging, self.rank, save.pieces, self.config.file_mb << 20, save.before_publish)
-            if self.rank == 0:
-                self._publish(save)
+            self._write_share(save)
+            self._publish(save)
         except SaveAbandoned:
             pass
         except BaseException as exc:  # reported on every rank by the check after a later step
@@ -221,30 +220,37 @@ class CheckpointManager:
     def _write_while_training_waits(self, save: _Save) -> None:
         """Every rank writes its files; once all have (agreed), the main rank publishes (agreed)."""
         started = time.perf_counter()
-        for stage in ("write", "publish"):
+        for stage in (self._write_share, self._publish):
             try:
-                if stage == "write":
-                    write_share(save.staging, self.rank, save.pieces, self.config.file_mb << 20, save.before_publish)
-                elif self.rank == 0:
-                    self._publish(save)
+                stage(save)
             except Exception as exc:
                 save.error = exc
-            failed, failing = self._agree([save.status, float(self.rank) if save.error else -1.0])
-            if failed == _FAILED:
-                self._failed(save, int(failing))
+            status, failing = self._agreed(save)
+            if status == _FAILED:
+                self._failed(save, failing)
         self.write_s += time.perf_counter() - started
         self.saved.append(save.final)
 
+    def _write_share(self, save: _Save) -> None:
+        write_share(save.staging, self.rank, save.pieces, self.config.file_mb << 20, save.before_publish)
+
     def _publish(self, save: _Save) -> None:
-        publish_when_complete(save.staging, save.final, self.world_size, save.meta, save.abandon)
-        prune(self.root, self.config.keep, protect=save.final)
+        """On the main rank: the manifest once every rank's files are there, then the older checkpoints pruned."""
+        if self.rank == 0:
+            publish_when_complete(save.staging, save.final, self.world_size, save.meta, save.abandon)
+            prune(self.root, self.config.keep, protect=save.final)
+
+    def _agreed(self, save: _Save) -> tuple[float, int]:
+        """How `save` stands over the ranks (the largest of their statuses), and the last rank that failed it."""
+        status, failing = self._agree([save.status, float(self.rank) if save.error else -1.0])
+        return status, int(failing)
 
     def _settle(self, wait: bool) -> None:
         """One round of the ranks' agreement on the save in flight; `wait`: give the writer a moment first."""
         save = self._in_flight
         if wait:
             save.thread.join(timeout=0.01)
-        status, failing = self._agree([save.status, float(self.rank) if save.error else -1.0])
+        status, failing = self._agreed(save)
         if status == _WRITING:
             return
         save.abandon.set()  # a publisher still waiting for a failed rank's marker stops
@@ -252,7 +258,7 @@ class CheckpointManager:
         self._in_flight = None
         self.write_s += save.write_s
         if status == _FAILED:
-            self._failed(save, int(failing))
+            self._failed(save, failing)
         self.saved.append(save.final)
 
     def _failed(self, save: _Save, rank: int) -> None:

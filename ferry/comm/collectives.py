@@ -68,10 +68,28 @@ class Collectives:
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-        with self.timed("reduce_scatter", input.numel() * input.element_size()):
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "reduce_scatter") -> torch.Tensor:
+        with self.timed(op, input.numel() * input.element_size()):
             dist.reduce_scatter_tensor(output, input, group=self.group)
         return output
+
+    def all_gather_raw(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """Every rank's `x` stacked in rank order ([size, *x.shape]), as an `aten.alias` of the buffer the collective
+        wrote: a recompute reads the first gather's result and issues none (as `all_to_all_raw`)."""
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # the first dimension joined, as gloo asks
+        timing = nullcontext() if replaying() else self.timed(op, out.numel() * out.element_size())
+        with timing:
+            dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return torch.ops.aten.alias(out).view(self.size, *x.shape)
+
+    def all_reduce_raw(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """The sum of every rank's `x` in a new tensor, as an `aten.alias` a recompute reads again (as
+        `all_to_all_raw`)."""
+        out = x.detach().clone()
+        timing = nullcontext() if replaying() else self.timed(op, out.numel() * out.element_size())
+        with timing:
+            dist.all_reduce(out, group=self.group)
+        return torch.ops.aten.alias(out)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         with self.timed("all_gather", input.numel() * input.element_size() * self.size):

@@ -110,6 +110,14 @@ def build_pipeline_mesh(context: DistContext, pp: int, ep: int, device: torch.de
     return PipelineGroups(mesh["pp"].get_group(), stage_group, mesh["ep"].get_group(), mesh["dp"].get_group())
 
 
+def build_context_group(context: DistContext, cp: int) -> dist.ProcessGroup:
+    """This rank's context-parallel group: a run of `cp` consecutive ranks, which read the same rows and split every
+    sequence (`cp` divides a pipeline stage's run of ranks, so the runs lie inside the stages)."""
+    ranks = list(range(context.world_size))
+    group, _ = dist.new_subgroups_by_enumeration([ranks[start : start + cp] for start in range(0, len(ranks), cp)])
+    return group
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

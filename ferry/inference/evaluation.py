@@ -183,10 +183,12 @@ class HeldOutEvaluation:
 
 
 def _loss_sum(targets_BS: torch.Tensor, output: ModelOutput) -> torch.Tensor:
+    """The summed token loss of the whole micro-batch (every rank's positions, under context parallelism)."""
     if output.head_loss is not None:
-        return output.head_loss.lm_loss_sum
+        return output.summed(output.head_loss.lm_loss_sum)
     logits_TV = output.logits_BSV.reshape(-1, output.logits_BSV.shape[-1]).float()
-    return F.cross_entropy(logits_TV, targets_BS.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    targets_T = output.own(targets_BS).reshape(-1)
+    return output.summed(F.cross_entropy(logits_TV, targets_T, ignore_index=IGNORE_INDEX, reduction="sum"))
 
 
 def eval_record(losses: dict[str, SourceLoss]) -> dict:

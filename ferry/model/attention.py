@@ -15,6 +15,7 @@ from ferry.model.linear import Linear
 from ferry.model.max_logit import MaxLogits
 from ferry.model.norm import RMSNorm
 from ferry.model.rope import RotaryEmbedding
+from ferry.model.sequence_split import SequenceSplit
 
 if TYPE_CHECKING:
     from ferry.model.variants.base import ModelShape
@@ -51,12 +52,14 @@ class Attention(nn.Module):
         self._attention = kernels["attention"]
         self._masked_attention = kernels["attention.masked"]
         self.max_logits = MaxLogits() if track_max_logits else None
+        self.sequence_split: SequenceSplit | None = None  # context parallelism: this rank's positions only
 
     def forward(
         self, x_BSD: torch.Tensor, cache: LayerCache | None = None, visible_BSS: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Causal attention over `x_BSD`, or over the keys `visible_BSS` allows (documents of a packed
-        sequence); with a cache, over the cached keys too, at the cache's positions."""
+        sequence); with a cache, over the cached keys too, at the cache's positions. Under a sequence split,
+        `x_BSD` holds this rank's positions, rotated as theirs, and the keys and values are gathered whole."""
         batch, seq_len, _ = x_BSD.shape
         q_BSX, k_BSY, v_BSY = self._project_qkv(x_BSD)
         if self.q_norm is not None and not self.per_head_norm:
@@ -71,7 +74,12 @@ class Attention(nn.Module):
         k_BGSC = k_BSGC.transpose(1, 2)
         v_BGSC = v_BSY.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if cache is None:
-            q_BHSC, k_BGSC = self.rope(q_BHSC), self.rope(k_BGSC)
+            split = self.sequence_split
+            positions_1S = None if split is None else split.positions(seq_len, x_BSD.device)[None]
+            q_BHSC, k_BGSC = self.rope(q_BHSC, positions_1S), self.rope(k_BGSC, positions_1S)
+            if split is not None:
+                kv_BGTZ = split.exchange.gather(torch.cat([k_BGSC, v_BGSC], dim=-1), dim=2)
+                k_BGSC, v_BGSC = kv_BGTZ.split([self.head_dim, self.head_dim], dim=-1)
             if self.max_logits is not None and torch.is_grad_enabled():
                 self.max_logits.observe(q_BHSC, k_BGSC, self.head_dim**-0.5, visible_BSS)
         if visible_BSS is not None:

@@ -26,6 +26,7 @@ from ferry.model.linear import Linear
 from ferry.model.max_logit import MaxLogits
 from ferry.model.norm import RMSNorm
 from ferry.model.rope import RotaryEmbedding
+from ferry.model.sequence_split import SequenceSplit
 
 if TYPE_CHECKING:
     from ferry.model.variants.base import ModelShape
@@ -67,14 +68,22 @@ class LatentAttention(nn.Module):
         self._attention = kernels["attention"]
         self._masked_attention = kernels["attention.masked"]
         self.max_logits = MaxLogits() if track_max_logits else None
+        self.sequence_split: SequenceSplit | None = None  # context parallelism: this rank's positions only
 
     def forward(
         self, x_BSD: torch.Tensor, cache: LayerCache | None = None, visible_BSS: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Causal attention over `x_BSD`, or over the keys `visible_BSS` allows (documents of a packed
-        sequence); with a cache, over the cached latents too, at the cache's positions."""
+        sequence); with a cache, over the cached latents too, at the cache's positions. Under a sequence split,
+        `x_BSD` holds this rank's positions and the latents of the whole sequence are gathered (a key's latent and
+        its rotary part are a few hundred numbers where its expansion is every head's key and value), then expanded
+        here."""
         batch, seq_len, _ = x_BSD.shape
-        positions_BS = None if cache is None else cache.step.positions_BS
+        split = self.sequence_split if cache is None else None
+        if cache is not None:
+            positions_BS = cache.step.positions_BS
+        else:
+            positions_BS = None if split is None else split.positions(seq_len, x_BSD.device)[None]
         q_BHSK = self._queries(x_BSD).view(batch, seq_len, self.n_heads, -1).transpose(1, 2)
         q_nope_BHSN, q_rope_BHSR = q_BHSK.split([self.nope_dim, self.rope_dim], dim=-1)
         q_BHSK = torch.cat([q_nope_BHSN, self.rope(q_rope_BHSR, positions_BS)], dim=-1)
@@ -83,6 +92,9 @@ class LatentAttention(nn.Module):
         k_rope_BTR = self.rope(k_rope_BSR[:, None], positions_BS)[:, 0]
         if cache is not None:
             latent_BTL, k_rope_BTR = cache.extend(latent_BTL, k_rope_BTR)
+        if split is not None:
+            keys_BTZ = split.exchange.gather(torch.cat([latent_BTL, k_rope_BTR], dim=-1), dim=1)
+            latent_BTL, k_rope_BTR = keys_BTZ.split([self.latent_dim, self.rope_dim], dim=-1)
         k_BHTK, v_BHTE = self._expand(latent_BTL, k_rope_BTR)
         if cache is None and self.max_logits is not None and torch.is_grad_enabled():
             self.max_logits.observe(q_BHSK, k_BHTK, self.scale, visible_BSS)

@@ -12,6 +12,7 @@ from ferry.kernels import KernelSelection, portable_kernels
 from ferry.kernels.amp import in_autocast_dtype
 from ferry.metrics.moe import router_entropy
 from ferry.model.config import MoEConfig
+from ferry.model.sequence_split import SequenceSplit
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Router(nn.Module):
         self.bias_update_rate = config.bias_balancing.update_rate if config.bias_balancing.enabled else 0.0
         self.weight_ED = nn.Parameter(torch.empty(config.num_experts, dim))
         self.register_buffer("expert_bias_E", torch.zeros(config.num_experts), persistent=True)
+        self.sequence_split: SequenceSplit | None = None  # context parallelism: this rank's positions only
 
     def forward(self, x_TD: torch.Tensor, padding_T: torch.Tensor | None = None) -> Routing:
         """Route every token; with `padding_T` (True where a position only pads its row), padding is
@@ -82,7 +84,11 @@ class Router(nn.Module):
         tokens_per_expert_E = count_assignments(expert_ids_TK, self.num_experts)
         probs_TE = scores_TE if self.score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
         squared_log_partition_T = torch.logsumexp(logits_TE, dim=-1).pow(2)
-        if padding_T is None:
+        if self.sequence_split is not None:
+            load_E, aux_loss, z_loss, mean_prob_E, entropy = self._parts_of_split_sequences(
+                expert_ids_TK, probs_TE, squared_log_partition_T, padding_T
+            )
+        elif padding_T is None:
             load_E, counted = tokens_per_expert_E, scores_TE.shape[0]
             mean_prob_E, z_loss = probs_TE.mean(dim=0), squared_log_partition_T.mean()
             entropy = router_entropy(probs_TE.detach())
@@ -94,12 +100,14 @@ class Router(nn.Module):
             mean_prob_E = (probs_TE * weight_T[:, None]).sum(dim=0) / counted
             z_loss = (squared_log_partition_T * weight_T).sum() / counted
             entropy = router_entropy(probs_TE.detach(), weight_T)
+        if self.sequence_split is None:
+            aux_loss = self._load_balancing_loss(mean_prob_E, load_E, counted)
         return Routing(
             expert_ids_TK=expert_ids_TK,
             weights_TK=weights_TK.to(x_TD.dtype),
             tokens_per_expert_E=tokens_per_expert_E,
             load_E=load_E,
-            aux_loss=self._load_balancing_loss(mean_prob_E, load_E, counted),
+            aux_loss=aux_loss,
             z_loss=z_loss,
             mean_prob_E=mean_prob_E.detach(),
             entropy=entropy,
@@ -115,6 +123,30 @@ class Router(nn.Module):
         """
         fraction_E = load_E.to(mean_prob_E.dtype) / (num_tokens * self.top_k)
         return self.num_experts * torch.dot(fraction_E, mean_prob_E)
+
+    def _parts_of_split_sequences(
+        self,
+        expert_ids_TK: torch.Tensor,
+        probs_TE: torch.Tensor,
+        squared_log_partition_T: torch.Tensor,
+        padding_T: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Under context parallelism, this rank's part of the means the single process takes over every position
+        of the micro-batch: its positions' sums over the whole micro-batch's count, so that the parts of the ranks
+        add up to the whole. The balancing loss is linear in the mean probabilities once the load fractions (no
+        gradient) are the whole's, so it splits into parts too. One all-reduce of the loads and the count."""
+        counted_T = None if padding_T is None else ~padding_T.reshape(-1)
+        load_E = count_assignments(expert_ids_TK, self.num_experts, counted_T)
+        weight_T = None if counted_T is None else counted_T.to(probs_TE.dtype)
+        here = torch.tensor(float(probs_TE.shape[0]), device=probs_TE.device) if weight_T is None else weight_T.sum()
+        whole_E1 = self.sequence_split.exchange.total(torch.cat([load_E.to(probs_TE.dtype), here[None]]))
+        counted = whole_E1[-1].clamp(min=1.0)
+        entropy = router_entropy(probs_TE.detach(), weight_T) * here / counted
+        if weight_T is not None:
+            probs_TE, squared_log_partition_T = probs_TE * weight_T[:, None], squared_log_partition_T * weight_T
+        mean_prob_E = probs_TE.sum(dim=0) / counted
+        aux_loss = self._load_balancing_loss(mean_prob_E, whole_E1[:-1], counted)
+        return load_E, aux_loss, squared_log_partition_T.sum() / counted, mean_prob_E.detach(), entropy
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert_E: torch.Tensor) -> None:

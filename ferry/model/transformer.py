@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ferry.data.targets import IGNORE_INDEX
 from ferry.kernels import KernelSelection, portable_kernels
 from ferry.model.config import ModelConfig
 from ferry.model.farskip import FarSkipStream, LateOutput
@@ -21,16 +22,32 @@ from ferry.model.moe import MoELayer, MoEStats
 from ferry.model.norm import RMSNorm
 from ferry.model.recompute import Recompute, recomputed
 from ferry.model.rope import RotaryEmbedding
+from ferry.model.sequence_split import SequenceSplit
 
 
 @dataclass
 class ModelOutput:
     """Logits, or with targets the head's loss instead (`head_loss`, logits None), and one `MoEStats` per
-    MoE layer (in layer order)."""
+    MoE layer (in layer order). Under context parallelism (`split`) they are this rank's positions only: a loss
+    reads its per-position tensors through `own` and makes a sum over positions whole with `summed`."""
 
     logits_BSV: torch.Tensor | None
     moe_stats: list[MoEStats]
     head_loss: HeadLoss | None = None
+    split: SequenceSplit | None = None
+
+    def own(self, x_BS: torch.Tensor, fill: float | int | bool = IGNORE_INDEX) -> torch.Tensor:
+        """This output's positions of `x_BS`, a tensor over the whole sequence (targets, masks): itself unless the
+        sequence is split, else padded with `fill` as the inputs were (to the length the logits make whole)."""
+        if self.split is None:
+            return x_BS
+        padded = None if self.logits_BSV is None else self.logits_BSV.shape[1] * self.split.degree
+        return self.split.local(x_BS, fill, padded)
+
+    def summed(self, part: torch.Tensor) -> torch.Tensor:
+        """A sum over this output's positions made the sum over the whole sequence (every rank's part), with the
+        gradient of each rank's loss flowing to its own part."""
+        return part if self.split is None else self.split.exchange.sum_parts(part)
 
 
 class Block(nn.Module):
@@ -135,6 +152,7 @@ class Transformer(nn.Module):
         )
         self.norm = RMSNorm(config.dim, config.norm_eps, self.kernels)
         self.output = Linear(config.dim, config.vocab_size, self.kernels)
+        self.sequence_split: SequenceSplit | None = None
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if initialise:
@@ -186,6 +204,16 @@ class Transformer(nn.Module):
             self.norm = None
             self.output = None
 
+    def split_sequences(self, split: SequenceSplit) -> None:
+        """Compute this rank's positions of every sequence (context parallelism): the model splits its inputs,
+        every attention gathers the keys of the whole sequence, every router makes its means whole."""
+        self.sequence_split = split
+        for block in self.layers:
+            if isinstance(block, Block):
+                block.attn.sequence_split = split
+                if isinstance(block.ffn, MoELayer):
+                    block.ffn.router.sequence_split = split
+
     @staticmethod
     def visibility(document_ids_BS: torch.Tensor | None) -> torch.Tensor | None:
         """Which earlier positions each position attends to within its document (None: plain causal)."""
@@ -216,7 +244,13 @@ class Transformer(nn.Module):
         if cache is not None and document_ids_BS is not None:
             raise ValueError("decoding with a cache attends to every cached token; document masking is for training")
         step = cache.begin(tokens_BS.shape[1]) if cache is not None else None
-        visible_BSS = self.visibility(document_ids_BS)
+        split = self.sequence_split if cache is None else None
+        if split is None:
+            visible_BSS = self.visibility(document_ids_BS)
+        else:
+            tokens_BS, padding_BS, targets, visible_BSS = self._own_positions(
+                split, tokens_BS, document_ids_BS, padding_BS, targets
+            )
         x_BSD = self.tok_embeddings(tokens_BS)
         stream = self.skip.stream(x_BSD)
         moe_stats = []
@@ -229,5 +263,21 @@ class Transformer(nn.Module):
             cache.commit(step)
         h_BSD = self.norm(self.skip.joined(stream))
         if targets is not None:
-            return ModelOutput(None, moe_stats, chunked_head_loss(h_BSD, self.output.weight, targets))
-        return ModelOutput(self.output(h_BSD), moe_stats)
+            return ModelOutput(None, moe_stats, chunked_head_loss(h_BSD, self.output.weight, targets), split)
+        return ModelOutput(self.output(h_BSD), moe_stats, split=split)
+
+    @staticmethod
+    def _own_positions(
+        split: SequenceSplit,
+        tokens_BS: torch.Tensor,
+        document_ids_BS: torch.Tensor | None,
+        padding_BS: torch.Tensor | None,
+        targets: HeadTargets | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, HeadTargets | None, torch.Tensor]:
+        """This rank's positions of the inputs (`SequenceSplit`; padded to whole chunks, the padding's targets not
+        trained), and which gathered keys each of them sees."""
+        rows, seq_len = tokens_BS.shape
+        padding_BL, visible_BLS = split.own_masks(rows, seq_len, tokens_BS.device, document_ids_BS, padding_BS)
+        if targets is not None:
+            targets = HeadTargets(split.local(targets.targets_BS, IGNORE_INDEX), targets.chunk_tokens)
+        return split.local(tokens_BS, 0), padding_BL, targets, visible_BLS

@@ -4,6 +4,7 @@ once from the config and the world size, and checked once, before any rank build
     world = pp x replicas        a pipeline's ranks hold one stage each (loop-style, `pipeline_split.py`)
     replicas = dp x ep           inside a stage (or the whole job without a pipeline): each expert on one of `ep`
                                  ranks, the dense weights on all of them
+    replicas = data ranks x cp   runs of `cp` consecutive replicas split every sequence of the same rows
 
 Everything that asks how the job is laid out reads this record: the parallel plan that places the model
 (`ferry.parallel.plan`), the memory model, the run's records and every checkpoint's manifest. A refusal names the
@@ -32,11 +33,17 @@ class JobLayout:
     pp: int
     pp_schedule: str
     split: StageSplit | None
+    cp: int = 1
 
     @property
     def replicas(self) -> int:
         """The ranks a step's rows are split over: every rank, or one stage's ranks under a pipeline."""
         return self.world_size // self.pp
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks a step's rows are split over: the replicas, less the context-parallel ranks sharing rows."""
+        return self.replicas // self.cp
 
     @property
     def ep_degree(self) -> int:
@@ -50,6 +57,8 @@ class JobLayout:
             "ep_degree": self.ep_degree,
             "mode": self.mode if self.distributed else "single",
         }
+        if self.cp > 1:
+            record["cp_degree"] = self.cp
         if self.split is not None:
             record.update(pp_degree=self.pp, pp_schedule=self.pp_schedule, pp_stages=self.split.describe())
         return record
@@ -61,7 +70,7 @@ def lay_out_job(
     """The layout of `world_size` ranks, refused (a `UserError` naming the setting) where they cannot take it:
     a pipeline degree that does not divide them, stages that do not split the blocks, a tied head on another stage
     than its embedding, an expert-parallel degree that does not divide the ranks of a stage or the experts, experts
-    split under the FSDP baseline."""
+    split under the FSDP baseline, a context-parallel degree that does not divide the ranks of a stage."""
     distributed = world_size > 1 if distributed is None else distributed
     split = None
     if parallel.pp > 1:
@@ -72,9 +81,23 @@ def lay_out_job(
                 f"{divisors or [1]}, or run {parallel.pp} x k ranks"
             )
         split = split_stages(parallel, model)
-    layout = JobLayout(world_size, distributed, parallel.mode, parallel.ep, parallel.pp, parallel.pp_schedule, split)
+    layout = JobLayout(
+        world_size, distributed, parallel.mode, parallel.ep, parallel.pp, parallel.pp_schedule, split, parallel.cp
+    )
     _check_experts(parallel, model, layout)
+    _check_context(parallel, layout)
     return layout
+
+
+def _check_context(parallel: ParallelConfig, layout: JobLayout) -> None:
+    ranks = layout.replicas
+    if ranks % parallel.cp:
+        fitting = [cp for cp in range(1, ranks + 1) if ranks % cp == 0]
+        where = f"the world size {ranks}" if layout.pp == 1 else f"the {ranks} ranks of each pipeline stage"
+        raise UserError(
+            f"parallel.cp: {parallel.cp} does not divide {where}; set parallel.cp to one of {fitting}, or run "
+            f"{parallel.cp * layout.pp} x k ranks"
+        )
 
 
 def _check_experts(parallel: ParallelConfig, model: ModelConfig, layout: JobLayout) -> None:

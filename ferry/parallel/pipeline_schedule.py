@@ -75,7 +75,9 @@ class TimedStage(PipelineStage):
 @dataclass(frozen=True)
 class ExchangedShapes:
     """What the stages pass each other per micro-batch: `rows` sequences of `seq_len` positions, the residual
-    stream of `dim` in `activation_dtype`; the last stage's output (logits in `logits_dtype`, or the loss)."""
+    stream of `dim` in `activation_dtype`; the last stage's output (logits in `logits_dtype`, or the loss). Under
+    context parallelism (`cp` > 1) the first stage takes whole rows and every stage passes on its rank's 1/cp of
+    the positions."""
 
     rows: int
     seq_len: int
@@ -84,6 +86,12 @@ class ExchangedShapes:
     activation_dtype: torch.dtype
     logits_dtype: torch.dtype
     loss_chunk: int
+    cp: int = 1
+
+    @property
+    def positions(self) -> int:
+        """The positions of a row each stage passes on: its rank's share under context parallelism."""
+        return self.seq_len // self.cp
 
 
 @dataclass
@@ -150,10 +158,10 @@ def _stage_output(module: StageModule, shapes: ExchangedShapes) -> torch.Tensor:
         return _residual_stream(shapes)
     if shapes.loss_chunk:
         return torch.zeros((), dtype=torch.float32, device="meta", requires_grad=True)
-    logits_shape = (shapes.rows, shapes.seq_len, shapes.vocab_size)
+    logits_shape = (shapes.rows, shapes.positions, shapes.vocab_size)
     return torch.zeros(logits_shape, dtype=shapes.logits_dtype, device="meta", requires_grad=True)
 
 
 def _residual_stream(shapes: ExchangedShapes) -> torch.Tensor:
-    residual_shape = (shapes.rows, shapes.seq_len, shapes.dim)
+    residual_shape = (shapes.rows, shapes.positions, shapes.dim)
     return torch.zeros(residual_shape, dtype=shapes.activation_dtype, device="meta", requires_grad=True)

@@ -7,6 +7,8 @@ routers' balancing and z losses of a stage's MoE layers enter the step's loss, y
 stage only: each stage adds its routers' share to the residual stream's gradient instead (`_RouterLossGradient`,
 an identity forward whose backward also differentiates the stage's router term), so every parameter gets the
 gradient of the single process's objective. The layers' statistics are kept per forward for the step's sums.
+Under context parallelism every stage takes its rank's positions of the whole rows it is handed
+(`ferry.model.sequence_split`), and passes on only those.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ferry.data.targets import IGNORE_INDEX
 from ferry.model import ModelOutput, MoEStats, Transformer
 from ferry.model.head_loss import HeadLoss, HeadTargets, chunked_head_loss
 
@@ -41,6 +44,7 @@ class StageModule(nn.Module):
         self.norm = model.norm if self.is_last else None
         self.output = model.output if self.is_last else None
         self.loss_chunk = loss_chunk
+        self.sequence_split = model.sequence_split
         self.router_term: RouterTerm | None = None
         self.kept_stats: list[list[MoEStats]] = []  # per forward, in order: the step's statistics
         self.kept_correct: list[torch.Tensor] = []  # last stage, chunked head: correct predictions per forward
@@ -54,8 +58,16 @@ class StageModule(nn.Module):
     ) -> torch.Tensor:
         """Token ids (first stage) or the residual stream in; the residual stream out, or on the last stage the
         logits, or with `loss_chunk` the summed cross-entropy of the trained targets."""
+        split = self.sequence_split
+        if split is None:
+            visible_BSS = Transformer.visibility(document_ids_BS)
+        else:  # the schedule hands every stage whole rows, padded to whole chunks (`PipelineContext`)
+            rows, local_len = x.shape[:2]
+            seq_len = x.shape[1] if self.is_first else local_len * split.degree
+            padding_BS, visible_BSS = split.own_masks(rows, seq_len, x.device, document_ids_BS, padding_BS)
+            x = split.local(x, 0) if self.is_first else x
+            targets_BS = None if targets_BS is None else split.local(targets_BS, IGNORE_INDEX)
         x_BSD = self.tok_embeddings(x) if self.is_first else x
-        visible_BSS = Transformer.visibility(document_ids_BS)
         stats = []
         for block in self.blocks:
             x_BSD, layer_stats = block(x_BSD, None, visible_BSS, padding_BS)
@@ -83,8 +95,8 @@ class StageModule(nn.Module):
     def last_output(self, output: torch.Tensor) -> ModelOutput:
         """The last stage's output as the model's own forward returns it (its MoE layers counted elsewhere)."""
         if self.loss_chunk:
-            return ModelOutput(None, [], HeadLoss(output, self.kept_correct[-1]))
-        return ModelOutput(output, [])
+            return ModelOutput(None, [], HeadLoss(output, self.kept_correct[-1]), self.sequence_split)
+        return ModelOutput(output, [], split=self.sequence_split)
 
 
 class _RouterLossGradient(torch.autograd.Function):

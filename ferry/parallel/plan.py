@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ferry.comm import Collectives, CommStats, DistContext, build_mesh, build_pipeline_mesh
+from ferry.comm import Collectives, CommStats, DistContext, build_context_group, build_mesh, build_pipeline_mesh
 from ferry.model import Transformer
 from ferry.model.experts import Experts
 from ferry.parallel.config import ParallelConfig
+from ferry.parallel.context_parallel import sequence_split
 from ferry.parallel.muon import MuonSettings
 from ferry.parallel.layout import JobLayout, lay_out_job
 from ferry.parallel.pipeline_split import StageSplit
@@ -89,13 +90,22 @@ class ParallelPlan:
         return self.layout.split is not None
 
     @property
+    def cp(self) -> Collectives | None:
+        return self.groups.cp
+
+    @property
     def data_rank(self) -> int:
-        """This rank's place among the ranks that share a step's rows (a pipeline's ranks read the same rows)."""
-        return self.replicas.rank if self.replicas is not None else 0
+        """This rank's place among the ranks a step's rows are split over (a pipeline's ranks, and a context-parallel
+        group's, read the same rows)."""
+        return self.replicas.rank // self.layout.cp if self.replicas is not None else 0
 
     @property
     def data_world_size(self) -> int:
-        return self.replicas.size if self.replicas is not None else 1
+        return self.layout.data_ranks
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp.rank if self.cp is not None else 0
 
     @property
     def ep_rank(self) -> int:
@@ -175,6 +185,8 @@ def build_plan(
     placement: Placement = PLACEMENTS[config.mode](config)
     stages.place(model, groups)
     placement.place(model, groups, device)
+    if groups.cp is not None:
+        model.split_sequences(sequence_split(groups.cp))
     expert_modules = {name for name, module in model.named_modules() if isinstance(module, Experts)}
     dense, experts, slices = [], [], {}
     ep_rank = groups.ep.rank if groups.ep is not None else 0
@@ -195,19 +207,20 @@ def build_plan(
 
 def rank_groups(layout: JobLayout, context: DistContext, device: torch.device, stats: CommStats) -> RankGroups:
     """This rank's groups on the layout's mesh: (pp, dp, ep) under a pipeline, (dp, ep) otherwise, none for one
-    process."""
+    process; its context-parallel group beside them."""
+    if not context.is_distributed:
+        return RankGroups()
+    cp = Collectives(build_context_group(context, layout.cp), stats, device) if layout.cp > 1 else None
     if layout.split is not None:
         groups = build_pipeline_mesh(context, layout.pp, layout.ep, device)
         return RankGroups(
             world=Collectives(None, stats, device), replicas=Collectives(groups.replicas, stats, device),
             ep=Collectives(groups.ep, stats, device), dp=Collectives(groups.dp, stats, device),
-            pp=Collectives(groups.pp, stats, device),
+            pp=Collectives(groups.pp, stats, device), cp=cp,
         )
-    if not context.is_distributed:
-        return RankGroups()
     mesh = build_mesh(context, layout.ep, device)
     world = Collectives(None, stats, device)
     return RankGroups(
         world=world, replicas=world, ep=Collectives(mesh["ep"].get_group(), stats, device),
-        dp=Collectives(mesh["dp"].get_group(), stats, device),
+        dp=Collectives(mesh["dp"].get_group(), stats, device), cp=cp,
     )

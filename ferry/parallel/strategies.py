@@ -10,8 +10,9 @@ A run's plan composes two of them on the job's groups (`ferry.parallel.plan`):
 The groups (`RankGroups`) say which ranks share what, so a rule written once holds in every composition: dense
 gradients are summed over the ranks holding the same dense weights (every rank, or one stage's ranks), expert
 gradients over the ranks holding the same experts, the gradient norm over the pipeline, and a dense tensor is
-written by the first of its replicas. A new way of placing the model (context parallelism: each rank a part of
-every sequence) is one more strategy with its groups, and the rule of which existing strategies it composes with.
+written by the first of its replicas. Context parallelism (each rank a part of every sequence) places no weight:
+its ranks are replicas like any other, so every rule above holds for it unchanged; it only gives the model its
+sequence split (`ferry.parallel.context_parallel`) and the data its rank.
 """
 
 from __future__ import annotations
@@ -41,19 +42,20 @@ Params = list[tuple[str, nn.Parameter]]
 class RankGroups:
     """This rank's collectives: the whole job (`world`), the ranks holding its dense weights (`replicas`: every
     rank, or its stage's), the ranks its experts are split over (`ep`), the ranks holding the same experts (`dp`),
-    and its pipeline (`pp`: one rank of each stage). None where the job has no such group (one process; `pp`
-    without a pipeline)."""
+    its pipeline (`pp`: one rank of each stage), and the ranks splitting its sequences (`cp`). None where the job
+    has no such group (one process; `pp` without a pipeline; `cp` without context parallelism)."""
 
     world: Collectives | None = None
     replicas: Collectives | None = None
     ep: Collectives | None = None
     dp: Collectives | None = None
     pp: Collectives | None = None
+    cp: Collectives | None = None
 
     @property
     def distinct(self) -> list[Collectives]:
         unique: list[Collectives] = []
-        for collectives in (self.world, self.ep, self.dp, self.replicas, self.pp):
+        for collectives in (self.world, self.ep, self.dp, self.replicas, self.pp, self.cp):
             if collectives is not None and all(collectives is not seen for seen in unique):
                 unique.append(collectives)
         return unique

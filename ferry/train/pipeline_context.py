@@ -35,6 +35,7 @@ from ferry.parallel.pipeline_forward import StagedDecoder, StagedForward
 from ferry.parallel.pipeline_schedule import ExchangedShapes, Pipeline, build_pipeline
 from ferry.parallel.plan import ParallelPlan
 from ferry.train.objectives.losses import router_objective
+from ferry.train.sequence_context import SequenceSplitContext
 from ferry.train.step_context import ForwardPass, PassShape, TrainingContext, evaluating
 from ferry.train.step_statistics import LossParts, StepStatistics
 
@@ -59,9 +60,11 @@ class PipelineContext(TrainingContext):
         self.world_size = plan.data_world_size
         split = plan.split
         self.last_stage = split.num_stages - 1 in split.stages_of(plan.pp.rank)
+        self.counts_whole = self.last_stage and plan.cp_rank == 0  # one rank of each context-parallel group
         whole = self.reductions
         self.reductions = RankReductions(
-            whole.context, whole.device, lambda tensor: whole.sum_tensor(tensor if self.last_stage else tensor.zero_())
+            whole.context, whole.device,
+            lambda tensor: whole.sum_tensor(tensor if self.counts_whole else tensor.zero_()),
         )
         self._moe = moe
         self._moe_layers = moe_layers
@@ -115,7 +118,10 @@ class PipelineContext(TrainingContext):
         model_output = self.pipeline.modules[-1].last_output(output)
         if model_output.logits_BSV is not None:
             rows, positions = forward.tokens_BS.shape
-            model_output = ModelOutput(model_output.logits_BSV[:rows, :positions], [])
+            if model_output.split is not None:  # this rank's positions of the exchanged rows: `own` pads to them
+                model_output = ModelOutput(model_output.logits_BSV[:rows], [], split=model_output.split)
+            else:
+                model_output = ModelOutput(model_output.logits_BSV[:rows, :positions], [])
         parts = forward.loss(model_output)
         if forward.counted:
             self._statistics.add(parts, model_output, forward.share)
@@ -131,7 +137,7 @@ class PipelineContext(TrainingContext):
             )
 
     def keep_replica_sums(self, statistics: StepStatistics) -> None:
-        if not self.last_stage:
+        if not self.counts_whole:
             statistics.own.vector.zero_()
 
     def _decoder(self) -> StagedDecoder:
@@ -241,18 +247,23 @@ def _nothing(output: ModelOutput) -> LossParts:
 def step_context(
     job: Job, parts: ModelParts, precision: PrecisionPolicy, shape: PassShape, *context_args, step_weights=None
 ) -> TrainingContext:
-    """The run's step context: plain accumulation, or the pipeline's schedule when `parallel.pp` > 1 (its stages
-    built here, exchanging micro-batches of the objective's `shape`)."""
+    """The run's step context: plain accumulation (over split sequences with `parallel.cp` > 1), or the pipeline's
+    schedule when `parallel.pp` > 1 (its stages built here, exchanging micro-batches of the objective's `shape`)."""
     plan = parts.plan
     if not plan.pipelined:
+        if plan.cp is not None:
+            return SequenceSplitContext(*context_args, step_weights=step_weights, plan=plan)
         return TrainingContext(*context_args, step_weights=step_weights)
     config = job.config
     model = config.model
+    cp = plan.layout.cp
+    if cp > 1:  # whole chunks of every row: each stage's share of the positions is the same
+        shape = replace(shape, seq_len=-(-shape.seq_len // (2 * cp)) * 2 * cp)
     shapes = ExchangedShapes(
         rows=shape.rows, seq_len=shape.seq_len,
         dim=model.dim, vocab_size=model.vocab_size, activation_dtype=precision.torch_param_dtype,
         logits_dtype=precision.torch_compute_dtype if precision.autocast else precision.torch_param_dtype,
-        loss_chunk=shape.loss_chunk,
+        loss_chunk=shape.loss_chunk, cp=cp,
     )
     micro_batches = config.train.global_batch // (plan.data_world_size * config.train.micro_batch)
 

@@ -245,7 +245,7 @@ def answer_tokens(targets_BS: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _answer_logps(targets_BS: torch.Tensor, output: ModelOutput) -> torch.Tensor:
-    return token_logprobs(output.logits_BSV, targets_BS).sum(dim=1)
+    return output.summed(token_logprobs(output.logits_BSV, output.own(targets_BS)).sum(dim=1))
 
 
 def _pair_sums(losses_B, chosen_B, rejected_B, logps_2B) -> dict[str, torch.Tensor]:

@@ -19,13 +19,14 @@ def compute_loss(
     The LM term sums the losses of the trained targets (IGNORE_INDEX marks the others:
     prompts and padding of packed conversations) and divides by the trained targets of
     the whole step; the router terms (means over MoE layers) are weighted by the
-    micro-batch's share. `correct` counts trained targets the model ranks first.
+    micro-batch's share. `correct` counts trained targets the model ranks first. Under context parallelism each
+    sum is this rank's positions' part (`ModelOutput.own`), and the parts add up over the ranks.
     """
     if output.head_loss is not None:  # computed with the head, chunk by chunk
         lm_loss_sum, correct = output.head_loss.lm_loss_sum, output.head_loss.correct
     else:
         logits_TV = output.logits_BSV.reshape(-1, output.logits_BSV.shape[-1]).float()
-        targets_T = targets_BS.reshape(-1)
+        targets_T = output.own(targets_BS).reshape(-1)
         lm_loss_sum = cross_entropy(logits_TV, targets_T, IGNORE_INDEX, "sum")
         correct = (logits_TV.detach().argmax(dim=-1) == targets_T).sum()
     aux_loss, z_loss = router_losses(output)

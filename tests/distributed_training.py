@@ -101,3 +101,29 @@ def train_reporting_failure(dataset: str, run_dir: str, *overrides: str) -> dict
         return {**train_run(dataset, run_dir, *overrides), "error": None}
     except Exception as exc:  # the test reads every rank's
         return {"error": f"{type(exc).__name__}: {exc}", "exit_code": getattr(exc, "exit_code", None)}
+
+
+def kept_by_a_forward(dataset: str, run_dir: str, seq_len: int, *overrides: str) -> dict:
+    """What one training forward of the tiny model (4 rows of `seq_len` random tokens, packed documents) keeps for
+    its backward on this rank, measured as the activation-checkpointing tests measure it; and the bytes the
+    forward and backward handed to the context-parallel exchanges."""
+    import torch
+
+    from ferry.metrics.kept_memory import KeptMemory
+    from ferry.model.head_loss import HeadTargets
+
+    raw = apply_overrides(TINY_RUN, [f"run.dir={run_dir}", f"model.max_seq_len={seq_len}", f"data.seq_len={seq_len}"])
+    raw["data"]["sources"] = [{"name": "stdlib", "path": dataset}]
+    trainer = Trainer(validate(RunConfig, apply_overrides(raw, list(overrides))))
+    model, plan = trainer.parts.model.model, trainer.parts.model.plan
+    generator = torch.Generator().manual_seed(0)
+    tokens_BS = torch.randint(1, 512, (4, seq_len), generator=generator)
+    document_ids_BS = (torch.rand(4, seq_len, generator=generator) < 1 / 200).long().cumsum(dim=1)
+    plan.stats.take()
+    with KeptMemory() as kept:
+        output = model(tokens_BS, document_ids_BS=document_ids_BS, targets=HeadTargets(tokens_BS, 256))
+        loss = output.head_loss.lm_loss_sum
+    kept_bytes = kept.kept_bytes()
+    loss.backward()
+    exchanged = plan.stats.take()
+    return {"kept": kept_bytes, "cp_bytes": {op: stats.bytes for op, stats in exchanged.items()}}

@@ -417,3 +417,28 @@ def test_dpo_and_grpo_steps_are_unchanged_by_how_a_step_runs(tmp_path, task, sft
     losses = {name: train(_config(tmp_path, name, [*common, *extra])).losses for name, extra in variants.items()}
     assert losses["recomputed"] == losses["plain"]
     assert losses["bf16-per-step"] == losses["bf16-per-use"] != losses["plain"]
+
+
+@pytest.mark.parametrize("objective", ["dpo", "sft"])
+def test_dpo_and_sft_train_under_context_parallelism_as_one_process_does(tmp_path, task, sft, objective):
+    """2 ranks splitting every sequence (chat rows padded to whole chunks): DPO's answer log-probs made whole over
+    the ranks before its pair loss, the reference's scored alike; SFT's loss mask split with the positions."""
+    import distributed_training as runs
+
+    from ferry.comm.spawn import run_on_ranks
+
+    data = task["pairs"] if objective == "dpo" else task["chat"]
+    overrides = [
+        f"train.objective={'lm' if objective == 'sft' else objective}", f"init_from={sft}",
+        f"data.sources=[{{name: d, path: {data}}}]", "model.vocab_size=576", "data.seq_len=64", "train.steps=3",
+        "checkpoint.interval=0", "optim.lr=1e-3", "train.global_batch=8", "train.micro_batch=2",
+    ]
+    single = runs.train_run(str(data), str(tmp_path / "one"), *overrides)
+    ranks = run_on_ranks(runs.train_run, 2, str(data), str(tmp_path / "two"), *overrides, "parallel.cp=2")
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    if objective == "dpo":  # a margin starts at zero (policy = reference): compared to the log-probs' last bits
+        for key in ("rewards/margin", "logps/chosen"):
+            assert [r[key] for r in ranks[0]["records"]] == pytest.approx(
+                [r[key] for r in single["records"]], rel=1e-5, abs=1e-6
+            )

@@ -53,6 +53,7 @@ def explain(spec: LaunchSpec, width: int = 100) -> str:
         f"{spec.job_name}: {spec.nodes} node(s) of {platform.name} x {spec.nproc_per_node} process(es), "
         f"{spec.platform.comm_backend}, hardware profile {platform.hardware}",
         *_pipeline_layout(spec),
+        *_context_layout(spec),
         _memory_line(spec),
         "",
         "set by ferry for torchrun:",
@@ -89,6 +90,20 @@ def _memory_line(spec: LaunchSpec) -> str:
     device = "cuda" if spec.platform.accelerator_resource else "cpu"
     estimate = memory_estimate(spec.config, spec.world_size, device)
     return f"memory per rank: about {gib(estimate.total_bytes)} GiB at a step's peak ({estimate.describe()})"
+
+
+def _context_layout(spec: LaunchSpec) -> list[str]:
+    """Where a context-parallel group falls: a run of consecutive ranks, inside a node when it fits, since every
+    attention layer gathers keys and values across the group."""
+    cp = spec.config.parallel.cp
+    if cp == 1:
+        return []
+    inside = spec.nproc_per_node % cp == 0
+    placement = "inside a node" if inside else "across nodes: every attention layer's gather crosses the network"
+    return [
+        f"context parallelism: groups of {cp} consecutive ranks split every sequence ({placement}); the data is split "
+        f"over {spec.world_size // (cp * spec.config.parallel.pp)} data rank(s)"
+    ]
 
 
 def _pipeline_layout(spec: LaunchSpec) -> list[str]:

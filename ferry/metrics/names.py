@@ -29,7 +29,8 @@ class Metric:
 
     `scale` turns the record's unit into the exported one (Prometheus wants base units: bytes, not MiB).
     `objective`: the `train.objective` whose steps report it (None: every objective's). `pipeline`: reported by
-    pipeline-parallel runs only. `opt_in`: reported by runs that ask for it only.
+    pipeline-parallel runs only. `opt_in`: reported by runs that ask for it only (a figure, or the layout it
+    measures: `parallel.cp`).
     """
 
     key: str
@@ -126,6 +127,16 @@ METRICS: tuple[Metric, ...] = (
     Metric(
         "pp.stage_mem_peak_mib", "ferry_pipeline_stage_memory_peak_bytes", "stage",
         "peak memory of the process running each pipeline stage (bytes)", 2**20, pipeline=True,
+    ),
+    Metric(
+        "cp.comm_s", "ferry_context_parallel_comm_seconds", "step",
+        "time this rank spent in the context-parallel exchanges of the step (the keys' gathers and their gradients' "
+        "reduce-scatters, the routers' sums)", opt_in=True,
+    ),
+    Metric(
+        "cp.bytes", "ferry_context_parallel_bytes", "step",
+        "bytes of the step's context-parallel exchanges on this rank (each gather counted at its output's size)",
+        opt_in=True,
     ),
     Metric(
         "attn.max_logit", "ferry_attention_max_logit", "step",

@@ -8,18 +8,19 @@ here is the exchange it runs on, one group's collectives, each a named op in the
     cp_gather_backward    their gradients, reduce-scattered back to the ranks whose positions made them
     cp_sum                the routers' loads and counts, and the row sums a loss needs whole (DPO's log-probs)
 
-All-gathering keys and values (as Llama 3 trained) was chosen over passing them round a ring or exchanging heads
-(Ulysses): on CPU ranks it was the fastest of the three for the shapes measured (`benchmarks/context_parallel.py`,
-docs/performance.md), any mask a document boundary makes applies to the whole key set at once, and it asks nothing
-of the head counts (GQA's few key heads, MLA's latents). It keeps the whole sequence's keys for the backward, which
-the activation figures count.
+All-gathering keys and values (as Llama 3 trained) rather than passing them round a ring or exchanging heads
+(Ulysses): any mask a document boundary makes applies to the whole key set at once, with the kernel boundary's
+masked attention and no merging of partial softmaxes; it asks nothing of the head counts (GQA's few key heads, MLA's
+latents, which are gathered instead of every head's keys); and on two CPU ranks its exchange is a small part of the
+step (docs/performance.md). It keeps the whole sequence's keys for the backward, which the memory model and the
+activation figures count: at cp 2 a rank keeps 0.50 of what one process keeps (tests/test_context_parallel.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ferry.comm import Collectives
+from ferry.comm import Collectives, OpStats
 from ferry.model.sequence_split import SequenceSplit
 
 CONTEXT_EXCHANGES = ("cp_gather", "cp_gather_backward", "cp_sum")
@@ -39,6 +40,12 @@ class ContextExchange:
 
     def total(self, x: torch.Tensor) -> torch.Tensor:
         return self.collectives.all_reduce_raw(x, "cp_sum")
+
+
+def exchange_figures(exchanged: dict[str, OpStats]) -> dict:
+    """The step record's context-parallel figures from its collectives' (this rank's): seconds and bytes."""
+    ops = [exchanged[op] for op in CONTEXT_EXCHANGES if op in exchanged]
+    return {"cp.comm_s": sum(op.seconds for op in ops), "cp.bytes": sum(op.bytes for op in ops)}
 
 
 def sequence_split(collectives: Collectives) -> SequenceSplit:

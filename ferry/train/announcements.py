@@ -69,6 +69,7 @@ def announce(
         say(f"ferry: ep_overlap auto: {overlap['chosen']}, the fastest of {measured} ({steps} steps each)")
     layout = job.layout.record()
     pipeline = f"pp {layout['pp_degree']}, " if "pp_degree" in layout else ""
+    pipeline += f"cp {layout['cp_degree']}, " if "cp_degree" in layout else ""
     preset = f"model {config.run.model_preset}, " if config.run.model_preset else ""
     say(
         f"ferry: training {config.run.name} on {job.device} x {job.world_size} "

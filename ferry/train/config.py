@@ -229,7 +229,7 @@ class RunConfig(Section):
         layout = lay_out_job(self.parallel, self.model, world_size, distributed)
         if layout.split is not None:
             check_pipeline(self, layout)
-        world_size = layout.replicas  # the ranks a step's rows are split over: one per pipeline
+        world_size = layout.data_ranks  # the ranks a step's rows are split over: one per pipeline and cp group
         micro_batch = 1 if train.micro_batch == "auto" else train.micro_batch  # auto takes a divisor that fits
         per_pass = micro_batch * world_size
         batches = {"train.global_batch": train.global_batch}
@@ -252,6 +252,18 @@ class RunConfig(Section):
             raise ValueError(
                 f"ep_overlap auto measures trial steps of next-token training, restoring the run after them; "
                 f"objective {train.objective} samples or caches what a trial step would use up: set none or chunked"
+            )
+        return parallel
+
+    @field_validator("parallel")
+    @classmethod
+    def _split_sequences_are_not_decoded(cls, parallel: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
+        train = info.data.get("train")
+        if parallel.cp > 1 and train is not None and train.objective == "grpo":
+            raise ValueError(
+                f"cp {parallel.cp}: objective grpo generates its rollouts a token at a time from a cache of whole "
+                "sequences, which a context-parallel rank does not hold; set cp=1 for grpo (dpo and lm, SFT "
+                "included, train under cp)"
             )
         return parallel
 

@@ -66,7 +66,9 @@ def memory_estimate(
     Muon that of its AdamW part, and Newton-Schulz's working set for the largest matrix (a layer's experts at
     once: the input, two iterates and the Gram products).
     Under pipeline parallelism, the largest of the pipeline's ranks: its stages' parameters and the micro-batches
-    its schedule keeps in flight (`ferry/train/pipeline_memory.py`).
+    its schedule keeps in flight (`ferry/train/pipeline_memory.py`). Under context parallelism a rank keeps its
+    1/cp of the positions, and for each of them what the attention gathers of the other ranks'
+    (`AttentionKind.gathered_values`).
     """
     model, moe = config.model, config.model.moe
     micro = micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 1)
@@ -99,9 +101,13 @@ def _rank_estimate(config: RunConfig, world_size: int, device: str, micro: int, 
     adamw_share, newton_schulz = _muon_terms(config, share, world_size)
     state = local * 2 * param_bytes + moments * (8 * adamw_share + param_bytes * (1 - adamw_share))
     compute_bytes = _compute_bytes(config, device)
-    tokens = micro * config.data.seq_len
+    cp = config.parallel.cp
+    tokens = micro * config.data.seq_len // cp  # this rank's positions of the micro-batch's sequences
     mode = config.train.activation_checkpointing
-    activations = tokens * share.layers * kept_bytes_per_token_layer(config, mode, compute_bytes) * share.in_flight
+    kept = kept_bytes_per_token_layer(config, mode, compute_bytes)
+    if cp > 1:  # what the attention gathers of the other ranks' positions, counted per own position
+        kept += (cp - 1) * config.model.attention_kind.gathered_values(config.model, mode) * compute_bytes
+    activations = tokens * share.layers * kept * share.in_flight
     if mode != "none":  # the block the backward recomputes holds what a plain block keeps
         activations += tokens * kept_bytes_per_token_layer(config, "none", compute_bytes)
     logits = _head_bytes(config, tokens, compute_bytes) * share.in_flight if share.head else 0
@@ -181,11 +187,12 @@ def choose_micro_batch(config: RunConfig, layout: JobLayout, device: str) -> tup
     estimate fits `HEADROOM` of the device; with what run.json records of the choice. Nothing fitting is refused
     with the estimate of the smallest."""
     world_size = layout.world_size
+    data_ranks = layout.data_ranks  # context-parallel ranks share their rows
     batches = [config.train.global_batch]
     if config.eval.sources and config.eval.batch_size is not None:
         batches.append(config.eval.batch_size)
-    per_rank = config.train.global_batch // world_size
-    candidates = [micro for micro in range(per_rank, 0, -1) if all(b % (micro * world_size) == 0 for b in batches)]
+    per_rank = config.train.global_batch // data_ranks
+    candidates = [micro for micro in range(per_rank, 0, -1) if all(b % (micro * data_ranks) == 0 for b in batches)]
     where, available = device_memory_bytes(device, world_size)
     per_rank_bytes = available / world_size if device == "cpu" else available
     estimates = {micro: memory_estimate(config, world_size, device, micro, layout) for micro in candidates}

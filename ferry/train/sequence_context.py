@@ -6,7 +6,7 @@ What a group computes once, it must count once. A pass's token sums (the LM loss
 parts) are each rank's own positions and add up over the ranks as they are; what every rank of a group computes
 whole (a scoring pass's reduction, which sums its positions over the group; an objective's own sums, made from
 those) is counted by the group's first rank only. Generation decodes a token at a time from a cache, which a split
-sequence has no part of: refused here, and before any rank starts (`ferry/train/context_checks.py`).
+sequence has no part of: refused here, and before any rank starts (`RunConfig`).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from ferry.inference import eval_record
 from ferry.metrics import MetricsHub, TorchTrace, moe_diagnostics
 from ferry.model import Transformer
 from ferry.model.compilation import compile_seconds
+from ferry.parallel.context_parallel import exchange_figures
 from ferry.parallel.expert_parallel import EP_EXCHANGES
 from ferry.parallel.zero import optimizer_state_bytes
 from ferry.train.assembly import RunParts, assemble
@@ -284,6 +285,7 @@ class Trainer:
             "comm_bytes": comm_bytes,
             "ep_comm_s": ep_comm_s,
             "ep_overlap_share": max(0.0, 1.0 - times.ep_wait_s / ep_comm_s) if ep_comm_s > 0 else None,
+            **(exchange_figures(exchanged) if model.plan.cp is not None else {}),
             "optimizer_state_mib": optimizer_state_bytes(model.optimizer) / 2**20,
             "loss_scale": scaler.scale,
             "skipped_steps": scaler.skipped_steps,

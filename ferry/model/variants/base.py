@@ -81,6 +81,11 @@ class AttentionKind(Protocol):
         """Values (of the compute dtype) one token keeps for the backward in one layer's attention, by
         `train.activation_checkpointing` mode."""
 
+    def gathered_values(self, config: ModelShape, mode: Recompute) -> int:
+        """Values (of the compute dtype) a context-parallel rank keeps for the backward in one layer for each token
+        of the whole sequence: what the attention gathers from the other ranks (`parallel.cp`), and what it makes
+        of it for every key."""
+
     def cache_entry_shapes(self, config: ModelShape, capacity: int) -> list[tuple[int, ...]]:
         """The decoding cache of one layer and row: one shape per buffer, its token slot second-last."""
 

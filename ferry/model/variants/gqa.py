@@ -82,6 +82,11 @@ class GroupedQueryAttention:
         q_width, _ = self._widths(config)
         return {"none": 6 * q_width, "selective": 4 * q_width + config.dim, "full": 0}[mode]
 
+    def gathered_values(self, config: ModelShape, mode: Recompute) -> int:
+        """The gathered keys and values, kept in every mode (a recompute reads them instead of gathering again)."""
+        _, kv_width = self._widths(config)
+        return 2 * kv_width
+
     def cache_entry_shapes(self, config: ModelShape, capacity: int) -> list[tuple[int, ...]]:
         """Keys and values, [G, T, C] each."""
         return [(config.n_kv_heads, capacity, config.head_dim)] * 2

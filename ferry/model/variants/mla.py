@@ -108,6 +108,13 @@ class MultiHeadLatentAttention:
             return queries + (latent + rope) + expansion + heads * padded + config.dim
         return 0
 
+    def gathered_values(self, config: ModelShape, mode: Recompute) -> int:
+        """The gathered latent and rotary key (every mode), and without full recompute every head's key and value
+        expanded from them (padded to the key width, as the attention op takes them)."""
+        mla, heads = config.mla, config.n_heads
+        gathered = mla.kv_lora_rank + mla.qk_rope_head_dim
+        return gathered if mode == "full" else gathered + heads * 2 * max(mla.qk_head_dim, mla.v_head_dim)
+
     def cache_entry_shapes(self, config: ModelShape, capacity: int) -> list[tuple[int, ...]]:
         """The normalised latent [T, L] and the rotated shared rotary key [T, R], from which every head's keys and
         values follow."""

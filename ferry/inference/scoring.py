@@ -21,7 +21,8 @@ from ferry.model.head_loss import HeadTargets
 @dataclass(frozen=True)
 class ScoringPass:
     """The model's inputs (`document_ids_BS`: attention within documents; `head`: the head and loss computed
-    together by chunks, no logits made) and `reduce(output)`, what is kept of its output."""
+    together by chunks, no logits made) and `reduce(output)`, what is kept of its output: figures of whole rows,
+    which a sequence split over context-parallel ranks makes whole with `ModelOutput.summed`."""
 
     tokens_BS: torch.Tensor
     padding_BS: torch.Tensor | None

@@ -83,6 +83,7 @@ def exchanges(seq_len: int, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    dist.init_process_group("gloo")
     heads, kv_heads = MODEL["n_heads"], MODEL["n_kv_heads"]
     width = MODEL["dim"] // heads
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -117,6 +118,7 @@ def exchanges(seq_len: int, repeats: int) -> dict:
             exchange()
             seconds.append(time.perf_counter() - started)
         timings[name] = statistics.median(seconds)
+    dist.destroy_process_group()
     return timings
 
 
@@ -129,21 +131,15 @@ def analytic_bytes(seq_len: int) -> int:
     return MODEL["n_layers"] * (2 * gathered + (MODEL["moe"]["num_experts"] + 1) * 4)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default=None, help=DIR_HELP)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=8)
-    args = parser.parse_args()
-    work = scratch_dir(args.dir, "context-parallel")
+def measure(work: Path, seq_len: int, steps: int) -> dict:
+    """The three layouts' figures, printed as they come; the summary returned."""
     dataset = work / "data"
     if not (dataset / "manifest.json").exists():
         prepare_dataset(PrepareSpec(embedded="stdlib", embedded_max_bytes=600_000, vocab_size=4096), dataset)
-    figures = {}
-    one = run(str(dataset), str(work / "cp1"), args.seq_len, args.steps, 1, timed=True)
-    two = run_on_ranks(run, 2, str(dataset), str(work / "cp2"), args.seq_len, args.steps, 2, True)
-    four = run_on_ranks(run, 4, str(dataset), str(work / "cp4"), args.seq_len, args.steps, 4, False)
-    methods = run_on_ranks(exchanges, 2, args.seq_len, 50)[0]
+    one = run(str(dataset), str(work / "cp1"), seq_len, steps, 1, timed=True)
+    two = run_on_ranks(run, 2, str(dataset), str(work / "cp2"), seq_len, steps, 2, True)
+    four = run_on_ranks(run, 4, str(dataset), str(work / "cp4"), seq_len, steps, 4, False)
+    methods = run_on_ranks(exchanges, 2, seq_len, 50)[0]
     kept = {1: one["kept"], 2: max(r["kept"] for r in two), 4: max(r["kept"] for r in four)}
     step_s = {
         cp: statistics.median(record["step_s"] for record in records[1:])
@@ -152,21 +148,32 @@ def main() -> None:
     measured = two[0]["records"][-1]["cp.bytes"]
     for cp in (1, 2, 4):
         print(f"cp {cp}: one forward keeps {kept[cp] / 2**20:.1f} MiB a rank ({kept[cp] / kept[1]:.2f} of one process)")
-    print(f"cp 2: {measured:,} bytes of exchanges a step, analytic {analytic_bytes(args.seq_len):,}; "
+    print(f"cp 2: {measured:,} bytes of exchanges a step, analytic {analytic_bytes(seq_len):,}; "
           f"{two[0]['records'][-1]['cp.comm_s'] * 1000:.1f} ms in them")
     print(f"step time: one process {step_s[1] * 1000:.0f} ms, cp 2 on 2 ranks {step_s[2] * 1000:.0f} ms")
     print("one attention layer's exchanges on 2 ranks: " + ", ".join(
         f"{name} {seconds * 1e6:.0f} us" for name, seconds in methods.items()
     ))
     figures = {
-        "seq_len": args.seq_len,
+        "seq_len": seq_len,
         "kept_ratio": round(kept[2] / kept[1], 3),
         "kept_ratio_cp4": round(kept[4] / kept[1], 3),
-        "bytes_ratio": round(measured / analytic_bytes(args.seq_len), 4),
+        "bytes_ratio": round(measured / analytic_bytes(seq_len), 4),
         "cp_comm_share": round(two[0]["records"][-1]["cp.comm_s"] / step_s[2], 3),
         "step_ratio": round(step_s[2] / step_s[1], 3),
         "exchange_us": {name: round(seconds * 1e6, 1) for name, seconds in methods.items()},
     }
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default=None, help=DIR_HELP)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    with scratch_dir(args.dir, "context-parallel-") as work:
+        figures = measure(work, args.seq_len, args.steps)
     print(json.dumps(figures))
 
 

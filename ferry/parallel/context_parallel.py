@@ -9,11 +9,13 @@ here is the exchange it runs on, one group's collectives, each a named op in the
     cp_sum                the routers' loads and counts, and the row sums a loss needs whole (DPO's log-probs)
 
 All-gathering keys and values (as Llama 3 trained) rather than passing them round a ring or exchanging heads
-(Ulysses): any mask a document boundary makes applies to the whole key set at once, with the kernel boundary's
-masked attention and no merging of partial softmaxes; it asks nothing of the head counts (GQA's few key heads, MLA's
-latents, which are gathered instead of every head's keys); and on two CPU ranks its exchange is a small part of the
-step (docs/performance.md). It keeps the whole sequence's keys for the backward, which the memory model and the
-activation figures count: at cp 2 a rank keeps 0.50 of what one process keeps (tests/test_context_parallel.py).
+(Ulysses), chosen against both on two CPU ranks (docs/performance.md, `benchmarks/context_parallel.py`): Ulysses'
+four all-to-alls took the longest; a ring pass moves the same bytes faster on gloo, but the whole exchange is 5-8%
+of the step, the most a ring could hide, for N - 1 partial attentions merged by their softmax statistics under
+blocks of the document mask. The all-gather keeps one masked attention through the kernel boundary, any mask a
+document boundary makes, and asks nothing of the head counts (GQA's few key heads; MLA's latents, gathered instead
+of every head's keys). It keeps the whole sequence's keys for the backward, which the memory model counts: at cp 2
+a rank keeps 0.50-0.51 of what one process keeps.
 """
 
 from __future__ import annotations

@@ -500,7 +500,8 @@ def test_draws_are_a_function_of_the_seed_and_checkpoint_faults_fall_on_checkpoi
             schedule = draw_faults(seed, count, 12, 2, 3)
             assert len({(fault["step"], fault["kind"]) for fault in schedule}) == count
             for fault in schedule:
-                assert 2 <= fault["step"] <= 12 and fault["rank"] in (0, 1)
+                assert 2 <= fault["step"] <= 12 and fault["rank"] in (0, 1, "all")
+                assert fault["rank"] != "all" or fault["kind"] == "kill_during_save"
                 if fault["kind"] == "kill_during_save":
                     assert fault["step"] % 3 == 0 and fault["step"] < 12
                 if fault["kind"] == "corrupt_checkpoint":
@@ -515,7 +516,7 @@ def test_a_drawn_corrupt_checkpoint_is_followed_by_a_failure_before_the_next_sav
     schedule = draw_faults(0, 3, 60, 2, 6)
     assert schedule[1] == {"step": 30, "rank": 1, "kind": "corrupt_checkpoint",
                            "followed_by": {"step": 31, "rank": 1, "kind": "raise"}}
-    assert injections(schedule) == [
+    assert injections(schedule, 2) == [
         {"step": 28, "rank": 0, "kind": "nan"},
         {"step": 30, "rank": 1, "kind": "corrupt_checkpoint"},
         {"step": 40, "rank": 1, "kind": "raise"},
@@ -530,6 +531,28 @@ def test_a_drawn_corrupt_checkpoint_is_followed_by_a_failure_before_the_next_sav
             failing = [other for other in schedule if other["kind"] != "corrupt_checkpoint"
                        and fault["step"] < other["step"] <= min(fault["step"] + 3, 12)]
             assert bool(failing) != ("followed_by" in fault), (seed, schedule)
+
+
+def test_a_drawn_kill_of_every_rank_during_a_save_is_injected_on_each_of_them():
+    """On several ranks half the drawn kills during a save strike every rank; fault i stays fault.inject.i (on rank
+    0), the other ranks' copies come last."""
+    from ferry.portability.drill import _fault_name, draw_faults, injections
+
+    drawn = [(seed, draw_faults(seed, 4, 12, 4, 3)) for seed in range(200)]
+    every = [(seed, fault) for seed, schedule in drawn for fault in schedule if fault["rank"] == "all"]
+    single = [fault for _, schedule in drawn for fault in schedule
+              if fault["kind"] == "kill_during_save" and fault["rank"] != "all"]
+    assert every and single, "both kinds of kill during a save are drawn"
+    seed, fault = every[0]
+    schedule = dict(drawn)[seed]
+    inject = injections(schedule, 4)
+    index = schedule.index(fault)
+    assert inject[index] == {"step": fault["step"], "rank": 0, "kind": "kill_during_save"}
+    copies = [other for other in inject[len(schedule):] if other["kind"] == "kill_during_save"
+              and other["step"] == fault["step"]]
+    assert copies == [{"step": fault["step"], "rank": rank, "kind": "kill_during_save"} for rank in (1, 2, 3)]
+    assert _fault_name(fault) == f"kill_during_save on every rank at step {fault['step']}"
+    assert all(fault["rank"] == 0 for fault in draw_faults(7, 4, 12, 1, 3) if fault["kind"] == "kill_during_save")
 
 
 def test_a_fault_is_exercised_only_as_far_as_the_jobs_records_show(config_file, tmp_path):

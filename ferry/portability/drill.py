@@ -4,7 +4,8 @@ the state of the uninterrupted one.
 
 Faults arrive as failures do, at exponentially distributed intervals (a Poisson process, from
 `--seed`), of a kind and on a rank drawn at random: kill, hang, raise, poisoned gradients, a
-corrupt checkpoint, a kill in the middle of a save. Non-finite gradients fail the job
+corrupt checkpoint, a kill in the middle of a save (of one rank or of all of them: multi-rank jobs save
+in the background, so it strikes while their writer threads run). Non-finite gradients fail the job
 (`fault.on_nonfinite: raise`) so that it rolls back rather than skips, and the hang timeout is a
 multiple of the uninterrupted run's step time, so the drill takes minutes, not hours. On a CPU in
 the same layout the final losses and every tensor of the final checkpoint (weights, AdamW state,
@@ -61,6 +62,10 @@ def draw_faults(seed: int, count: int, steps: int, nproc: int, interval: int) ->
     A corrupt checkpoint is read only by a restart while it is the newest one: unless a drawn fault
     fails the job after its save and before the next, it is `followed_by` a `raise` on its rank at
     the next step, so that the restart finds it, refuses it and falls back to the one before.
+
+    On several ranks a kill during a save strikes one rank or, as often, every rank (`rank: "all"`): with
+    asynchronous saves each from its writer thread while training goes on, so that nothing of the save survives
+    anywhere and the whole job restarts from the newest complete checkpoint.
     """
     rng = random.Random(seed)
     mean_gap = steps / (count + 1)
@@ -70,10 +75,12 @@ def draw_faults(seed: int, count: int, steps: int, nproc: int, interval: int) ->
     for _ in range(count):
         at += rng.expovariate(1.0 / mean_gap)
         kind = rng.choice(FAULT_KINDS)
-        rank = rng.randrange(nproc)
+        rank: int | str = rng.randrange(nproc)
+        if kind == "kill_during_save" and nproc > 1 and rng.random() < 0.5:
+            rank = "all"
         step = _free_step(kind, min(max(2, round(at)), steps), steps, interval, taken)
         if step is None:
-            kind = "raise"
+            kind, rank = "raise", rank if rank != "all" else 0
             step = _free_step(kind, min(max(2, round(at)), steps), steps, interval, taken)
         taken.add((step, kind))
         faults.append({"step": step, "rank": rank, "kind": kind})
@@ -89,11 +96,21 @@ def draw_faults(seed: int, count: int, steps: int, nproc: int, interval: int) ->
     return faults
 
 
-def injections(schedule: list[dict]) -> list[dict]:
-    """`fault.inject` for a drawn schedule: its faults in order (fault `i` of the schedule is `fault.inject.i`),
-    then the failures that follow corrupt checkpoints."""
-    drawn = [{key: fault[key] for key in ("step", "rank", "kind")} for fault in schedule]
-    return drawn + [fault["followed_by"] for fault in schedule if "followed_by" in fault]
+def injections(schedule: list[dict], nproc: int) -> list[dict]:
+    """`fault.inject` for a drawn schedule on `nproc` ranks: its faults in order (fault `i` of the schedule is
+    `fault.inject.i`, on rank 0 for one that strikes every rank), then the failures that follow corrupt checkpoints,
+    then the same fault on every other rank for those that strike them all."""
+    drawn = [{**{key: fault[key] for key in ("step", "kind")}, "rank": _first_rank(fault)} for fault in schedule]
+    follow_ups = [fault["followed_by"] for fault in schedule if "followed_by" in fault]
+    others = [
+        {"step": fault["step"], "rank": rank, "kind": fault["kind"]}
+        for fault in schedule if fault["rank"] == "all" for rank in range(1, nproc)
+    ]
+    return drawn + follow_ups + others
+
+
+def _first_rank(fault: dict) -> int:
+    return 0 if fault["rank"] == "all" else fault["rank"]
 
 
 def _free_step(kind: str, wanted: int, steps: int, interval: int, taken: set) -> int | None:
@@ -149,7 +166,7 @@ def run_drill(
         raise UserError(f"the uninterrupted run failed, so there is nothing to drill against:\n    {straight.failure()}")
     step_s = statistics.median(record["step_s"] for record in read_metrics(straight.run_dir)[1:] or [{"step_s": 1}])
     schedule = draw_faults(seed, faults, steps, nproc, interval)
-    inject = injections(schedule)
+    inject = injections(schedule, nproc)
     hang_timeout = max(5.0, 20 * step_s)
     fault = {"inject": inject, "on_nonfinite": "raise", "hang_timeout_s": hang_timeout, "hang_first_step_s": 10.0}
     drilled_config = _config(raw, work / "drilled", saving, common, fault=fault)
@@ -184,7 +201,8 @@ def run_drill(
 
 def _fault_name(fault: dict) -> str:
     then = fault.get("followed_by")
-    return f"{fault['kind']} on rank {fault['rank']} at step {fault['step']}" + (
+    where = "every rank" if fault["rank"] == "all" else f"rank {fault['rank']}"
+    return f"{fault['kind']} on {where} at step {fault['step']}" + (
         f" (then {then['kind']} at step {then['step']}, so that a restart reads it)" if then else ""
     )
 

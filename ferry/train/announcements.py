@@ -69,11 +69,11 @@ def announce(
         say(f"ferry: ep_overlap auto: {overlap['chosen']}, the fastest of {measured} ({steps} steps each)")
     layout = job.layout.record()
     pipeline = f"pp {layout['pp_degree']}, " if "pp_degree" in layout else ""
-    pipeline += f"cp {layout['cp_degree']}, " if "cp_degree" in layout else ""
+    context = f", cp {layout['cp_degree']}" if "cp_degree" in layout else ""
     preset = f"model {config.run.model_preset}, " if config.run.model_preset else ""
     say(
         f"ferry: training {config.run.name} on {job.device} x {job.world_size} "
-        f"({layout['mode']}, {pipeline}ep {layout['ep_degree']}, {job.context.backend or 'no'} collectives, "
+        f"({layout['mode']}, {pipeline}ep {layout['ep_degree']}{context}, {job.context.backend or 'no'} collectives, "
         f"profile {numerics.profile.name}) — {preset}{size.total_params / 1e6:.2f}M params "
         f"({size.active_params / 1e6:.2f}M active), {config.train.steps} steps of {step_size}, writing to {run_dir}"
     )

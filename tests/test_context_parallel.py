@@ -127,6 +127,24 @@ def test_cp2_on_4_ranks_composes_with_data_expert_and_pipeline_parallelism(packe
     assert _relative(ranks[0]["losses"], single["losses"]) < LAYOUT_TOLERANCE
 
 
+@pytest.mark.parametrize("variant", [
+    ("model.attention=mla", "model.n_kv_heads=4", "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8",
+     "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=8"),
+    ("model.skip=farskip",),
+], ids=["mla", "farskip"])
+def test_cp2_splits_latent_attention_and_farskip_blocks_as_one_process_computes_them(packed_documents, tmp_path,
+                                                                                      variant):
+    """MLA gathers each key's latent and rotary part and expands them on every rank; FarSkip's MoE exchange is in
+    flight while the next attention gathers its keys."""
+    data = str(packed_documents)
+    shorter = ("model.max_seq_len=256", "data.seq_len=256", "data.document_masking=true", "train.global_batch=4",
+               "train.micro_batch=2", "train.steps=6", "checkpoint.interval=0", *variant)
+    single = runs.train_run(data, str(tmp_path / "one"), *shorter)
+    extra = ("parallel.ep=2",) if "model.skip=farskip" in variant else ()
+    ranks = run_on_ranks(runs.train_run, 2, data, str(tmp_path / "two"), *shorter, "parallel.cp=2", *extra)
+    assert _relative(ranks[0]["losses"], single["losses"]) < LAYOUT_TOLERANCE
+
+
 def test_cp2_keeps_half_the_activations_of_one_process(packed_documents, tmp_path):
     """One training forward of 4 rows of 1,024 tokens (packed documents): what it keeps for the backward per rank,
     at cp 1, 2 and 4 (measured 51.5 MB, 25.7 MB and 13.4 MB: 0.50 and 0.26 of one process); the keys and values
@@ -159,3 +177,11 @@ def test_the_memory_model_and_the_micro_batch_choice_know_cp(make_config):
     config = make_config(*long, "parallel.cp=2", "train.micro_batch=auto")
     chosen, record = choose_micro_batch(config, config.check_world_size(2), "cpu")
     assert chosen == 8, "both ranks of the group read the same 8 rows: a micro-batch of all 8 splits them"
+
+
+def test_launch_explain_places_the_context_parallel_groups(tmp_path, capsys):
+    argv = ["launch", "configs/tiny.yaml", "--platform", "cpu", "--nodes", "2", "--nproc-per-node", "2",
+            "--scheduler", "slurm", "--out", str(tmp_path / "launch"), "parallel.cp=2", "--explain"]
+    assert main(argv) == 0
+    assert ("context parallelism: groups of 2 consecutive ranks split every sequence (inside a node); the data is "
+            "split over 2 data rank(s)") in capsys.readouterr().out

@@ -6,7 +6,7 @@ so a training process does not pay for it.
 
 from ferry.metrics.config import MetricsConfig, ProfileConfig, PrometheusConfig, SinksConfig, TensorBoardConfig
 from ferry.metrics.console import ConsoleProgress
-from ferry.metrics.hub import MetricsHub, build_sinks, start_prometheus
+from ferry.metrics.hub import MetricsHub, build_sinks, check_trackers, start_prometheus, start_trackers
 from ferry.metrics.jsonl import JsonlSink, metrics_path, read_metrics
 from ferry.metrics.moe import dropped_tokens, moe_diagnostics, router_entropy
 from ferry.metrics.names import METRICS, METRICS_FILE, Metric, prometheus_names
@@ -22,6 +22,8 @@ __all__ = [
     "Metric",
     "MetricsConfig",
     "MetricsHub",
+    "check_trackers",
+    "start_trackers",
     "ProfileConfig",
     "PrometheusConfig",
     "SinksConfig",

@@ -6,6 +6,8 @@ the other sinks are opt-in except the console.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from ferry.config.section import Section
@@ -31,14 +33,64 @@ class SinksConfig(Section):
     tensorboard: TensorBoardConfig = TensorBoardConfig()
 
 
+TrackerName = Literal["tensorboard", "wandb", "mlflow"]
+
+
+class WandbConfig(Section):
+    """Weights & Biases (`metrics.trackers: [wandb]`, the `wandb` extra): a run per ferry run, its id kept in the
+    run directory so a resumed or restarted run continues it."""
+
+    project: str = Field("ferry", min_length=1)
+    entity: str | None = Field(None, min_length=1, description="team or user (default: the API key's)")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="offline: the run is written under dir only, for `wandb sync` later"
+    )
+    dir: str | None = Field(None, min_length=1, description="where W&B writes its files (default: the run directory)")
+    base_url: str | None = Field(
+        None, min_length=1, description="a W&B server of your own (default: W&B's, or the WANDB_BASE_URL it reads)"
+    )
+    init_timeout_s: float = Field(60.0, gt=0.0, description="how long W&B may take to open its run")
+
+
+class MlflowConfig(Section):
+    """MLflow (`metrics.trackers: [mlflow]`, the `mlflow` extra): a run per ferry run, its id kept in the run
+    directory so a resumed or restarted run continues it."""
+
+    tracking_uri: str | None = Field(
+        None, min_length=1,
+        description="an MLflow server (http://...) or a database (sqlite:///...); default: sqlite:///<run.dir>/mlflow.db",
+    )
+    experiment: str = Field("ferry", min_length=1)
+
+
 class MetricsConfig(Section):
     """Where the per-step records go besides `metrics.jsonl`."""
 
     sinks: SinksConfig = SinksConfig()
+    trackers: list[TrackerName] = Field(
+        default_factory=list,
+        description="experiment trackers that get every step record (the names Prometheus and TensorBoard use), the "
+        "resolved config and run.json's summary, and at the end run.json and the plots: tensorboard (as "
+        "sinks.tensorboard.enabled), wandb, mlflow; rank 0 logs, from a thread of its own, and a tracker that "
+        "fails is left with a warning while training goes on (ferry/metrics/tracker_sink.py)",
+    )
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+    tracker_timeout_s: float = Field(
+        60.0, gt=0.0, description="the most a run's end waits for its trackers to take the last records and files"
+    )
     attn_max_logit: bool = Field(
         False, description="record each step's largest attention logit (`attn.max_logit`): a product of queries and "
         "keys per layer beside the attention, which never forms the logits (on whenever optim.muon.qk_clip is)"
     )
+
+
+    @field_validator("trackers")
+    @classmethod
+    def _each_tracker_once(cls, trackers: list[str]) -> list[str]:
+        if len(set(trackers)) != len(trackers):
+            raise ValueError(f"{trackers}: name each tracker once")
+        return trackers
 
 
 class ProfileConfig(Section):

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 METRICS_FILE = "metrics.jsonl"
+RUN_RECORD_FILE = "run.json"  # the run's record (`ferry/train/run_dir/record.py`), which the trackers upload
+TRACKER_IDS_FILE = "trackers.json"  # each tracker's run id, so that a resumed run continues it
 # the directories of a run's records beside its metrics: `ferry plot`'s PNGs, TensorBoard's event files and the
 # torch traces; a run that replaces another (`run.overwrite`) replaces them with its records
 PLOT_DIR = "plots"
@@ -129,6 +131,11 @@ METRICS: tuple[Metric, ...] = (
         "peak memory of the process running each pipeline stage (bytes)", 2**20, pipeline=True,
     ),
     Metric(
+        "tracker_failures", "ferry_tracker_failures", "step",
+        "records and files the run's trackers (metrics.trackers) failed to take so far, each dropped while training "
+        "went on", opt_in=True,
+    ),
+    Metric(
         "cp.comm_s", "ferry_context_parallel_comm_seconds", "step",
         "time this rank spent in the context-parallel exchanges of the step (the keys' gathers and their gradients' "
         "reduce-scatters, the routers' sums)", opt_in=True,
@@ -203,3 +210,22 @@ def objective_keys(objective: str, pipelined: bool = False) -> set[str]:
 
 def prometheus_names() -> set[str]:
     return {metric.prometheus for metric in METRICS}
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A step record's numbers as the trackers and TensorBoard name them: a step metric by its key, a per-layer
+    or per-stage one `<key>/<shape><i>`, a held-out one `<key>/<source>`; per-expert loads stay in metrics.jsonl
+    and Prometheus, where a heatmap can show them, instead of thousands of scalar charts."""
+    named = {}
+    for metric in METRICS:
+        value = record.get(metric.key)
+        if value is None or metric.shape == "expert":
+            continue
+        if metric.shape == "step":
+            named[metric.key] = float(value)
+        elif metric.shape == "source":
+            named.update({f"{metric.key}/{source}": float(number) for source, number in value.items()})
+        else:  # per layer or per stage
+            named.update({f"{metric.key}/{metric.shape}{index}": float(number) for index, number in enumerate(value)})
+    return named
+

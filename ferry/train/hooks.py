@@ -127,6 +127,8 @@ class RecordsHook(Hook):
         if end is not None:
             self._finish(end)
         self.hub.close()
+        if self.record is not None and self.hub.trackers:
+            self.record.update(trackers=self.hub.tracker_outcomes())
 
     def _finish(self, end: RunEnd) -> None:
         status = "completed" if end.step >= self.steps else "stopped"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ferry.checkpoint import CheckpointManager, list_checkpoints, set_aside_abandoned
 from ferry.checkpoint.format import parse_step
 from ferry.comm import raise_on_every_rank
-from ferry.metrics import MetricsHub, build_sinks, start_prometheus
+from ferry.metrics import MetricsHub, build_sinks, check_trackers, start_prometheus, start_trackers
 from ferry.train.announcements import resume_record
 from ferry.train.run_dir.lock import RunDirLock
 from ferry.train.run_dir.record import RunRecord, prepare_run_dir
@@ -54,8 +54,10 @@ def open_run(
     def on_this_rank() -> OpenedRun:
         prometheus = start_prometheus(config.metrics, job.rank, config.run.name)
         lock = None
+        trackers = []
         try:
             record, abandoned, replaced = None, [], None
+            adapters = check_trackers(config.metrics, run_dir, job.rank, config.run.name)
             if job.is_main:
                 lock = RunDirLock.acquire(run_dir)
                 replaced = prepare_run_dir(config, resume_step=resumed_step)
@@ -64,6 +66,7 @@ def open_run(
                     abandoned = set_aside_abandoned(checkpoint_dir, resumed_step, found.checkpoint.path)
                 resumed_from = resume_record(found, state.carried, resume_times)
                 record = RunRecord(run_dir, {**description, "resumed_from": resumed_from})
+            trackers = start_trackers(adapters, config.metrics, run_dir)
             hub = build_sinks(
                 config.metrics,
                 run_dir,
@@ -73,10 +76,13 @@ def open_run(
                 log_every=config.train.log_every,
                 first_step=state.step,
                 prometheus=prometheus,
+                trackers=trackers,
             )
         except BaseException:
             if prometheus is not None:
                 prometheus.close()
+            for tracker in trackers:
+                tracker.close()
             if lock is not None:
                 lock.release()
             raise

@@ -15,15 +15,15 @@ from ferry.checkpoint import clear_checkpoints, list_checkpoints
 from ferry.checkpoint.format import parse_step, step_dir_name
 from ferry.checkpoint.manager import ABANDONED_DIR
 from ferry.config import UserError, dump_yaml
-from ferry.metrics.names import RECORD_DIRS
+from ferry.metrics.names import RECORD_DIRS, RUN_RECORD_FILE, TRACKER_IDS_FILE
 
 CONFIG_NAME = "config.yaml"
-RUN_RECORD_NAME = "run.json"
+RUN_RECORD_NAME = RUN_RECORD_FILE
 METRICS_NAME = "metrics.jsonl"
 EVENTS_NAME = "restarts.jsonl"
 FAULTS_DIR = ".faults"
 REPLACED_DIR = "replaced"
-_RUN_FILES = (CONFIG_NAME, RUN_RECORD_NAME, METRICS_NAME, EVENTS_NAME)
+_RUN_FILES = (CONFIG_NAME, RUN_RECORD_NAME, METRICS_NAME, EVENTS_NAME, TRACKER_IDS_FILE)
 
 
 class RecordedRun(Protocol):

@@ -131,11 +131,13 @@ def test_cp2_on_4_ranks_composes_with_data_expert_and_pipeline_parallelism(packe
     ("model.attention=mla", "model.n_kv_heads=4", "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8",
      "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=8"),
     ("model.skip=farskip",),
-], ids=["mla", "farskip"])
+    ("train.loss_chunk=128",),
+], ids=["mla", "farskip", "chunked-head-loss"])
 def test_cp2_splits_latent_attention_and_farskip_blocks_as_one_process_computes_them(packed_documents, tmp_path,
                                                                                       variant):
     """MLA gathers each key's latent and rotary part and expands them on every rank; FarSkip's MoE exchange is in
-    flight while the next attention gathers its keys."""
+    flight while the next attention gathers its keys; the chunked head loss takes each rank's targets inside the
+    model."""
     data = str(packed_documents)
     shorter = ("model.max_seq_len=256", "data.seq_len=256", "data.document_masking=true", "train.global_batch=4",
                "train.micro_batch=2", "train.steps=6", "checkpoint.interval=0", *variant)

@@ -19,7 +19,6 @@ def _no_reports_to_wandb(monkeypatch):
     """W&B sends its own errors to its crash reporter by default; the suite runs offline."""
     monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
 
-from ferry.cli.main import main
 from ferry.metrics.jsonl import read_metrics
 from ferry.train import Trainer
 
@@ -172,8 +171,10 @@ def test_only_rank_0_logs_on_two_ranks(stdlib_dataset, tmp_path):
     assert len(list(run_dir.glob("wandb/offline-run-*"))) == 1
 
 
-def test_a_tracker_not_installed_is_refused_with_its_install_command(make_config, tmp_path, monkeypatch, capsys):
+def test_a_tracker_not_installed_is_refused_with_its_install_command(make_config, tmp_path, monkeypatch):
     import builtins
+
+    from ferry.config import UserError
 
     real_import = builtins.__import__
 
@@ -183,6 +184,7 @@ def test_a_tracker_not_installed_is_refused_with_its_install_command(make_config
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", without_mlflow)
-    code = main(["train", "configs/tiny.yaml", "metrics.trackers=[mlflow]", f"run.dir={tmp_path / 'run'}"])
-    assert code == 2 and "pip install 'ferry-moe[mlflow]'" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists(), "refused before the run directory is touched"
+    with pytest.raises(UserError, match=r"the mlflow package is not installed; install it with: pip install "
+                                        r"'ferry-moe\[mlflow\]'"):
+        Trainer(make_config("metrics.trackers=[mlflow]", run_dir=tmp_path / "run")).fit()
+    assert not (tmp_path / "run" / "run.json").exists(), "refused before the run directory is touched"

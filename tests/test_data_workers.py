@@ -130,3 +130,14 @@ def test_the_rendered_slurm_array_prepares_and_merges_the_same_dataset(corpus, t
         assert main(expanded.decode().split("\0")[:-1]) == 0
     assert sorted(path.name for path in (tmp_path / "dataset.tasks").iterdir()) == ["task-0", "task-1"]
     assert _files(tmp_path / "dataset") == _files(tmp_path / "alone")
+
+
+def test_preparing_data_imports_no_torch():
+    """A preparation's processes (every worker among them) import `ferry.data` and the preparation's modules, not
+    torch: about a second a process that `import torch` cost them (docs/performance.md)."""
+    import sys
+
+    modules = "ferry.data, ferry.data.prepare, ferry.data.workers, ferry.data.partial, ferry.cli.main"
+    check = f"import sys, {modules}; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    shown = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout
+    assert shown.strip() == "['numpy']", shown

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ import torch
 
 from ferry.config.errors import UserError
 from ferry.data.config import DataConfig, SourceConfig
+from ferry.data.cursor import DataCursor
 from ferry.data.dataset import TokenDataset
 from ferry.data.targets import Batch, packing_padding, split_windows
 from ferry.data.verification import named_files
@@ -33,21 +34,6 @@ from ferry.platform.digests import RECORDED
 
 _ROW_SHUFFLE_STREAM = 0x5EED
 _OPENING_COST_BYTES = 1 << 20  # a file counts as at least this many bytes against data.verify_upfront
-
-
-@dataclass
-class DataCursor:
-    """The loader's whole position: steps taken and windows consumed from each source."""
-
-    step: int = 0
-    consumed: dict[str, int] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {"step": self.step, "consumed": dict(self.consumed)}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "DataCursor":
-        return cls(step=int(data["step"]), consumed={str(k): int(v) for k, v in data["consumed"].items()})
 
 
 @dataclass

@@ -20,7 +20,7 @@ import numpy as np
 
 from ferry.config.errors import UserError
 from ferry.data.config import DataConfig
-from ferry.data.loader import DataCursor
+from ferry.data.cursor import DataCursor
 from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, record_kind
 from ferry.data.verification import DataVerification, verify_files
 from ferry.platform.digests import FAST

@@ -340,6 +340,11 @@ def test_bad_preference_and_rl_input_exits_2_naming_it(tmp_path, task, sft, chat
     assert code == 2 and "grpo.group_size" in err
     code, err = _exit_code([*train_args[:-1], f"data.sources=[{{name: pairs, path: {task['pairs']}}}]"], capsys)
     assert code == 2 and "preferences" in err
+    for budget in ("tokens: 4096", "epochs: 2"):
+        code, err = _exit_code(
+            [*train_args[:-1], f"data.sources=[{{name: prompts, path: {task['prompts']}, {budget}}}]"], capsys
+        )
+        assert code == 2 and f"data.sources.0.{budget.split(':')[0]} (prompts) is a budget of a token mix" in err
     lm_on_pairs = [arg for arg in train_args if not arg.startswith(("train.objective", "data.sources"))]
     code, err = _exit_code([*lm_on_pairs, f"data.sources=[{{name: pairs, path: {task['pairs']}}}]"], capsys)
     assert code == 2 and "holds preferences (a record dataset)" in err and "train.objective: dpo does" in err

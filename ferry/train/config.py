@@ -255,6 +255,24 @@ class RunConfig(Section):
             )
         return parallel
 
+    @field_validator("train")
+    @classmethod
+    def _record_objectives_read_whole_sets(cls, train: TrainConfig, info: ValidationInfo) -> TrainConfig:
+        """DPO and GRPO read whole records (pairs, prompts) in the order of their steps, not windows of a mix: a
+        budget of tokens or epochs would mean nothing to them, and is refused rather than ignored."""
+        data = info.data.get("data")
+        if data is None or train.objective not in ("dpo", "grpo"):
+            return train
+        for index, source in enumerate(data.sources):
+            for budget in ("tokens", "epochs"):
+                if getattr(source, budget) is not None:
+                    raise ValueError(
+                        f"objective {train.objective} reads whole records, not windows: data.sources.{index}.{budget} "
+                        f"({source.name}) is a budget of a token mix; leave it out (train.steps sets how many steps "
+                        "of records the run takes)"
+                    )
+        return train
+
     @field_validator("parallel")
     @classmethod
     def _split_sequences_are_not_decoded(cls, parallel: ParallelConfig, info: ValidationInfo) -> ParallelConfig:

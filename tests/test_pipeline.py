@@ -60,6 +60,8 @@ def test_stages_run_from_their_parents_and_the_lineage_records_it(finished, caps
     assert midtrain["parent"]["checkpoint"] == str(parent_checkpoint)
     assert midtrain["parent"]["digest"] == checkpoint_digest(parent_checkpoint) == pretrain["result"]["digest"]
     assert midtrain["data"][0]["manifest_sha256"] and midtrain["seed"] == 1 and midtrain["code"]["ferry"]
+    realised = json.loads((out_dir / "midtrain" / "run.json").read_text())["data_realised"]
+    assert midtrain["result"]["data_realised"] == realised and realised[0]["windows"] > 0
     midtrain_records = _records(out_dir / "midtrain")
     assert [r["step"] for r in midtrain_records] == [1, 2, 3, 4], "the step counter starts again"
     assert midtrain_records[0]["lr"] == pytest.approx(_records(out_dir / "pretrain")[-1]["lr"])

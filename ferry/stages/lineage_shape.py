@@ -56,6 +56,7 @@ class ResultShape(_Shape):
     loss: float | None = None
     eval_loss: dict[str, float] | None = None
     eval: dict[str, dict[str, float]] = {}
+    data_realised: list[dict[str, Any]] = []  # what each source gave the stage (windows, tokens, epochs)
 
 
 class StageShape(_Shape):

@@ -276,6 +276,8 @@ def stage_outcome(config: RunConfig, returncode: int) -> dict[str, Any]:
             {key: source.get(key) for key in ("name", "path", "weight", "tokens", "tokenizer_sha256", "shards")}
             for source in run_record.get("data_mix", [])
         ],
+        # what each source gave the stage (windows, tokens, epochs), as run.json counted it from the data cursor
+        "data_realised": run_record.get("data_realised", []),
     }
     return outcome
 

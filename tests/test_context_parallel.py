@@ -117,14 +117,22 @@ def test_cp2_with_experts_split_over_the_same_ranks_and_zero_trains_as_one_proce
 @pytest.mark.parametrize("layout", [("parallel.ep=2", "optim.zero=true"), ("parallel.pp=2",)], ids=["dp2-ep2", "pp2"])
 def test_cp2_on_4_ranks_composes_with_data_expert_and_pipeline_parallelism(packed_documents, tmp_path, layout):
     """cp 2 x dp 2 with experts split over 2 ranks, and 2 pipeline stages of cp 2, on 4 ranks: as one process with
-    the same micro-batches (shorter windows: 4 processes share 2 cores)."""
+    the same micro-batches, held-out losses too (shorter windows: 4 processes share 2 cores)."""
     data = str(packed_documents)
     shorter = ("model.max_seq_len=256", "data.seq_len=256", "data.document_masking=true", "train.global_batch=4",
-               "train.micro_batch=1", "train.steps=6", "checkpoint.interval=0")
+               "train.micro_batch=1", "train.steps=6", "checkpoint.interval=0",
+               f"eval.sources=[{{name: held_out, path: {data}}}]", "eval.interval=3", "eval.batches=1",
+               "eval.batch_size=2")
     single = runs.train_run(data, str(tmp_path / "one"), *shorter)
     ranks = run_on_ranks(runs.train_run, 4, data, str(tmp_path / "four"), *shorter, "parallel.cp=2", *layout)
     assert all(rank["losses"] == ranks[0]["losses"] for rank in ranks)
     assert _relative(ranks[0]["losses"], single["losses"]) < LAYOUT_TOLERANCE
+
+    def held_out(records: list[dict]) -> list[float]:
+        return [record["eval.loss"]["held_out"] for record in records if "eval.loss" in record]
+
+    assert len(held_out(single["records"])) == 2
+    assert _relative(held_out(ranks[0]["records"]), held_out(single["records"])) < LAYOUT_TOLERANCE
 
 
 @pytest.mark.parametrize("variant", [

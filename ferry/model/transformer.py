@@ -248,7 +248,7 @@ class Transformer(nn.Module):
         if split is None:
             visible_BSS = self.visibility(document_ids_BS)
         else:
-            tokens_BS, padding_BS, targets, visible_BSS = self._own_positions(
+            tokens_BS, padding_BS, targets, visible_BSS = self.own_positions(
                 split, tokens_BS, document_ids_BS, padding_BS, targets
             )
         x_BSD = self.tok_embeddings(tokens_BS)
@@ -267,7 +267,7 @@ class Transformer(nn.Module):
         return ModelOutput(self.output(h_BSD), moe_stats, split=split)
 
     @staticmethod
-    def _own_positions(
+    def own_positions(
         split: SequenceSplit,
         tokens_BS: torch.Tensor,
         document_ids_BS: torch.Tensor | None,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ferry.comm.collectives import Collectives
 from ferry.model import KVCache, ModelOutput, Transformer
 from ferry.model.head_loss import HeadTargets, chunked_head_loss
+from ferry.model.sequence_split import SequenceSplit
 from ferry.parallel.pipeline_split import StageSplit
 
 # what a result may be, by the code its header carries
@@ -53,7 +54,13 @@ class StagedForward:
         forward does."""
         model, split = self.model, self.split
         step = cache.begin(tokens_BS.shape[1]) if cache is not None else None
-        visible_BSS = Transformer.visibility(document_ids_BS)
+        sequences = model.sequence_split if cache is None else None  # context parallelism: this rank's positions
+        if sequences is None:
+            visible_BSS = Transformer.visibility(document_ids_BS)
+        else:
+            tokens_BS, padding_BS, head, visible_BSS = Transformer.own_positions(
+                sequences, tokens_BS, document_ids_BS, padding_BS, head
+            )
         last = split.num_stages - 1
         x_BSD = None
         result = None
@@ -66,17 +73,19 @@ class StagedForward:
                 layer_cache = cache.layer(index, step) if cache is not None else None
                 x_BSD, _ = model.layers[index](x_BSD, layer_cache, visible_BSS, padding_BS)
             if stage == last:
-                result = reduce(self._output(model.norm(x_BSD), head))
+                result = reduce(self._output(model.norm(x_BSD), head, sequences))
             elif self._owner(stage + 1) != self.pp.rank:
                 self._send(x_BSD, self._owner(stage + 1))
         if cache is not None:
             cache.commit(step)
         return self._broadcast(result, self._owner(last))
 
-    def _output(self, h_BSD: torch.Tensor, head: HeadTargets | None) -> ModelOutput:
+    def _output(
+        self, h_BSD: torch.Tensor, head: HeadTargets | None, sequences: SequenceSplit | None
+    ) -> ModelOutput:
         if head is not None:
-            return ModelOutput(None, [], chunked_head_loss(h_BSD, self.model.output.weight, head))
-        return ModelOutput(self.model.output(h_BSD), [])
+            return ModelOutput(None, [], chunked_head_loss(h_BSD, self.model.output.weight, head), sequences)
+        return ModelOutput(self.model.output(h_BSD), [], split=sequences)
 
     def _owner(self, stage: int) -> int:
         return stage % self.split.pp

@@ -62,8 +62,8 @@ class StageModule(nn.Module):
         if split is None:
             visible_BSS = Transformer.visibility(document_ids_BS)
         else:  # the schedule hands every stage whole rows, padded to whole chunks (`PipelineContext`)
-            rows, local_len = x.shape[:2]
-            seq_len = x.shape[1] if self.is_first else local_len * split.degree
+            rows, positions = x.shape[:2]  # the whole rows' tokens (first stage), or this rank's stream
+            seq_len = positions if self.is_first else positions * split.degree
             padding_BS, visible_BSS = split.own_masks(rows, seq_len, x.device, document_ids_BS, padding_BS)
             x = split.local(x, 0) if self.is_first else x
             targets_BS = None if targets_BS is None else split.local(targets_BS, IGNORE_INDEX)

@@ -58,7 +58,8 @@ class MlflowConfig(Section):
 
     tracking_uri: str | None = Field(
         None, min_length=1,
-        description="an MLflow server (http://...) or a database (sqlite:///...); default: sqlite:///<run.dir>/mlflow.db",
+        description="an MLflow server (http://...) or a database (sqlite:///...); default: "
+        "sqlite:///<run.dir>/mlflow.db",
     )
     experiment: str = Field("ferry", min_length=1)
 

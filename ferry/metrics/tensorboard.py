@@ -1,6 +1,7 @@
 """TensorBoard event files under `<run.dir>/tensorboard`, for people who already watch runs there.
 
-Step, per-layer and per-source metrics become scalars under the names every tracker uses (`ferry.metrics.names.scalars`).
+Step, per-layer and per-source metrics become scalars under the names every tracker uses
+(`ferry.metrics.names.scalars`).
 """
 
 from __future__ import annotations

@@ -118,7 +118,8 @@ class TrackerSink:
     def _open(self) -> None:
         name = self.tracker.name
         record = _run_record(self.run_dir)
-        run_id = self.tracker.open(_read_ids(self.run_dir).get(name), record.get("config", {}), manifest_summary(record))
+        known = _read_ids(self.run_dir).get(name)
+        run_id = self.tracker.open(known, record.get("config", {}), manifest_summary(record))
         with _IDS:
             ids = _read_ids(self.run_dir)
             if ids.get(name) != run_id:

@@ -172,18 +172,12 @@ def test_only_rank_0_logs_on_two_ranks(stdlib_dataset, tmp_path):
 
 
 def test_a_tracker_not_installed_is_refused_with_its_install_command(make_config, tmp_path, monkeypatch):
-    import builtins
+    import sys
 
     from ferry.config import UserError
 
-    real_import = builtins.__import__
-
-    def without_mlflow(name, *args, **kwargs):
-        if name.startswith("mlflow"):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", without_mlflow)
+    for module in ("mlflow", "mlflow.tracking", "mlflow.entities"):  # as if never installed: importing it fails
+        monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(UserError, match=r"the mlflow package is not installed; install it with: pip install "
                                         r"'ferry-moe\[mlflow\]'"):
         Trainer(make_config("metrics.trackers=[mlflow]", run_dir=tmp_path / "run")).fit()

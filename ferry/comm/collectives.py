@@ -49,8 +49,7 @@ class Collectives:
         collective itself, kept too, is not issued again and not counted twice."""
         rows_out = sum(out_splits) if out_splits is not None else x_RX.shape[0]
         out = x_RX.new_empty((rows_out, *x_RX.shape[1:]))
-        timing = nullcontext() if replaying() else self.timed(op, x_RX.numel() * x_RX.element_size())
-        with timing:
+        with self._timed_once(op, x_RX.numel() * x_RX.element_size()):
             dist.all_to_all_single(out, x_RX.contiguous(), out_splits, in_splits, group=self.group)
         return torch.ops.aten.alias(out)
 
@@ -59,8 +58,7 @@ class Collectives:
     ) -> None:
         """The all-to-all of rows written into `out_RX`, a slice of a larger buffer (`ferry/parallel/rowwise.py`).
         Not counted again when a recompute replays it."""
-        timing = nullcontext() if replaying() else self.timed(op, x_RX.numel() * x_RX.element_size())
-        with timing:
+        with self._timed_once(op, x_RX.numel() * x_RX.element_size()):
             dist.all_to_all_single(out_RX, x_RX, out_splits, in_splits, group=self.group)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -77,8 +75,7 @@ class Collectives:
         """Every rank's `x` stacked in rank order ([size, *x.shape]), as an `aten.alias` of the buffer the collective
         wrote: a recompute reads the first gather's result and issues none (as `all_to_all_raw`)."""
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # the first dimension joined, as gloo asks
-        timing = nullcontext() if replaying() else self.timed(op, out.numel() * out.element_size())
-        with timing:
+        with self._timed_once(op, out.numel() * out.element_size()):
             dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
         return torch.ops.aten.alias(out).view(self.size, *x.shape)
 
@@ -86,8 +83,7 @@ class Collectives:
         """The sum of every rank's `x` in a new tensor, as an `aten.alias` a recompute reads again (as
         `all_to_all_raw`)."""
         out = x.detach().clone()
-        timing = nullcontext() if replaying() else self.timed(op, out.numel() * out.element_size())
-        with timing:
+        with self._timed_once(op, out.numel() * out.element_size()):
             dist.all_reduce(out, group=self.group)
         return torch.ops.aten.alias(out)
 
@@ -140,6 +136,10 @@ class Collectives:
             end.synchronize()
             self.stats.record(op, num_bytes, start.elapsed_time(end) / 1000.0)
         self._pending.clear()
+
+    def _timed_once(self, op: str, num_bytes: int):
+        """`timed`, except in a recompute's replay: the exchange it reads was counted when it was made."""
+        return nullcontext() if replaying() else self.timed(op, num_bytes)
 
     @contextmanager
     def timed(self, op: str, num_bytes: int):

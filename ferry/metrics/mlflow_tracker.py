@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ferry.config import UserError
 from ferry.metrics.config import MlflowConfig
+from ferry.metrics.extras import import_extra
 from ferry.metrics.tracker_sink import flattened
 
 _BATCH = 100  # MLflow's limit on parameters a call (1,000 metrics; 100 parameters)
@@ -23,16 +23,10 @@ class MlflowTracker:
     name = "mlflow"
 
     def __init__(self, config: MlflowConfig, run_dir: Path, run_name: str):
-        try:
-            from mlflow.entities import Metric, Param, RunTag
-            from mlflow.tracking import MlflowClient
-        except ImportError:
-            raise UserError(
-                "metrics.trackers: mlflow asks for MLflow but the mlflow package is not installed; install it with: "
-                "pip install 'ferry-moe[mlflow]'"
-            ) from None
-        self._entities = (Metric, Param, RunTag)
-        self._client_type = MlflowClient
+        tracking = import_extra("mlflow.tracking", "mlflow", "metrics.trackers: mlflow", "MLflow")
+        entities = import_extra("mlflow.entities", "mlflow", "metrics.trackers: mlflow", "MLflow")
+        self._entities = (entities.Metric, entities.Param, entities.RunTag)
+        self._client_type = tracking.MlflowClient
         self.uri = config.tracking_uri or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
         self.experiment = config.experiment
         self.run_dir = run_dir

@@ -8,21 +8,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ferry.config import UserError
+from ferry.metrics.extras import import_extra
 from ferry.metrics.names import TENSORBOARD_DIR, scalars
 
 
 class TensorBoardSink:
     def __init__(self, run_dir: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise UserError(
-                "metrics.sinks.tensorboard.enabled (or metrics.trackers: [tensorboard]) asks for TensorBoard but the "
-                "tensorboard package is not installed; "
-                "install it with: pip install 'ferry-moe[tensorboard]'"
-            ) from None
-        self._writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR))
+        tensorboard = import_extra(
+            "torch.utils.tensorboard", "tensorboard",
+            "metrics.sinks.tensorboard.enabled (or metrics.trackers: [tensorboard])", "TensorBoard",
+        )
+        self._writer = tensorboard.SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR))
 
     def write(self, record: dict) -> None:
         for tag, value in scalars(record).items():

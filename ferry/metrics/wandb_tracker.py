@@ -12,22 +12,15 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from ferry.config import UserError
 from ferry.metrics.config import WandbConfig
+from ferry.metrics.extras import import_extra
 
 
 class WandbTracker:
     name = "wandb"
 
     def __init__(self, config: WandbConfig, run_dir: Path, run_name: str):
-        try:
-            import wandb
-        except ImportError:
-            raise UserError(
-                "metrics.trackers: wandb asks for Weights & Biases but the wandb package is not installed; install "
-                "it with: pip install 'ferry-moe[wandb]'"
-            ) from None
-        self._wandb = wandb
+        self._wandb = import_extra("wandb", "wandb", "metrics.trackers: wandb", "Weights & Biases")
         self.config = config
         self.run_dir = run_dir
         self.run_name = run_name

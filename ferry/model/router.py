@@ -86,7 +86,7 @@ class Router(nn.Module):
         squared_log_partition_T = torch.logsumexp(logits_TE, dim=-1).pow(2)
         if self.sequence_split is not None:
             load_E, aux_loss, z_loss, mean_prob_E, entropy = self._parts_of_split_sequences(
-                expert_ids_TK, probs_TE, squared_log_partition_T, padding_T
+                expert_ids_TK, tokens_per_expert_E, probs_TE, squared_log_partition_T, padding_T
             )
         elif padding_T is None:
             load_E, counted = tokens_per_expert_E, scores_TE.shape[0]
@@ -127,6 +127,7 @@ class Router(nn.Module):
     def _parts_of_split_sequences(
         self,
         expert_ids_TK: torch.Tensor,
+        tokens_per_expert_E: torch.Tensor,
         probs_TE: torch.Tensor,
         squared_log_partition_T: torch.Tensor,
         padding_T: torch.Tensor | None,
@@ -136,7 +137,9 @@ class Router(nn.Module):
         add up to the whole. The balancing loss is linear in the mean probabilities once the load fractions (no
         gradient) are the whole's, so it splits into parts too. One all-reduce of the loads and the count."""
         counted_T = None if padding_T is None else ~padding_T.reshape(-1)
-        load_E = count_assignments(expert_ids_TK, self.num_experts, counted_T)
+        load_E = tokens_per_expert_E
+        if counted_T is not None:
+            load_E = count_assignments(expert_ids_TK, self.num_experts, counted_T)
         weight_T = None if counted_T is None else counted_T.to(probs_TE.dtype)
         here = torch.tensor(float(probs_TE.shape[0]), device=probs_TE.device) if weight_T is None else weight_T.sum()
         whole_E1 = self.sequence_split.exchange.total(torch.cat([load_E.to(probs_TE.dtype), here[None]]))

@@ -1,10 +1,13 @@
 """Throughput of `ferry data prepare` with 1 and N workers against Hugging Face `tokenizers` in one process.
 
-    python benchmarks/data_prepare.py [--mb 300] [--files 24] [--workers 2] [--dir DIR]
+    python benchmarks/data_prepare.py [--mb 300] [--files 24] [--workers 2] [--zstd] [--dir DIR]
 
 The corpus is generated here, deterministically: paragraphs of the embedded corpus (the standard
 library's documentation and sources) drawn by a seeded generator into documents of 1-12 paragraphs
-under a numbered heading, written as `--files` JSON-lines files (`{"text": ...}`) of `--mb` MB in all.
+under a numbered heading, written as `--files` JSON-lines files (`{"text": ...}`) of `--mb` MB in all; with
+`--zstd`, each file compressed as independent zstd frames of 4 MiB of lines each (as `pzstd` writes them).
+`--files 1` measures one large file shared among the workers (`ferry.data.splitting`: ranges of whole lines,
+or of whole frames).
 A byte-level BPE tokenizer (8,192 tokens) is trained once on the first 4 MB of it and saved; every run
 below tokenises with that file.
 
@@ -27,6 +30,7 @@ share while another session is busy. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import resource
@@ -36,9 +40,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import zstandard
 
 from ferry.data import PrepareSpec, prepare_dataset
 from ferry.data.corpus import embedded_documents
+from ferry.data.splitting import zstd_frames
 from ferry.data.tokenizer import BPETokenizer
 
 _VOCAB = 8192
@@ -69,10 +75,36 @@ def generate_corpus(directory: Path, total_mb: int, files: int, seed: int = 0) -
     return total
 
 
+def compress_frames(path: Path, frame_bytes: int = 4 << 20) -> Path:
+    """`path` rewritten as `path.zst` of independent frames of whole lines, about `frame_bytes` of text each."""
+    compressor = zstandard.ZstdCompressor(level=3)
+    target = path.with_name(path.name + ".zst")
+    with open(path, "rb") as source, open(target, "wb") as out:
+        while lines := source.readlines(frame_bytes):
+            out.write(compressor.compress(b"".join(lines)))
+    path.unlink()
+    return target
+
+
+def text_bytes(path: Path) -> int:
+    """The bytes of JSON lines a corpus file holds: its size, or its frames' content sizes for zstd."""
+    if path.suffix != ".zst":
+        return path.stat().st_size
+    return sum(content for _, content in zstd_frames(path))
+
+
+def open_lines(path: Path):
+    """A text reader of a JSON-lines file, plain or zstd of several frames."""
+    if path.suffix != ".zst":
+        return open(path, encoding="utf-8")
+    reader = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
+    return io.TextIOWrapper(reader, encoding="utf-8")
+
+
 def train_tokenizer(corpus: Path, path: Path) -> None:
     first = sorted(corpus.iterdir())[0]
     texts, size = [], 0
-    with open(first, encoding="utf-8") as handle:
+    with open_lines(first) as handle:
         for line in handle:
             texts.append(json.loads(line)["text"])
             size += len(line)
@@ -90,7 +122,7 @@ def anchor(corpus: Path, tokenizer_path: Path) -> tuple[float, int]:
     tokens = 0
     start = time.perf_counter()
     for path in sorted(corpus.iterdir()):
-        with open(path, encoding="utf-8") as handle:
+        with open_lines(path) as handle:
             batch = []
             for line in handle:
                 batch.append(json.loads(line)["text"])
@@ -128,6 +160,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=300, help="corpus size in MB (10^6 bytes)")
     parser.add_argument("--files", type=int, default=24, help="JSON-lines files the corpus is written as")
     parser.add_argument("--workers", type=int, default=2, help="the most workers measured")
+    parser.add_argument("--zstd", action="store_true", help="write the files as zstd of several frames")
     parser.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed)")
     args = parser.parse_args()
     work = Path(args.dir or tempfile.mkdtemp(prefix="ferry-data-prepare-"))
@@ -136,11 +169,15 @@ def main() -> None:
         corpus = work / "corpus"
         if not corpus.is_dir():
             generate_corpus(corpus, args.mb, args.files)
-        size = sum(path.stat().st_size for path in corpus.iterdir())
+            if args.zstd:
+                for path in sorted(corpus.iterdir()):
+                    compress_frames(path)
+        size = sum(text_bytes(path) for path in corpus.iterdir())
         tokenizer_path = work / "tokenizer.json"
         if not tokenizer_path.is_file():
             train_tokenizer(corpus, tokenizer_path)
-        print(f"corpus: {size / 1e6:.0f} MB in {args.files} JSON-lines files, BPE {_VOCAB:,} tokens, "
+        kind = "zstd JSON-lines (several frames)" if args.zstd else "JSON-lines"
+        print(f"corpus: {size / 1e6:.0f} MB in {args.files} {kind} files, BPE {_VOCAB:,} tokens, "
               f"{os.cpu_count()} cores, load average {load_before:.2f}")
         rows = {}
         cores = {}

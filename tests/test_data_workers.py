@@ -1,47 +1,26 @@
 """`ferry data prepare --workers N` and `--task I --tasks N` + `ferry data merge` write the dataset one process
 writes, byte for byte (shards, tokenizer, manifest with its digests); a malformed file read by a worker exits 2
-naming the file and the line, leaving nothing behind; the Slurm array `--render` writes does the same when
-run. The corpus is built here: several JSON-lines files, a gzip one, a Parquet file of several row groups and
-an empty file."""
+naming the file and the line, leaving nothing behind; the Slurm array and the Kubernetes Indexed Job `--render`
+writes do the same when run. The corpus (`text_corpora.py`): several JSON-lines files, a gzip one, a Parquet
+file of several row groups and an empty file."""
 
-import gzip
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+import kubernetes_validate
 import pytest
+import yaml
+from text_corpora import directory_files, json_lines, text_rows, write_mixed_corpus
 
 from ferry.cli.main import main
 
 
-def _rows(start: int, count: int) -> list[dict]:
-    words = ("ferry", "expert", "router", "tëxt", "шард", "日本", "token", "batch", "loss", "<|endoftext|>")
-    return [
-        {"text": f"doc {index}: " + " ".join(words[(index * 7 + k) % len(words)] for k in range(2 + index % 17))}
-        for index in range(start, start + count)
-    ]
-
-
-def _lines(rows: list[dict]) -> str:
-    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("corpus")
-    for index in range(3):
-        (directory / f"a{index}.jsonl").write_text(_lines(_rows(index * 150, 150)), encoding="utf-8")
-    (directory / "b.jsonl.gz").write_bytes(gzip.compress(_lines(_rows(450, 120)).encode("utf-8")))
-    pq.write_table(pa.Table.from_pylist(_rows(570, 400)), directory / "c.parquet", row_group_size=60)
-    (directory / "d.jsonl").write_text("", encoding="utf-8")
-    return directory
-
-
-def _files(directory: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+    return write_mixed_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _prepare(corpus: Path, output: Path, *flags: str) -> int:
@@ -52,10 +31,10 @@ def test_one_and_two_workers_write_the_dataset_one_process_writes(corpus, tmp_pa
     assert _prepare(corpus, tmp_path / "alone", "--vocab-size", "300") == 0
     assert _prepare(corpus, tmp_path / "one", "--vocab-size", "300", "--workers", "1") == 0
     assert _prepare(corpus, tmp_path / "two", "--vocab-size", "300", "--workers", "2") == 0
-    alone = _files(tmp_path / "alone")
+    alone = directory_files(tmp_path / "alone")
     assert len([name for name in alone if name.startswith("shard-")]) > 5
-    assert _files(tmp_path / "one") == alone
-    assert _files(tmp_path / "two") == alone
+    assert directory_files(tmp_path / "one") == alone
+    assert directory_files(tmp_path / "two") == alone
     manifest = json.loads(alone["manifest.json"])
     assert [entry["source"] for entry in manifest["source_hashes"]] == [
         str(corpus / name) for name in ("a0.jsonl", "a1.jsonl", "a2.jsonl", "b.jsonl.gz", "c.parquet")
@@ -84,7 +63,7 @@ def test_two_tasks_merged_equal_one_process(corpus, tmp_path, capsys):
     assert not (tmp_path / "lone").exists()
     merged = tmp_path / "merged"
     assert main(["data", "merge", str(tmp_path / "task1"), str(tmp_path / "task0"), "--output", str(merged)]) == 0
-    assert _files(merged) == _files(tmp_path / "alone")
+    assert directory_files(merged) == directory_files(tmp_path / "alone")
 
     part = tmp_path / "task0" / held[0][0]["file"]
     data = bytearray(part.read_bytes())
@@ -104,7 +83,7 @@ def test_a_malformed_file_read_by_a_worker_exits_2_naming_it_and_leaves_nothing(
     inputs.mkdir()
     for name in ("a0.jsonl", "a1.jsonl", "c.parquet"):
         (inputs / name).write_bytes((corpus / name).read_bytes())
-    malformed = _lines(_rows(0, 40)) + '{"text": "cut short\n' + _lines(_rows(40, 5))
+    malformed = json_lines(text_rows(0, 40)) + '{"text": "cut short\n' + json_lines(text_rows(40, 5))
     (inputs / "b.jsonl").write_text(malformed, encoding="utf-8")
     for flags in (["--workers", "2"], ["--task", "0", "--tasks", "1"]):
         assert _prepare(inputs, tmp_path / "out", "--tokenizer", "byte", *flags) == 2
@@ -129,7 +108,7 @@ def test_the_rendered_slurm_array_prepares_and_merges_the_same_dataset(corpus, t
         ).stdout
         assert main(expanded.decode().split("\0")[:-1]) == 0
     assert sorted(path.name for path in (tmp_path / "dataset.tasks").iterdir()) == ["task-0", "task-1"]
-    assert _files(tmp_path / "dataset") == _files(tmp_path / "alone")
+    assert directory_files(tmp_path / "dataset") == directory_files(tmp_path / "alone")
 
 
 def test_preparing_data_imports_no_torch():
@@ -141,3 +120,38 @@ def test_preparing_data_imports_no_torch():
     check = f"import sys, {modules}; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
     shown = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout
     assert shown.strip() == "['numpy']", shown
+
+
+def test_the_rendered_kubernetes_indexed_job_validates_and_prepares_the_same_dataset(
+    corpus, tmp_path, monkeypatch, capsys
+):
+    """The manifests pass the Kubernetes schema (strict); each pod's command, its `$(TASK)` replaced by the index as
+    Kubernetes does from the container's environment, runs here, and the merge pod's after them."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(corpus, tmp_path / "corpus")  # on the claim: a link out of it would not be there in a pod
+    assert _prepare(Path("corpus"), tmp_path / "alone", "--tokenizer", "byte") == 0
+    flags = ["--tokenizer", "byte", "--shard-tokens", "700", "--tasks", "2", "--workers", "2", "--render", "job"]
+    assert main(["data", "prepare", "corpus", "--output", "dataset", *flags, "--render-for", "kubernetes"]) == 0
+    assert "2 task(s) of 2 worker(s), then a merge Job into dataset" in capsys.readouterr().out
+    prepare_job, merge_job = (
+        yaml.safe_load((tmp_path / "job" / name).read_text()) for name in ("prepare-job.yaml", "merge-job.yaml")
+    )
+    for job in (prepare_job, merge_job):
+        kubernetes_validate.validate(job, "1.33.0", strict=True)
+    assert prepare_job["spec"]["completionMode"] == "Indexed" and prepare_job["spec"]["completions"] == 2
+    container = prepare_job["spec"]["template"]["spec"]["containers"][0]
+    assert container["env"][0]["name"] == "TASK" and container["workingDir"] == str(tmp_path.resolve())
+    assert container["volumeMounts"][0]["mountPath"] == str(tmp_path.resolve())
+    assert container["command"] == ["ferry"] and container["resources"]["requests"]["cpu"] == "2"
+    for index in ("0", "1"):
+        assert main([word.replace("$(TASK)", index) for word in container["args"]]) == 0
+    assert main(merge_job["spec"]["template"]["spec"]["containers"][0]["args"]) == 0
+    assert directory_files(tmp_path / "dataset") == directory_files(tmp_path / "alone")
+    assert "kubectl apply -f merge-job.yaml" in (tmp_path / "job" / "submit.sh").read_text()
+
+    capsys.readouterr()
+    outside = ["data", "prepare", str(corpus), "--output", "d2", *flags[:-1], "job2", "--render-for", "kubernetes"]
+    assert main(outside) == 2
+    assert f"{corpus} lies outside {tmp_path.resolve()}, the directory the pods mount" in capsys.readouterr().err
+    assert main(["data", "prepare", "corpus", "--output", "d3", "--tokenizer", "byte", "--image", "x:1"]) == 2
+    assert "--image is a setting of the job --render DIR writes" in capsys.readouterr().err

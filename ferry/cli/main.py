@@ -131,6 +131,19 @@ def _build_parser() -> argparse.ArgumentParser:
         "same for any N",
     )
     prepare.add_argument(
+        "--engine", choices=["local", "ray"], default="local",
+        help="where the parts are tokenised: local (this process, or --workers N processes) or ray (Ray tasks: a "
+        "local Ray on this machine's CPUs, or --workers N of them, or the cluster at --address); the same dataset",
+    )
+    prepare.add_argument(
+        "--address", default=None, help="with --engine ray: the running Ray cluster to join (e.g. ray://head:10001)"
+    )
+    prepare.add_argument(
+        "--retries", type=int, default=None, metavar="R",
+        help="with --engine ray: run a part's task again up to R times after its worker or node died or its read "
+        "failed (default 3)",
+    )
+    prepare.add_argument(
         "--task", type=int, default=None, metavar="I",
         help="with --tasks N: prepare only the I-th of N slices of the inputs, as a partial dataset for "
         "`ferry data merge` (needs --tokenizer PATH or byte)",
@@ -138,8 +151,21 @@ def _build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--tasks", type=int, default=None, metavar="N", help="the number of tasks (with --task)")
     prepare.add_argument(
         "--render", default=None, metavar="DIR",
-        help="with --tasks N (no --task): write a Slurm array job running the N tasks, and their merge into "
-        "--output, to DIR instead of preparing",
+        help="with --tasks N (no --task): write a Slurm array job (or a Kubernetes Indexed Job, --render-for) running "
+        "the N tasks, and their merge into --output, to DIR instead of preparing",
+    )
+    prepare.add_argument(
+        "--render-for", choices=["slurm", "kubernetes"], default=None,
+        help="with --render: the scheduler the job is written for (default slurm)",
+    )
+    prepare.add_argument(
+        "--image", default=None,
+        help="with --render-for kubernetes: the container image with ferry (default: ferry launch's, ferry:latest)",
+    )
+    prepare.add_argument(
+        "--claim", default=None,
+        help="with --render-for kubernetes: the ReadWriteMany volume claim every pod mounts at the directory the "
+        "render runs in (default ferry-data)",
     )
     prepare.add_argument("--overwrite", action="store_true", help="replace a dataset prepared from other inputs")
     prepare.set_defaults(handler=_data_prepare)
@@ -225,12 +251,37 @@ def _data_prepare(args: argparse.Namespace) -> int:
         shard_tokens=args.shard_tokens, chat=args.chat, seq_len=args.seq_len, records=args.records,
     )
     check_task_flags(args.task, args.tasks, args.render)
+    if args.render is None:
+        for flag, value in (("--render-for", args.render_for), ("--image", args.image), ("--claim", args.claim)):
+            if value is not None:
+                raise UserError(f"{flag} is a setting of the job --render DIR writes; add --render DIR --tasks N")
+    ray = _ray_engine(args)
+    if ray is not None:
+        result = prepare_dataset(spec, args.output, overwrite=args.overwrite, ray=ray)
+        return _print_dataset(result)
     if args.render is not None:
         return _data_render_job(spec, args)
     if args.task is not None:
         return _data_prepare_task(spec, args)
     result = prepare_dataset(spec, args.output, overwrite=args.overwrite, workers=args.workers)
     return _print_dataset(result)
+
+
+def _ray_engine(args: argparse.Namespace):
+    """The Ray engine `--engine ray` asks for; its own flags refused without it, and the task flags with it."""
+    if args.engine != "ray":
+        for flag, value in (("--address", args.address), ("--retries", args.retries)):
+            if value is not None:
+                raise UserError(f"{flag} is a setting of --engine ray; add --engine ray or leave {flag} out")
+        return None
+    if args.task is not None or args.render is not None:
+        raise UserError(
+            "--engine ray schedules every part itself on its cluster; --task/--tasks/--render share the work out "
+            "among copies of the command that another engine runs: give one or the other"
+        )
+    from ferry.data.ray_engine import RayEngine
+
+    return RayEngine(address=args.address, cpus=args.workers, retries=3 if args.retries is None else args.retries)
 
 
 def _data_prepare_task(spec, args: argparse.Namespace) -> int:
@@ -250,6 +301,8 @@ def _data_prepare_task(spec, args: argparse.Namespace) -> int:
 def _data_render_job(spec, args: argparse.Namespace) -> int:
     from ferry.data.partial import check_task_spec
     from ferry.launch.data_job import render_data_job, write_data_job
+    from ferry.launch.data_job_kubernetes import DEFAULT_DATA_CLAIM, render_kubernetes_data_job
+    from ferry.launch.spec import DEFAULT_IMAGE
 
     check_task_spec(spec, args.workers)
     shared = [*spec.inputs, "--tokenizer", spec.tokenizer]
@@ -260,10 +313,20 @@ def _data_render_job(spec, args: argparse.Namespace) -> int:
     workers = args.workers or 1
     out = Path(args.render)
     job_name = f"ferry-data-{Path(args.output).name}"
-    files = render_data_job(shared, args.output, args.tasks, workers, job_name, out)
+    if args.render_for == "kubernetes":
+        paths = [*spec.inputs, *([] if spec.tokenizer == "byte" else [spec.tokenizer])]
+        image, claim = args.image or DEFAULT_IMAGE, args.claim or DEFAULT_DATA_CLAIM
+        files = render_kubernetes_data_job(shared, paths, args.output, args.tasks, workers, job_name, image, claim)
+        submitted = "a merge Job"
+    else:
+        for flag, value in (("--image", args.image), ("--claim", args.claim)):
+            if value is not None:
+                raise UserError(f"{flag} is a setting of --render-for kubernetes; add it or leave {flag} out")
+        files = render_data_job(shared, args.output, args.tasks, workers, job_name, out)
+        submitted = "a merge"
     write_data_job(files, out, overwrite=args.overwrite)
     print(
-        f"ferry: {job_name}: {args.tasks} task(s) of {workers} worker(s), then a merge into {args.output}; "
+        f"ferry: {job_name}: {args.tasks} task(s) of {workers} worker(s), then {submitted} into {args.output}; "
         f"wrote {len(files)} file(s) to {out}/ (submit with {out / 'submit.sh'})"
     )
     for name in files:
@@ -297,6 +360,12 @@ def _print_dataset(result) -> int:
         f"ferry: dataset {state}: {result.output} — {manifest['total_tokens']:,} tokens from "
         f"{manifest['documents']:,} documents in {len(manifest['shards'])} shard(s), {tokenizer}"
     )
+    where = manifest.get("prepared_by")
+    if result.rebuilt and where:
+        print(
+            f"ferry: tokenised by Ray {where['ray']} at {where['address']}: {where['nodes']} node(s), "
+            f"{where['cpus']} CPU(s) in use"
+        )
     chat = manifest.get("chat")
     if chat:
         print(

@@ -9,9 +9,10 @@
     a `save_to_disk` directory  Hugging Face `datasets`' layout: `data-*.arrow` IPC streams named in
                                 `state.json`, beside `dataset_info.json` (read with pyarrow alone)
 
-The unit of reading is a `Part`: a whole file, or one row group of a Parquet file. Parts are
-independent (each opens its own file and knows the number of its first row), so they are what a
-pool of workers would share out; reading the parts in order gives the documents in input order.
+The unit of reading is a `Part`: a whole file, one row group of a Parquet file, or, when parts are asked
+for a pool of workers, a byte range of a large JSON-lines file (whole lines, or whole frames of a zstd
+file: `ferry.data.splitting`). Parts are independent (each opens its own file and knows where it begins),
+so they are what a pool of workers shares out; reading the parts in order gives the documents in input order.
 
 A failure names the file and the line (counted from 1, as editors do) or the row (counted from 0,
 as pyarrow and `datasets` index them).
@@ -34,6 +35,7 @@ import zstandard
 
 from ferry.config.errors import UserError
 from ferry.data.corpus import Document
+from ferry.data.splitting import frame_ranges, line_ranges
 
 # longest suffix first: `.jsonl.gz` must not be taken for a bare `.gz`
 _SUFFIXES = {
@@ -57,13 +59,24 @@ _ZSTD_READ = 1 << 16
 
 @dataclass(frozen=True)
 class Part:
-    """A unit of reading: a whole file, or row group `row_group` of a Parquet file (its rows counted
-    from `first_row`)."""
+    """A unit of reading: a whole file, row group `row_group` of a Parquet file (its rows counted from
+    `first_row`), or bytes [`start`, `end`) of a JSON-lines file (compressed bytes for zstd)."""
 
     path: Path
     format: str
     row_group: int | None = None
     first_row: int = 0
+    start: int = 0
+    end: int | None = None
+
+    @property
+    def is_range(self) -> bool:
+        return self.end is not None
+
+    @property
+    def weight(self) -> int | None:
+        """Its bytes, when it is a byte range (else its file's bytes are shared among its file's parts)."""
+        return self.end - self.start if self.end is not None else None
 
 
 def file_format(path: Path) -> str | None:
@@ -117,9 +130,14 @@ def documentless(files: list[Path], sources: list[dict]) -> list[Path]:
     return [path for path in files if str(path) not in named]
 
 
-def parts(path: Path) -> list[Part]:
-    """The parts of one input file: its row groups for Parquet, the whole file otherwise."""
+def parts(path: Path, split_bytes: int | None = None) -> list[Part]:
+    """The parts of one input file: its row groups for Parquet; with `split_bytes`, byte ranges of about that
+    size of a large `.jsonl` (whole lines) or multi-frame `.jsonl.zst` (whole frames); the whole file otherwise."""
     kind = file_format(path)
+    if split_bytes is not None and kind in ("jsonl", "jsonl.zst"):
+        ranges = line_ranges(path, split_bytes) if kind == "jsonl" else frame_ranges(path, split_bytes)
+        if len(ranges) > 1:
+            return [Part(path, kind, start=start, end=end) for start, end in ranges]
     if kind != "parquet":
         return [Part(path, kind)]
     with _parquet(path) as table:
@@ -146,10 +164,11 @@ def read_texts(part: Part, field: str) -> Iterator[Document]:
                     raise UserError(f"{part.path} row {row}: {field!r} is {_kind(text)}, not text")
                 yield Document(str(part.path), text, row=row)
         return
-    for number, record in json_lines(part):
+    numbering = _Numbering(part)
+    for number, record in json_lines(part, numbering):
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
-            raise UserError(f"{part.path}:{number}: expected an object with a string field {field!r}")
-        yield Document(str(part.path), record[field], line=number)
+            raise UserError(f"{part.path}:{numbering.line(number)}: expected an object with a string field {field!r}")
+        yield Document(str(part.path), record[field], line=None if part.is_range else number)
 
 
 def read_records(part: Part, fields: list[str], what: str) -> Iterator[tuple[int | None, int | None, object]]:
@@ -167,23 +186,47 @@ def read_records(part: Part, fields: list[str], what: str) -> Iterator[tuple[int
         yield number, None, record
 
 
-def json_lines(part: Part) -> Iterator[tuple[int, object]]:
-    """(line number, parsed value) of each non-empty line of a JSON-lines part, plain or compressed."""
-    for number, line in _lines(part):
+def json_lines(part: Part, numbering: _Numbering | None = None) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-empty line of a JSON-lines part, plain or compressed; the number
+    counts from the part's first line (the file's, unless the part is a byte range: `numbering` tells the file's
+    line, which errors name)."""
+    numbering = numbering or _Numbering(part)
+    for number, line in _lines(part, numbering):
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
             reason = f"{exc.reason} at byte {exc.start} of the line"
-            raise UserError(f"{part.path}:{number}: not UTF-8 text ({reason})") from None
+            raise UserError(f"{part.path}:{numbering.line(number)}: not UTF-8 text ({reason})") from None
         if not text.strip():
             continue
         try:
             yield number, json.loads(text)
         except json.JSONDecodeError as exc:
-            raise UserError(f"{part.path}:{number}: not valid JSON ({exc.msg})") from None
+            raise UserError(f"{part.path}:{numbering.line(number)}: not valid JSON ({exc.msg})") from None
 
 
-def _lines(part: Part) -> Iterator[tuple[int, bytes]]:
+class _Numbering:
+    """The file's line number of a part's line: a byte range counts the lines before it only when an error
+    needs the number (a pass over the bytes before it, decompressed for zstd), so reading pays nothing."""
+
+    def __init__(self, part: Part):
+        self._part = part
+        self._before: int | None = 0 if part.start == 0 else None
+
+    def line(self, number: int) -> int:
+        if self._before is None:
+            self._before = _lines_before(self._part)
+        return self._before + number
+
+
+def _lines_before(part: Part) -> int:
+    with part.path.open("rb") as handle:
+        if part.format == "jsonl":
+            return sum(chunk.count(b"\n") for chunk in _read_range(handle, 0, part.start))
+        return sum(chunk.count(b"\n") for chunk in _zstd_chunks(_RangeReader(handle, 0, part.start)))
+
+
+def _lines(part: Part, numbering: _Numbering) -> Iterator[tuple[int, bytes]]:
     """(number, bytes) of each line; a compressed stream cut short or corrupt is refused naming the line
     it stopped before."""
     number = 0
@@ -196,7 +239,8 @@ def _lines(part: Part) -> Iterator[tuple[int, bytes]]:
     try:
         if part.format == "jsonl":
             with part.path.open("rb") as handle:
-                for number, line in enumerate(handle, start=1):
+                lines = _split_lines(_read_range(handle, part.start, part.end)) if part.is_range else handle
+                for number, line in enumerate(lines, start=1):
                     yield number, line
         elif part.format == "jsonl.gz":
             with gzip.open(part.path, "rb") as handle:
@@ -204,14 +248,39 @@ def _lines(part: Part) -> Iterator[tuple[int, bytes]]:
                     yield number, line
         else:
             with part.path.open("rb") as handle:
-                for number, line in enumerate(_split_lines(_zstd_chunks(handle)), start=1):
+                source = _RangeReader(handle, part.start, part.end) if part.is_range else handle
+                for number, line in enumerate(_split_lines(_zstd_chunks(source)), start=1):
                     yield number, line
     except (EOFError, OSError, zlib.error, zstandard.ZstdError) as exc:
         if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile):
             raise UserError(f"input {str(part.path)!r} cannot be read: {exc}") from None
         raise UserError(
-            f"{part.path}:{number + 1}: the {codec} stream is corrupt or cut short before this line ({exc})"
+            f"{part.path}:{numbering.line(number + 1)}: the {codec} stream is corrupt or cut short before this line "
+            f"({exc})"
         ) from None
+
+
+def _read_range(handle, start: int, end: int | None) -> Iterator[bytes]:
+    """The bytes [start, end) of an open file, in chunks."""
+    reader = _RangeReader(handle, start, end)
+    while chunk := reader.read(_ZSTD_READ):
+        yield chunk
+
+
+class _RangeReader:
+    """`read` of the bytes [start, end) of an open file only (to its end when `end` is None)."""
+
+    def __init__(self, handle, start: int, end: int | None):
+        handle.seek(start)
+        self._handle = handle
+        self._left = end - start if end is not None else None
+
+    def read(self, size: int) -> bytes:
+        if self._left is None:
+            return self._handle.read(size)
+        data = self._handle.read(min(size, self._left))
+        self._left -= len(data)
+        return data
 
 
 def _zstd_chunks(handle) -> Iterator[bytes]:

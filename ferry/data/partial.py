@@ -35,6 +35,7 @@ from ferry.data.formats import Part, collect_files, parts
 from ferry.data.manifest import MANIFEST_NAME, TOKENIZER_NAME, file_entry, sha256_file
 from ferry.data.prepare import PrepareResult, PrepareSpec, check_parallel, check_spec, spec_settings
 from ferry.data.shards import ShardWriter, token_dtype, token_manifest
+from ferry.data.splitting import SPLIT_BYTES
 from ferry.data.staging import claim_output, read_json, refuse_inputs_inside, write_json, write_staged
 from ferry.data.tokenizer import ByteTokenizer, load_tokenizer, tokenizer_from_json
 from ferry.data.workers import PartTokens, read_part_file, source_entries, tokenize_parts
@@ -54,34 +55,43 @@ class PartialResult:
 
 def task_parts(every: list[Part], task: int, tasks: int) -> list[tuple[int, Part]]:
     """(index, part) of task `task`'s slice: the parts whose first byte lies in [task, task + 1) / `tasks`
-    of the input bytes (a file's bytes shared evenly among its row groups)."""
+    of the input bytes (a byte range weighs its bytes, and a file's bytes are shared evenly among its row
+    groups)."""
     per_file = Counter(part.path for part in every)
-    sizes = {path: path.stat().st_size // count + 1 for path, count in per_file.items()}
-    total = sum(sizes[part.path] for part in every)
+    shared = {path: path.stat().st_size // count + 1 for path, count in per_file.items()}
+    sizes = [part.weight + 1 if part.is_range else shared[part.path] for part in every]
+    total = sum(sizes)
     mine, start = [], 0
     for index, part in enumerate(every):
         if min(start * tasks // total, tasks - 1) == task:
             mine.append((index, part))
-        start += sizes[part.path]
+        start += sizes[index]
     return mine
 
 
 def parts_digest(every: list[Part]) -> str:
     """sha256 naming the list of parts: tasks and their merge must agree on it."""
-    names = [[str(part.path), part.row_group] for part in every]
+    names = [[str(part.path), part.row_group] + ([part.start, part.end] if part.is_range else []) for part in every]
     return hashlib.sha256(json.dumps(names).encode("utf-8")).hexdigest()
 
 
 def prepare_task(
-    spec: PrepareSpec, output: str | Path, task: int, tasks: int, workers: int | None = None, overwrite: bool = False
+    spec: PrepareSpec,
+    output: str | Path,
+    task: int,
+    tasks: int,
+    workers: int | None = None,
+    overwrite: bool = False,
+    split_bytes: int = SPLIT_BYTES,
 ) -> PartialResult:
     """Tokenise slice `task` of `tasks` of the inputs into the partial dataset `output`; a partial dataset
-    already there from the same inputs, settings and slice is kept."""
+    already there from the same inputs, settings and slice is kept. A large JSON-lines file is parts of about
+    `split_bytes` (`ferry.data.splitting`); every task must be given the same."""
     output = Path(output)
     check_task_spec(spec, workers)
     if not 0 <= task < tasks:
         raise UserError(f"--task must be in 0..{tasks - 1} for --tasks {tasks}, got {task}")
-    every = [part for path in collect_files(spec.inputs) for part in parts(path)]
+    every = [part for path in collect_files(spec.inputs) for part in parts(path, split_bytes)]
     mine = task_parts(every, task, tasks)
     tokenizer = ByteTokenizer() if spec.tokenizer == "byte" else load_tokenizer(spec.tokenizer)
     dtype = token_dtype(tokenizer)
@@ -168,23 +178,41 @@ def merge_partials(directories: list[str | Path], output: str | Path, overwrite:
             "and give every partial dataset"
         )
     results, file_sha256 = _part_results(partials)
-    source_hashes = source_entries(results, file_sha256)
-    settings = first["settings"]
+    tokenizer_path = first_dir / TOKENIZER_NAME
+    inputs = [str(path) for path, _ in partials]
+    return write_joined(
+        output, results, source_entries(results, file_sha256), first["settings"], tokenizer_path, first["dtype"],
+        overwrite, inputs,
+    )
+
+
+def write_joined(
+    output: Path,
+    results: list[PartTokens],
+    source_hashes: list[dict],
+    settings: dict,
+    tokenizer_path: Path,
+    dtype: str,
+    overwrite: bool,
+    inputs: list[str],
+) -> PrepareResult:
+    """The dataset of the part files `results` appended in their order (each checked against its sha256) and
+    cut into shards, at `output`; kept when already there from the same sources and settings. `inputs`: the
+    directories read, which `output` may not lie inside."""
 
     def is_current(manifest: dict) -> bool:
         return manifest.get("source_hashes") == source_hashes
 
-    current, repaired = claim_output(output, overwrite, settings, is_current, [str(path) for path, _ in partials])
+    current, repaired = claim_output(output, overwrite, settings, is_current, inputs)
     if current is not None:
         return PrepareResult(output, current, rebuilt=False)
-    tokenizer_path = first_dir / TOKENIZER_NAME
     tokenizer = tokenizer_from_json(tokenizer_path.read_text(encoding="utf-8"), str(tokenizer_path))
-    dtype = np.dtype(first["dtype"])
+    token_type = np.dtype(dtype)
 
     def build(staging: Path) -> dict:
-        writer = ShardWriter(staging, dtype.type, settings["shard_tokens"])
+        writer = ShardWriter(staging, token_type.type, settings["shard_tokens"])
         for result in results:
-            for tokens in read_part_file(result.path, dtype, result.tokens, result.sha256):
+            for tokens in read_part_file(result.path, token_type, result.tokens, result.sha256):
                 writer.add(tokens)
         writer.close()
         manifest = token_manifest(tokenizer, staging, writer, sum(result.documents for result in results))

@@ -8,7 +8,8 @@ rendered with the chat template, packed into rows of `seq_len` tokens, and get a
 parallel `mask-NNNNN.npy` stream: 1 where a token is trained (assistant text). Preference pairs
 (`--preferences`) and prompts with answers (`--prompts`) are kept as whole records
 (`ferry.data.records`). With `workers`, text is tokenised by several processes into the same dataset
-(`ferry.data.workers`); `ferry.data.partial` splits it into tasks for many machines. Everything is
+(`ferry.data.workers`), with a `RayEngine` by Ray tasks on a cluster (`ferry.data.ray_engine`);
+`ferry.data.partial` splits it into tasks for many machines. Everything is
 written to a temporary directory and renamed into place, so an interrupted prepare never leaves a
 half-written dataset behind, and an up-to-date dataset (the same inputs and settings, every file still
 matching its manifest) is not rebuilt.
@@ -39,7 +40,9 @@ from ferry.data.manifest import (
     sha256_file,
 )
 from ferry.data.packing import RowPacker
+from ferry.data.ray_engine import RayEngine, tokenize_parts_on_ray
 from ferry.data.shards import ShardWriter, token_dtype, token_manifest, tokenizer_record
+from ferry.data.splitting import SPLIT_BYTES
 from ferry.data.record_sources import read_record_rows, write_records
 from ferry.data.records import RECORD_FIELDS
 from ferry.data.staging import claim_output, write_json, write_staged
@@ -112,25 +115,39 @@ class PrepareResult:
 
 
 def prepare_dataset(
-    spec: PrepareSpec, output: str | Path, overwrite: bool = False, workers: int | None = None
+    spec: PrepareSpec,
+    output: str | Path,
+    overwrite: bool = False,
+    workers: int | None = None,
+    ray: RayEngine | None = None,
+    split_bytes: int = SPLIT_BYTES,
 ) -> PrepareResult:
     """Tokenize the inputs of `spec` into `output`; reuse it when already prepared from the same inputs.
 
     With `workers`, the parts of the input files are tokenised by that many processes
-    (`ferry.data.workers`); the dataset is the one this process alone would write."""
+    (`ferry.data.workers`); with `ray`, by Ray tasks (`ferry.data.ray_engine`, its manifest saying where in
+    `prepared_by`); either way a large JSON-lines file is shared in ranges of about `split_bytes`
+    (`ferry.data.splitting`). The dataset is the one this process alone would write."""
     output = Path(output)
     check_spec(spec)
-    check_parallel(spec, workers)
+    if ray is not None:
+        if workers is not None:
+            raise UserError("--workers with --engine ray is the CPUs Ray uses; give it to the Ray engine, not both")
+        ray.check()
+        check_parallel(spec, 1, flag="--engine ray")
+    else:
+        check_parallel(spec, workers)
+    shared_out = workers is not None or ray is not None
     settings = spec_settings(spec)
     files = collect_files(spec.inputs) if spec.inputs else []
-    if workers is None:
+    if not shared_out:
         documents = _document_source(spec)
         source_hashes = _hash_sources(documents(), files)
     else:  # the files' digests decide, not a pass over their documents, which would be one process's work
         file_sha256 = {str(path): sha256_file(path) for path in files}
 
     def is_current(manifest: dict) -> bool:
-        if workers is None:
+        if not shared_out:
             return manifest.get("source_hashes") == source_hashes
         return _same_files(manifest.get("source_hashes"), file_sha256, spec.text_field)
 
@@ -139,12 +156,15 @@ def prepare_dataset(
         return PrepareResult(output, current, rebuilt=False, empty=documentless(files, current["source_hashes"]))
 
     def build(staging: Path) -> dict:
-        if workers is None:
+        prepared_by: dict = {}
+        if not shared_out:
             manifest, hashes = _write_dataset(spec, documents, staging), source_hashes
         else:
-            manifest, hashes = _write_parts(spec, files, file_sha256, staging, workers)
+            manifest, hashes = _write_parts(spec, files, file_sha256, staging, workers, ray, prepared_by, split_bytes)
         manifest["settings"] = settings
         manifest["source_hashes"] = hashes
+        if prepared_by:
+            manifest["prepared_by"] = prepared_by
         write_json(staging / MANIFEST_NAME, manifest)
         return manifest
 
@@ -301,19 +321,30 @@ def _write_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Document]
 
 
 def _write_parts(
-    spec: PrepareSpec, files: list[Path], file_sha256: dict[str, str], staging: Path, workers: int
+    spec: PrepareSpec,
+    files: list[Path],
+    file_sha256: dict[str, str],
+    staging: Path,
+    workers: int | None,
+    ray: RayEngine | None,
+    prepared_by: dict,
+    split_bytes: int,
 ) -> tuple[dict, list[dict]]:
-    """The dataset and its `source_hashes`, the parts of `files` tokenised by `workers` processes and their
-    part files appended to the shards in input order. A BPE tokenizer is trained first, here, on every
-    document, as one process would."""
+    """The dataset and its `source_hashes`, the parts of `files` tokenised by `workers` processes (or Ray
+    tasks, which describe their cluster in `prepared_by`) and their part files appended to the shards in input
+    order. A BPE tokenizer is trained first, here, on every document, as one process would."""
     tokenizer = _make_tokenizer(spec, _document_source(spec))
     dtype = token_dtype(tokenizer)
     writer = ShardWriter(staging, dtype, spec.shard_tokens)
-    every = list(enumerate(part for path in files for part in parts(path)))
+    every = list(enumerate(part for path in files for part in parts(path, split_bytes)))
     spill = staging / ".parts"
     spill.mkdir()
     results = []
-    for result in tokenize_parts(every, tokenizer, spec.text_field, dtype, spill, workers):
+    if ray is None:
+        tokenized = tokenize_parts(every, tokenizer, spec.text_field, dtype, spill, workers)
+    else:
+        tokenized = tokenize_parts_on_ray(every, tokenizer, spec.text_field, dtype, spill, ray, prepared_by)
+    for result in tokenized:
         for tokens in read_part_file(result.path, dtype, result.tokens, result.sha256):
             writer.add(tokens)
         result.path.unlink()

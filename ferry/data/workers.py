@@ -19,7 +19,7 @@ import hashlib
 import multiprocessing
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -117,24 +117,40 @@ def tokenize_part(
     index: int, part: Part, tokenizer: Tokenizer, text_field: str, dtype: np.dtype, path: Path, stop=None
 ) -> PartTokens:
     """Write the token stream of one part to `path`; `stop` (an event) ends the work between batches."""
+    with open(path, "wb") as out:
+        counts = encode_part(part, tokenizer, text_field, dtype, out.write, stop)
+    return PartTokens(index, str(part.path), part.row_group, path, *counts)
+
+
+def encode_part(
+    part: Part, tokenizer: Tokenizer, text_field: str, dtype: np.dtype, write: Callable[[bytes], object], stop=None
+) -> tuple[int, int, int, str]:
+    """Pass the token stream of one part to `write`; (tokens, documents, text bytes, sha256 of the stream)."""
+    return encode_texts((document.text for document in read_texts(part, text_field)), tokenizer, dtype, write, stop)
+
+
+def encode_texts(
+    texts: Iterator[str], tokenizer: Tokenizer, dtype: np.dtype, write: Callable[[bytes], object], stop=None
+) -> tuple[int, int, int, str]:
+    """Pass the token stream of `texts` (each followed by end-of-text) to `write`, a batch of documents at a
+    time; (tokens, documents, text bytes, sha256 of the stream). `stop` (an event) ends the work between
+    batches."""
     hasher = hashlib.sha256()
     tokens = documents = text_bytes = 0
     eos = np.asarray([tokenizer.eos_id], dtype=np.int64)
-    with open(path, "wb") as out:
-        documents_read = read_texts(part, text_field)
-        while batch := [document.text for document in islice(documents_read, ENCODE_BATCH)]:
-            if stop is not None and stop.is_set():
-                raise _Stopped
-            pieces = []
-            for ids in encode_documents(tokenizer, batch):
-                pieces += (ids, eos)
-            data = np.concatenate(pieces).astype(dtype).tobytes()
-            out.write(data)
-            hasher.update(data)
-            tokens += len(data) // np.dtype(dtype).itemsize
-            documents += len(batch)
-            text_bytes += sum(len(text.encode("utf-8")) for text in batch)
-    return PartTokens(index, str(part.path), part.row_group, path, tokens, documents, text_bytes, hasher.hexdigest())
+    while batch := list(islice(texts, ENCODE_BATCH)):
+        if stop is not None and stop.is_set():
+            raise _Stopped
+        pieces = []
+        for ids in encode_documents(tokenizer, batch):
+            pieces += (ids, eos)
+        data = np.concatenate(pieces).astype(dtype).tobytes()
+        write(data)
+        hasher.update(data)
+        tokens += len(data) // np.dtype(dtype).itemsize
+        documents += len(batch)
+        text_bytes += sum(len(text.encode("utf-8")) for text in batch)
+    return tokens, documents, text_bytes, hasher.hexdigest()
 
 
 def read_part_file(path: Path, dtype: np.dtype, tokens: int, sha256: str) -> Iterator[np.ndarray]:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ferry.metrics.config import MlflowConfig
-from ferry.metrics.extras import import_extra
+from ferry.config.extras import import_extra
 from ferry.metrics.tracker_sink import flattened
 
 _BATCH = 100  # MLflow's limit on parameters a call (1,000 metrics; 100 parameters)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ferry.metrics.extras import import_extra
+from ferry.config.extras import import_extra
 from ferry.metrics.names import TENSORBOARD_DIR, scalars
 
 

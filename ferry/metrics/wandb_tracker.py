@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 from ferry.metrics.config import WandbConfig
-from ferry.metrics.extras import import_extra
+from ferry.config.extras import import_extra
 
 
 class WandbTracker:

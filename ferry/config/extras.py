@@ -1,5 +1,5 @@
-"""The optional libraries a sink stands on (TensorBoard, W&B, MLflow): imported when the config asks for the sink,
-and refused, naming the setting and the install command, when missing."""
+"""The optional libraries a feature stands on (TensorBoard, W&B, MLflow, Ray, datatrove): imported when the config or
+a command asks for the feature, and refused, naming the setting and the install command, when missing."""
 
 from __future__ import annotations
 

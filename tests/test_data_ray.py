@@ -2,12 +2,14 @@
 dashboard): the dataset one process writes, byte for byte, with the manifest saying where it ran; a malformed
 line exits 2 naming the file and the line, leaving nothing; a task whose worker is killed (SIGKILL, found by
 the process title Ray gives a worker running a task) runs again and the dataset is still the same; with
-`--retries 0` the kill is final and reported naming the input file. Each case runs the command as a user
-would, in its own process, as Ray's driver."""
+`--retries 0` the kill is final and reported naming the input file; `--address` joins a running cluster
+(`ray start --head`, with Ray's default token authentication). Each case runs the command as a user would, in
+its own process, as Ray's driver."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,9 +23,10 @@ from ferry.cli.main import main
 _TASK_TITLE = b"ray::_tokenize_part_task"  # what Ray names a worker process while it runs a part's task
 
 
-def _ferry(*args: str) -> subprocess.CompletedProcess:
+def _ferry(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ferry", *args], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -60,6 +63,38 @@ def test_a_malformed_line_read_by_a_ray_task_exits_2_naming_it_and_leaves_nothin
     assert ran.returncode == 2
     assert f"{inputs / 'b.jsonl'}:41: not valid JSON" in ran.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["inputs"]
+
+
+def test_address_joins_a_running_cluster_and_an_address_where_none_answers_is_refused(tmp_path):
+    corpus = write_mixed_corpus(tmp_path / "corpus")
+    flags = ["--tokenizer", "byte", "--shard-tokens", "700", "--engine", "ray"]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ray = [str(Path(sys.executable).with_name("ray"))]
+    started = subprocess.run(
+        [*ray, "start", "--head", "--port", str(port), "--num-cpus", "1", "--include-dashboard=false",
+         "--disable-usage-stats"], capture_output=True, text=True, timeout=120,
+    )
+    try:
+        assert started.returncode == 0, started.stderr
+        address = f"127.0.0.1:{port}"
+        joined = _ferry("data", "prepare", str(corpus), "--output", str(tmp_path / "joined"), *flags,
+                        "--address", address, env={"RAY_AUTH_MODE": "token"})
+        assert joined.returncode == 0, joined.stderr
+        assert f"tokenised by Ray {__import__('ray').__version__} at {address}: 1 node(s), 1 CPU(s)" in joined.stdout
+    finally:
+        subprocess.run([*ray, "stop"], capture_output=True, timeout=120)
+    assert main(["data", "prepare", str(corpus), "--output", str(tmp_path / "alone"), *flags[:4]]) == 0
+    on_cluster = directory_files(tmp_path / "joined")
+    assert json.loads(on_cluster.pop("manifest.json"))["prepared_by"]["address"] == address
+    alone = directory_files(tmp_path / "alone")
+    alone.pop("manifest.json")
+    assert on_cluster == alone
+
+    nowhere = _ferry("data", "prepare", str(corpus), "--output", str(tmp_path / "x"), *flags, "--address", address)
+    assert nowhere.returncode == 2
+    assert f"--address {address}: no Ray cluster answers there" in nowhere.stderr
 
 
 @pytest.fixture(scope="module")

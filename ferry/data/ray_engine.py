@@ -20,6 +20,7 @@ line): reading the same bytes again cannot mend it.
 from __future__ import annotations
 
 import os
+import socket
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from ferry.data.tokenizer import Tokenizer, tokenizer_from_json
 from ferry.data.workers import PartTokens, encode_part, part_file
 
 _LOOK_AHEAD = 2  # tasks in flight per CPU: one running, one waiting to be taken
+_CONNECT_TIMEOUT_S = 10
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,10 @@ def tokenize_parts_on_ray(
 
 
 def _start(ray, engine: RayEngine) -> None:
+    """A local Ray, or the cluster at `engine.address` joined (checked to answer first: Ray itself retries an
+    address where nothing listens for minutes)."""
+    if engine.address is not None:
+        _check_listening(engine.address)
     try:
         if engine.address is None:
             ray.init(
@@ -93,8 +99,27 @@ def _start(ray, engine: RayEngine) -> None:
         else:
             ray.init(address=engine.address, log_to_driver=False, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        where = engine.address or "this machine"
-        raise UserError(f"--engine ray: cannot start or join Ray at {where}: {exc}") from None
+        if engine.address is None:
+            raise UserError(f"--engine ray: cannot start a local Ray: {exc}") from None
+        raise UserError(
+            f"--engine ray: cannot join the Ray cluster at {engine.address}: {exc} (a cluster with token "
+            "authentication, Ray's default, is joined by address with RAY_AUTH_MODE=token and its token in "
+            "RAY_AUTH_TOKEN or ~/.ray/auth_token, as Ray's documentation says)"
+        ) from None
+
+
+def _check_listening(address: str) -> None:
+    """A `host:port` or `ray://host:port` address refused at once when nothing answers there (`auto` is Ray's
+    to find)."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"--address {address!r}: expected host:port, ray://host:port or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise UserError(f"--address {address}: no Ray cluster answers there ({exc})") from None
 
 
 def _run_tasks(

@@ -13,6 +13,8 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as reference
 
 from ferry.config import ConfigError
 from ferry.config.loader import load_config
+from ferry.inference.config import GenerationConfig
+from ferry.inference.generate import generate
 from ferry.interop.architectures import from_hf_state, hf_config, to_hf_state
 from ferry.model import KVCache, ModelConfig, Transformer
 from ferry.model.kv_cache import cache_bytes_per_token
@@ -170,6 +172,46 @@ def test_decoding_keeps_the_latent_only_and_equals_the_full_forward(case):
     cached_BSV = torch.cat(pieces, dim=1)
     for row, pad in enumerate(pad_B.tolist()):
         torch.testing.assert_close(cached_BSV[row, pad:], full_BSV[row, : 17 - pad], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(MLA_CASES))
+def test_absorbed_decoding_equals_expanded_decoding_and_greedy_tokens_agree(case):
+    """The up-projections absorbed into the query and output: the same logits as attending over the expanded keys
+    and values, at the prefill and every decoding step (within 1e-5, fp32), and the same greedy completions."""
+    config = mla_config(case)
+    model = random_model(config).eval()
+    tokens_BS = torch.randint(0, config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(8))
+    pad_B = torch.tensor([0, 3, 6])
+    logits = {}
+    for form in ("absorbed", "expanded"):
+        cache = KVCache(config, pad_B, 17, torch.float32, torch.device("cpu"), latent_decoding=form)
+        with torch.no_grad():
+            pieces = [model(tokens_BS[:, :8], cache).logits_BSV]
+            pieces += [model(tokens_BS[:, slot : slot + 1], cache).logits_BSV for slot in range(8, 17)]
+        logits[form] = torch.cat(pieces, dim=1)
+    for row, pad in enumerate(pad_B.tolist()):
+        assert relative(logits["absorbed"][row, pad:], logits["expanded"][row, pad:]) < TOLERANCE
+    prompts = [tokens_BS[row, : 4 + row].tolist() for row in range(3)]
+    completions = {
+        form: [c.tokens for c in generate(model, prompts, GenerationConfig(
+            max_new_tokens=12, temperature=0.0, latent_decoding=form)).completions]
+        for form in ("absorbed", "expanded", "auto")
+    }
+    assert completions["absorbed"] == completions["expanded"] == completions["auto"]
+
+
+def test_auto_latent_decoding_absorbs_a_decoding_step_and_expands_a_long_prompt():
+    """The form with fewer multiply-adds: one new token over 4,096 cached latents is absorbed; a prompt of 4,096
+    tokens at once is expanded (its queries would each attend in the latent's 576 dimensions, not 192)."""
+    moonlight = ModelConfig.model_validate(dict(
+        dim=2048, n_layers=2, n_heads=16, attention="mla",
+        mla=dict(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+    ))
+    rope = RotaryEmbedding(moonlight.rope_dim, moonlight.max_seq_len, moonlight.rope_theta, moonlight.rope_scaling)
+    attention = LatentAttention(moonlight, rope)
+    assert attention._absorbs("auto", 1, 4096) and attention._absorbs("auto", 8, 1024)
+    assert not attention._absorbs("auto", 4096, 4096)
+    assert attention._absorbs("absorbed", 4096, 4096) and not attention._absorbs("expanded", 1, 4096)
 
 
 def test_the_latent_cache_is_a_fraction_of_the_full_keys_and_values():

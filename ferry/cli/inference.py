@@ -28,6 +28,11 @@ def add_inference_commands(commands) -> None:
         "--seed", type=int, default=0, help="the same seed gives a prompt the same tokens, whatever prompts run beside it"
     )
     generate.add_argument("--stop", action="append", default=[], help="a string that ends a completion; repeatable")
+    generate.add_argument(
+        "--latent-decoding", choices=["auto", "absorbed", "expanded"], default="auto",
+        help="MLA models: attend over the cached latents with the up-projections absorbed, over keys and values "
+        "expanded from them, or whichever takes fewer multiply-adds for each step (default auto)",
+    )
     _add_model_options(generate)
     generate.add_argument(
         "--chat", action="store_true",
@@ -93,6 +98,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "top_p": ("--top-p", args.top_p),
             "seed": ("--seed", args.seed),
             "stop": ("--stop", args.stop),
+            "latent_decoding": ("--latent-decoding", args.latent_decoding),
         },
     )
     prompts = list(args.prompt) + _prompts_file(args.prompts_file)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from ferry.config.section import Section, check_unique_names
@@ -16,6 +18,12 @@ class GenerationConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="sample among the smallest set holding this probability")
     seed: int = Field(0, ge=0, description="the sampling generator's seed: the same seed gives the same tokens")
     stop: list[str] = Field(default_factory=list, description="strings that end a completion (besides EOS)")
+    latent_decoding: Literal["auto", "absorbed", "expanded"] = Field(
+        "auto",
+        description="MLA: attend over the cached latents with the up-projections absorbed (per-token work grows "
+        "with kv_lora_rank), over keys and values expanded from them, or whichever takes fewer multiply-adds "
+        "for a step's shape (absorbed for decoding, expanded for a long prompt)",
+    )
 
     @field_validator("stop")
     @classmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -24,13 +24,18 @@ class CacheStep:
     visible_BST: torch.Tensor
 
 
+LatentDecoding = Literal["auto", "absorbed", "expanded"]
+
+
 @dataclass(frozen=True)
 class LayerCache:
     """One attention layer's buffers and the step being written into them: its keys and values (GQA), or
-    its key/value latent and shared rotary key (MLA); in each, the token's slot is the second-last dim."""
+    its key/value latent and shared rotary key (MLA); in each, the token's slot is the second-last dim.
+    `latent_decoding`: how MLA attends over its cached latents (`LatentAttention`)."""
 
     buffers: tuple[torch.Tensor, ...]
     step: CacheStep
+    latent_decoding: LatentDecoding = "auto"
 
     def extend(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Write the step's entries (one tensor per buffer) into their slots; every entry up to them."""
@@ -58,8 +63,12 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         layers: Sequence[int] | None = None,
+        latent_decoding: LatentDecoding = "auto",
     ):
-        """`layers`: the indices of the blocks whose entries it keeps (default: every block)."""
+        """`layers`: the indices of the blocks whose entries it keeps (default: every block). `latent_decoding`:
+        under MLA, attend over the cached latents with the up-projections absorbed into the query and output
+        (`absorbed`), over the keys and values expanded from them (`expanded`), or whichever takes fewer
+        multiply-adds for a step's shape (`auto`: absorbed for decoding, expanded for a long prefill)."""
         if capacity > config.max_seq_len:
             raise ValueError(f"a cache of {capacity} slots exceeds model.max_seq_len ({config.max_seq_len})")
         self.config = config
@@ -71,6 +80,7 @@ class KVCache:
         )
         self.pad_B = pad_B.to(device)
         self.length = 0
+        self.latent_decoding = latent_decoding
 
     @property
     def capacity(self) -> int:
@@ -100,7 +110,7 @@ class KVCache:
         if index not in self._slot:
             raise ValueError(f"block {index} is not cached here (this cache keeps blocks {sorted(self._slot)})")
         slot = self._slot[index]
-        return LayerCache(tuple(buffer[slot] for buffer in self.buffers), step)
+        return LayerCache(tuple(buffer[slot] for buffer in self.buffers), step, self.latent_decoding)
 
     def commit(self, step: CacheStep) -> None:
         self.length = step.stop

@@ -92,6 +92,9 @@ class LatentAttention(nn.Module):
         k_rope_BTR = self.rope(k_rope_BSR[:, None], positions_BS)[:, 0]
         if cache is not None:
             latent_BTL, k_rope_BTR = cache.extend(latent_BTL, k_rope_BTR)
+            if self._absorbs(cache.latent_decoding, seq_len, latent_BTL.shape[1]):
+                out_BHSE = self._absorbed(q_BHSK, latent_BTL, k_rope_BTR, cache.step.visible_BST)
+                return self._output(x_BSD, out_BHSE)
         if split is not None:
             keys_BTZ = split.exchange.gather(torch.cat([latent_BTL, k_rope_BTR], dim=-1), dim=1)
             latent_BTL, k_rope_BTR = keys_BTZ.split([self.latent_dim, self.rope_dim], dim=-1)
@@ -104,10 +107,44 @@ class LatentAttention(nn.Module):
             out_BHSE = self._masked_attention(q_BHSK, k_BHTK, v_BHTE, visible_BSS, scale=self.scale)
         else:
             out_BHSE = self._attention(q_BHSK, k_BHTK, v_BHTE, scale=self.scale)
+        return self._output(x_BSD, out_BHSE)
+
+    def _output(self, x_BSD: torch.Tensor, out_BHSE: torch.Tensor) -> torch.Tensor:
+        batch, _, seq_len, _ = out_BHSE.shape
         out_BSHE = out_BHSE.transpose(1, 2)
         if self.gate is not None:
             out_BSHE = self.gate(x_BSD, out_BSHE)
         return self.wo(out_BSHE.reshape(batch, seq_len, -1))
+
+    def _absorbs(self, decoding: str, new: int, cached: int) -> bool:
+        """Whether S = `new` queries over T = `cached` latents take the absorbed form: asked for, or (`auto`)
+        fewer multiply-adds than expanding the T latents into every head's keys and values."""
+        if decoding != "auto":
+            return decoding == "absorbed"
+        heads, latent, nope, rope, values = self.n_heads, self.latent_dim, self.nope_dim, self.rope_dim, self.v_dim
+        expanded = cached * latent * heads * (nope + values) + heads * new * cached * (nope + rope + values)
+        absorbed = heads * new * (nope * latent + cached * (2 * latent + rope) + latent * values)
+        return absorbed < expanded
+
+    def _absorbed(
+        self, q_BHSK: torch.Tensor, latent_BTL: torch.Tensor, k_rope_BTR: torch.Tensor, visible_BST: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention over the latents themselves: each head's position-free query taken into the latent space by
+        its key up-projection, and the attended latent out through its value up-projection. Per new token and
+        head, the work grows with T x (L + R), not with expanding T latents into H x (N + E). The H heads of the
+        S queries attend as H x S queries of one shared key head (latent and rotary key), so no key is copied
+        per head."""
+        batch, heads, new, _ = q_BHSK.shape
+        tokens = latent_BTL.shape[1]
+        kv_HZL = self.wkv_b.weight.to(latent_BTL.dtype).view(heads, self.nope_dim + self.v_dim, self.latent_dim)
+        up_keys_HNL, up_values_HEL = kv_HZL.split([self.nope_dim, self.v_dim], dim=1)
+        q_nope_BHSN, q_rope_BHSR = q_BHSK.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_latent_BHSL = torch.einsum("bhsn,hnl->bhsl", q_nope_BHSN, up_keys_HNL)
+        q_B1QZ = torch.cat([q_latent_BHSL, q_rope_BHSR], dim=-1).reshape(batch, 1, heads * new, -1)
+        k_B1TZ = torch.cat([latent_BTL, k_rope_BTR], dim=-1)[:, None]
+        visible_BQT = visible_BST[:, None].expand(batch, heads, new, tokens).reshape(batch, heads * new, tokens)
+        out_B1QL = self._masked_attention(q_B1QZ, k_B1TZ, latent_BTL[:, None], visible_BQT, scale=self.scale)
+        return torch.einsum("bhsl,hel->bhse", out_B1QL.view(batch, heads, new, self.latent_dim), up_values_HEL)
 
     @torch.no_grad()
     def clip_logits(self, gamma_H: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ def add_interop_commands(commands) -> None:
     )
     export.add_argument("out", help="the model directory to write")
     export.add_argument(
-        "--arch", choices=["olmoe", "qwen3_moe", "deepseek_v3"], default=None,
+        "--arch", choices=["olmoe", "qwen3_moe", "deepseek_v3", "deepseek_v2"], default=None,
         help="target architecture (default: deepseek_v3 for MLA, else the one whose query/key norm and dense layers "
         "the model has)",
     )

@@ -1,6 +1,7 @@
-"""The transformers architectures a ferry model can become (OLMoE, Qwen3-MoE, DeepSeek-V3): which ferry
-configs each can express, its config built with transformers' own class, and the weight names on either side.
-DeepSeek-V3 (multi-head latent attention, sigmoid group-limited routing) has its own file, `deepseek.py`.
+"""The transformers architectures a ferry model can become (OLMoE, Qwen3-MoE, DeepSeek-V3, DeepSeek-V2): which
+ferry configs each can express, its config built with transformers' own class, and the weight names on either
+side. DeepSeek-V3 and V2 (multi-head latent attention; sigmoid or softmax group-limited routing) have their own
+file, `deepseek.py`.
 
 Both route with a softmax in fp32, then top-k, then an optional renormalisation, exactly as ferry's
 router; they differ in the query/key norm (OLMoE: one norm over the whole projection; Qwen3-MoE: per
@@ -25,8 +26,9 @@ from ferry.interop.deepseek import (
 from ferry.model import ModelConfig
 from ferry.model.variants import ATTENTION_KINDS
 
-Architecture = Literal["olmoe", "qwen3_moe", "deepseek_v3"]
-ARCHITECTURES: tuple[str, ...] = ("olmoe", "qwen3_moe", "deepseek_v3")
+Architecture = Literal["olmoe", "qwen3_moe", "deepseek_v3", "deepseek_v2"]
+ARCHITECTURES: tuple[str, ...] = ("olmoe", "qwen3_moe", "deepseek_v3", "deepseek_v2")
+DEEPSEEK = ("deepseek_v3", "deepseek_v2")
 
 
 def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) -> list[str]:
@@ -34,8 +36,8 @@ def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) 
     if arch not in ARCHITECTURES:
         return [f"--arch {arch!r}: choose one of {', '.join(ARCHITECTURES)}"]
     problems = config.skip_kind.export_refusals(config, arch) + config.attention_kind.export_refusals(config, arch)
-    if arch == "deepseek_v3":
-        return problems + deepseek_refusals(config, expert_bias_nonzero)
+    if arch in DEEPSEEK:
+        return problems + deepseek_refusals(config, expert_bias_nonzero, arch)
     moe = config.moe
     if config.attention_gate != "none":
         problems.append(f"model.attention_gate {config.attention_gate!r}: {arch} has no attention output gate")
@@ -90,8 +92,8 @@ def hf_config(config: ModelConfig, arch: str, eos_token_id: int | None, dtype: s
         pad_token_id=eos_token_id,
         dtype=dtype,
     )
-    if arch == "deepseek_v3":
-        return deepseek_hf_config(config, common)
+    if arch in DEEPSEEK:
+        return deepseek_hf_config(config, common, arch)
     if arch == "olmoe":
         return OlmoeConfig(intermediate_size=moe.expert_ffn_dim, clip_qkv=None, **common)
     return Qwen3MoeConfig(
@@ -130,7 +132,7 @@ def _rope_scaling(rope: dict, problems: list[str], arch: str) -> dict:
     if kind == "linear":
         return {"kind": "linear", "factor": float(rope["factor"])}
     if kind == "yarn":
-        own = ("attention_factor",) if arch == "deepseek_v3" else ("attention_factor", "mscale", "mscale_all_dim")
+        own = ("attention_factor",) if arch in DEEPSEEK else ("attention_factor", "mscale", "mscale_all_dim")
         custom = [key for key in own if rope.get(key) is not None]
         if custom or rope.get("truncate", True) is not True:
             problems.append(f"rope_parameters {custom or ['truncate']}: ferry's YaRN has the paper's attention factor")
@@ -183,7 +185,9 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
         init_std=float(hf.initializer_range),
         **attention.fields_from_hf(hf, problems),
     )
-    if arch == "deepseek_v3":
+    if getattr(hf, "mlp_bias", False):
+        problems.append("mlp_bias: ferry's feed-forward projections have no bias")
+    if arch in DEEPSEEK:
         fields = deepseek_model_fields(hf)
     else:
         fields = dict(
@@ -204,10 +208,14 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
     return ModelConfig.model_validate({**shared, **fields}), arch
 
 
-def to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """ferry's state dict (routers' zero expert biases dropped) under transformers' names."""
-    if natural_architecture(config) == "deepseek_v3":
-        return deepseek_to_hf_state(state, config)
+def to_hf_state(
+    state: dict[str, torch.Tensor], config: ModelConfig, arch: str | None = None
+) -> dict[str, torch.Tensor]:
+    """ferry's state dict (routers' zero expert biases dropped) under the names of `arch` (default: the model's
+    natural architecture)."""
+    arch = arch or natural_architecture(config)
+    if arch in DEEPSEEK:
+        return deepseek_to_hf_state(state, config, arch)
     hf = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
     if not config.tie_embeddings:
         hf["lm_head.weight"] = state["output.weight"]
@@ -228,12 +236,14 @@ def to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str
 
 
 def from_hf_state(
-    hf: dict[str, torch.Tensor], config: ModelConfig, rope_interleave: bool = False
+    hf: dict[str, torch.Tensor], config: ModelConfig, rope_interleave: bool = False, arch: str | None = None
 ) -> dict[str, torch.Tensor]:
-    """transformers' state dict back under ferry's names (the inverse of `to_hf_state`); `rope_interleave` says a
-    DeepSeek-V3 checkpoint lays its rotary rows out in pairs."""
-    if natural_architecture(config) == "deepseek_v3":
-        return deepseek_from_hf_state(hf, config, rope_interleave)
+    """transformers' state dict of `arch` (default: the model's natural architecture) back under ferry's names
+    (the inverse of `to_hf_state`); `rope_interleave` says a DeepSeek-V3 checkpoint lays its rotary rows out in
+    pairs, as every DeepSeek-V2 checkpoint does."""
+    arch = arch or natural_architecture(config)
+    if arch in DEEPSEEK:
+        return deepseek_from_hf_state(hf, config, rope_interleave or arch == "deepseek_v2", arch)
     state = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     state["output.weight"] = hf["model.embed_tokens.weight"] if config.tie_embeddings else hf["lm_head.weight"]
     for index in range(config.n_layers):

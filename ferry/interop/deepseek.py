@@ -1,14 +1,20 @@
-"""DeepSeek-V3 (`DeepseekV3ForCausalLM`): the transformers architecture of ferry's MLA models.
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`) and DeepSeek-V2 (`DeepseekV2ForCausalLM`): the transformers
+architectures of ferry's MLA models.
 
-It routes with sigmoid scores plus a per-expert correction bias for the choice only (ferry's bias
-balancing, whose bias it stores as `e_score_correction_bias`), group-limited as ferry's router,
-with normalised and scaled top-k weights; its shared experts are one SwiGLU of `n_shared_experts`
-expert widths (ferry's `shared_expert_ffn_dim`); its first `first_k_dense_replace` layers are dense.
+DeepSeek-V3 routes with sigmoid scores plus a per-expert correction bias for the choice only (ferry's bias
+balancing, whose bias it stores as `e_score_correction_bias`), group-limited as ferry's router (a group
+ranked by the sum of its two best experts), with normalised and scaled top-k weights. DeepSeek-V2 routes
+with a softmax and no bias, its top-k weights scaled but never renormalised (transformers' router ignores
+`norm_topk_prob`), either over every expert (`topk_method: greedy`) or within the `topk_group` groups whose
+best expert scores highest (`group_limited_greedy`: ferry's `group_score: max`). Both have shared experts
+of `n_shared_experts` expert widths (ferry's `shared_expert_ffn_dim`) and dense first
+`first_k_dense_replace` layers, and the same attention and expert weight names.
 
-RoPE: DeepSeek's checkpoints lay each rotary slice out in interleaved pairs (`rope_interleave`),
-which rotates exactly as rotate-half does after the slice's even dimensions are moved before its
-odd ones. ferry rotates halves: an export says `rope_interleave: false`, an import of an interleaved
-checkpoint moves those weight rows once.
+RoPE: DeepSeek's checkpoints lay each rotary slice out in interleaved pairs (V3's `rope_interleave`; V2
+always, its rotation a complex product of pairs), which rotates exactly as rotate-half does after the
+slice's even dimensions are moved before its odd ones. ferry rotates halves: a V3 export says
+`rope_interleave: false`, a V2 export moves the rotary weight rows back into pairs, and an import of an
+interleaved checkpoint moves them once into halves.
 """
 
 from __future__ import annotations
@@ -21,84 +27,116 @@ from ferry.model.variants.mla import MultiHeadLatentAttention
 LATENT_NORM_EPS = 1e-6  # transformers builds DeepSeek-V3's latent norms with this eps, whatever rms_norm_eps is
 
 
-def deepseek_refusals(config: ModelConfig, expert_bias_nonzero: bool) -> list[str]:
-    """Every reason `config` cannot be written as DeepSeek-V3, each naming the ferry field."""
+def deepseek_refusals(config: ModelConfig, expert_bias_nonzero: bool, arch: str = "deepseek_v3") -> list[str]:
+    """Every reason `config` cannot be written as `arch` (DeepSeek-V3 or V2), each naming the ferry field."""
     moe, problems = config.moe, []
     if config.attention_gate != "none":
         problems.append(
             f"model.attention_gate {config.attention_gate!r}: transformers has no gated MLA model; "
             "keep the checkpoint in ferry's format (or train with attention_gate: none)"
         )
-    if moe.score_func != "sigmoid":
-        problems.append(f"model.moe.score_func: deepseek_v3 routes with a sigmoid, the model uses {moe.score_func}")
     if moe.shared_expert_ffn_dim % moe.expert_ffn_dim:
         problems.append(
-            f"model.moe.shared_expert_ffn_dim {moe.shared_expert_ffn_dim}: deepseek_v3's shared experts are a "
+            f"model.moe.shared_expert_ffn_dim {moe.shared_expert_ffn_dim}: {arch}'s shared experts are a "
             f"whole number of expert widths ({moe.expert_ffn_dim})"
         )
+    if config.mla.latent_norm_eps != LATENT_NORM_EPS:
+        problems.append(f"model.mla.latent_norm_eps: {arch}'s latent norms use {LATENT_NORM_EPS}")
+    if arch == "deepseek_v2":
+        return problems + _v2_routing_refusals(config, expert_bias_nonzero)
+    if moe.score_func != "sigmoid":
+        problems.append(f"model.moe.score_func: deepseek_v3 routes with a sigmoid, the model uses {moe.score_func}")
     if moe.num_experts // moe.n_group < 2:
         problems.append("model.moe.n_group: deepseek_v3 scores a group by its two best experts; give each group two")
+    if moe.n_group > 1 and moe.group_score != "top2_sum":
+        problems.append("model.moe.group_score: deepseek_v3 ranks a group by its two best experts (top2_sum)")
     if expert_bias_nonzero and not moe.bias_balancing.enabled:
         problems.append("model.moe.bias_balancing: the bias is not zero but unused here, and deepseek_v3 would use it")
-    if config.mla.latent_norm_eps != LATENT_NORM_EPS:
-        problems.append(f"model.mla.latent_norm_eps: deepseek_v3's latent norms use {LATENT_NORM_EPS}")
     return problems
 
 
-def deepseek_hf_config(config: ModelConfig, common: dict):
-    """transformers' `DeepseekV3Config` for `config`; `common` holds the fields every architecture shares."""
-    from transformers import DeepseekV3Config
+def _v2_routing_refusals(config: ModelConfig, expert_bias_nonzero: bool) -> list[str]:
+    moe, problems = config.moe, []
+    if moe.score_func != "softmax":
+        problems.append(f"model.moe.score_func: deepseek_v2 routes with a softmax, the model uses {moe.score_func}")
+    if moe.renormalize:
+        problems.append("model.moe.renormalize: transformers' deepseek_v2 never renormalises the top-k weights")
+    if moe.topk_group < moe.n_group and moe.group_score != "max":
+        problems.append("model.moe.group_score: deepseek_v2 ranks a group by its best expert (max)")
+    if expert_bias_nonzero:
+        problems.append("model.moe.bias_balancing: deepseek_v2 has no expert-choice bias, and this model's is not zero")
+    return problems
+
+
+def deepseek_hf_config(config: ModelConfig, common: dict, arch: str = "deepseek_v3"):
+    """transformers' `DeepseekV3Config` (or `DeepseekV2Config`) for `config`; `common` holds the fields every
+    architecture shares."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
 
     moe = config.moe
     fields = {key: value for key, value in common.items() if key != "num_experts"}
-    return DeepseekV3Config(
-        **fields,
+    shared = dict(
         n_routed_experts=moe.num_experts,
         intermediate_size=config.dense_ffn_dim,
         moe_intermediate_size=moe.expert_ffn_dim,
         n_shared_experts=moe.shared_expert_ffn_dim // moe.expert_ffn_dim,
         routed_scaling_factor=moe.routed_scaling_factor,
-        n_group=moe.n_group,
-        topk_group=moe.topk_group,
         first_k_dense_replace=config.dense_layers,
-        num_mtp_layers=0,
     )
+    if arch == "deepseek_v2":
+        limited = moe.topk_group < moe.n_group
+        return DeepseekV2Config(
+            **fields,
+            **shared,
+            topk_method="group_limited_greedy" if limited else "greedy",
+            n_group=moe.n_group if limited else None,
+            topk_group=moe.topk_group if limited else None,
+        )
+    return DeepseekV3Config(**fields, **shared, n_group=moe.n_group, topk_group=moe.topk_group, num_mtp_layers=0)
 
 
 def deepseek_model_fields(hf) -> dict:
     """The ferry model fields (beyond those every architecture shares and its attention's) a `DeepseekV3Config`
-    describes. Its multi-token-prediction modules (`num_mtp_layers`) serve speculative decoding only;
-    transformers' causal LM leaves them out of its forward and its weights, and so does ferry."""
-    routed = hf.n_routed_experts
+    or `DeepseekV2Config` describes. V3's multi-token-prediction modules (`num_mtp_layers`) serve speculative
+    decoding only; transformers' causal LM leaves them out of its forward and its weights, and so does ferry."""
+    moe = {
+        "num_experts": hf.n_routed_experts,
+        "top_k": hf.num_experts_per_tok,
+        "expert_ffn_dim": hf.moe_intermediate_size,
+        "shared_expert_ffn_dim": hf.n_shared_experts * hf.moe_intermediate_size,
+        "routed_scaling_factor": float(hf.routed_scaling_factor),
+        "aux_loss_coef": float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0),
+    }
+    if hf.model_type == "deepseek_v2":
+        limited = hf.topk_method == "group_limited_greedy"
+        moe.update(score_func="softmax", renormalize=False)
+        if limited:
+            moe.update(n_group=hf.n_group, topk_group=hf.topk_group, group_score="max")
+    else:
+        moe.update(
+            score_func="sigmoid", renormalize=bool(hf.norm_topk_prob), n_group=hf.n_group or 1,
+            topk_group=hf.topk_group or 1, bias_balancing={"enabled": True},
+        )
     return {
         "dense_layers": min(hf.first_k_dense_replace or 0, hf.num_hidden_layers),
         "dense_ffn_dim": hf.intermediate_size,
-        "moe": {
-            "num_experts": routed,
-            "top_k": hf.num_experts_per_tok,
-            "expert_ffn_dim": hf.moe_intermediate_size,
-            "score_func": "sigmoid",
-            "renormalize": bool(hf.norm_topk_prob),
-            "shared_expert_ffn_dim": hf.n_shared_experts * hf.moe_intermediate_size,
-            "n_group": hf.n_group or 1,
-            "topk_group": hf.topk_group or 1,
-            "routed_scaling_factor": float(hf.routed_scaling_factor),
-            "bias_balancing": {"enabled": True},
-            "aux_loss_coef": float(getattr(hf, "router_aux_loss_coef", 0.0)),
-        },
+        "moe": moe,
     }
 
 
-def deepseek_to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """ferry's state dict under DeepSeek-V3's names."""
+def deepseek_to_hf_state(
+    state: dict[str, torch.Tensor], config: ModelConfig, arch: str = "deepseek_v3"
+) -> dict[str, torch.Tensor]:
+    """ferry's state dict under DeepSeek-V3's (or V2's) names; for V2, the rotary rows in interleaved pairs."""
     hf = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
     if not config.tie_embeddings:
         hf["lm_head.weight"] = state["output.weight"]
     for index in range(config.n_layers):
         ours, theirs = f"layers.{index}.", f"model.layers.{index}."
-        for name, hf_name in _layer_names(index < config.dense_layers).items():
+        attention = _interleaved_order(state, ours + "attn.", config) if arch == "deepseek_v2" else {}
+        for name, hf_name in _layer_names(index < config.dense_layers, arch).items():
             if ours + name in state:
-                hf[theirs + hf_name] = state[ours + name]
+                hf[theirs + hf_name] = attention.get(ours + name, state[ours + name])
         if index >= config.dense_layers:
             experts = ours + "ffn.experts."
             gate_up = torch.cat([state[experts + "w_gate_EFD"], state[experts + "w_up_EFD"]], dim=1)
@@ -110,16 +148,19 @@ def deepseek_to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) ->
 
 
 def deepseek_from_hf_state(
-    hf: dict[str, torch.Tensor], config: ModelConfig, interleaved: bool
+    hf: dict[str, torch.Tensor], config: ModelConfig, interleaved: bool, arch: str = "deepseek_v3"
 ) -> dict[str, torch.Tensor]:
-    """DeepSeek-V3's state dict under ferry's names; `interleaved` rotary rows are moved to rotate-half order."""
+    """DeepSeek-V3's (or V2's) state dict under ferry's names; `interleaved` rotary rows are moved to
+    rotate-half order. V2 has no expert-choice bias: the routers' are zero."""
     state = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     state["output.weight"] = hf["model.embed_tokens.weight"] if config.tie_embeddings else hf["lm_head.weight"]
     for index in range(config.n_layers):
         ours, theirs = f"layers.{index}.", f"model.layers.{index}."
-        for name, hf_name in _layer_names(index < config.dense_layers).items():
+        for name, hf_name in _layer_names(index < config.dense_layers, arch).items():
             if theirs + hf_name in hf and hf[theirs + hf_name].numel():  # no empty shared experts: ferry has none
                 state[ours + name] = hf[theirs + hf_name]
+        if index >= config.dense_layers and arch == "deepseek_v2":
+            state[ours + "ffn.router.expert_bias_E"] = torch.zeros(config.moe.num_experts, dtype=torch.float32)
         if index >= config.dense_layers:
             gate_up = hf[theirs + "mlp.experts.gate_up_proj"]
             width = gate_up.shape[1] // 2
@@ -133,15 +174,34 @@ def deepseek_from_hf_state(
 def _rotate_half_order(state: dict[str, torch.Tensor], attn: str, config: ModelConfig) -> None:
     """Move the rows that make each rotary slice from interleaved pairs (x0, x1, x2, ...) to (x0, x2, ..., x1,
     x3, ...): the query's per head, the shared key's once."""
+    state.update(_reordered_rotary(state, attn, config, _halves_R(config.mla.qk_rope_head_dim)))
+
+
+def _interleaved_order(state: dict[str, torch.Tensor], attn: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The query and latent projections with each rotary slice's rows moved from rotate-half order back into
+    interleaved pairs (the inverse of `_rotate_half_order`), under ferry's names."""
+    return _reordered_rotary(state, attn, config, torch.argsort(_halves_R(config.mla.qk_rope_head_dim)))
+
+
+def _halves_R(rope: int) -> torch.Tensor:
+    """The interleaved rows in rotate-half order: the even ones, then the odd ones."""
+    return torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+
+
+def _reordered_rotary(
+    state: dict[str, torch.Tensor], attn: str, config: ModelConfig, order_R: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The query projection's and the key/value latent projection's weights with the rows of every rotary slice
+    taken in `order_R`."""
     mla = config.mla
-    rope = mla.qk_rope_head_dim
-    order_R = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
     query = attn + ("wq_b.weight" if mla.q_lora_rank else "wq.weight")
     q_HKI = state[query].view(config.n_heads, mla.qk_head_dim, -1)
     nope = mla.qk_nope_head_dim
-    state[query] = torch.cat([q_HKI[:, :nope], q_HKI[:, nope:][:, order_R]], dim=1).flatten(0, 1)
     kv = state[attn + "wkv_a.weight"]
-    state[attn + "wkv_a.weight"] = torch.cat([kv[: mla.kv_lora_rank], kv[mla.kv_lora_rank :][order_R]])
+    return {
+        query: torch.cat([q_HKI[:, :nope], q_HKI[:, nope:][:, order_R]], dim=1).flatten(0, 1),
+        attn + "wkv_a.weight": torch.cat([kv[: mla.kv_lora_rank], kv[mla.kv_lora_rank :][order_R]]),
+    }
 
 
 _EMPTY_SHARED = {
@@ -151,8 +211,9 @@ _EMPTY_SHARED = {
 }
 
 
-def _layer_names(dense: bool) -> dict[str, str]:
-    """ferry's names of a layer's tensors (those a layer has) against DeepSeek-V3's (the attention's: MLA's)."""
+def _layer_names(dense: bool, arch: str = "deepseek_v3") -> dict[str, str]:
+    """ferry's names of a layer's tensors (those a layer has) against DeepSeek-V3's or V2's (the attention's:
+    MLA's); V2 has no expert-choice bias."""
     names = {
         "attn_norm.weight": "input_layernorm.weight",
         "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -161,10 +222,11 @@ def _layer_names(dense: bool) -> dict[str, str]:
     if dense:
         return {**names, "ffn.w_gate.weight": "mlp.gate_proj.weight", "ffn.w_up.weight": "mlp.up_proj.weight",
                 "ffn.w_down.weight": "mlp.down_proj.weight"}
+    bias = {"ffn.router.expert_bias_E": "mlp.gate.e_score_correction_bias"} if arch == "deepseek_v3" else {}
     return {
         **names,
         "ffn.router.weight_ED": "mlp.gate.weight",
-        "ffn.router.expert_bias_E": "mlp.gate.e_score_correction_bias",
+        **bias,
         "ffn.experts.w_down_EDF": "mlp.experts.down_proj",
         "ffn.shared_expert.w_gate.weight": "mlp.shared_experts.gate_proj.weight",
         "ffn.shared_expert.w_up.weight": "mlp.shared_experts.up_proj.weight",

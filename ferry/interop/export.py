@@ -82,7 +82,7 @@ def export_checkpoint(
     hf = hf_config(config, arch, fast_tokenizer.eos_token_id, _DTYPE_NAMES[dtype])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf, dtype=DTYPES[dtype])
-    hf_state = {name: tensor.to(DTYPES[dtype]) for name, tensor in to_hf_state(state, config).items()}
+    hf_state = {name: tensor.to(DTYPES[dtype]) for name, tensor in to_hf_state(state, config, arch).items()}
     model.load_state_dict(hf_state, strict=not config.tie_embeddings, assign=True)
     if config.tie_embeddings:
         model.tie_weights()

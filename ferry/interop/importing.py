@@ -62,7 +62,7 @@ def read_hf_dir(hf_dir: Path) -> tuple[ModelConfig, str, dict[str, torch.Tensor]
             hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
     except (OSError, ValueError, SafetensorError) as exc:  # a truncated weights file is the last of these
         raise UserError(f"{hf_dir}: transformers cannot load its weights: {_first_line(exc)}") from None
-    state = from_hf_state(hf_model.state_dict(), config, bool(getattr(hf_config, "rope_interleave", False)))
+    state = from_hf_state(hf_model.state_dict(), config, bool(getattr(hf_config, "rope_interleave", False)), arch)
     expected = set(Transformer(config).state_dict())
     if set(state) != expected:
         raise UserError(f"{hf_dir} does not hold the tensors its config describes: {sorted(expected ^ set(state))[:4]}")

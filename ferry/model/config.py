@@ -34,6 +34,10 @@ class MoEConfig(Section):
     )
     n_group: int = Field(1, ge=1, description="group-limited routing: the experts split into this many groups")
     topk_group: int = Field(1, ge=1, description="a token chooses its experts within this many best groups")
+    group_score: Literal["top2_sum", "max"] = Field(
+        "top2_sum",
+        description="what ranks a group: the sum of its two best experts' scores (DeepSeek-V3) or its best (V2)",
+    )
     routed_scaling_factor: float = Field(1.0, gt=0.0, description="the routed experts' weights multiplied by this")
 
     @field_validator("top_k")

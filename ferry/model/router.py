@@ -54,7 +54,7 @@ class Router(nn.Module):
         self.top_k = config.top_k
         self.score_func = config.score_func
         self.renormalize = config.renormalize
-        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.n_group, self.topk_group, self.group_score = config.n_group, config.topk_group, config.group_score
         self.routed_scaling_factor = config.routed_scaling_factor
         self.bias_update_rate = config.bias_balancing.update_rate if config.bias_balancing.enabled else 0.0
         self.weight_ED = nn.Parameter(torch.empty(config.num_experts, dim))
@@ -74,7 +74,7 @@ class Router(nn.Module):
         with torch.no_grad():
             choice_TE = scores_TE + self.expert_bias_E if self.bias_update_rate else scores_TE
             if self.topk_group < self.n_group:
-                choice_TE = within_best_groups(choice_TE, self.n_group, self.topk_group)
+                choice_TE = within_best_groups(choice_TE, self.n_group, self.topk_group, self.group_score)
             expert_ids_TK = choice_TE.topk(self.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(1, expert_ids_TK)
         if self.renormalize:
@@ -160,16 +160,20 @@ class Router(nn.Module):
         self.expert_bias_E += self.bias_update_rate * torch.sign(load_E.mean() - load_E)
 
 
-def within_best_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+def within_best_groups(
+    choice_TE: torch.Tensor, n_group: int, topk_group: int, group_score: str = "top2_sum"
+) -> torch.Tensor:
     """The choice scores with every expert outside a token's `topk_group` best groups set to -inf.
 
     The experts split into `n_group` equal groups (on DeepSeek-V3, the experts of one node), a group
-    scoring the sum of its two best experts' choice scores, as DeepSeek-V3 does: a token then reaches at
-    most `topk_group` groups, which bounds how many nodes its dispatch talks to.
+    scoring the sum of its two best experts' choice scores, as DeepSeek-V3 does, or its best expert's
+    (`group_score: max`, DeepSeek-V2's group-limited greedy choice): a token then reaches at most
+    `topk_group` groups, which bounds how many nodes its dispatch talks to.
     """
     tokens, num_experts = choice_TE.shape
     grouped_TGX = choice_TE.view(tokens, n_group, num_experts // n_group)
-    group_scores_TG = grouped_TGX.topk(min(2, grouped_TGX.shape[-1]), dim=-1).values.sum(dim=-1)
+    best = 1 if group_score == "max" else min(2, grouped_TGX.shape[-1])
+    group_scores_TG = grouped_TGX.topk(best, dim=-1).values.sum(dim=-1)
     best_TJ = group_scores_TG.topk(topk_group, dim=-1).indices
     kept_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, best_TJ, True)
     return grouped_TGX.masked_fill(~kept_TG[:, :, None], float("-inf")).view(tokens, num_experts)

@@ -5,8 +5,8 @@
 The train state is a real MoE model (84M parameters) with its AdamW moments after one
 step: 1.0 GB of tensors. Save is `save_checkpoint` (safetensors files, fsync, sha256 and
 xxh3-128, manifest, rename); load is what a resume does (check every file's digest, by default
-xxh3-128, then read into the live model and a fresh optimizer, whose moments it allocates,
-as `np.fromfile` allocates its arrays). `load_sha256` is the same load checking sha256
+xxh3-128, reading the live model's weights and a fresh optimizer's moments, which it allocates as
+`np.fromfile` allocates its arrays, in place as each file hashes: `resume_prefetch`). `load_sha256` is the same load checking sha256
 instead (`checkpoint.verify: sha256`). The baseline writes the same tensors' bytes to one file with
 `ndarray.tofile` and an fsync, and reads them back with `np.fromfile`.
 
@@ -40,10 +40,10 @@ from ferry.model import ModelConfig, MoEConfig, Transformer
 from ferry.comm import DistContext
 from ferry.parallel import ParallelConfig, build_plan
 from ferry.train.checkpointing import (
-    optimizer_prefetch,
     optimizer_record,
     restore_model,
     restore_optimizer,
+    resume_prefetch,
     train_state_pieces,
 )
 from ferry.train.optimizer import decayed_parameter_names
@@ -166,7 +166,7 @@ def _load(
     """Verify by `digest`, then restore into `model` and the stateless `optimizer`, as a resume does; appends
     the verification time (which includes reading the moments into the fresh optimizer state) to `split`."""
     started = time.perf_counter()
-    with verify_checkpoint(path, optimizer_prefetch(model, optimizer, plan), digests=(digest,)) as checkpoint:
+    with verify_checkpoint(path, resume_prefetch(model, optimizer, plan), digests=(digest,)) as checkpoint:
         split.append(time.perf_counter() - started)
         restore_model(checkpoint, model, plan)
         restore_optimizer(checkpoint, model, optimizer, plan)

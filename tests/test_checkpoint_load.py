@@ -27,6 +27,7 @@ from ferry.model import ModelConfig, MoEConfig, Transformer
 from ferry.parallel import ParallelConfig, build_plan
 from ferry.train.checkpointing import (
     optimizer_prefetch,
+    resume_prefetch,
     optimizer_record,
     restore_model,
     restore_optimizer,
@@ -315,3 +316,42 @@ def test_two_ranks_skip_a_checkpoint_only_one_of_them_finds_corrupt(tmp_path):
         assert step == 1
         assert len(skipped) == 1 and victim.name in skipped[0]
     assert "found by rank 1" in results[0][1][0] and "found by rank" not in results[1][1][0]
+
+
+def test_a_resume_reads_the_models_weights_in_place_while_it_verifies(tmp_path):
+    """With `resume_prefetch`, checking the files fills the live weights (and the moments): every byte is read
+    from the disk once, and `restore_model` has nothing left to read for the weights held whole here."""
+    model_config = ModelConfig(
+        vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, max_seq_len=8,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=8),
+    )
+    torch.manual_seed(0)
+    model = Transformer(model_config)
+    plan = build_plan(ParallelConfig(), DistContext(rank=0, world_size=1, local_rank=0, backend=None), model, "cpu")
+    optimizer = plan.build_optimizer(decayed_parameter_names(model), 0.1, zero=False, lr=1e-2)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    saved = {name: value.clone() for name, value in model.state_dict().items()}
+    pieces = train_state_pieces(model, optimizer, plan, torch.device("cpu"))
+    path = save_checkpoint(tmp_path, pieces, _meta(train_state={"optimizer": optimizer_record(model, optimizer)}))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    resumed = plan.build_optimizer(decayed_parameter_names(model), 0.1, zero=False, lr=1e-2)
+    live = model.state_dict()
+    with verify_checkpoint(path, resume_prefetch(model, resumed, plan)) as checkpoint:
+        for name, value in live.items():
+            assert checkpoint.prefetched(f"model.{name}").data_ptr() == value.data_ptr(), name
+            assert torch.equal(value, saved[name]), name  # filled by the verification alone
+        marker = live["norm.weight"]
+        marker.add_(1.0)  # restore_model reads no weight again: the mark stays
+        restore_model(checkpoint, model, plan)
+        restore_optimizer(checkpoint, model, resumed, plan)
+        assert torch.equal(marker, saved["norm.weight"] + 1.0)
+        marker.sub_(1.0)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            assert torch.equal(resumed.state[param][key], value)

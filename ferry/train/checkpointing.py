@@ -180,7 +180,11 @@ def restore_model(checkpoint: Checkpoint, model: nn.Module, plan: ParallelPlan) 
             f"{checkpoint.path} does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     with torch.no_grad():
-        boxes = [_box(checkpoint, MODEL + name, _piece(name, tensor, plan)) for name, tensor in targets.items()]
+        boxes = [
+            _box(checkpoint, MODEL + name, _piece(name, tensor, plan))
+            for name, tensor in targets.items()
+            if not _same_memory(checkpoint.prefetched(MODEL + name), tensor)  # read in place while it was hashed
+        ]
         checkpoint.read_many(boxes)
 
 
@@ -220,6 +224,29 @@ def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer, plan:
     checkpoint.read_many(boxes)
     optimizer.state.clear()
     optimizer.state.update(state)
+
+
+def resume_prefetch(model: nn.Module, optimizer, plan: ParallelPlan) -> Prefetch:
+    """What the verification of a checkpoint a run resumes from may read in place as it hashes each file: the
+    optimizer's fresh moments (`optimizer_prefetch`) and the model's own weights and buffers held whole on this
+    rank's CPU, so that every byte of those files is read from the disk once.
+
+    The weights themselves may be written before the whole checkpoint is known to be valid: a run that
+    resumes builds its model without drawing it (`draw_deferred_weights`), and a checkpoint that fails its
+    check is followed by an older one, or by the drawn weights, each of which replaces every weight."""
+    moments = optimizer_prefetch(model, optimizer, plan)
+    whole_on_cpu = {
+        MODEL + name: tensor
+        for name, tensor in model.state_dict().items()
+        if not isinstance(tensor, DTensor)
+        and _piece(name, tensor, plan).global_shape == tuple(tensor.shape)
+        and tensor.device.type == "cpu"
+    }
+
+    def in_place(manifest: Manifest) -> dict[str, torch.Tensor]:
+        return {**moments(manifest), **whole_on_cpu}
+
+    return in_place
 
 
 def optimizer_prefetch(model: nn.Module, optimizer, plan: ParallelPlan) -> Prefetch:
@@ -293,6 +320,15 @@ def _box(checkpoint: Checkpoint, name: str, piece: TensorPiece) -> tuple[str, to
     if stored != list(piece.global_shape):
         raise CheckpointError(f"{checkpoint.path}: {name} is stored as {stored}, this model has {list(piece.global_shape)}")
     return name, piece.local, piece.offset
+
+
+def _same_memory(value: torch.Tensor | None, tensor: torch.Tensor) -> bool:
+    """Whether `value` is `tensor`'s own memory (a state dict hands out new views of the same storage)."""
+    return (
+        value is not None
+        and value.data_ptr() == tensor.data_ptr()
+        and (value.shape, value.stride(), value.dtype) == (tensor.shape, tensor.stride(), tensor.dtype)
+    )
 
 
 def _adoptable(value: torch.Tensor | None, tensor: torch.Tensor, piece: TensorPiece) -> bool:

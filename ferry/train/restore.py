@@ -30,11 +30,11 @@ from ferry.train.checkpointing import (
     check_config,
     copy_into_piece,
     optimizer_kind,
-    optimizer_prefetch,
     optimizer_record,
     restore_model,
     restore_optimizer,
     restore_rng,
+    resume_prefetch,
     shared_verification,
     train_state_pieces,
 )
@@ -208,7 +208,7 @@ def resume_from(
     if resume is None:
         return None, state, [], {}
     started = time.perf_counter()
-    prefetch = optimizer_prefetch(model.model, model.optimizer, model.plan)
+    prefetch = resume_prefetch(model.model, model.optimizer, model.plan)
     found = find_resume_point(
         resume,
         config.checkpoint.path(config.run.path),

@@ -1,5 +1,6 @@
 """Export to transformers: logits of the exported OLMoE / Qwen3-MoE equal ferry's for odd configs (GQA,
-top-k 1 and 3, renormalised or not, tied and untied, dense first layers, YaRN and linear RoPE scaling),
+top-k 1 and 3, renormalised or not, tied and untied, dense first layers, YaRN (with its ramp's ends rounded
+or exact) and linear RoPE scaling),
 a trained checkpoint loads
 with AutoModelForCausalLM and AutoTokenizer in a fresh process without network, and configs the
 target cannot express are refused (exit 2) before anything is written."""
@@ -34,6 +35,12 @@ CASES = {
     "olmoe-yarn-x4": (
         "olmoe",
         dict(n_kv_heads=2, rope_theta=500.0, rope_scaling=dict(kind="yarn", factor=4.0, original_max_seq_len=16),
+             moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16)),
+    ),
+    "qwen3-yarn-x8-untruncated": (  # GPT-OSS's YaRN: the ramp's ends not rounded to whole dimensions
+        "qwen3_moe",
+        dict(n_kv_heads=2, qk_norm_scope="head", rope_theta=500.0,
+             rope_scaling=dict(kind="yarn", factor=8.0, original_max_seq_len=32, truncate=False),
              moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16)),
     ),
     "qwen3-linear-x2": (

@@ -39,6 +39,19 @@ def test_a_document_packed_between_others_gives_its_logits_alone():
     assert (unmasked - alone).abs().max() > 1e-3, "without the mask the middle document sees the first"
 
 
+def test_yarn_without_truncation_keeps_the_ramps_ends_exact():
+    """`truncate: false` (GPT-OSS) ramps between the exact dimensions where the frequencies turn beta_fast and
+    beta_slow times; the default rounds them outward to whole dimensions, which moves the middle frequencies."""
+    exact = RopeScalingConfig(kind="yarn", factor=8.0, original_max_seq_len=16, truncate=False)
+    rounded = RopeScalingConfig(kind="yarn", factor=8.0, original_max_seq_len=16)
+    untruncated = scaled_inverse_frequencies(16, 1000.0, exact)
+    truncated = scaled_inverse_frequencies(16, 1000.0, rounded)
+    assert not torch.allclose(untruncated, truncated)
+    torch.testing.assert_close(untruncated[[0, -1]], truncated[[0, -1]])  # the ends: kept and interpolated alike
+    with pytest.raises(ValueError, match="truncate: false shapes yarn's ramp"):
+        RopeScalingConfig(kind="linear", factor=2.0, truncate=False)
+
+
 def test_linear_scaling_divides_every_frequency_and_yarn_keeps_the_fast_ones():
     plain = scaled_inverse_frequencies(16, 10000.0, RopeScalingConfig())
     linear = scaled_inverse_frequencies(16, 10000.0, RopeScalingConfig(kind="linear", factor=4.0))

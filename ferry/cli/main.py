@@ -136,7 +136,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "local Ray on this machine's CPUs, or --workers N of them, or the cluster at --address); the same dataset",
     )
     prepare.add_argument(
-        "--address", default=None, help="with --engine ray: the running Ray cluster to join (e.g. ray://head:10001)"
+        "--address", default=None,
+        help="with --engine ray: the running Ray cluster to join (its head's host:port, e.g. head:6379, or auto on a "
+        "node of the cluster)",
     )
     prepare.add_argument(
         "--retries", type=int, default=None, metavar="R",

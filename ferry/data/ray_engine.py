@@ -109,13 +109,12 @@ def _start(ray, engine: RayEngine) -> None:
 
 
 def _check_listening(address: str) -> None:
-    """A `host:port` or `ray://host:port` address refused at once when nothing answers there (`auto` is Ray's
-    to find)."""
+    """A `host:port` address refused at once when nothing answers there (`auto` is Ray's to find)."""
     if address == "auto":
         return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise UserError(f"--address {address!r}: expected host:port, ray://host:port or auto")
+        raise UserError(f"--address {address!r}: expected the head's host:port (e.g. head:6379) or auto")
     try:
         socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S).close()
     except OSError as exc:

@@ -119,7 +119,7 @@ def _rope_parameters(config: ModelConfig) -> dict:
     return {
         "rope_type": "yarn", "rope_theta": config.rope_theta, "factor": scaling.factor,
         "original_max_position_embeddings": scaling.original_max_seq_len, "beta_fast": scaling.beta_fast,
-        "beta_slow": scaling.beta_slow, "truncate": True, **deepseek_magnitudes,
+        "beta_slow": scaling.beta_slow, "truncate": scaling.truncate, **deepseek_magnitudes,
     }
 
 
@@ -134,14 +134,14 @@ def _rope_scaling(rope: dict, problems: list[str], arch: str) -> dict:
     if kind == "yarn":
         own = ("attention_factor",) if arch in DEEPSEEK else ("attention_factor", "mscale", "mscale_all_dim")
         custom = [key for key in own if rope.get(key) is not None]
-        if custom or rope.get("truncate", True) is not True:
-            problems.append(f"rope_parameters {custom or ['truncate']}: ferry's YaRN has the paper's attention factor")
+        if custom:
+            problems.append(f"rope_parameters {custom}: ferry's YaRN has the paper's attention factor")
         magnitudes = {key: float(rope[key]) for key in ("mscale", "mscale_all_dim") if rope.get(key)}
         return {
             "kind": "yarn", "factor": float(rope["factor"]),
             "original_max_seq_len": int(rope["original_max_position_embeddings"]),
             "beta_fast": float(rope.get("beta_fast") or 32.0), "beta_slow": float(rope.get("beta_slow") or 1.0),
-            **magnitudes,
+            "truncate": rope.get("truncate") is not False, **magnitudes,
         }
     problems.append(f"rope_parameters.rope_type {kind!r}: ferry has default, linear and yarn RoPE")
     return {"kind": "none"}

@@ -40,7 +40,8 @@ def scaled_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling
 
     YaRN's ramp runs over the dimensions between the ones that turn `beta_fast` and
     `beta_slow` times over the original length, `d(r) = C ln(L / (2 pi r)) / (2 ln theta)`,
-    floored and ceiled as in the paper's reference code (and transformers).
+    floored and ceiled as in the paper's reference code (and transformers), or exact with
+    `truncate: false` (GPT-OSS's form).
     """
     inv_freq_C2 = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling.kind == "linear":
@@ -51,8 +52,10 @@ def scaled_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling
         def dimension(rotations: float) -> float:
             return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-        low = max(math.floor(dimension(scaling.beta_fast)), 0)
-        high = min(math.ceil(dimension(scaling.beta_slow)), head_dim - 1)
+        low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
         high = high + 0.001 if low == high else high
         ramp_C2 = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0.0, 1.0)
         keep_C2 = 1.0 - ramp_C2  # 1: the frequency is kept (extrapolated), 0: interpolated

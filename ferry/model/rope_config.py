@@ -29,11 +29,18 @@ class RopeScalingConfig(Section):
     beta_slow: float = Field(1.0, gt=0.0)
     mscale: float | None = Field(None, gt=0.0, description="yarn, DeepSeek's form: see `attention_factor`")
     mscale_all_dim: float | None = Field(None, gt=0.0, description="yarn, DeepSeek's form: see `softmax_factor`")
+    truncate: bool = Field(
+        True,
+        description="yarn: round the ramp's ends to whole dimensions (floor and ceiling), as the paper's code does; "
+        "false keeps them exact, as GPT-OSS is trained",
+    )
 
     @model_validator(mode="after")
     def _yarn_knows_its_origin(self) -> "RopeScalingConfig":
         if self.kind == "yarn" and self.original_max_seq_len is None:
             raise ValueError("yarn needs original_max_seq_len (the length the model was trained at)")
+        if self.kind != "yarn" and not self.truncate:
+            raise ValueError("truncate: false shapes yarn's ramp (kind: yarn)")
         if self.kind != "yarn" and (self.mscale is not None or self.mscale_all_dim is not None):
             raise ValueError("mscale and mscale_all_dim belong to yarn scaling (kind: yarn)")
         return self

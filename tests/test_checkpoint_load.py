@@ -198,7 +198,9 @@ def test_hash_and_fill_gives_the_file_digests_and_refuses_ranges_that_skip_or_re
         hash_and_fill(huge, {"x": torch.empty(2)}, ("xxh3_128",))
 
 
-def test_a_resume_adopts_the_prefetched_moments_and_restores_exactly(tmp_path):
+def _trained_and_saved(tmp_path):
+    """A tiny MoE after one optimizer step, saved, then its weights zeroed: (model, plan, a fresh optimizer's
+    maker, the optimizer that stepped, the weights as saved, the checkpoint)."""
     model_config = ModelConfig(
         vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, max_seq_len=8,
         moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=8),
@@ -220,7 +222,11 @@ def test_a_resume_adopts_the_prefetched_moments_and_restores_exactly(tmp_path):
     with torch.no_grad():
         for param in model.parameters():
             param.zero_()
+    return model, plan, fresh, optimizer, saved, path
 
+
+def test_a_resume_adopts_the_prefetched_moments_and_restores_exactly(tmp_path):
+    model, plan, fresh, optimizer, saved, path = _trained_and_saved(tmp_path)
     resumed = fresh()
     with verify_checkpoint(path, optimizer_prefetch(model, resumed, plan)) as checkpoint:
         restore_model(checkpoint, model, plan)
@@ -321,24 +327,8 @@ def test_two_ranks_skip_a_checkpoint_only_one_of_them_finds_corrupt(tmp_path):
 def test_a_resume_reads_the_models_weights_in_place_while_it_verifies(tmp_path):
     """With `resume_prefetch`, checking the files fills the live weights (and the moments): every byte is read
     from the disk once, and `restore_model` has nothing left to read for the weights held whole here."""
-    model_config = ModelConfig(
-        vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, max_seq_len=8,
-        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=8),
-    )
-    torch.manual_seed(0)
-    model = Transformer(model_config)
-    plan = build_plan(ParallelConfig(), DistContext(rank=0, world_size=1, local_rank=0, backend=None), model, "cpu")
-    optimizer = plan.build_optimizer(decayed_parameter_names(model), 0.1, zero=False, lr=1e-2)
-    for param in model.parameters():
-        param.grad = torch.randn_like(param)
-    optimizer.step()
-    saved = {name: value.clone() for name, value in model.state_dict().items()}
-    pieces = train_state_pieces(model, optimizer, plan, torch.device("cpu"))
-    path = save_checkpoint(tmp_path, pieces, _meta(train_state={"optimizer": optimizer_record(model, optimizer)}))
-    with torch.no_grad():
-        for param in model.parameters():
-            param.zero_()
-    resumed = plan.build_optimizer(decayed_parameter_names(model), 0.1, zero=False, lr=1e-2)
+    model, plan, fresh, optimizer, saved, path = _trained_and_saved(tmp_path)
+    resumed = fresh()
     live = model.state_dict()
     with verify_checkpoint(path, resume_prefetch(model, resumed, plan)) as checkpoint:
         for name, value in live.items():

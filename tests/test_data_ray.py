@@ -47,7 +47,8 @@ def test_ray_writes_the_dataset_one_process_writes(tmp_path, capsys):
     assert on_ray == alone
 
     capsys.readouterr()
-    assert main(["data", "prepare", str(corpus), "--output", "x", "--engine", "ray", "--tasks", "2", "--task", "1"]) == 2
+    with_tasks = ["--engine", "ray", "--tasks", "2", "--task", "1"]
+    assert main(["data", "prepare", str(corpus), "--output", "x", *with_tasks]) == 2
     assert "--engine ray schedules every part itself" in capsys.readouterr().err
     assert main(["data", "prepare", str(corpus), "--output", "x", "--retries", "2"]) == 2
     assert "--retries is a setting of --engine ray" in capsys.readouterr().err

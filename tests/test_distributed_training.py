@@ -260,7 +260,8 @@ def test_a_chunked_expert_parallel_exchange_trains_as_the_single_exchange(stdlib
 def test_ep_overlap_auto_measures_every_candidate_and_trains_as_the_one_it_keeps(stdlib_dataset, tmp_path):
     """The trial steps restore the run after each candidate, so the run that follows is, bit for bit, the run
     that set the kept candidate from the start; run.json holds every candidate's figures and the choice is the
-    fastest of them."""
+    fastest of them. Each candidate ran its own exchange: the parts and the per-expert exchanges multiply the
+    messages (how much of them overlaps is a timing, measured by benchmarks/ep_overlap.py)."""
     auto = run_on_ranks(
         runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "auto"), "parallel.ep=2", "train.steps=3",
         "parallel.ep_overlap=auto", "parallel.ep_overlap_trial_steps=1",
@@ -269,7 +270,10 @@ def test_ep_overlap_auto_measures_every_candidate_and_trains_as_the_one_it_keeps
     candidates = record["candidates"]
     assert set(candidates) == {"none", "chunked2", "chunked4", "rowwise"} and record["trial_steps"] == 1
     assert record["chosen"] == min(candidates, key=lambda name: candidates[name]["step_s"])
-    assert candidates["none"]["ep_overlap_share"] == 0 and candidates["chunked2"]["ep_overlap_share"] > 0
+    assert candidates["none"]["ep_overlap_share"] == 0
+    assert all(0 <= figures["ep_overlap_share"] <= 1 for figures in candidates.values())
+    exchanges = {name: figures["ep_exchanges"] for name, figures in candidates.items()}
+    assert exchanges["none"] < exchanges["chunked2"] < exchanges["chunked4"] and exchanges["none"] < exchanges["rowwise"]
     kept = {"none": ("parallel.ep_overlap=none",), "chunked2": ("parallel.ep_overlap=chunked",),
             "chunked4": ("parallel.ep_overlap=chunked", "parallel.ep_chunks=4"),
             "rowwise": ("parallel.ep_dispatch=rowwise",)}[record["chosen"]]

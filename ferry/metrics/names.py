@@ -92,6 +92,10 @@ METRICS: tuple[Metric, ...] = (
         "ep_comm_s", "ep_comm_seconds", "time the forward's MoE exchanges (counts, dispatch, combine) were in flight"
     ),
     _step(
+        "ep_exchanges", "ep_exchanges",
+        "MoE exchanges (counts, dispatch, combine) the step's forwards issued: more when chunked or rowwise",
+    ),
+    _step(
         "ep_overlap_share", "ep_overlap_share",
         "share of ep_comm_s the rank computed through: 1 - ep_wait_s / ep_comm_s (0 with ep_overlap: none)",
     ),

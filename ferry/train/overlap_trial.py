@@ -46,7 +46,10 @@ def choose_overlap(trainer: Trainer, steps: int) -> dict:
         snapshot.restore(trainer)
         step_s = statistics.median(record["step_s"] for record in records)
         shares = [record["ep_overlap_share"] or 0.0 for record in records]
-        figures[name] = {"step_s": step_s, "ep_overlap_share": statistics.median(shares)}
+        figures[name] = {
+            "step_s": step_s, "ep_overlap_share": statistics.median(shares),
+            "ep_exchanges": statistics.median(record["ep_exchanges"] for record in records),
+        }
     slowest = model.reductions.largest([figure["step_s"] for figure in figures.values()])
     for figure, step_s in zip(figures.values(), slowest):
         figure["step_s"] = step_s  # the slowest rank's: every rank then picks the same

@@ -284,6 +284,7 @@ class Trainer:
             **metrics.record(times, tokens=outcome.tokens),
             "comm_bytes": comm_bytes,
             "ep_comm_s": ep_comm_s,
+            "ep_exchanges": sum(exchanged[op].calls for op in EP_EXCHANGES if op in exchanged),
             "ep_overlap_share": max(0.0, 1.0 - times.ep_wait_s / ep_comm_s) if ep_comm_s > 0 else None,
             **(exchange_figures(exchanged) if model.plan.cp is not None else {}),
             "optimizer_state_mib": optimizer_state_bytes(model.optimizer) / 2**20,

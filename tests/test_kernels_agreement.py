@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ferry.kernels import REGISTRY, portable_kernels
+from ferry.kernels.activation import GatedActivation
 from ferry.kernels.selection import bind
 from ferry.kernels.vendor import cpu_fused_experts, torch_grouped_mm
 from ferry.config import UserError
@@ -59,6 +60,11 @@ def _inputs(op_name: str, D: int = D, F: int = F) -> tuple[tuple, tuple[int, ...
         "moe.fp8_grouped_mm": ((x_ND.detach(), w_gate_EFD, offsets_E, _recipe("fp8")), (0, 1)),
         "moe.mxfp8_grouped_mm": ((x_ND.detach(), w_gate_EFD, offsets_E, _recipe("mxfp8")), (0, 1)),
         "moe.expert_mlp": ((x_ND.detach(), counts_E, w_gate_EFD, w_up_EFD, w_down_EDF), (0, 2, 3, 4)),
+        "moe.biased_expert_mlp": (
+            (x_ND.detach(), counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, randn(E, F), randn(E, F), randn(E, D),
+             GatedActivation("clamped_swiglu", limit=1.0)),
+            (0, 2, 3, 4, 5, 6, 7),
+        ),
         "moe.combine": ((randn(T * K, D), weights_TK, dispatch), (0, 1)),
         "moe.routed_experts": (
             (x_TD, expert_ids_TK, weights_TK, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF),
@@ -188,6 +194,25 @@ def test_grouped_mm_implementations_agree_with_a_per_row_reference():
     expert_of_N = torch.searchsorted(offsets_E, torch.arange(x_NI.shape[0]), right=True)
     expected = torch.stack([w_EOI[e] @ x for e, x in zip(expert_of_N.tolist(), x_NI)])
     assert _relative_error(portable_kernels()["moe.grouped_mm"](x_NI, w_EOI, offsets_E), expected) < TOLERANCE
+
+
+def test_the_biased_expert_mlp_is_each_rows_own_experts_gpt_oss_mlp_and_without_biases_the_swiglus():
+    """Row by row: its expert's gate and up with their biases, GPT-OSS's clamp and gating, the down projection and
+    its bias; with no biases and the plain activation, exactly `moe.expert_mlp`."""
+    args, _ = _inputs("moe.biased_expert_mlp")
+    x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, activation = args
+    got = portable_kernels()["moe.biased_expert_mlp"](*args)
+    expert_of_N = torch.repeat_interleave(torch.arange(E), counts_E).tolist()
+    rows = []
+    for e, x_D in zip(expert_of_N, x_ND):
+        gate_F = (w_gate_EFD[e] @ x_D + b_gate_EF[e]).clamp(max=1.0)
+        up_F = (w_up_EFD[e] @ x_D + b_up_EF[e]).clamp(-1.0, 1.0)
+        rows.append(w_down_EDF[e] @ (gate_F * torch.sigmoid(1.702 * gate_F) * (up_F + 1)) + b_down_ED[e])
+    assert _relative_error(got, torch.stack(rows)) < TOLERANCE
+    plain = portable_kernels()["moe.biased_expert_mlp"](
+        x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, None, None, None, GatedActivation()
+    )
+    assert torch.equal(plain, portable_kernels()["moe.expert_mlp"](x_ND, counts_E, w_gate_EFD, w_up_EFD, w_down_EDF))
 
 
 def test_torch_grouped_mm_rejects_misaligned_bfloat16_widths_by_name():

@@ -17,7 +17,7 @@ from ferry.model.presets import load_preset, preset_names
 def test_every_preset_has_a_tiny_variant_of_the_same_structure():
     names = preset_names()
     big = [name for name in names if not name.endswith("-tiny")]
-    assert set(big) >= {"olmoe-1b-7b", "qwen3-30b-a3b", "moonlight-16b-a3b", "instella-moe-16b-a3b"}
+    assert set(big) >= {"olmoe-1b-7b", "qwen3-30b-a3b", "moonlight-16b-a3b", "instella-moe-16b-a3b", "gpt-oss-20b"}
     for name in big:
         large, tiny = load_preset(name), load_preset(f"{name}-tiny")
         assert (tiny.attention, tiny.attention_gate, tiny.qk_norm, tiny.qk_norm_scope) == (
@@ -25,6 +25,11 @@ def test_every_preset_has_a_tiny_variant_of_the_same_structure():
         assert (tiny.moe.score_func, tiny.moe.renormalize, bool(tiny.moe.shared_expert_ffn_dim),
                 bool(tiny.dense_layers)) == (large.moe.score_func, large.moe.renormalize,
                                              bool(large.moe.shared_expert_ffn_dim), bool(large.dense_layers)), name
+        parts = ("attention_bias", "attention_sinks", "sliding_window_pattern")
+        assert [getattr(tiny, part) for part in parts] == [getattr(large, part) for part in parts], name
+        assert bool(tiny.sliding_window) == bool(large.sliding_window), name
+        moe_parts = ("router_bias", "expert_biases", "activation")
+        assert [getattr(tiny.moe, part) for part in moe_parts] == [getattr(large.moe, part) for part in moe_parts], name
         model = Transformer(tiny)
         size = count_model(tiny, 16)
         assert size.total_params == sum(param.numel() for param in model.parameters()), name
@@ -39,6 +44,9 @@ def test_ferry_models_prints_every_presets_counts(capsys):
     assert "6.92B" in olmoe and "1.28B" in olmoe and "131,072" in olmoe  # OLMoE's card: 6.9B, 1.3B active
     moonlight = next(line for line in out.splitlines() if line.startswith("moonlight-16b-a3b "))
     assert "15.96B" in moonlight and "31,104" in moonlight  # 27 layers x (512 + 64) latent values x 2 bytes
+    for name, total in (("gpt-oss-20b", "20.91B"), ("gpt-oss-120b", "116.83B")):  # the model card's totals
+        row = next(line for line in out.splitlines() if line.startswith(f"{name} "))
+        assert total in row, row
     assert main(["models", "moonlight-16b-a3b-tiny", "--show"]) == 0
     shown = capsys.readouterr().out
     assert yaml.safe_load(shown[shown.index("model:") :])["model"]["attention"] == "mla"

@@ -1,7 +1,7 @@
-"""The transformers architectures a ferry model can become (OLMoE, Qwen3-MoE, DeepSeek-V3, DeepSeek-V2): which
-ferry configs each can express, its config built with transformers' own class, and the weight names on either
-side. DeepSeek-V3 and V2 (multi-head latent attention; sigmoid or softmax group-limited routing) have their own
-file, `deepseek.py`.
+"""The transformers architectures a ferry model can become (OLMoE, Qwen3-MoE, DeepSeek-V3, DeepSeek-V2, GPT-OSS):
+which ferry configs each can express, its config built with transformers' own class, and the weight names on
+either side. DeepSeek-V3 and V2 (multi-head latent attention; sigmoid or softmax group-limited routing) have their
+own file, `deepseek.py`; GPT-OSS (sinks, windows, biases, clamped experts) its own, `gpt_oss.py`.
 
 Both route with a softmax in fp32, then top-k, then an optional renormalisation, exactly as ferry's
 router; they differ in the query/key norm (OLMoE: one norm over the whole projection; Qwen3-MoE: per
@@ -23,12 +23,26 @@ from ferry.interop.deepseek import (
     deepseek_refusals,
     deepseek_to_hf_state,
 )
+from ferry.interop.gpt_oss import (
+    gpt_oss_from_hf_state,
+    gpt_oss_hf_config,
+    gpt_oss_model_fields,
+    gpt_oss_refusals,
+    gpt_oss_to_hf_state,
+)
 from ferry.model import ModelConfig
 from ferry.model.variants import ATTENTION_KINDS
 
-Architecture = Literal["olmoe", "qwen3_moe", "deepseek_v3", "deepseek_v2"]
-ARCHITECTURES: tuple[str, ...] = ("olmoe", "qwen3_moe", "deepseek_v3", "deepseek_v2")
+Architecture = Literal["olmoe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_oss"]
+ARCHITECTURES: tuple[str, ...] = ("olmoe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_oss")
 DEEPSEEK = ("deepseek_v3", "deepseek_v2")
+GPT_OSS_PARTS = (  # what only gpt_oss has: (the ferry field, the part)
+    ("attention_bias", "attention projection biases"),
+    ("attention_sinks", "attention sinks"),
+    ("sliding_window", "sliding-window attention"),
+    ("moe.router_bias", "a router bias"),
+    ("moe.expert_biases", "expert biases"),
+)
 
 
 def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) -> list[str]:
@@ -36,6 +50,9 @@ def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) 
     if arch not in ARCHITECTURES:
         return [f"--arch {arch!r}: choose one of {', '.join(ARCHITECTURES)}"]
     problems = config.skip_kind.export_refusals(config, arch) + config.attention_kind.export_refusals(config, arch)
+    if arch == "gpt_oss":
+        return problems + gpt_oss_refusals(config, expert_bias_nonzero)
+    problems += _gpt_oss_parts(config, arch)
     if arch in DEEPSEEK:
         return problems + deepseek_refusals(config, expert_bias_nonzero, arch)
     moe = config.moe
@@ -56,6 +73,18 @@ def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) 
         problems.append(f"model.qk_norm_scope: {arch} normalises per {wanted_scope}, the model per {config.qk_norm_scope}")
     if arch == "olmoe" and config.dense_layers:
         problems.append("model.dense_layers: OLMoE has no dense layers (qwen3_moe has, as mlp_only_layers)")
+    return problems
+
+
+def _gpt_oss_parts(config: ModelConfig, arch: str) -> list[str]:
+    """The parts of `config` that only gpt_oss can hold, refused for `arch`."""
+    problems = [
+        f"model.{field}: {arch} has no {part} (gpt_oss has)"
+        for field, part in GPT_OSS_PARTS
+        if getattr(config.moe if field.startswith("moe.") else config, field.removeprefix("moe."))
+    ]
+    if config.moe.activation != "swiglu":
+        problems.append(f"model.moe.activation {config.moe.activation!r}: {arch}'s experts are SwiGLU (gpt_oss's clamped)")
     return problems
 
 
@@ -94,6 +123,8 @@ def hf_config(config: ModelConfig, arch: str, eos_token_id: int | None, dtype: s
     )
     if arch in DEEPSEEK:
         return deepseek_hf_config(config, common, arch)
+    if arch == "gpt_oss":
+        return gpt_oss_hf_config(config, common)
     if arch == "olmoe":
         return OlmoeConfig(intermediate_size=moe.expert_ffn_dim, clip_qkv=None, **common)
     return Qwen3MoeConfig(
@@ -156,7 +187,7 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
     rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0)}
     problems = []
     rope_scaling = _rope_scaling(rope, problems, arch)
-    if getattr(hf, "attention_bias", False):
+    if getattr(hf, "attention_bias", False) and arch != "gpt_oss":
         problems.append("attention_bias: ferry's attention projections have no bias")
     if getattr(hf, "clip_qkv", None) is not None:
         problems.append("clip_qkv: ferry does not clip queries, keys and values")
@@ -189,6 +220,8 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
         problems.append("mlp_bias: ferry's feed-forward projections have no bias")
     if arch in DEEPSEEK:
         fields = deepseek_model_fields(hf)
+    elif arch == "gpt_oss":
+        fields = gpt_oss_model_fields(hf, problems)
     else:
         fields = dict(
             qk_norm=True,
@@ -216,6 +249,8 @@ def to_hf_state(
     arch = arch or natural_architecture(config)
     if arch in DEEPSEEK:
         return deepseek_to_hf_state(state, config, arch)
+    if arch == "gpt_oss":
+        return gpt_oss_to_hf_state(state, config)
     hf = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
     if not config.tie_embeddings:
         hf["lm_head.weight"] = state["output.weight"]
@@ -244,6 +279,8 @@ def from_hf_state(
     arch = arch or natural_architecture(config)
     if arch in DEEPSEEK:
         return deepseek_from_hf_state(hf, config, rope_interleave or arch == "deepseek_v2", arch)
+    if arch == "gpt_oss":
+        return gpt_oss_from_hf_state(hf, config)
     state = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     state["output.weight"] = hf["model.embed_tokens.weight"] if config.tie_embeddings else hf["lm_head.weight"]
     for index in range(config.n_layers):

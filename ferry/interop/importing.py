@@ -1,4 +1,5 @@
-"""`ferry import HF_DIR OUT`: an OLMoE, Qwen3-MoE or DeepSeek-V3 transformers directory as a ferry checkpoint.
+"""`ferry import HF_DIR OUT`: an OLMoE, Qwen3-MoE, DeepSeek-V3 / V2 or GPT-OSS transformers directory as a ferry
+checkpoint (GPT-OSS's MXFP4 experts dequantised, `mxfp4.py`).
 
 OUT holds the checkpoint (`OUT/checkpoints/step-00000000`: the weights, in fp32, and no optimizer
 state: training it starts AdamW afresh), `OUT/model.yaml` (the `model:` section a run config needs
@@ -21,6 +22,7 @@ from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
 from ferry.config import UserError
 from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.interop.architectures import from_hf_state, model_config_from_hf
+from ferry.interop.mxfp4 import is_mxfp4, read_mxfp4_state
 from ferry.interop.quiet import no_progress_bars
 from ferry.interop.weights import MODEL, weight_count
 from ferry.model import ModelConfig, Transformer
@@ -58,11 +60,18 @@ def read_hf_dir(hf_dir: Path) -> tuple[ModelConfig, str, dict[str, torch.Tensor]
         raise UserError(f"{hf_dir}/config.json is not a transformers model config: {_first_line(exc)}") from None
     config, arch = model_config_from_hf(hf_config)
     try:
-        with no_progress_bars():
-            hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+        if is_mxfp4(hf_config):  # GPT-OSS's release: transformers dequantises only where its GPU kernels run
+            hf_state = read_mxfp4_state(hf_dir)
+        else:
+            with no_progress_bars():
+                hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+            hf_state = hf_model.state_dict()
     except (OSError, ValueError, SafetensorError) as exc:  # a truncated weights file is the last of these
         raise UserError(f"{hf_dir}: transformers cannot load its weights: {_first_line(exc)}") from None
-    state = from_hf_state(hf_model.state_dict(), config, bool(getattr(hf_config, "rope_interleave", False)), arch)
+    try:
+        state = from_hf_state(hf_state, config, bool(getattr(hf_config, "rope_interleave", False)), arch)
+    except KeyError as exc:
+        raise UserError(f"{hf_dir} does not hold the tensors its config describes: no {exc}") from None
     expected = set(Transformer(config).state_dict())
     if set(state) != expected:
         raise UserError(f"{hf_dir} does not hold the tensors its config describes: {sorted(expected ^ set(state))[:4]}")

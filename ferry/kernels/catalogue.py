@@ -61,11 +61,13 @@ REGISTRY = Registry(
         Op(
             name="attention.masked",
             summary=(
-                "(q_BHSC, k_BGTC, v_BGTE, visible_BST: bool, scale=None) -> softmax attention of S queries over "
-                "the T keys each may see: decoding against a key/value cache"
+                "(q_BHSC, k_BGTC, v_BGTE, visible_BST: bool, scale=None, sinks_H=None) -> softmax attention of S "
+                "queries over the T keys each may see (a cache, a window, documents), each head's softmax with one "
+                "more logit sinks_H[h] of zero value when given"
             ),
             portable=_portable(
-                "attention.masked", attention.masked_attention, "torch scaled_dot_product_attention with a boolean mask"
+                "attention.masked", attention.masked_attention,
+                "torch scaled_dot_product_attention with a boolean mask; with sinks, the softmax written out"
             ),
         ),
         Op(
@@ -193,6 +195,18 @@ REGISTRY = Registry(
             ),
             portable=_portable(
                 "moe.expert_mlp", moe.expert_mlp, "moe.grouped_mm x3 as selected", uses=("moe.grouped_mm",)
+            ),
+        ),
+        Op(
+            name="moe.biased_expert_mlp",
+            summary=(
+                "(x_ND, tokens_per_expert_E, w_gate_EFD, w_up_EFD, w_down_EDF, b_gate_EF, b_up_EF, b_down_ED, "
+                "activation) -> y_ND, each expert's gated MLP with its biases (each may be None) and the given "
+                "activation (GPT-OSS's clamped SwiGLU) on its group of expert-sorted rows"
+            ),
+            portable=_portable(
+                "moe.biased_expert_mlp", moe.biased_expert_mlp, "moe.grouped_mm x3 as selected, biases gathered per row",
+                uses=("moe.grouped_mm",),
             ),
         ),
         Op(

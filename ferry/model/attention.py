@@ -1,4 +1,6 @@
-"""Grouped-query causal self-attention, optionally gated; the attention itself is the `attention` op."""
+"""Grouped-query causal self-attention, optionally gated, windowed, with projection biases and attention sinks
+(GPT-OSS's parts); the attention itself is the `attention` op, or `attention.masked` where a mask or sinks are
+needed."""
 
 from __future__ import annotations
 
@@ -22,7 +24,12 @@ if TYPE_CHECKING:
 
 
 class Attention(nn.Module):
-    """`n_heads` query heads share `n_kv_heads` key/value heads; RoPE on queries and keys."""
+    """`n_heads` query heads share `n_kv_heads` key/value heads; RoPE on queries and keys.
+
+    With `window`, a position attends to the last `window` positions only (itself included). With
+    `model.attention_sinks`, each head has a learned logit `sinks_H[h]` that joins every row's softmax and adds
+    no value: a head may give a row's weight to nothing rather than spread it over the keys (GPT-OSS).
+    """
 
     def __init__(
         self,
@@ -30,6 +37,7 @@ class Attention(nn.Module):
         rope: RotaryEmbedding,
         kernels: KernelSelection | None = None,
         track_max_logits: bool = False,
+        window: int = 0,
     ):
         """`track_max_logits`: keep each head's largest logit of the training forwards (`max_logits`)."""
         super().__init__()
@@ -38,10 +46,13 @@ class Attention(nn.Module):
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
         q_width, kv_width = config.n_heads * self.head_dim, config.n_kv_heads * self.head_dim
-        self.wq = Linear(config.dim, q_width, kernels)
-        self.wk = Linear(config.dim, kv_width, kernels)
-        self.wv = Linear(config.dim, kv_width, kernels)
-        self.wo = Linear(q_width, config.dim, kernels)
+        bias = config.attention_bias
+        self.wq = Linear(config.dim, q_width, kernels, bias)
+        self.wk = Linear(config.dim, kv_width, kernels, bias)
+        self.wv = Linear(config.dim, kv_width, kernels, bias)
+        self.wo = Linear(q_width, config.dim, kernels, bias)
+        self.sinks_H = nn.Parameter(torch.zeros(config.n_heads)) if config.attention_sinks else None
+        self.window = window
         per_head = config.qk_norm_scope == "head"
         self.q_norm = RMSNorm(self.head_dim if per_head else q_width, config.norm_eps, kernels) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim if per_head else kv_width, config.norm_eps, kernels) if config.qk_norm else None
@@ -80,16 +91,21 @@ class Attention(nn.Module):
             if split is not None:
                 kv_BGTZ = split.exchange.gather(torch.cat([k_BGSC, v_BGSC], dim=-1), dim=2)
                 k_BGSC, v_BGSC = kv_BGTZ.split([self.head_dim, self.head_dim], dim=-1)
+            visible_BSS = self._within_window(visible_BSS, seq_len, x_BSD.device)
             if self.max_logits is not None and torch.is_grad_enabled():
                 self.max_logits.observe(q_BHSC, k_BGSC, self.head_dim**-0.5, visible_BSS)
-        if visible_BSS is not None:
-            out_BHSC = self._masked_attention(q_BHSC, k_BGSC, v_BGSC, visible_BSS)
-        elif cache is None:
-            out_BHSC = self._attention(q_BHSC, k_BGSC, v_BGSC)
-        else:
+        sinks = {} if self.sinks_H is None else {"sinks_H": self.sinks_H}
+        if cache is not None:
             positions_BS = cache.step.positions_BS
             k_BGTC, v_BGTC = cache.extend(self.rope(k_BGSC, positions_BS), v_BGSC)
-            out_BHSC = self._masked_attention(self.rope(q_BHSC, positions_BS), k_BGTC, v_BGTC, cache.step.visible_BST)
+            visible_BST = self._cached_within_window(cache)
+            out_BHSC = self._masked_attention(self.rope(q_BHSC, positions_BS), k_BGTC, v_BGTC, visible_BST, **sinks)
+        elif visible_BSS is not None or sinks:
+            causal_1SS = torch.ones(seq_len, seq_len, dtype=torch.bool, device=x_BSD.device).tril()[None]
+            visible_BSS = causal_1SS if visible_BSS is None else visible_BSS
+            out_BHSC = self._masked_attention(q_BHSC, k_BGSC, v_BGSC, visible_BSS, **sinks)
+        else:
+            out_BHSC = self._attention(q_BHSC, k_BGSC, v_BGSC)
         out_BSHC = out_BHSC.transpose(1, 2)
         if self.gate is not None:
             out_BSHC = self.gate(x_BSD, out_BSHC)
@@ -107,6 +123,25 @@ class Attention(nn.Module):
         self.wk.weight.view(groups, self.head_dim, -1).mul_(key_G[:, None, None])
         self.wq.weight.view(self.n_heads, self.head_dim, -1).mul_((gamma_GP / key_G[:, None]).reshape(-1, 1, 1))
 
+    def _within_window(self, visible_BSS: torch.Tensor | None, seq_len: int, device: torch.device) -> torch.Tensor | None:
+        """The keys a position of a whole sequence sees, narrowed to the window (unchanged without one)."""
+        if not self.window:
+            return visible_BSS
+        distance_SS = torch.arange(seq_len, device=device)[:, None] - torch.arange(seq_len, device=device)[None, :]
+        band_1SS = ((distance_SS >= 0) & (distance_SS < self.window))[None]
+        return band_1SS if visible_BSS is None else visible_BSS & band_1SS
+
+    def _cached_within_window(self, cache: LayerCache) -> torch.Tensor:
+        """The cached keys a decoding step's queries see, narrowed to the window: a row's slots are its positions
+        shifted by its padding, so slot distance is position distance."""
+        step = cache.step
+        if not self.window:
+            return step.visible_BST
+        device = step.visible_BST.device
+        slots_S1 = torch.arange(step.start, step.stop, device=device)[:, None]
+        within_1ST = (slots_S1 - torch.arange(step.stop, device=device)[None, :] < self.window)[None]
+        return step.visible_BST & within_1ST
+
     def _project_qkv(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The query, key and value projections as one GEMM over the three weights side by side.
 
@@ -115,5 +150,9 @@ class Attention(nn.Module):
         would each write one and autograd would sum them.
         """
         w_ZD = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
-        qkv_BSZ = self._linear(*in_autocast_dtype(x_BSD, w_ZD))
+        if self.wq.bias is None:
+            qkv_BSZ = self._linear(*in_autocast_dtype(x_BSD, w_ZD))
+        else:
+            x_BSD, w_ZD, b_Z = in_autocast_dtype(x_BSD, w_ZD, torch.cat([self.wq.bias, self.wk.bias, self.wv.bias]))
+            qkv_BSZ = self._linear(x_BSD, w_ZD) + b_Z
         return qkv_BSZ.split([self.wq.out_features, self.wk.out_features, self.wv.out_features], dim=-1)

@@ -39,6 +39,15 @@ class MoEConfig(Section):
         description="what ranks a group: the sum of its two best experts' scores (DeepSeek-V3) or its best (V2)",
     )
     routed_scaling_factor: float = Field(1.0, gt=0.0, description="the routed experts' weights multiplied by this")
+    router_bias: bool = Field(False, description="a learned bias on the router's logits, for choice and weights (GPT-OSS)")
+    expert_biases: bool = Field(False, description="learned biases on every expert's gate, up and down projections")
+    activation: Literal["swiglu", "clamped_swiglu"] = Field(
+        "swiglu",
+        description="swiglu: silu(gate) * up; clamped_swiglu (GPT-OSS): gate clamped above and up on both sides at "
+        "swiglu_limit, then gate * sigmoid(swiglu_alpha * gate) * (up + 1)",
+    )
+    swiglu_alpha: float = Field(1.702, gt=0.0, description="clamped_swiglu: the sigmoid's gain")
+    swiglu_limit: float = Field(7.0, gt=0.0, description="clamped_swiglu: where gate and up are clamped")
 
     @field_validator("top_k")
     @classmethod
@@ -122,6 +131,18 @@ class ModelConfig(Section):
     )
     init_std: float = Field(0.02, gt=0.0)
     mla: MLAConfig = MLAConfig()
+    attention_bias: bool = Field(False, description="gqa: biases on the query, key, value and output projections")
+    attention_sinks: bool = Field(
+        False, description="gqa: a learned logit per head that joins every row's softmax and takes no value (GPT-OSS)"
+    )
+    sliding_window: int = Field(
+        0, ge=0, description="gqa: windowed layers attend to the last this-many positions (themselves included); 0 = none"
+    )
+    sliding_window_pattern: int = Field(
+        2, ge=1,
+        description="with sliding_window: of every N layers the first N - 1 are windowed and the last attends to "
+        "every earlier position (GPT-OSS: 2, from layer 0); 1 = every layer windowed",
+    )
     attention_gate: Literal["none", "head", "elementwise"] = Field(
         "none", description="a sigmoid gate on the attention output, from the attention input: per head or per element"
     )
@@ -180,6 +201,13 @@ class ModelConfig(Section):
     @property
     def skip_kind(self) -> SkipKind:
         return SKIP_KINDS[self.skip]
+
+    def attention_window(self, layer: int) -> int:
+        """How many positions back layer `layer` attends, itself included: 0 for every earlier one."""
+        if not self.sliding_window:
+            return 0
+        pattern = self.sliding_window_pattern
+        return self.sliding_window if pattern == 1 or (layer + 1) % pattern else 0
 
     @property
     def rope_dim(self) -> int:

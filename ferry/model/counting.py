@@ -26,15 +26,16 @@ def count_model(config: ModelConfig, seq_len: int) -> ModelSize:
     6 x active matmul parameters plus causal attention's score and value products:
     3 x n_layers x seq_len x n_heads x (query/key width + value width), half the square
     as causal (6 x n_layers x seq_len x n_heads x head_dim when the widths are equal, as
-    in GQA). What each attention kind counts is its own (`ferry/model/variants/`).
+    in GQA); a windowed layer's positions each see at most `window` keys. What each attention
+    kind counts is its own (`ferry/model/variants/`).
     """
     dim, layers = config.dim, config.n_layers
     attention, score_width, value_width = _attention_params(config)
     norms = 2 * dim
     dense_ffn = 3 * dim * config.dense_ffn_dim
     moe = config.moe
-    router = moe.num_experts * dim
-    expert = 3 * dim * moe.expert_ffn_dim
+    router = moe.num_experts * (dim + moe.router_bias)
+    expert = 3 * dim * moe.expert_ffn_dim + (2 * moe.expert_ffn_dim + dim if moe.expert_biases else 0)
     shared = 3 * dim * moe.shared_expert_ffn_dim
     moe_layers = layers - config.dense_layers
 
@@ -45,13 +46,22 @@ def count_model(config: ModelConfig, seq_len: int) -> ModelSize:
     active = embedding + head + common + moe_layers * moe.top_k * expert
 
     matmul_active = active - embedding + (config.vocab_size * dim if config.tie_embeddings else 0)
-    attention_flops = 3 * layers * seq_len * config.n_heads * (score_width + value_width)
+    attended = sum(_keys_doubled(seq_len, config.attention_window(layer)) for layer in range(layers))
+    attention_flops = 3 * attended * config.n_heads * (score_width + value_width)
     return ModelSize(
         total_params=total,
         active_params=active,
         embedding_params=embedding,
         flops_per_token=6 * matmul_active + attention_flops,
     )
+
+
+def _keys_doubled(seq_len: int, window: int) -> int:
+    """Twice the keys a position attends to on average (so `seq_len` for causal attention): with a window shorter
+    than the sequence, the first `window` positions see 1, 2, ... keys and the rest `window` each."""
+    if not window or window >= seq_len:
+        return seq_len
+    return (window * (window + 1) + 2 * (seq_len - window) * window) // seq_len
 
 
 def _attention_params(config: ModelConfig) -> tuple[int, int, int]:

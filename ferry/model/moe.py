@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ferry.kernels import KernelSelection, portable_kernels
+from ferry.kernels.activation import GatedActivation
 from ferry.kernels.amp import in_autocast_dtype
 from ferry.model.config import MoEConfig
 from ferry.model.experts import Experts
@@ -59,7 +60,10 @@ class MoELayer(nn.Module):
         kernels = kernels or portable_kernels()
         self.top_k = config.top_k
         self.router = Router(dim, config, kernels)
-        self.experts = Experts(config.num_experts, dim, config.expert_ffn_dim, kernels)
+        activation = GatedActivation(config.activation, config.swiglu_alpha, config.swiglu_limit)
+        self.experts = Experts(
+            config.num_experts, dim, config.expert_ffn_dim, kernels, config.expert_biases, activation
+        )
         shared_ffn_dim = config.shared_expert_ffn_dim
         self.shared_expert = SwiGLU(dim, shared_ffn_dim, kernels) if shared_ffn_dim else None
         self.dispatcher: ExpertDispatcher | None = None

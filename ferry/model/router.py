@@ -34,7 +34,8 @@ class Routing:
 
 
 class Router(nn.Module):
-    """A linear router over the token's hidden state.
+    """A linear router over the token's hidden state (with `moe.router_bias`, a learned bias on its logits, which
+    moves choice and weights alike: GPT-OSS's).
 
     Scores are computed in fp32. With bias balancing, a per-expert bias is added to
     the scores for *choosing* experts only; the combine weights stay the unbiased
@@ -58,6 +59,7 @@ class Router(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
         self.bias_update_rate = config.bias_balancing.update_rate if config.bias_balancing.enabled else 0.0
         self.weight_ED = nn.Parameter(torch.empty(config.num_experts, dim))
+        self.bias_E = nn.Parameter(torch.zeros(config.num_experts)) if config.router_bias else None
         self.register_buffer("expert_bias_E", torch.zeros(config.num_experts), persistent=True)
         self.sequence_split: SequenceSplit | None = None  # context parallelism: this rank's positions only
 
@@ -67,6 +69,8 @@ class Router(nn.Module):
         follows and the diagnostics: a batch padded to its longest row must not teach the router to
         spread copies of the padding token over the experts."""
         logits_TE = self._linear(*in_autocast_dtype(x_TD, self.weight_ED)).float()
+        if self.bias_E is not None:
+            logits_TE = logits_TE + self.bias_E.float()
         if self.score_func == "softmax":
             scores_TE = logits_TE.softmax(dim=-1)
         else:

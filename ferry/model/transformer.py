@@ -20,6 +20,7 @@ from ferry.model.kv_cache import KVCache, LayerCache
 from ferry.model.linear import Linear
 from ferry.model.moe import MoELayer, MoEStats
 from ferry.model.norm import RMSNorm
+from ferry.model.parameter_kinds import is_bias
 from ferry.model.recompute import Recompute, recomputed
 from ferry.model.rope import RotaryEmbedding
 from ferry.model.sequence_split import SequenceSplit
@@ -62,10 +63,11 @@ class Block(nn.Module):
         kernels: KernelSelection,
         recompute: Recompute = "none",
         track_max_logits: bool = False,
+        window: int = 0,
     ):
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
-        self.attn = config.attention_kind.module(config, rope, kernels, track_max_logits)
+        self.attn = config.attention_kind.module(config, rope, kernels, track_max_logits, window)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
         dense = not use_moe
         self.ffn = SwiGLU(config.dim, config.dense_ffn_dim, kernels) if dense else MoELayer(config.dim, config.moe, kernels)
@@ -147,7 +149,10 @@ class Transformer(nn.Module):
         rope = RotaryEmbedding(config.rope_dim, config.max_seq_len, config.rope_theta, config.rope_scaling)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
-            Block(config, rope, index >= config.dense_layers, self.kernels, recompute, track_max_logits)
+            Block(
+                config, rope, index >= config.dense_layers, self.kernels, recompute, track_max_logits,
+                config.attention_window(index),
+            )
             for index in range(config.n_layers)
         )
         self.norm = RMSNorm(config.dim, config.norm_eps, self.kernels)
@@ -160,7 +165,8 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, progress: Callable[[], None] = lambda: None) -> None:
-        """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 * n_layers).
+        """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2 * n_layers); biases and
+        attention sinks zero (a sink at zero starts as one more key of zero logit).
 
         `progress` is called after each parameter: a draw of billions takes minutes on the host, and
         whoever watches for hangs can tell it is still moving.
@@ -170,6 +176,8 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif is_bias(name):
+                param.zero_()
             elif name.endswith(("wo.weight", "w_down.weight", "w_down_EDF")):
                 truncated_normal_(param, std=residual_std, bound=3 * residual_std)
             else:

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ferry.comm import Collectives
+from ferry.model.parameter_kinds import is_bias
 from ferry.parallel.adamw import fused_where_available
 from ferry.parallel.muon_fsdp import orthogonalised_shards
 from ferry.parallel.newton_schulz import NS_DTYPES, orthogonalise
@@ -55,11 +56,12 @@ class MuonSettings:
 
 def muon_parameter_names(model: nn.Module) -> set[str]:
     """The hidden weight matrices Muon updates: every parameter of two or more dimensions but the token embedding,
-    the head and the routers (which, like the norms, take AdamW)."""
+    the head, the routers and the experts' biases (which, like the norms, take AdamW)."""
     return {
         name
         for name, param in model.named_parameters()
         if param.ndim >= 2 and not name.startswith(("tok_embeddings.", "output.")) and ".router." not in name
+        and not is_bias(name)
     }
 
 

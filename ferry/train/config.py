@@ -275,6 +275,21 @@ class RunConfig(Section):
 
     @field_validator("parallel")
     @classmethod
+    def _split_sequences_see_whole_keys(cls, parallel: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
+        """A context-parallel rank attends over gathered keys by its own positions' masks, which know no window
+        and no sink."""
+        model = info.data.get("model")
+        if parallel.cp > 1 and model is not None:
+            for field in ("sliding_window", "attention_sinks"):
+                if getattr(model, field):
+                    raise ValueError(
+                        f"cp {parallel.cp}: model.{field} is not computed over a split sequence; set cp=1 for this "
+                        "model (ep, pp, zero and fsdp train it)"
+                    )
+        return parallel
+
+    @field_validator("parallel")
+    @classmethod
     def _split_sequences_are_not_decoded(cls, parallel: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
         train = info.data.get("train")
         if parallel.cp > 1 and train is not None and train.objective == "grpo":
@@ -293,6 +308,11 @@ class RunConfig(Section):
             return optim
         if optim.name != "muon":
             raise ValueError("muon.qk_clip rescales the query and key weights after Muon's update: set name=muon")
+        if model is not None and model.attention_bias:
+            raise ValueError(
+                "muon.qk_clip scales the query and key weights to scale the logits, which model.attention_bias's "
+                "biases would not follow: set model.attention_bias=false or leave muon.qk_clip unset"
+            )
         if model is not None and model.qk_norm:
             raise ValueError(
                 "muon.qk_clip scales the query and key projections, which model.qk_norm normalises back, and its "

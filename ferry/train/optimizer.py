@@ -6,16 +6,18 @@ import math
 
 from torch import nn
 
+from ferry.model.parameter_kinds import is_bias
 from ferry.parallel.muon import MuonSettings, muon_parameter_names
 from ferry.train.config import OptimConfig
 
 
 def decayed_parameter_names(model: nn.Module) -> set[str]:
-    """Weight matrices and expert tensors decay; norms, biases and the token embedding do not."""
+    """Weight matrices and expert tensors decay; norms, biases (an expert's too: a matrix), attention sinks and the
+    token embedding do not."""
     return {
         name
         for name, param in model.named_parameters()
-        if param.requires_grad and param.ndim >= 2 and not name.startswith("tok_embeddings")
+        if param.requires_grad and param.ndim >= 2 and not name.startswith("tok_embeddings") and not is_bias(name)
     }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ferry.kernels.activation import GatedActivation
 from ferry.kernels.amp import outside_autocast
 from ferry.kernels.dispatch import Dispatch, group_sizes, reads_group_sizes_on_host
 
@@ -55,6 +56,35 @@ def expert_mlp(
     gate_NF = grouped_mm(x_ND, w_gate_EFD, offsets_E)
     up_NF = grouped_mm(x_ND, w_up_EFD, offsets_E)
     return grouped_mm(F.silu(gate_NF) * up_NF, w_down_EDF, offsets_E)
+
+
+def biased_expert_mlp(
+    x_ND: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    w_gate_EFD: torch.Tensor,
+    w_up_EFD: torch.Tensor,
+    w_down_EDF: torch.Tensor,
+    b_gate_EF: torch.Tensor | None,
+    b_up_EF: torch.Tensor | None,
+    b_down_ED: torch.Tensor | None,
+    activation: GatedActivation,
+    *,
+    grouped_mm,
+) -> torch.Tensor:
+    """`moe.expert_mlp` with each expert's biases (`b_gate_EF`, `b_up_EF`, `b_down_ED`; each may be None) added to
+    its rows' projections, and `activation` between them (GPT-OSS's experts). Each row's bias is its expert's,
+    gathered by the row's expert."""
+    offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
+    expert_N = torch.repeat_interleave(
+        torch.arange(tokens_per_expert_E.numel(), device=x_ND.device), tokens_per_expert_E, output_size=x_ND.shape[0]
+    )
+
+    def biased(y_NX: torch.Tensor, b_EX: torch.Tensor | None) -> torch.Tensor:
+        return y_NX if b_EX is None else y_NX + b_EX.index_select(0, expert_N)
+
+    gate_NF = biased(grouped_mm(x_ND, w_gate_EFD, offsets_E), b_gate_EF)
+    up_NF = biased(grouped_mm(x_ND, w_up_EFD, offsets_E), b_up_EF)
+    return biased(grouped_mm(activation(gate_NF, up_NF), w_down_EDF, offsets_E), b_down_ED)
 
 
 @outside_autocast

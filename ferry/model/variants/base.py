@@ -34,6 +34,8 @@ class ModelShape(Protocol):
     qk_norm: bool
     qk_norm_scope: str
     attention_gate: str
+    attention_bias: bool
+    attention_sinks: bool
     mla: Any  # the `mla` section: latent and head widths
     rope_scaling: Any
 
@@ -66,10 +68,16 @@ class AttentionKind(Protocol):
         """The width RoPE rotates."""
 
     def module(
-        self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection, track_max_logits: bool = False
+        self,
+        config: ModelShape,
+        rope: RotaryEmbedding,
+        kernels: KernelSelection,
+        track_max_logits: bool = False,
+        window: int = 0,
     ) -> nn.Module:
-        """A block's attention module (keeping each head's largest training logit with `track_max_logits`); it
-        has `clip_logits(gamma_H)`, which scales each head's logits by its gamma."""
+        """A block's attention module (keeping each head's largest training logit with `track_max_logits`;
+        attending to the last `window` positions only, when not 0); it has `clip_logits(gamma_H)`, which scales
+        each head's logits by its gamma."""
 
     def parameters(self, config: ModelShape) -> int:
         """One layer's attention parameters (projections and norms; the output gate is counted apart)."""

@@ -22,7 +22,7 @@ class GroupedQueryAttention:
     """Queries, keys and values projected per head; the cache keeps every layer's keys and values."""
 
     name: ClassVar[str] = "gqa"
-    hf_architectures: ClassVar[tuple[str, ...]] = ("olmoe", "qwen3_moe")
+    hf_architectures: ClassVar[tuple[str, ...]] = ("olmoe", "qwen3_moe", "gpt_oss")
     hf_layer_names: ClassVar[dict[str, str]] = {
         "attn.wq.weight": "self_attn.q_proj.weight",
         "attn.wk.weight": "self_attn.k_proj.weight",
@@ -59,18 +59,25 @@ class GroupedQueryAttention:
         return config.head_dim
 
     def module(
-        self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection, track_max_logits: bool = False
+        self,
+        config: ModelShape,
+        rope: RotaryEmbedding,
+        kernels: KernelSelection,
+        track_max_logits: bool = False,
+        window: int = 0,
     ) -> nn.Module:
         from ferry.model.attention import Attention  # the module reads the config, which asks this kind
 
-        return Attention(config, rope, kernels, track_max_logits)
+        return Attention(config, rope, kernels, track_max_logits, window)
 
     def parameters(self, config: ModelShape) -> int:
         q_width, kv_width = self._widths(config)
         params = config.dim * q_width * 2 + config.dim * kv_width * 2
         if config.qk_norm:
             params += 2 * config.head_dim if config.qk_norm_scope == "head" else q_width + kv_width
-        return params
+        if config.attention_bias:
+            params += q_width + 2 * kv_width + config.dim
+        return params + (config.n_heads if config.attention_sinks else 0)
 
     def head_widths(self, config: ModelShape) -> tuple[int, int]:
         return config.head_dim, config.head_dim
@@ -95,7 +102,10 @@ class GroupedQueryAttention:
         return f"keys and values: 2 x {config.n_kv_heads} heads x {config.head_dim} a layer"
 
     def hf_architecture(self, config: ModelShape) -> str:
-        """Qwen3-MoE where its per-head norm, its dense layers or its own head width are needed; else OLMoE."""
+        """GPT-OSS for a model with attention sinks; Qwen3-MoE where its per-head norm, its dense layers or its own
+        head width are needed; else OLMoE."""
+        if config.attention_sinks:
+            return "gpt_oss"
         own_width = config.head_dim * config.n_heads != config.dim
         return "qwen3_moe" if config.qk_norm_scope == "head" or config.dense_layers or own_width else "olmoe"
 

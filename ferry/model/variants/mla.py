@@ -52,6 +52,9 @@ class MultiHeadLatentAttention:
             raise ValueError("head_dim: MLA's head widths are its own (the mla section); leave head_dim unset")
         if config.qk_norm:
             raise ValueError("qk_norm: MLA normalises its latents instead (mla.latent_norm_eps); leave it false")
+        for field in ("attention_bias", "attention_sinks", "sliding_window"):
+            if getattr(config, field):
+                raise ValueError(f"{field}: grouped-query attention's (gqa); MLA has no such part")
         if config.n_kv_heads != config.n_heads:
             raise ValueError(
                 f"n_kv_heads {config.n_kv_heads}: MLA gives every head its own keys and values (from the shared "
@@ -67,11 +70,16 @@ class MultiHeadLatentAttention:
         return config.mla.qk_rope_head_dim
 
     def module(
-        self, config: ModelShape, rope: RotaryEmbedding, kernels: KernelSelection, track_max_logits: bool = False
+        self,
+        config: ModelShape,
+        rope: RotaryEmbedding,
+        kernels: KernelSelection,
+        track_max_logits: bool = False,
+        window: int = 0,
     ) -> nn.Module:
         from ferry.model.latent_attention import LatentAttention  # the module reads the config, which asks this kind
 
-        return LatentAttention(config, rope, kernels, track_max_logits)
+        return LatentAttention(config, rope, kernels, track_max_logits)  # `check` refuses a window
 
     def parameters(self, config: ModelShape) -> int:
         """The key/value expansion is a matmul parameter like any other: in training each token's latent is

@@ -111,16 +111,22 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError(f"generate: no tokenizer found for {args.source}; pass --tokenizer")
     tokenizer = loaded.tokenizer
     from ferry.data.chat import IM_END, ChatEncoder, Message
+    from ferry.data.chat_template import TemplateChat, read_chat_template, template_beside
 
+    template = template_beside(loaded.tokenizer_path)  # a model's own (imported, or its SFT data's)
+    if template is not None:
+        encoder = TemplateChat(tokenizer, read_chat_template(template), str(template))
+    else:
+        encoder = ChatEncoder(tokenizer) if args.chat else None
     if args.chat:
-        encoder = ChatEncoder(tokenizer)
         system = [Message("system", args.system)] if args.system is not None else []
         tokens = [encoder.prompt([*system, Message("user", prompt)]).tolist() for prompt in prompts]
     else:
         tokens = [tokenizer.encode(prompt).tolist() for prompt in prompts]
-    # a text ends at end-of-text and a chat answer at <|im_end|>; either ends any completion, as the export's
-    # generation config says to transformers
-    end_ids = [tokenizer.eos_id, *([] if tokenizer.token_id(IM_END) is None else [tokenizer.token_id(IM_END)])]
+    # a text ends at end-of-text and a chat answer at its template's end token (<|im_end|>); either ends any
+    # completion, as the export's generation config says to transformers
+    chat_ends = encoder.end_ids if encoder is not None else [tokenizer.token_id(IM_END)]
+    end_ids = [tokenizer.eos_id, *(end for end in chat_ends if end is not None)]
     # every prompt draws from its own generator seeded with --seed, as a request to an inference server does:
     # what a prompt gets does not depend on the prompts batched with it
     result = generate(loaded.model, tokens, config, end_ids, tokenizer.decode, row_seeds=[config.seed] * len(tokens))

@@ -15,7 +15,7 @@ def add_interop_commands(commands) -> None:
     )
     export.add_argument("out", help="the model directory to write")
     export.add_argument(
-        "--arch", choices=["olmoe", "qwen3_moe", "deepseek_v3", "deepseek_v2"], default=None,
+        "--arch", choices=["olmoe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_oss"], default=None,
         help="target architecture (default: deepseek_v3 for MLA, else the one whose query/key norm and dense layers "
         "the model has)",
     )
@@ -24,10 +24,13 @@ def add_interop_commands(commands) -> None:
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     export.set_defaults(handler=run_export)
     imported = commands.add_parser(
-        "import", help="convert an OLMoE, Qwen3-MoE or DeepSeek-V3 transformers directory to a ferry checkpoint"
+        "import",
+        help="convert an OLMoE, Qwen3-MoE, DeepSeek-V3 / V2 or GPT-OSS transformers directory to a ferry checkpoint",
     )
     imported.add_argument("hf_dir", help="a transformers model directory (config.json and weights)")
-    imported.add_argument("out", help="directory to write: checkpoints/step-00000000, model.yaml, tokenizer.json")
+    imported.add_argument(
+        "out", help="directory to write: checkpoints/step-00000000, model.yaml, tokenizer.json, chat_template.jinja"
+    )
     imported.add_argument("--tokenizer", default=None, help="tokenizer.json to copy (default: HF_DIR's)")
     imported.set_defaults(handler=run_import)
 
@@ -55,5 +58,10 @@ def run_import(args: argparse.Namespace) -> int:
     print(f"  model config: {result.model_file} (the `model:` section of a run config)")
     if result.tokenizer is not None:
         print(f"  tokenizer: {result.tokenizer} (ferry data prepare --tokenizer {result.tokenizer})")
+    if result.chat_template is not None:
+        print(
+            f"  chat template: {result.chat_template} (fine-tune in it: ferry data prepare --chat FILE --seq-len N "
+            f"--tokenizer {result.tokenizer} takes it from beside the tokenizer)"
+        )
     print(f"  continue training: ferry train CONFIG init_from={result.checkpoint}")
     return 0

@@ -116,6 +116,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the inputs are conversations (rows with messages): chat template, loss on assistant tokens, packing",
     )
     prepare.add_argument("--seq-len", type=int, default=None, help="with --chat: the row length (data.seq_len)")
+    prepare.add_argument(
+        "--chat-template", default=None, metavar="PATH|chatml",
+        help="with --chat, --preferences or --prompts: the model's Jinja chat template (a .jinja file, a "
+        "tokenizer_config.json, or a directory holding one); default: chat_template.jinja beside --tokenizer (what "
+        "ferry import writes), else ferry's ChatML",
+    )
     records = prepare.add_mutually_exclusive_group()
     records.add_argument(
         "--preferences", action="store_const", const="preferences", dest="records",
@@ -251,6 +257,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
         inputs=list(args.inputs), embedded=args.embedded, max_bytes=args.max_bytes, skip_bytes=args.skip_bytes,
         tokenizer=args.tokenizer, vocab_size=args.vocab_size, text_field=args.text_field,
         shard_tokens=args.shard_tokens, chat=args.chat, seq_len=args.seq_len, records=args.records,
+        chat_template=args.chat_template,
     )
     check_task_flags(args.task, args.tasks, args.render)
     if args.render is None:

@@ -43,10 +43,12 @@ CHAT_TEMPLATE_JINJA = (
 
 @dataclass(frozen=True)
 class Message:
-    """One turn: `role` is system, user or assistant."""
+    """One turn: `role` is system, user or assistant; an assistant's `thinking` (its reasoning before the answer)
+    is rendered where a model's own template has a place for it (GPT-OSS's analysis channel)."""
 
     role: str
     content: str
+    thinking: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,10 @@ def parse_messages(value: object, where: str) -> list[Message]:
             raise UserError(f"{where}: message {index} has role {role!r}; roles are {', '.join(ROLES)}")
         if role == "system" and index > 0:
             raise UserError(f"{where}: message {index} is a system message; only the first message may be one")
-        messages.append(Message(role, item["content"]))
+        thinking = item.get("thinking")
+        if thinking is not None and (role != "assistant" or not isinstance(thinking, str)):
+            raise UserError(f"{where}: message {index} has 'thinking'; only an assistant message may, as text")
+        messages.append(Message(role, item["content"], thinking or None))
     if not any(message.role == "assistant" for message in messages):
         raise UserError(f"{where}: the conversation has no assistant message, so nothing in it would be trained")
     return messages
@@ -101,6 +106,11 @@ class ChatEncoder:
         pieces: list[str] = []
         for messages in conversations:
             for message in messages:
+                if message.thinking is not None:
+                    raise UserError(
+                        "ChatML has no place for an assistant's 'thinking': prepare with the model's own template "
+                        "(--chat-template), or leave 'thinking' out"
+                    )
                 pieces.extend((f"{message.role}\n", message.content, "\n"))
         encoded = iter(self.tokenizer.encode_batch(pieces))
         rendered = []
@@ -118,6 +128,15 @@ class ChatEncoder:
                 ]
             rendered.append(RenderedConversation(np.concatenate(ids), np.concatenate(trained)))
         return rendered
+
+    def completion(self, messages: list[Message], answer: str) -> np.ndarray:
+        """The ids the model writes for `answer` after `prompt(messages)`: the content and `<|im_end|>`."""
+        return np.concatenate([self.tokenizer.encode(answer), [self.im_end_id]]).astype(np.int64)
+
+    @property
+    def end_ids(self) -> list[int]:
+        """Where a chat answer ends: `<|im_end|>`."""
+        return [self.im_end_id]
 
     def prompt(self, messages: list[Message]) -> np.ndarray:
         """The ids that ask the model for the next assistant message: the conversation so far, then the

@@ -27,7 +27,16 @@ from pathlib import Path
 import numpy as np
 
 from ferry.config.errors import UserError
-from ferry.data.chat import CHAT_TEMPLATE, ChatEncoder, parse_messages, with_chat_tokens
+from ferry.data.chat import CHAT_TEMPLATE, parse_messages
+from ferry.data.chat_template import (
+    TEMPLATE_FILE,
+    TemplateChat,
+    chat_encoder,
+    jinja_name,
+    read_chat_template,
+    template_beside,
+    template_name,
+)
 from ferry.data.conversations import EMBEDDED_CONVERSATIONS, embedded_conversations, read_conversations
 from ferry.data.corpus import EMBEDDED_CORPORA, Document, embedded_documents, within_budget
 from ferry.data.formats import collect_files, documentless, no_documents, parts, read_texts
@@ -68,17 +77,20 @@ class PrepareSpec:
     chat: bool = False
     seq_len: int | None = None
     records: str | None = None
+    chat_template: str | None = None  # a Jinja template file (or a directory holding one); chatml; None: beside --tokenizer
 
     @classmethod
     def from_flags(
         cls, *, inputs: list[str], embedded: str | None, max_bytes: int | None, skip_bytes: int, tokenizer: str,
         vocab_size: int | None, text_field: str | None, shard_tokens: int | None, chat: bool, seq_len: int | None,
-        records: str | None,
+        records: str | None, chat_template: str | None = None,
     ) -> PrepareSpec:
         """The spec `ferry data prepare`'s flags describe (None: the flag was not given, its default holds); a
         flag the kind of dataset does not read is refused, naming it, rather than ignored."""
         if max_bytes is not None and not embedded:
             raise UserError("--max-bytes is the text budget of an embedded corpus; it needs --embedded NAME")
+        if chat_template is not None and not (chat or records):
+            raise UserError("--chat-template renders conversations: it needs --chat, --preferences or --prompts")
         if shard_tokens is not None and records:
             raise UserError(f"--shard-tokens: --{records} writes its records whole, in one file; leave it out")
         if chat or records:
@@ -102,6 +114,7 @@ class PrepareSpec:
             chat=chat,
             seq_len=seq_len,
             records=records,
+            chat_template=chat_template,
         )
 
 
@@ -282,10 +295,13 @@ def spec_settings(spec: PrepareSpec) -> dict:
     }
     if spec.embedded_skip_bytes:
         settings["embedded_skip_bytes"] = spec.embedded_skip_bytes
-    if spec.chat:
-        settings["chat"] = {"template": CHAT_TEMPLATE, "seq_len": spec.seq_len}
-    if spec.records:
-        settings["records"] = {"kind": spec.records, "template": CHAT_TEMPLATE}
+    if spec.chat or spec.records:
+        template = chat_template_path(spec)
+        name = CHAT_TEMPLATE if template is None else jinja_name(read_chat_template(template))
+        if spec.chat:
+            settings["chat"] = {"template": name, "seq_len": spec.seq_len}
+        else:
+            settings["records"] = {"kind": spec.records, "template": name}
     if spec.tokenizer == "bpe":
         settings["vocab_size"] = spec.vocab_size
     elif spec.tokenizer != "byte":
@@ -376,8 +392,8 @@ def _same_files(recorded: object, file_sha256: dict[str, str], text_field: str) 
 def _write_conversations(spec: PrepareSpec, documents: Callable[[], Iterator[Document]], staging: Path) -> dict:
     """Conversations rendered with the chat template, packed whole into rows of `seq_len`, with the mask
     stream beside the tokens. One end-of-text closes the stream so the last row also makes a window."""
-    tokenizer = with_chat_tokens(load_tokenizer(spec.tokenizer))
-    encoder = ChatEncoder(tokenizer)
+    encoder = chat_encoder(load_tokenizer(spec.tokenizer), chat_template_path(spec))
+    tokenizer = encoder.tokenizer
     packer = RowPacker(spec.seq_len, tokenizer.eos_id)
     writer = ShardWriter(staging, token_dtype(tokenizer), spec.shard_tokens)
     mask_writer = ShardWriter(staging, np.uint8, spec.shard_tokens, prefix="mask")
@@ -404,15 +420,38 @@ def _write_conversations(spec: PrepareSpec, documents: Callable[[], Iterator[Doc
     writer.close()
     mask_writer.close()
     manifest = token_manifest(tokenizer, staging, writer, packer.stats.conversations)
-    manifest["chat"] = {"template": CHAT_TEMPLATE, "seq_len": spec.seq_len, **packer.stats.as_record()}
+    manifest["chat"] = {"template": _keep_template(encoder, staging), "seq_len": spec.seq_len, **packer.stats.as_record()}
     manifest["loss_mask"] = {"shards": mask_writer.shards}
     return manifest
 
 
+def chat_template_path(spec: PrepareSpec) -> Path | None:
+    """The Jinja template conversations are rendered with: `--chat-template` (a file or a directory holding one),
+    else the one beside `--tokenizer` (an imported model's); None for ferry's ChatML."""
+    if spec.chat_template == CHAT_TEMPLATE:
+        return None
+    if spec.chat_template is not None:
+        path = Path(spec.chat_template)
+        if not path.exists():
+            raise UserError(f"--chat-template {spec.chat_template!r}: no such file or directory (or chatml)")
+        return path
+    return template_beside(Path(spec.tokenizer)) if spec.tokenizer not in ("bpe", "byte") else None
+
+
+def _keep_template(encoder, staging: Path) -> str:
+    """A model's own template is written beside the dataset's tokenizer, where training, generation and export
+    find it; what the manifest records of it (`template_name`)."""
+    if isinstance(encoder, TemplateChat):
+        (staging / TEMPLATE_FILE).write_text(encoder.template_text, encoding="utf-8")
+    return template_name(encoder)
+
+
 def _write_record_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Document]], staging: Path) -> dict:
     """Preference pairs or prompts, each kept whole, tokenized with the chat template."""
-    tokenizer = with_chat_tokens(load_tokenizer(spec.tokenizer))
-    records = write_records(documents(), spec.records, ChatEncoder(tokenizer), staging)
+    encoder = chat_encoder(load_tokenizer(spec.tokenizer), chat_template_path(spec))
+    tokenizer = encoder.tokenizer
+    records = write_records(documents(), spec.records, encoder, staging)
+    records["template"] = _keep_template(encoder, staging)
     (staging / TOKENIZER_NAME).write_text(tokenizer.to_json(), encoding="utf-8")
     records["files"] = [file_entry(staging / name) for name in records["files"]]
     return {

@@ -19,6 +19,7 @@ import numpy as np
 
 from ferry.config.errors import UserError
 from ferry.data.chat import ChatEncoder, Message, parse_messages
+from ferry.data.chat_template import TemplateChat
 from ferry.data.corpus import Document
 from ferry.data.formats import Part, read_records
 from ferry.data.records import ANSWERS_NAME, RECORD_FIELDS, SPANS_NAME, TOKENS_NAME
@@ -30,7 +31,9 @@ def read_record_rows(part: Part, kind: str) -> Iterator[Document]:
         yield Document(str(part.path), json.dumps(record), line=line, row=row)
 
 
-def write_records(documents: Iterator[Document], kind: str, encoder: ChatEncoder, staging: Path) -> dict:
+def write_records(
+    documents: Iterator[Document], kind: str, encoder: ChatEncoder | TemplateChat, staging: Path
+) -> dict:
     """Encode every row and write the record files into `staging`; the manifest's `records` entry."""
     fields = RECORD_FIELDS[kind]
     pieces: list[np.ndarray] = []
@@ -45,8 +48,9 @@ def write_records(documents: Iterator[Document], kind: str, encoder: ChatEncoder
         missing = [name for name in _required(kind) if name not in row]
         if missing:
             raise UserError(f"{where}: the row lacks {', '.join(repr(name) for name in missing)}")
-        encoded = [encoder.prompt(_prompt_messages(row["prompt"], where))]
-        encoded += [_completion(encoder, row[name], where, name) for name in fields[1:]]
+        prompt = _prompt_messages(row["prompt"], where)
+        encoded = [encoder.prompt(prompt)]
+        encoded += [_completion(encoder, prompt, row[name], where, name) for name in fields[1:]]
         spans.append([])
         for ids in encoded:
             spans[-1].append([offset, offset + len(ids)])
@@ -84,7 +88,9 @@ def _prompt_messages(value: object, where: str) -> list[Message]:
     return messages
 
 
-def _completion(encoder: ChatEncoder, value: object, where: str, name: str) -> np.ndarray:
+def _completion(
+    encoder: ChatEncoder | TemplateChat, prompt: list[Message], value: object, where: str, name: str
+) -> np.ndarray:
     if isinstance(value, list):
         if len(value) != 1 or not isinstance(value[0], dict) or value[0].get("role") != "assistant":
             raise UserError(f"{where}: {name!r} must be text or one assistant message")
@@ -93,7 +99,7 @@ def _completion(encoder: ChatEncoder, value: object, where: str, name: str) -> n
         raise UserError(f"{where}: {name!r} must be text or one assistant message, not {type(value).__name__}")
     if not value.strip():
         raise UserError(f"{where}: {name!r} is empty: a completion needs text")
-    return np.concatenate([encoder.tokenizer.encode(value), [encoder.im_end_id]]).astype(np.int64)
+    return encoder.completion(prompt, value)
 
 
 def _answer(value: object, where: str) -> str:

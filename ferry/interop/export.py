@@ -18,7 +18,8 @@ import torch
 
 from ferry.checkpoint import latest_checkpoint
 from ferry.config import UserError
-from ferry.data.chat import CHAT_TEMPLATE_JINJA, CHAT_TOKENS, IM_END
+from ferry.data.chat import CHAT_TEMPLATE_JINJA, CHAT_TOKENS
+from ferry.data.chat_template import answer_end_ids, read_chat_template, template_beside
 from ferry.data.tokenizer import END_OF_TEXT, BPETokenizer, load_tokenizer
 from ferry.interop.architectures import hf_config, natural_architecture, refusals, to_hf_state
 from ferry.interop.quiet import no_progress_bars
@@ -86,10 +87,8 @@ def export_checkpoint(
     model.load_state_dict(hf_state, strict=not config.tie_embeddings, assign=True)
     if config.tie_embeddings:
         model.tie_weights()
-    if fast_tokenizer.chat_template is not None:  # a chat model's answer ends at <|im_end|>, a text's at EOS
-        model.generation_config.eos_token_id = [
-            fast_tokenizer.eos_token_id, fast_tokenizer.convert_tokens_to_ids(IM_END)
-        ]
+    if fast_tokenizer.chat_template is not None:  # a chat model's answer ends at its end token, a text's at EOS
+        model.generation_config.eos_token_id = [fast_tokenizer.eos_token_id, *answer_end_ids(tokenizer_path)]
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     with no_progress_bars():
@@ -123,14 +122,19 @@ def _tokenizer_path(checkpoint, tokenizer: str | Path | None) -> Path:
 
 def _fast_tokenizer(path: Path):
     """ferry's BPE tokenizer as a `PreTrainedTokenizerFast`, end-of-text as EOS, BOS-free, padding with EOS;
-    one holding the chat tokens (an SFT run's) carries the chat template for `apply_chat_template`."""
+    one with a chat template beside it (an imported model's, or its SFT data's) carries that template, and one
+    holding the ChatML tokens (an SFT run's) ferry's, for `apply_chat_template`."""
     from transformers import PreTrainedTokenizerFast
 
     loaded = load_tokenizer(path)
     if not isinstance(loaded, BPETokenizer):
         raise UserError(f"--tokenizer {str(path)!r}: the byte tokenizer has no transformers form; export needs a BPE one")
-    chat = all(loaded.token_id(token) is not None for token in CHAT_TOKENS)
+    template = template_beside(path)
+    if template is not None:
+        chat_template = read_chat_template(template)
+    else:
+        chat_template = CHAT_TEMPLATE_JINJA if all(loaded.token_id(token) is not None for token in CHAT_TOKENS) else None
     return PreTrainedTokenizerFast(
         tokenizer_file=str(path), eos_token=END_OF_TEXT, pad_token=END_OF_TEXT, unk_token=None, bos_token=None,
-        clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE_JINJA if chat else None,
+        clean_up_tokenization_spaces=False, chat_template=chat_template,
     )

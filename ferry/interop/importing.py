@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from ferry.checkpoint import Layout, TensorPiece
 from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
 from ferry.config import UserError
+from ferry.data.chat_template import TEMPLATE_FILE, read_chat_template
 from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.interop.architectures import from_hf_state, model_config_from_hf
 from ferry.interop.mxfp4 import is_mxfp4, read_mxfp4_state
@@ -39,6 +40,7 @@ class ImportResult:
     tokenizer: Path | None
     arch: str
     parameters: int
+    chat_template: Path | None = None
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -108,11 +110,26 @@ def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None 
     checkpoint = save_checkpoint(out / CHECKPOINTS, pieces, meta)
     model_file = out / MODEL_FILE
     model_file.write_text(yaml.safe_dump({"model": model_config}, sort_keys=False))
-    copied = None
+    copied = template = None
     if source_tokenizer.is_file():
         copied = out / "tokenizer.json"
         shutil.copyfile(source_tokenizer, copied)
-    return ImportResult(checkpoint, model_file, copied, arch, weight_count(state, config))
+        template = _keep_chat_template(hf_dir, out)
+    return ImportResult(checkpoint, model_file, copied, arch, weight_count(state, config), template)
+
+
+def _keep_chat_template(hf_dir: Path, out: Path) -> Path | None:
+    """The model's chat template (`chat_template.jinja`, or an older directory's `tokenizer_config.json`) written
+    beside the tokenizer, where `ferry data prepare --chat`, `ferry generate` and `ferry export` find it."""
+    if not any((hf_dir / name).is_file() for name in (TEMPLATE_FILE, "tokenizer_config.json")):
+        return None
+    try:
+        template = read_chat_template(hf_dir)
+    except UserError:  # a tokenizer_config.json without a template: a base model
+        return None
+    kept = out / TEMPLATE_FILE
+    kept.write_text(template, encoding="utf-8")
+    return kept
 
 
 def _encoding_digest(path: Path, vocab_size: int) -> str | None:

@@ -27,7 +27,7 @@ import torch
 
 from ferry.config import UserError
 from ferry.data import DataCursor
-from ferry.data.chat import IM_END
+from ferry.data.chat_template import answer_end_ids
 from ferry.data.records import RecordDataset
 from ferry.data.targets import completion_batch
 from ferry.data.tokenizer import load_tokenizer
@@ -99,12 +99,9 @@ class GRPOObjective:
         self.held_out = records.held_out
         self.micro_batch = records.micro_batch
         self.moe = records.moe
-        self.tokenizer = load_tokenizer(self.dataset.path / self.dataset.tokenizer["file"])
-        self.stop_id = self.tokenizer.token_id(IM_END)
-        if self.stop_id is None:
-            raise UserError(
-                f"{self.dataset.label}: its tokenizer has no {IM_END}; prepare prompts with the chat template"
-            )
+        tokenizer_path = self.dataset.path / self.dataset.tokenizer["file"]
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.stop_ids = answer_end_ids(tokenizer_path)
         self.pad_id = self.dataset.tokenizer["eos_id"]
         self.verify = VERIFIERS[self.config.verifier]
         self.prompts_per_step = records.loader.global_batch
@@ -221,7 +218,7 @@ class GRPOObjective:
         prompts = [self.dataset.field(index, "prompt") for index in indices for _ in range(group)]
         seeds = [_seed(self.seed, _SEED_STREAM, step, index, sample) for index in indices for sample in range(group)]
         sampling = GenerationConfig(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature)
-        result = context.generate(prompts, sampling, end_ids=[self.stop_id], row_seeds=seeds)
+        result = context.generate(prompts, sampling, end_ids=self.stop_ids, row_seeds=seeds)
         completions = [np.asarray(completion.tokens, dtype=np.int64) for completion in result.completions]
         rewards = [
             self._reward(completion.tokens, self.dataset.answers[index])
@@ -233,7 +230,7 @@ class GRPOObjective:
         return Rollouts(prompts, completions, rewards_PG, advantages_PG, kept_P)
 
     def _reward(self, tokens: list[int], answer: str) -> float:
-        return self.verify(_text(self.tokenizer, tokens, self.stop_id), answer)
+        return self.verify(_text(self.tokenizer, tokens, self.stop_ids), answer)
 
     def _micro_batch(self, context: StepContext, rollouts: Rollouts, rows: list[int]) -> _MicroBatch:
         """Kept completions `rows` as one micro-batch (none: a zero-weight filler that keeps the ranks in step), with
@@ -333,28 +330,29 @@ def solved_prompts(
     the seed (seed, i, j) whatever the ranks. A rank without prompts of its own still decodes one, uncounted,
     to stay in step with the others. `generation`: a step context's, or `partial(generate, model)` in one
     process. `progress()` is called at every decoding step."""
-    tokenizer = load_tokenizer(dataset.path / dataset.tokenizer["file"])
-    stop_id = tokenizer.token_id(IM_END)
+    tokenizer_path = dataset.path / dataset.tokenizer["file"]
+    tokenizer = load_tokenizer(tokenizer_path)
+    stop_ids = answer_end_ids(tokenizer_path)
     per_rank = -(-len(dataset) // world_size)
     mine = list(range(rank * per_rank, min((rank + 1) * per_rank, len(dataset))))
     rows = [index for index in mine for _ in range(samples)] or [0]
     seeds = [_seed(seed, _EVAL_STREAM, index, sample) for index in mine for sample in range(samples)] or [0]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
     result = generation(
-        [dataset.field(row, "prompt") for row in rows], config, end_ids=[stop_id], row_seeds=seeds, progress=progress
+        [dataset.field(row, "prompt") for row in rows], config, end_ids=stop_ids, row_seeds=seeds, progress=progress
     )
     if not mine:
         return 0.0
     accepted = [
-        verify(_text(tokenizer, completion.tokens, stop_id), dataset.answers[row]) >= 1.0
+        verify(_text(tokenizer, completion.tokens, stop_ids), dataset.answers[row]) >= 1.0
         for row, completion in zip(rows, result.completions)
     ]
     return sum(accepted) / samples
 
 
-def _text(tokenizer, tokens: list[int], stop_id: int) -> str:
-    """A completion's text for the verifier: its tokens without the `<|im_end|>` that ended it."""
-    return tokenizer.decode([token for token in tokens if token != stop_id])
+def _text(tokenizer, tokens: list[int], stop_ids: list[int]) -> str:
+    """A completion's text for the verifier: its tokens without the end token (`<|im_end|>`) that ended it."""
+    return tokenizer.decode([token for token in tokens if token not in stop_ids])
 
 
 def _seed(*parts: int) -> int:

@@ -133,10 +133,12 @@ def _config_problems(args) -> list[str]:
     config, overrides = _config_and_overrides(args)
     if config is not None and config.startswith("configs/"):
         preset = []
-        if getattr(args, "model", None):
+        model = getattr(args, "model", None)
+        written_earlier = model is not None and model.endswith(".yaml") and not (REPO / model).exists()
+        if model and not written_earlier:  # a model.yaml an earlier command of the page writes (`ferry import`)
             from ferry.model.presets import preset_overrides
 
-            preset = preset_overrides(args.model)
+            preset = preset_overrides(model)
         try:
             from ferry.train import load_run_config
 

@@ -208,3 +208,15 @@ def test_import_then_sft_dpo_and_export_in_the_models_own_template(gpt_oss_dir, 
     generation = json.loads((hf_out / "generation_config.json").read_text())
     assert exported.convert_tokens_to_ids("<|return|>") in generation["eos_token_id"]
     assert yaml.safe_load((imported / "model.yaml").read_text())["model"]["attention_sinks"] is True
+
+
+def test_a_ferry_exports_chatml_template_comes_back_as_ferrys_own_chatml(tmp_path):
+    """An export of a ChatML run ships ChatML in Jinja; imported, it renders as ferry's ChatML did (the mask leaves
+    the newline after <|im_end|> untrained, text spelling a chat token stays text)."""
+    from ferry.data.chat import CHAT_TEMPLATE_JINJA, ChatEncoder
+    from ferry.data.chat_template import chat_encoder, template_label
+
+    (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE_JINJA)
+    encoder = chat_encoder(load_tokenizer(TOKENIZER), tmp_path / "chat_template.jinja")
+    assert isinstance(encoder, ChatEncoder) and template_label(tmp_path / "chat_template.jinja") == "chatml"
+    assert template_label(FIXTURES / "harmony.jinja").startswith("jinja:")

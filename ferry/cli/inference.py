@@ -110,11 +110,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if loaded.tokenizer is None:
         raise UserError(f"generate: no tokenizer found for {args.source}; pass --tokenizer")
     tokenizer = loaded.tokenizer
-    from ferry.data.chat import IM_END, ChatEncoder, Message
-    from ferry.data.chat_template import TemplateChat, read_chat_template, template_beside
+    from ferry.data.chat import CHAT_TEMPLATE, IM_END, ChatEncoder, Message
+    from ferry.data.chat_template import TemplateChat, read_chat_template, template_beside, template_label
 
     template = template_beside(loaded.tokenizer_path)  # a model's own (imported, or its SFT data's)
-    if template is not None:
+    if template is not None and template_label(template) != CHAT_TEMPLATE:
         encoder = TemplateChat(tokenizer, read_chat_template(template), str(template))
     else:
         encoder = ChatEncoder(tokenizer) if args.chat else None

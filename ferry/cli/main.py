@@ -384,4 +384,10 @@ def _print_dataset(result) -> int:
             f"{chat['truncated']:,} conversation(s) longer than a row were cut, "
             f"{chat['dropped']:,} of them dropped for having no assistant token left"
         )
+        template = chat["template"]
+        if template.startswith("jinja:"):
+            print(f"ferry: rendered in the model's chat template ({result.output / 'chat_template.jinja'}, "
+                  f"sha256 {template.removeprefix('jinja:')[:12]})")
+        else:
+            print("ferry: rendered in ferry's ChatML template")
     return 0

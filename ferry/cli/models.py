@@ -31,19 +31,27 @@ def run_models(args: argparse.Namespace) -> int:
         f"training FLOPs per token at a sequence length of {length:,} (--seq-len)"
         + (f"; {', '.join(shorter)} at {'its' if len(shorter) == 1 else 'their'} whole context" if shorter else "")
     )
-    print(f"{'preset':<{width}}  attention  {'total':>9}  {'active':>9}  {'train GFLOP/token':>17}  "
+    labels = [_attention_label(row.config) for row in rows]
+    column = max(9, *(len(label) for label in labels))
+    print(f"{'preset':<{width}}  {'attention':<{column}}  {'total':>9}  {'active':>9}  {'train GFLOP/token':>17}  "
           f"{'cache B/token (bf16)':>20}")
-    for row in rows:
+    for row, attention in zip(rows, labels):
         config = row.config
-        attention = config.attention + ("+gate" if config.attention_gate != "none" else "")
         print(
-            f"{row.name:<{width}}  {attention:<9}  {_billions(row.size.total_params):>9}  "
+            f"{row.name:<{width}}  {attention:<{column}}  {_billions(row.size.total_params):>9}  "
             f"{_billions(row.size.active_params):>9}  {row.size.flops_per_token / 1e9:>11.3g} @{row.seq_len:<5}  "
             f"{row.cache_bytes_per_token:>20,}"
         )
         if args.show:
             print(yaml.safe_dump({"model": config.model_dump(mode="json")}, sort_keys=False))
     return 0
+
+
+def _attention_label(config) -> str:
+    """The attention kind and its parts: an output gate, sinks, a sliding window (`gqa+sinks+window128`)."""
+    parts = (("+gate", config.attention_gate != "none"), ("+sinks", config.attention_sinks),
+             (f"+window{config.sliding_window}", bool(config.sliding_window)))
+    return config.attention + "".join(label for label, present in parts if present)
 
 
 def _billions(count: int) -> str:

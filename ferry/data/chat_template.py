@@ -38,7 +38,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from ferry.config.errors import UserError
-from ferry.data.chat import CHAT_TEMPLATE, IM_END, ChatEncoder, Message, RenderedConversation, with_chat_tokens
+from ferry.data.chat import (
+    CHAT_TEMPLATE,
+    CHAT_TEMPLATE_JINJA,
+    IM_END,
+    ChatEncoder,
+    Message,
+    RenderedConversation,
+    with_chat_tokens,
+)
 from ferry.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -102,12 +110,19 @@ def template_beside(tokenizer_path: Path | None) -> Path | None:
 
 def chat_encoder(tokenizer: Tokenizer, template: Path | None) -> ChatEncoder | TemplateChat:
     """The model's own template's renderer when `template` is given, else ferry's ChatML (its tokens added to the
-    tokenizer where it lacks them)."""
-    if template is None:
+    tokenizer where it lacks them), which is also what a ferry export's template (ChatML in Jinja) comes back as."""
+    text = None if template is None else read_chat_template(template)
+    if text is None or text == CHAT_TEMPLATE_JINJA:  # ferry's own, as its exports write it
         return ChatEncoder(with_chat_tokens(tokenizer))
     if not isinstance(tokenizer, BPETokenizer):
         raise UserError("a chat template renders text for a BPE tokenizer (a tokenizer.json); this one is bytes")
-    return TemplateChat(tokenizer, read_chat_template(template), str(template))
+    return TemplateChat(tokenizer, text, str(template))
+
+
+def template_label(template: Path | None) -> str:
+    """What a dataset's settings record of the template at `template` (None: ChatML), as `template_name` would."""
+    text = None if template is None else read_chat_template(template)
+    return CHAT_TEMPLATE if text is None or text == CHAT_TEMPLATE_JINJA else jinja_name(text)
 
 
 def answer_end_ids(tokenizer_path: Path) -> list[int]:
@@ -115,7 +130,7 @@ def answer_end_ids(tokenizer_path: Path) -> list[int]:
     it), else ChatML's `<|im_end|>`; refused, naming the file, for a tokenizer with neither."""
     tokenizer = load_tokenizer(tokenizer_path)
     template = template_beside(tokenizer_path)
-    if template is not None:
+    if template is not None and template_label(template) != CHAT_TEMPLATE:
         return chat_encoder(tokenizer, template).end_ids
     im_end = tokenizer.token_id(IM_END)
     if im_end is None:

@@ -32,9 +32,8 @@ from ferry.data.chat_template import (
     TEMPLATE_FILE,
     TemplateChat,
     chat_encoder,
-    jinja_name,
-    read_chat_template,
     template_beside,
+    template_label,
     template_name,
 )
 from ferry.data.conversations import EMBEDDED_CONVERSATIONS, embedded_conversations, read_conversations
@@ -297,7 +296,7 @@ def spec_settings(spec: PrepareSpec) -> dict:
         settings["embedded_skip_bytes"] = spec.embedded_skip_bytes
     if spec.chat or spec.records:
         template = chat_template_path(spec)
-        name = CHAT_TEMPLATE if template is None else jinja_name(read_chat_template(template))
+        name = template_label(template)
         if spec.chat:
             settings["chat"] = {"template": name, "seq_len": spec.seq_len}
         else:

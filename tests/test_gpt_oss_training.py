@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from ferry.train import Trainer
 from ferry.train.optimizer import decayed_parameter_names
 
 import distributed_training as runs
+from hf_offline import load_offline
 
 LAYOUT_TOLERANCE = 1e-5  # as tests/test_distributed_training.py: sums in another order over 2 ranks
 
@@ -70,22 +69,7 @@ def test_a_gpt_oss_run_exports_and_loads_offline_with_ferrys_logits_and_greedy_t
     hf_json = json.loads((out / "config.json").read_text())
     assert hf_json["architectures"] == ["GptOssForCausalLM"]
     assert hf_json["layer_types"] == ["sliding_attention", "full_attention"] and hf_json["sliding_window"] == 8
-    probe = f"""
-import json, torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained({str(out)!r}, local_files_only=True)
-tokenizer = AutoTokenizer.from_pretrained({str(out)!r}, local_files_only=True)
-ids = tokenizer("def main(argv):\\n    for name in argv:\\n        print(name)\\n    return 0", return_tensors="pt").input_ids
-with torch.no_grad():
-    logits = model(ids).logits
-greedy = model.generate(ids, do_sample=False, max_new_tokens=12, min_new_tokens=12)[0, ids.shape[1]:].tolist()
-print(json.dumps({{"type": model.config.model_type, "ids": ids[0].tolist(), "logits": logits[0].tolist(),
-                  "greedy": greedy}}))
-"""
-    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=offline, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    loaded = load_offline(out, "def main(argv):\n    for name in argv:\n        print(name)\n    return 0", 12)
     assert loaded["type"] == "gpt_oss" and len(loaded["ids"]) > 8, "the prompt reaches past the window"
     model = load_model(run_dir, device="cpu").model
     with torch.no_grad():

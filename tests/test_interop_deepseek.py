@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from hf_offline import load_offline
 from test_mla import MLA_BASE, mla_config, random_model, transformers_model
 
 from ferry.cli.main import main
@@ -79,22 +78,7 @@ def test_an_mla_run_exports_as_deepseek_v3_and_loads_offline_with_ferrys_logits(
     assert main(["export", str(mla_run), str(out)]) == 0
     assert "as deepseek_v3" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
-    probe = f"""
-import json, torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained({str(out)!r}, local_files_only=True)
-tokenizer = AutoTokenizer.from_pretrained({str(out)!r}, local_files_only=True)
-ids = tokenizer("def main():\\n    return 0", return_tensors="pt").input_ids
-with torch.no_grad():
-    logits = model(ids).logits
-greedy = model.generate(ids, do_sample=False, max_new_tokens=8, min_new_tokens=8)[0, ids.shape[1]:].tolist()
-print(json.dumps({{"type": model.config.model_type, "ids": ids[0].tolist(), "logits": logits[0].tolist(),
-                  "greedy": greedy}}))
-"""
-    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=offline, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    loaded = load_offline(out, "def main():\n    return 0", 8)
     assert loaded["type"] == "deepseek_v3"
     from ferry.inference import load_model
 

@@ -96,8 +96,8 @@ PIPELINE_KEYS = {
 
 # what a run that tracks its attention logits adds (metrics.attn_max_logit, optim.muon.qk_clip), and a
 # context-parallel run (parallel.cp)
-OPT_IN_KEYS = {"attn.max_logit": 12.5, "attn.clipped_heads": 2, "cp.comm_s": 0.02, "cp.bytes": 2_097_192,
-               "tracker_failures": 0}
+OPT_IN_KEYS = {"mtp.loss": {"1": 3.5, "2": 3.9}, "attn.max_logit": 12.5, "attn.clipped_heads": 2, "cp.comm_s": 0.02,
+               "cp.bytes": 2_097_192, "tracker_failures": 0}
 
 
 def scrape(url: str) -> str:

@@ -50,6 +50,8 @@ def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) 
     if arch not in ARCHITECTURES:
         return [f"--arch {arch!r}: choose one of {', '.join(ARCHITECTURES)}"]
     problems = config.skip_kind.export_refusals(config, arch) + config.attention_kind.export_refusals(config, arch)
+    if config.mtp.depth and arch != "deepseek_v3":
+        problems.append(f"model.mtp.depth: {arch} has no multi-token-prediction modules (deepseek_v3 keeps them)")
     if arch == "gpt_oss":
         return problems + gpt_oss_refusals(config, expert_bias_nonzero)
     problems += _gpt_oss_parts(config, arch)

@@ -92,13 +92,16 @@ def deepseek_hf_config(config: ModelConfig, common: dict, arch: str = "deepseek_
             n_group=moe.n_group if limited else None,
             topk_group=moe.topk_group if limited else None,
         )
-    return DeepseekV3Config(**fields, **shared, n_group=moe.n_group, topk_group=moe.topk_group, num_mtp_layers=0)
+    return DeepseekV3Config(
+        **fields, **shared, n_group=moe.n_group, topk_group=moe.topk_group, num_mtp_layers=config.mtp.depth
+    )
 
 
 def deepseek_model_fields(hf) -> dict:
     """The ferry model fields (beyond those every architecture shares and its attention's) a `DeepseekV3Config`
-    or `DeepseekV2Config` describes. V3's multi-token-prediction modules (`num_mtp_layers`) serve speculative
-    decoding only; transformers' causal LM leaves them out of its forward and its weights, and so does ferry."""
+    or `DeepseekV2Config` describes. V3's multi-token-prediction modules (`num_mtp_layers`) are not among them:
+    transformers' causal LM leaves their weights out, and the import reads them itself where the directory holds
+    them (`ferry/interop/importing.py`)."""
     moe = {
         "num_experts": hf.n_routed_experts,
         "top_k": hf.num_experts_per_tok,
@@ -127,23 +130,20 @@ def deepseek_model_fields(hf) -> dict:
 def deepseek_to_hf_state(
     state: dict[str, torch.Tensor], config: ModelConfig, arch: str = "deepseek_v3"
 ) -> dict[str, torch.Tensor]:
-    """ferry's state dict under DeepSeek-V3's (or V2's) names; for V2, the rotary rows in interleaved pairs."""
+    """ferry's state dict under DeepSeek-V3's (or V2's) names; for V2, the rotary rows in interleaved pairs. V3's
+    multi-token-prediction modules follow the layers, at indices `n_layers` onward, as DeepSeek's checkpoints
+    keep them (each with a copy of the embedding and the head, as theirs)."""
     hf = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
     if not config.tie_embeddings:
         hf["lm_head.weight"] = state["output.weight"]
     for index in range(config.n_layers):
-        ours, theirs = f"layers.{index}.", f"model.layers.{index}."
-        attention = _interleaved_order(state, ours + "attn.", config) if arch == "deepseek_v2" else {}
-        for name, hf_name in _layer_names(index < config.dense_layers, arch).items():
-            if ours + name in state:
-                hf[theirs + hf_name] = attention.get(ours + name, state[ours + name])
-        if index >= config.dense_layers:
-            experts = ours + "ffn.experts."
-            gate_up = torch.cat([state[experts + "w_gate_EFD"], state[experts + "w_up_EFD"]], dim=1)
-            hf[theirs + "mlp.experts.gate_up_proj"] = gate_up
-            if not config.moe.shared_expert_ffn_dim:  # DeepSeek-V3 builds its shared experts even when there are none
-                for name, shape in _EMPTY_SHARED.items():
-                    hf[theirs + name] = torch.empty(shape(config.dim))
+        _block_to_hf(state, f"layers.{index}.", f"model.layers.{index}.", index < config.dense_layers, config, arch, hf)
+    for depth in range(config.mtp.depth):
+        ours, theirs = f"mtp.{depth}.", f"model.layers.{config.n_layers + depth}."
+        _block_to_hf(state, ours + "block.", theirs, config.n_layers == config.dense_layers, config, arch, hf)
+        hf.update({theirs + hf_name: state[ours + name] for name, hf_name in _MTP_NAMES.items()})
+        hf[theirs + "embed_tokens.weight"] = state["tok_embeddings.weight"]
+        hf[theirs + "shared_head.head.weight"] = state["output.weight"]
     return hf
 
 
@@ -151,24 +151,73 @@ def deepseek_from_hf_state(
     hf: dict[str, torch.Tensor], config: ModelConfig, interleaved: bool, arch: str = "deepseek_v3"
 ) -> dict[str, torch.Tensor]:
     """DeepSeek-V3's (or V2's) state dict under ferry's names; `interleaved` rotary rows are moved to
-    rotate-half order. V2 has no expert-choice bias: the routers' are zero."""
+    rotate-half order. V2 has no expert-choice bias: the routers' are zero. The MTP modules `config` has are read
+    from the layers after the model's (their copies of the embedding and the head are the model's)."""
     state = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     state["output.weight"] = hf["model.embed_tokens.weight"] if config.tie_embeddings else hf["lm_head.weight"]
     for index in range(config.n_layers):
-        ours, theirs = f"layers.{index}.", f"model.layers.{index}."
-        for name, hf_name in _layer_names(index < config.dense_layers, arch).items():
-            if theirs + hf_name in hf and hf[theirs + hf_name].numel():  # no empty shared experts: ferry has none
-                state[ours + name] = hf[theirs + hf_name]
-        if index >= config.dense_layers and arch == "deepseek_v2":
-            state[ours + "ffn.router.expert_bias_E"] = torch.zeros(config.moe.num_experts, dtype=torch.float32)
-        if index >= config.dense_layers:
-            gate_up = hf[theirs + "mlp.experts.gate_up_proj"]
-            width = gate_up.shape[1] // 2
-            state[ours + "ffn.experts.w_gate_EFD"] = gate_up[:, :width].contiguous()
-            state[ours + "ffn.experts.w_up_EFD"] = gate_up[:, width:].contiguous()
-        if interleaved:
-            _rotate_half_order(state, ours + "attn.", config)
+        dense = index < config.dense_layers
+        _block_from_hf(hf, f"layers.{index}.", f"model.layers.{index}.", dense, config, interleaved, arch, state)
+    for depth in range(config.mtp.depth):
+        ours, theirs = f"mtp.{depth}.", f"model.layers.{config.n_layers + depth}."
+        dense = config.n_layers == config.dense_layers
+        _block_from_hf(hf, ours + "block.", theirs, dense, config, interleaved, arch, state)
+        state.update({ours + name: hf[theirs + hf_name] for name, hf_name in _MTP_NAMES.items()})
     return state
+
+
+def _block_to_hf(
+    state: dict[str, torch.Tensor], ours: str, theirs: str, dense: bool, config: ModelConfig, arch: str, hf: dict
+) -> None:
+    """One block's tensors (a layer's, or an MTP module's) into `hf` under DeepSeek's layer names."""
+    attention = _interleaved_order(state, ours + "attn.", config) if arch == "deepseek_v2" else {}
+    for name, hf_name in _layer_names(dense, arch).items():
+        if ours + name in state:
+            hf[theirs + hf_name] = attention.get(ours + name, state[ours + name])
+    if not dense:
+        gate_up = [state[ours + "ffn.experts.w_gate_EFD"], state[ours + "ffn.experts.w_up_EFD"]]
+        hf[theirs + "mlp.experts.gate_up_proj"] = torch.cat(gate_up, dim=1)
+        if not config.moe.shared_expert_ffn_dim:  # DeepSeek-V3 builds its shared experts even when there are none
+            for name, shape in _EMPTY_SHARED.items():
+                hf[theirs + name] = torch.empty(shape(config.dim))
+
+
+def _block_from_hf(
+    hf: dict[str, torch.Tensor],
+    ours: str,
+    theirs: str,
+    dense: bool,
+    config: ModelConfig,
+    interleaved: bool,
+    arch: str,
+    state: dict[str, torch.Tensor],
+) -> None:
+    """One block's tensors from DeepSeek's layer names into `state` (the inverse of `_block_to_hf`)."""
+    for name, hf_name in _layer_names(dense, arch).items():
+        if theirs + hf_name in hf and hf[theirs + hf_name].numel():  # no empty shared experts: ferry has none
+            state[ours + name] = hf[theirs + hf_name]
+    if not dense and arch == "deepseek_v2":
+        state[ours + "ffn.router.expert_bias_E"] = torch.zeros(config.moe.num_experts, dtype=torch.float32)
+    if not dense:
+        gate_up = hf[theirs + "mlp.experts.gate_up_proj"]
+        width = gate_up.shape[1] // 2
+        state[ours + "ffn.experts.w_gate_EFD"] = gate_up[:, :width].contiguous()
+        state[ours + "ffn.experts.w_up_EFD"] = gate_up[:, width:].contiguous()
+    if interleaved:
+        _rotate_half_order(state, ours + "attn.", config)
+
+
+def mtp_layer_prefixes(num_hidden_layers: int, depth: int) -> list[str]:
+    """The transformers-side prefixes of `depth` MTP modules after `num_hidden_layers` layers."""
+    return [f"model.layers.{num_hidden_layers + depth_index}." for depth_index in range(depth)]
+
+
+_MTP_NAMES = {  # an MTP module's own tensors, beside its block's
+    "embed_norm.weight": "enorm.weight",
+    "hidden_norm.weight": "hnorm.weight",
+    "proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
 
 
 def _rotate_half_order(state: dict[str, torch.Tensor], attn: str, config: ModelConfig) -> None:

@@ -22,9 +22,10 @@ from ferry.data.chat import CHAT_TEMPLATE_JINJA, CHAT_TOKENS
 from ferry.data.chat_template import answer_end_ids, read_chat_template, template_beside
 from ferry.data.tokenizer import END_OF_TEXT, BPETokenizer, load_tokenizer
 from ferry.interop.architectures import hf_config, natural_architecture, refusals, to_hf_state
+from ferry.interop.deepseek import mtp_layer_prefixes
 from ferry.interop.quiet import no_progress_bars
 from ferry.interop.weights import (
-    checkpoint_model_config, checkpoint_tokenizer_path, read_model_state, weight_count,
+    append_safetensors, checkpoint_model_config, checkpoint_tokenizer_path, read_model_state, weight_count,
 )
 from ferry.platform.file_modes import give_ordinary_mode
 
@@ -84,7 +85,10 @@ def export_checkpoint(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf, dtype=DTYPES[dtype])
     hf_state = {name: tensor.to(DTYPES[dtype]) for name, tensor in to_hf_state(state, config, arch).items()}
-    model.load_state_dict(hf_state, strict=not config.tie_embeddings, assign=True)
+    mtp = tuple(mtp_layer_prefixes(config.n_layers, config.mtp.depth))  # written beside transformers' model
+    beside = {name: tensor for name, tensor in hf_state.items() if mtp and name.startswith(mtp)}
+    held = {name: tensor for name, tensor in hf_state.items() if name not in beside}
+    model.load_state_dict(held, strict=not config.tie_embeddings, assign=True)
     if config.tie_embeddings:
         model.tie_weights()
     if fast_tokenizer.chat_template is not None:  # a chat model's answer ends at its end token, a text's at EOS
@@ -93,6 +97,7 @@ def export_checkpoint(
     shutil.rmtree(staging, ignore_errors=True)
     with no_progress_bars():
         model.save_pretrained(staging)
+        append_safetensors(staging, beside)
         fast_tokenizer.save_pretrained(staging)
     for written in staging.rglob("*"):
         if written.is_file():

@@ -23,9 +23,10 @@ from ferry.config import UserError
 from ferry.data.chat_template import TEMPLATE_FILE, read_chat_template
 from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.interop.architectures import from_hf_state, model_config_from_hf
+from ferry.interop.deepseek import mtp_layer_prefixes
 from ferry.interop.mxfp4 import is_mxfp4, read_mxfp4_state
 from ferry.interop.quiet import no_progress_bars
-from ferry.interop.weights import MODEL, weight_count
+from ferry.interop.weights import MODEL, read_safetensors, weight_count
 from ferry.model import ModelConfig, Transformer
 from ferry.platform.fingerprint import environment_fingerprint
 
@@ -70,6 +71,7 @@ def read_hf_dir(hf_dir: Path) -> tuple[ModelConfig, str, dict[str, torch.Tensor]
             hf_state = hf_model.state_dict()
     except (OSError, ValueError, SafetensorError) as exc:  # a truncated weights file is the last of these
         raise UserError(f"{hf_dir}: transformers cannot load its weights: {_first_line(exc)}") from None
+    config, hf_state = _with_mtp_modules(hf_dir, hf_config, config, hf_state)
     try:
         state = from_hf_state(hf_state, config, bool(getattr(hf_config, "rope_interleave", False)), arch)
     except KeyError as exc:
@@ -78,6 +80,25 @@ def read_hf_dir(hf_dir: Path) -> tuple[ModelConfig, str, dict[str, torch.Tensor]
     if set(state) != expected:
         raise UserError(f"{hf_dir} does not hold the tensors its config describes: {sorted(expected ^ set(state))[:4]}")
     return config, arch, state
+
+
+def _with_mtp_modules(
+    hf_dir: Path, hf_config, config: ModelConfig, hf_state: dict[str, torch.Tensor]
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """DeepSeek-V3's multi-token-prediction modules, which transformers' model leaves out, read from the
+    safetensors where the directory holds them (`num_mtp_layers` of them after the layers): the config then has
+    `mtp.depth` of them. A config that declares modules whose weights are absent (a model saved by transformers)
+    imports without them."""
+    declared = getattr(hf_config, "num_mtp_layers", 0) or 0
+    prefixes = tuple(mtp_layer_prefixes(config.n_layers, declared))
+    if not prefixes:
+        return config, hf_state
+    found = read_safetensors(hf_dir, lambda name: name.startswith(prefixes))
+    depth = sum(1 for prefix in prefixes if prefix + "eh_proj.weight" in found)
+    if not depth:
+        return config, hf_state
+    config = ModelConfig.model_validate({**config.model_dump(), "mtp": {"depth": depth}})
+    return config, {**hf_state, **{name: tensor.float() for name, tensor in found.items()}}
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None = None) -> ImportResult:

@@ -12,9 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from ferry.config import UserError
+from ferry.interop.weights import read_safetensors
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_BIAS = 127
@@ -45,14 +44,9 @@ def dequantize(blocks_ERGB: torch.Tensor, scales_ERG: torch.Tensor) -> torch.Ten
 def read_mxfp4_state(hf_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's safetensors files in fp32, each MXFP4 pair dequantised under the name
     transformers gives the unquantised tensor, in its layout (`[E, in, out]`: the rows are the outputs)."""
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
+    if not any(hf_dir.glob("*.safetensors")):
         raise UserError(f"{hf_dir}: its config says MXFP4, and ferry reads that from safetensors files; there are none")
-    raw = {}
-    for path in files:
-        with safe_open(path, framework="pt") as handle:
-            for name in handle.keys():
-                raw[name] = handle.get_tensor(name)
+    raw = read_safetensors(hf_dir)
     state = {}
     for name, tensor in raw.items():
         if name.endswith(SCALES):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from pydantic import ValidationError
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ferry.checkpoint import Checkpoint
 from ferry.config import UserError
@@ -72,3 +76,32 @@ def _check_tokenizer(path: Path, recorded: str | None, checkpoint: Checkpoint) -
 
 def _encoding_digest(path: Path) -> str:
     return encoding_digest(load_tokenizer(path))
+
+
+def read_safetensors(hf_dir: Path, wanted: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+    """The tensors of a directory's safetensors files whose names `wanted` accepts, as stored: what transformers'
+    model leaves out (multi-token-prediction layers) or cannot read on a CPU (MXFP4 blocks)."""
+    tensors = {}
+    for path in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys() if wanted(name)})
+    return tensors
+
+
+def append_safetensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Add `tensors` to what `save_pretrained` wrote in `directory`: to its one weights file, or as one more shard
+    named in its index, so that a reader of the directory's checkpoint files finds them."""
+    if not tensors:
+        return
+    tensors = {name: tensor.clone() for name, tensor in tensors.items()}  # copies: no two may share memory
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shard = "model-extra.safetensors"
+        save_file(tensors, directory / shard, metadata={"format": "pt"})
+        listing = json.loads(index.read_text())
+        listing["weight_map"].update({name: shard for name in tensors})
+        index.write_text(json.dumps(listing, indent=2))
+        return
+    weights = directory / "model.safetensors"
+    merged = read_safetensors(directory)
+    save_file({**merged, **tensors}, weights, metadata={"format": "pt"})

@@ -20,14 +20,15 @@ TENSORBOARD_DIR = "tensorboard"
 TRACE_DIR = "traces"
 RECORD_DIRS = (PLOT_DIR, TENSORBOARD_DIR, TRACE_DIR)
 
-Shape = Literal["step", "layer", "expert", "source", "stage"]
+Shape = Literal["step", "layer", "expert", "source", "stage", "depth"]
 
 
 @dataclass(frozen=True)
 class Metric:
     """`shape`: one number per step, a list over MoE layers, a list over layers of lists over experts, a
-    mapping from held-out source name to a number (only in the records of steps that evaluated), or a list over
-    pipeline stages (only in the records of pipeline-parallel runs).
+    mapping from held-out source name to a number (only in the records of steps that evaluated), a list over
+    pipeline stages (only in the records of pipeline-parallel runs), or a mapping from multi-token-prediction
+    depth ("1", "2", ...) to a number (only with `model.mtp.depth`).
 
     `scale` turns the record's unit into the exported one (Prometheus wants base units: bytes, not MiB).
     `objective`: the `train.objective` whose steps report it (None: every objective's). `pipeline`: reported by
@@ -140,6 +141,11 @@ METRICS: tuple[Metric, ...] = (
         "went on", opt_in=True,
     ),
     Metric(
+        "mtp.loss", "ferry_mtp_loss", "depth",
+        "multi-token prediction: each module's cross-entropy on the tokens it predicts, {depth: value}",
+        objective="lm", opt_in=True,
+    ),
+    Metric(
         "cp.comm_s", "ferry_context_parallel_comm_seconds", "step",
         "time this rank spent in the context-parallel exchanges of the step (the keys' gathers and their gradients' "
         "reduce-scatters, the routers' sums)", opt_in=True,
@@ -229,6 +235,8 @@ def scalars(record: dict) -> dict[str, float]:
             named[metric.key] = float(value)
         elif metric.shape == "source":
             named.update({f"{metric.key}/{source}": float(number) for source, number in value.items()})
+        elif metric.shape == "depth":
+            named.update({f"{metric.key}/depth{depth}": float(number) for depth, number in value.items()})
         else:  # per layer or per stage
             named.update({f"{metric.key}/{metric.shape}{index}": float(number) for index, number in enumerate(value)})
     return named

@@ -16,7 +16,7 @@ from ferry.metrics.names import METRICS
 
 _LABELS = {
     "step": ("run",), "layer": ("run", "layer"), "expert": ("run", "layer", "expert"), "source": ("run", "source"),
-    "stage": ("run", "stage"),
+    "stage": ("run", "stage"), "depth": ("run", "depth"),
 }
 
 
@@ -51,7 +51,7 @@ class PrometheusSink:
                 continue
             if metric.shape == "step":
                 gauge.labels(self.run_name).set(value * metric.scale)
-            elif metric.shape == "source":
+            elif metric.shape in ("source", "depth"):
                 for source, source_value in value.items():
                     gauge.labels(self.run_name, source).set(source_value * metric.scale)
             elif metric.shape in ("layer", "stage"):

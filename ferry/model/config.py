@@ -97,6 +97,17 @@ class MLAConfig(Section):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+class MTPConfig(Section):
+    """Multi-token prediction (DeepSeek-V3): `depth` sequential modules after the model, module k predicting the
+    token k + 1 places past the next from the previous module's hidden state and the embedding of the token k places
+    ahead, through its own projection and block, with the model's embedding and head."""
+
+    depth: int = Field(0, ge=0, description="modules; 0 = none")
+    loss_weight: float = Field(
+        0.3, gt=0.0, description="the MTP losses' weight: the objective adds loss_weight / depth x their sum"
+    )
+
+
 class ModelConfig(Section):
     """A decoder-only transformer whose feed-forward layers are MoE after the first `dense_layers`."""
 
@@ -147,6 +158,7 @@ class ModelConfig(Section):
         "none", description="a sigmoid gate on the attention output, from the attention input: per head or per element"
     )
     moe: MoEConfig = MoEConfig()
+    mtp: MTPConfig = MTPConfig()
 
     @field_validator("n_heads", "n_kv_heads")
     @classmethod
@@ -201,6 +213,13 @@ class ModelConfig(Section):
     @property
     def skip_kind(self) -> SkipKind:
         return SKIP_KINDS[self.skip]
+
+    @property
+    def moe_layer_count(self) -> int:
+        """The MoE layers of the model and of its MTP modules (each module's block is MoE when the model's last
+        block is), in the order of the step's per-layer statistics."""
+        main = self.n_layers - self.dense_layers
+        return main + (self.mtp.depth if main else 0)
 
     def attention_window(self, layer: int) -> int:
         """How many positions back layer `layer` attends, itself included: 0 for every earlier one."""

@@ -27,7 +27,8 @@ def count_model(config: ModelConfig, seq_len: int) -> ModelSize:
     3 x n_layers x seq_len x n_heads x (query/key width + value width), half the square
     as causal (6 x n_layers x seq_len x n_heads x head_dim when the widths are equal, as
     in GQA); a windowed layer's positions each see at most `window` keys. What each attention
-    kind counts is its own (`ferry/model/variants/`).
+    kind counts is its own (`ferry/model/variants/`). Multi-token-prediction modules count as the blocks,
+    projections and norms they hold, and their logits as one more pass through the head each.
     """
     dim, layers = config.dim, config.n_layers
     attention, score_width, value_width = _attention_params(config)
@@ -37,16 +38,23 @@ def count_model(config: ModelConfig, seq_len: int) -> ModelSize:
     router = moe.num_experts * (dim + moe.router_bias)
     expert = 3 * dim * moe.expert_ffn_dim + (2 * moe.expert_ffn_dim + dim if moe.expert_biases else 0)
     shared = 3 * dim * moe.shared_expert_ffn_dim
-    moe_layers = layers - config.dense_layers
+    moe_layers = config.moe_layer_count
 
     embedding = config.vocab_size * dim
     head = 0 if config.tie_embeddings else config.vocab_size * dim
-    common = layers * (attention + norms) + config.dense_layers * dense_ffn + moe_layers * (router + shared) + dim
+    depth = config.mtp.depth  # each MTP module: two input norms, the projection, a block, its output norm
+    mtp_dense = depth * dense_ffn if layers == config.dense_layers else 0  # a module's block is dense where the model's is
+    common = (
+        (layers + depth) * (attention + norms) + config.dense_layers * dense_ffn + mtp_dense
+        + moe_layers * (router + shared) + dim + depth * (3 * dim + 2 * dim * dim)
+    )
     total = embedding + head + common + moe_layers * moe.num_experts * expert
     active = embedding + head + common + moe_layers * moe.top_k * expert
 
     matmul_active = active - embedding + (config.vocab_size * dim if config.tie_embeddings else 0)
+    matmul_active += depth * config.vocab_size * dim  # each MTP module's logits through the shared head
     attended = sum(_keys_doubled(seq_len, config.attention_window(layer)) for layer in range(layers))
+    attended += depth * seq_len  # the MTP modules' blocks attend causally over the whole row
     attention_flops = 3 * attended * config.n_heads * (score_width + value_width)
     return ModelSize(
         total_params=total,

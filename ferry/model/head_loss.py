@@ -32,10 +32,12 @@ class HeadTargets:
 
 @dataclass
 class HeadLoss:
-    """The summed cross-entropy of the trained targets (differentiable) and how many the model ranks first."""
+    """The summed cross-entropy of the trained targets (differentiable), how many the model ranks first, and how
+    many targets were trained."""
 
     lm_loss_sum: torch.Tensor
     correct: torch.Tensor
+    trained: torch.Tensor | None = None
 
 
 def chunked_head_loss(h_BSD: torch.Tensor, weight_VD: torch.Tensor, targets: HeadTargets) -> HeadLoss:
@@ -48,7 +50,7 @@ def chunked_head_loss(h_BSD: torch.Tensor, weight_VD: torch.Tensor, targets: Hea
     with_grad = torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)
     targets_T = targets.targets_BS.reshape(-1)
     lm_loss_sum, correct = _ChunkedHeadLoss.apply(h_TD, weight_VD, targets_T, targets.chunk_tokens, with_grad)
-    return HeadLoss(lm_loss_sum, correct)
+    return HeadLoss(lm_loss_sum, correct, (targets_T != IGNORE_INDEX).sum())
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):

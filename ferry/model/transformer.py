@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from ferry.model.initialisation import truncated_normal_
 from ferry.model.kv_cache import KVCache, LayerCache
 from ferry.model.linear import Linear
 from ferry.model.moe import MoELayer, MoEStats
+from ferry.model.mtp import MTPModule, ahead, targets_ahead
 from ferry.model.norm import RMSNorm
 from ferry.model.parameter_kinds import is_bias
 from ferry.model.recompute import Recompute, recomputed
@@ -28,14 +29,15 @@ from ferry.model.sequence_split import SequenceSplit
 
 @dataclass
 class ModelOutput:
-    """Logits, or with targets the head's loss instead (`head_loss`, logits None), and one `MoEStats` per
-    MoE layer (in layer order). Under context parallelism (`split`) they are this rank's positions only: a loss
+    """Logits, or with targets the head's loss instead (`head_loss`, logits None, and each multi-token-prediction
+    module's, `mtp_losses`), and one `MoEStats` per MoE layer (in layer order, the MTP modules' last). Under context parallelism (`split`) they are this rank's positions only: a loss
     reads its per-position tensors through `own` and makes a sum over positions whole with `summed`."""
 
     logits_BSV: torch.Tensor | None
     moe_stats: list[MoEStats]
     head_loss: HeadLoss | None = None
     split: SequenceSplit | None = None
+    mtp_losses: list[HeadLoss] = field(default_factory=list)  # with targets: each MTP module's, depth by depth
 
     def own(self, x_BS: torch.Tensor, fill: float | int | bool = IGNORE_INDEX) -> torch.Tensor:
         """This output's positions of `x_BS`, a tensor over the whole sequence (targets, masks): itself unless the
@@ -157,6 +159,12 @@ class Transformer(nn.Module):
         )
         self.norm = RMSNorm(config.dim, config.norm_eps, self.kernels)
         self.output = Linear(config.dim, config.vocab_size, self.kernels)
+        mtp_moe = config.n_layers > config.dense_layers  # a module's block is MoE where the model's last is
+        with torch.random.fork_rng(devices=[]):  # built without moving the generator: the model draws as without
+            self.mtp = nn.ModuleList(
+                MTPModule(config, Block(config, rope, mtp_moe, self.kernels, recompute), self.kernels)
+                for _ in range(config.mtp.depth)
+            )
         self.sequence_split: SequenceSplit | None = None
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -188,13 +196,19 @@ class Transformer(nn.Module):
                 module.expert_bias_E.zero_()
 
     def moe_layers(self) -> list[MoELayer]:
-        """The MoE layers this model holds (under pipeline parallelism, those of its own stages)."""
-        return [block.ffn for block in self.layers if isinstance(block.ffn, MoELayer)]
+        """The MoE layers this model holds (under pipeline parallelism, those of its own stages), its MTP modules'
+        last."""
+        return list(self.moe_layers_by_index().values())
 
     def moe_layers_by_index(self) -> dict[int, MoELayer]:
-        """The MoE layers held, by their index among all the model's MoE layers (the rows of the step's loads)."""
+        """The MoE layers held, by their index among all the model's MoE layers (the rows of the step's loads;
+        the MTP modules' follow the model's)."""
         first = self.config.dense_layers
-        return {index - first: block.ffn for index, block in enumerate(self.layers) if isinstance(block.ffn, MoELayer)}
+        held = {index - first: block.ffn for index, block in enumerate(self.layers) if isinstance(block.ffn, MoELayer)}
+        main = self.config.n_layers - first
+        held.update({main + depth: module.block.ffn for depth, module in enumerate(self.mtp)
+                     if isinstance(module.block.ffn, MoELayer)})
+        return held
 
     def held_blocks(self) -> list[int]:
         """The indices of the blocks this model holds (under pipeline parallelism, its own stages')."""
@@ -271,8 +285,46 @@ class Transformer(nn.Module):
             cache.commit(step)
         h_BSD = self.norm(self.skip.joined(stream))
         if targets is not None:
-            return ModelOutput(None, moe_stats, chunked_head_loss(h_BSD, self.output.weight, targets), split)
+            mtp_losses = self._mtp_losses(tokens_BS, h_BSD, targets, document_ids_BS, visible_BSS, padding_BS, moe_stats)
+            head_loss = chunked_head_loss(h_BSD, self.output.weight, targets)
+            return ModelOutput(None, moe_stats, head_loss, split, mtp_losses)
         return ModelOutput(self.output(h_BSD), moe_stats, split=split)
+
+    def _mtp_losses(
+        self,
+        tokens_BS: torch.Tensor,
+        h_BSD: torch.Tensor,
+        targets: HeadTargets,
+        document_ids_BS: torch.Tensor | None,
+        visible_BSS: torch.Tensor | None,
+        padding_BS: torch.Tensor | None,
+        moe_stats: list[MoEStats],
+    ) -> list[HeadLoss]:
+        """Each MTP module's loss against the targets it predicts (`ferry/model/mtp.py`), its MoE statistics added
+        to `moe_stats`."""
+        losses = []
+        for depth, module in enumerate(self.mtp, start=1):
+            h_BSD, stats = module(self.tok_embeddings(ahead(tokens_BS, depth, 0)), h_BSD, visible_BSS, padding_BS)
+            if stats is not None:
+                moe_stats.append(stats)
+            ahead_targets = HeadTargets(targets_ahead(targets.targets_BS, depth, document_ids_BS), targets.chunk_tokens)
+            losses.append(chunked_head_loss(h_BSD, self.output.weight, ahead_targets))
+        return losses
+
+    @torch.no_grad()
+    def mtp_logits(self, tokens_BS: torch.Tensor) -> list[torch.Tensor]:
+        """Each MTP module's logits over `tokens_BS` (module k at position i: of token i + k + 1), its last k
+        positions read past the row (their logits mean nothing); plain causal attention, no cache."""
+        x_BSD = self.tok_embeddings(tokens_BS)
+        stream = self.skip.stream(x_BSD)
+        for block in self.layers:
+            stream, _ = block(stream)
+        h_BSD = self.norm(self.skip.joined(stream))
+        logits = []
+        for depth, module in enumerate(self.mtp, start=1):
+            h_BSD, _ = module(self.tok_embeddings(ahead(tokens_BS, depth, 0)), h_BSD, None, None)
+            logits.append(self.output(h_BSD))
+        return logits
 
     @staticmethod
     def own_positions(

@@ -275,6 +275,31 @@ class RunConfig(Section):
 
     @field_validator("parallel")
     @classmethod
+    def _mtp_where_it_is_computed(cls, parallel: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
+        """The MTP modules read the model's last hidden state and its embedding of tokens further on: one
+        process's whole rows, with the embedding beside the head."""
+        model, train = info.data.get("model"), info.data.get("train")
+        if model is None or not model.mtp.depth:
+            return parallel
+        if parallel.pp > 1:
+            raise ValueError(
+                f"pp {parallel.pp}: model.mtp's modules need the embedding on the last stage, which holds the head only; "
+                "set model.mtp.depth=0 or pp=1 (ep, zero and fsdp train MTP)"
+            )
+        if parallel.cp > 1:
+            raise ValueError(
+                f"cp {parallel.cp}: model.mtp's modules read tokens further on in the row, which another context-parallel "
+                "rank holds; set model.mtp.depth=0 or cp=1"
+            )
+        if train is not None and train.objective != "lm":
+            raise ValueError(
+                f"model.mtp trains with the next-token objective (lm); {train.objective} scores sequences with the main "
+                "head alone: set model.mtp.depth=0 for this stage"
+            )
+        return parallel
+
+    @field_validator("parallel")
+    @classmethod
     def _split_sequences_see_whole_keys(cls, parallel: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
         """A context-parallel rank attends over gathered keys by its own positions' masks, which know no window
         and no sink."""

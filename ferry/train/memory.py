@@ -79,9 +79,8 @@ def memory_estimate(
         estimates = [_rank_estimate(config, replicas, device, micro, share) for share in shares]
         return max(estimates, key=lambda estimate: estimate.total_bytes)
     size = count_model(model, config.data.seq_len)
-    moe_layers = model.n_layers - model.dense_layers
-    expert_params = moe_layers * moe.num_experts * 3 * model.dim * moe.expert_ffn_dim
-    whole = RankShare(size.total_params, expert_params, model.n_layers, head=True, in_flight=1)
+    expert_params = model.moe_layer_count * moe.num_experts * 3 * model.dim * moe.expert_ffn_dim
+    whole = RankShare(size.total_params, expert_params, model.n_layers + model.mtp.depth, head=True, in_flight=1)
     return _rank_estimate(config, world_size, device, micro, whole)
 
 
@@ -127,7 +126,7 @@ def _muon_terms(config: RunConfig, share: RankShare, world_size: int) -> tuple[f
     if config.optim.name != "muon":
         return 1.0, 0.0
     model, moe = config.model, config.model.moe
-    moe_layers = model.n_layers - model.dense_layers
+    moe_layers = model.moe_layer_count
     adamw_params = model.vocab_size * model.dim * 2 + moe_layers * moe.num_experts * model.dim
     adamw_share = min(1.0, adamw_params / max(share.total_params, 1))
     ns_bytes = 2 if config.optim.muon.ns_dtype == "bf16" else 4

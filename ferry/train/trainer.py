@@ -245,7 +245,7 @@ class Trainer:
             group["lr"] = lr
         model.model.train()
         statistics = StepStatistics(
-            config.model.n_layers - config.model.dense_layers, config.model.moe.num_experts, parts.job.device,
+            config.model.moe_layer_count, config.model.moe.num_experts, parts.job.device,
             objective=objective.statistics,
         )
         compiled_before = compile_seconds() if model.compiled["mode"] != "none" else 0.0

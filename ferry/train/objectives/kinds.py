@@ -87,7 +87,7 @@ class LanguageModelling:
         return LanguageModelObjective(
             inputs.loader, train.micro_batch, train.global_batch, train.loss_chunk, config.model.moe,
             inputs.loader.tokenizer["eos_id"] if config.data.document_masking else None,
-            train.global_batch * config.data.seq_len,
+            train.global_batch * config.data.seq_len, config.model.mtp,
         )
 
 

@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING
 
 from ferry.data import DataCursor, MixedLoader, document_ids
 from ferry.model import MoEConfig
+from ferry.model.config import MTPConfig
 from ferry.model.head_loss import HeadTargets
 from ferry.train.objectives.base import StepOutcome
-from ferry.train.objectives.losses import compute_loss
+from ferry.train.objectives.losses import compute_loss, mtp_figures, mtp_sums
 from ferry.train.step_context import ForwardPass
 
 if TYPE_CHECKING:
@@ -18,9 +19,8 @@ if TYPE_CHECKING:
 
 
 class LanguageModelObjective:
-    """Next-token cross-entropy over the trained targets (every token, or an SFT loss mask's)."""
-
-    statistics = ()
+    """Next-token cross-entropy over the trained targets (every token, or an SFT loss mask's); with `model.mtp`,
+    each multi-token-prediction module's too (`ferry/model/mtp.py`)."""
 
     def __init__(
         self,
@@ -31,6 +31,7 @@ class LanguageModelObjective:
         moe: MoEConfig,
         document_eos: int | None,
         tokens_per_step: int,
+        mtp: MTPConfig = MTPConfig(),
     ):
         """`document_eos`: attention stays within documents ending with this token (None: plain causal);
         `loss_chunk`: the head and the loss computed together by chunks of that many tokens (0: logits first)."""
@@ -42,6 +43,8 @@ class LanguageModelObjective:
         self.document_eos = document_eos
         self.tokens_per_step = tokens_per_step
         self.trained_targets = 0
+        self.mtp = mtp
+        self.statistics = mtp_sums(mtp.depth)
 
     def prepare(self, context: StepContext) -> list[str]:
         return []
@@ -53,10 +56,10 @@ class LanguageModelObjective:
         for batch in batches.micro:
             share = batch.inputs_BS.shape[0] / self.global_batch
             batch = batch.to(context.device)
-            head = HeadTargets(batch.targets_BS, self.loss_chunk) if self.loss_chunk else None
+            head = self._head(batch.targets_BS)
             loss = partial(
                 compute_loss, targets_BS=batch.targets_BS, moe=self.moe, trained_in_step=batches.trained_targets,
-                share_of_step=share,
+                share_of_step=share, mtp=self.mtp, own=statistics.own,
             )
             passes.append(
                 ForwardPass(batch.inputs_BS, self._documents(batch.inputs_BS), batch.padding_BS, head, share, loss)
@@ -74,6 +77,7 @@ class LanguageModelObjective:
             "lm_loss": lm_sum / trained,
             "token_accuracy": correct / trained,
             "trained_share": self.trained_targets / self.tokens_per_step,
+            **mtp_figures(statistics.own.values(), self.mtp.depth),
         }
 
     def evaluation_due(self, step: int, last_step: int) -> bool:
@@ -86,6 +90,13 @@ class LanguageModelObjective:
         return {"kind": "lm"}
 
     def load_state(self, state: dict | None) -> None:
+        return None
+
+    def _head(self, targets_BS) -> HeadTargets | None:
+        """The targets the model computes its head's loss against, chunk by chunk (None: logits first). MTP modules
+        compute theirs inside the forward, so with them the head does too: in one chunk when `loss_chunk` is 0."""
+        if self.loss_chunk or self.mtp.depth:
+            return HeadTargets(targets_BS, self.loss_chunk or targets_BS.numel())
         return None
 
     def _documents(self, inputs_BS):

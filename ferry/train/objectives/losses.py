@@ -6,12 +6,19 @@ import torch
 
 from ferry.data.targets import IGNORE_INDEX
 from ferry.model import ModelOutput, MoEConfig
+from ferry.model.config import MTPConfig
 from ferry.train.objectives.cross_entropy import cross_entropy
-from ferry.train.step_statistics import LossParts
+from ferry.train.step_statistics import LossParts, NamedSums
 
 
 def compute_loss(
-    output: ModelOutput, targets_BS: torch.Tensor, moe: MoEConfig, trained_in_step: int, share_of_step: float
+    output: ModelOutput,
+    targets_BS: torch.Tensor,
+    moe: MoEConfig,
+    trained_in_step: int,
+    share_of_step: float,
+    mtp: MTPConfig | None = None,
+    own: NamedSums | None = None,
 ) -> LossParts:
     """The micro-batch's contribution to the step's loss, so that summing over micro-batches
     (and ranks) gives the mean over the whole global batch whatever the split.
@@ -20,7 +27,9 @@ def compute_loss(
     prompts and padding of packed conversations) and divides by the trained targets of
     the whole step; the router terms (means over MoE layers) are weighted by the
     micro-batch's share. `correct` counts trained targets the model ranks first. Under context parallelism each
-    sum is this rank's positions' part (`ModelOutput.own`), and the parts add up over the ranks.
+    sum is this rank's positions' part (`ModelOutput.own`), and the parts add up over the ranks. With
+    multi-token prediction (`mtp`), each module's summed loss over the same denominator joins the objective with
+    weight `mtp.loss_weight / depth`, and its sum and trained targets go to the step's `own` sums (`mtp_sums`).
     """
     if output.head_loss is not None:  # computed with the head, chunk by chunk
         lm_loss_sum, correct = output.head_loss.lm_loss_sum, output.head_loss.correct
@@ -31,6 +40,11 @@ def compute_loss(
         correct = (logits_TV.detach().argmax(dim=-1) == targets_T).sum()
     aux_loss, z_loss = router_losses(output)
     objective = lm_loss_sum / max(trained_in_step, 1) + share_of_step * router_objective(moe, aux_loss, z_loss)
+    if output.mtp_losses:
+        weight = mtp.loss_weight / len(output.mtp_losses)
+        for depth, head in enumerate(output.mtp_losses, start=1):
+            objective = objective + weight * head.lm_loss_sum / max(trained_in_step, 1)
+            own.add(**{f"mtp{depth}_loss_sum": head.lm_loss_sum.detach(), f"mtp{depth}_targets": head.trained})
     return LossParts(objective, lm_loss_sum.detach(), correct, aux_loss.detach(), z_loss.detach())
 
 
@@ -48,3 +62,15 @@ def router_losses(output: ModelOutput) -> tuple[torch.Tensor, torch.Tensor]:
 def router_objective(moe: MoEConfig, aux_loss: torch.Tensor, z_loss: torch.Tensor) -> torch.Tensor:
     """What the routers' losses add to any objective: the same weights whatever is being trained."""
     return moe.aux_loss_coef * aux_loss + moe.z_loss_coef * z_loss
+
+
+def mtp_sums(depth: int) -> tuple[str, ...]:
+    """The step's own sums of `depth` MTP modules: each one's summed loss and trained targets."""
+    return tuple(name for k in range(1, depth + 1) for name in (f"mtp{k}_loss_sum", f"mtp{k}_targets"))
+
+
+def mtp_figures(sums: dict[str, float], depth: int) -> dict:
+    """The step record's `mtp.loss`: each module's mean loss over its trained targets."""
+    if not depth:
+        return {}
+    return {"mtp.loss": {str(k): sums[f"mtp{k}_loss_sum"] / max(sums[f"mtp{k}_targets"], 1) for k in range(1, depth + 1)}}

@@ -25,7 +25,7 @@ from ferry.data.tokenizer import encoding_digest, load_tokenizer
 from ferry.interop.architectures import from_hf_state, model_config_from_hf
 from ferry.interop.deepseek import mtp_layer_prefixes
 from ferry.interop.mxfp4 import is_mxfp4, read_mxfp4_state
-from ferry.interop.quiet import no_progress_bars
+from ferry.interop.quiet import no_progress_bars, quiet_loading
 from ferry.interop.weights import MODEL, read_safetensors, weight_count
 from ferry.model import ModelConfig, Transformer
 from ferry.platform.fingerprint import environment_fingerprint
@@ -66,7 +66,7 @@ def read_hf_dir(hf_dir: Path) -> tuple[ModelConfig, str, dict[str, torch.Tensor]
         if is_mxfp4(hf_config):  # GPT-OSS's release: transformers dequantises only where its GPU kernels run
             hf_state = read_mxfp4_state(hf_dir)
         else:
-            with no_progress_bars():
+            with no_progress_bars(), quiet_loading(bool(getattr(hf_config, "num_mtp_layers", 0))):
                 hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
             hf_state = hf_model.state_dict()
     except (OSError, ValueError, SafetensorError) as exc:  # a truncated weights file is the last of these

@@ -1,5 +1,6 @@
 """transformers without its progress bars: ferry says in one line what an export or an import did, and a bar
-per shard written or read between ferry's lines (six of them in a release) says nothing the line does not."""
+per shard written or read between ferry's lines (six of them in a release) says nothing the line does not; and
+without its load report where ferry reads what the report calls unexpected."""
 
 from __future__ import annotations
 
@@ -21,3 +22,18 @@ def no_progress_bars() -> Iterator[None]:
         if shown:
             logging.enable_progress_bar()
         (enable_progress_bars if hub_shown else disable_progress_bars)()
+
+
+@contextmanager
+def quiet_loading(quiet: bool) -> Iterator[None]:
+    """transformers' warnings (its load report among them) off inside when `quiet`: for an import that reads
+    itself what transformers' model leaves out (DeepSeek-V3's MTP layers, which its report lists as unexpected)."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    if quiet:
+        logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)

@@ -47,6 +47,8 @@ class ConsoleProgress:
         summary = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s"
         if record.get("trained_share", 1.0) < 1.0:  # a loss mask (SFT): how much of the step is trained, how well
             summary += f"  trained {100 * record['trained_share']:.0f}%  acc {100 * record['token_accuracy']:.1f}%"
+        if "mtp.loss" in record:  # multi-token prediction: each module's loss, depth by depth
+            summary += "  mtp " + "/".join(f"{loss:.3f}" for loss in record["mtp.loss"].values())
         if "rewards/accuracy" in record:  # DPO: how often the chosen answer wins, by how much
             summary += f"  reward acc {100 * record['rewards/accuracy']:.0f}%  margin {record['rewards/margin']:.3f}"
         if "reward" in record:  # GRPO: what the rollouts earned

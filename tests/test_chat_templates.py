@@ -99,6 +99,15 @@ def test_harmony_without_marks_trains_every_final_channel_and_the_last_turns_ana
         [[*prompt, Message("assistant", "6.")]])[0].ids.tolist()
 
 
+def test_the_answer_a_grpo_verifier_reads_is_what_stands_where_the_template_puts_an_answers_content():
+    harmony, chatml = _chat("harmony.jinja"), _chat("chatml-generation.jinja")
+    written = harmony.render_many([[Message("user", "What is 2+4?"), Message("assistant", "6.", "Add 2 and 4.")]])[0]
+    completion = written.ids[written.trained].tolist()  # what the model writes after the prompt
+    assert harmony.answer_text(completion) == "6."
+    spelled = chatml.render_many([[Message("user", "What is 2+4?"), Message("assistant", "6.")]])[0]
+    assert chatml.answer_text(spelled.ids[spelled.trained].tolist()) == "6."
+
+
 def test_text_that_spells_a_special_token_becomes_it_as_in_transformers():
     chat = _chat("harmony.jinja")
     end = load_tokenizer(TOKENIZER).token_id("<|end|>")
@@ -185,6 +194,10 @@ def test_import_then_sft_dpo_and_export_in_the_models_own_template(gpt_oss_dir, 
                  "--output", str(tmp_path / "data" / "pairs")]) == 0
     capsys.readouterr()
 
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {a}+2?", "answer": str(a + 2)}) + "\n" for a in range(8)))
+    assert main(["data", "prepare", "--prompts", str(prompts), "--tokenizer", str(imported / "tokenizer.json"),
+                 "--output", str(tmp_path / "data" / "prompts")]) == 0
     common = ["configs/tiny.yaml", "--model", str(imported / "model.yaml"), "data.seq_len=64",
               "train.global_batch=4", "train.micro_batch=4", "train.log_every=1", "optim.warmup_steps=1"]
     sft_run, dpo_run = tmp_path / "runs" / "sft", tmp_path / "runs" / "dpo"
@@ -195,6 +208,12 @@ def test_import_then_sft_dpo_and_export_in_the_models_own_template(gpt_oss_dir, 
     assert main(["train", *common, f"data.sources=[{{name: pairs, path: {tmp_path / 'data' / 'pairs'}}}]",
                  f"run.dir={dpo_run}", "train.steps=2", "train.objective=dpo",
                  f"init_from={sft_run / 'checkpoints' / 'step-00000003'}"]) == 0
+    grpo_run = tmp_path / "runs" / "grpo"
+    assert main(["train", *common, f"data.sources=[{{name: prompts, path: {tmp_path / 'data' / 'prompts'}}}]",
+                 f"run.dir={grpo_run}", "train.steps=1", "train.objective=grpo", "grpo.group_size=2",
+                 "grpo.max_new_tokens=12", f"init_from={sft_run / 'checkpoints' / 'step-00000003'}"]) == 0
+    grpo = json.loads((grpo_run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 < grpo["completion_length"] <= 12 and 0 <= grpo["reward"] <= 1
     capsys.readouterr()
 
     hf_out = tmp_path / "hf-out"

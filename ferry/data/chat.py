@@ -138,6 +138,11 @@ class ChatEncoder:
         """Where a chat answer ends: `<|im_end|>`."""
         return [self.im_end_id]
 
+    def answer_text(self, ids: list[int]) -> str:
+        """The answer in a completion the model wrote after `prompt`: its text without the `<|im_end|>` that
+        ended it."""
+        return self.tokenizer.decode([token for token in ids if token != self.im_end_id])
+
     def prompt(self, messages: list[Message]) -> np.ndarray:
         """The ids that ask the model for the next assistant message: the conversation so far, then the
         assistant header. Generation stops at `im_end_id`."""

@@ -41,7 +41,6 @@ from ferry.config.errors import UserError
 from ferry.data.chat import (
     CHAT_TEMPLATE,
     CHAT_TEMPLATE_JINJA,
-    IM_END,
     ChatEncoder,
     Message,
     RenderedConversation,
@@ -51,6 +50,7 @@ from ferry.data.tokenizer import BPETokenizer, Tokenizer, load_tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around what a {% generation %} block renders
+_ANSWER = "\ue002"  # a private-use character standing for an answer's content
 
 
 class _GenerationMarks(Extension):
@@ -125,18 +125,14 @@ def template_label(template: Path | None) -> str:
     return CHAT_TEMPLATE if text is None or text == CHAT_TEMPLATE_JINJA else jinja_name(text)
 
 
-def answer_end_ids(tokenizer_path: Path) -> list[int]:
-    """The ids a chat answer ends with for the tokenizer at `tokenizer_path`: its own template's (the one beside
-    it), else ChatML's `<|im_end|>`; refused, naming the file, for a tokenizer with neither."""
+def chat_of(tokenizer_path: Path) -> ChatEncoder | TemplateChat:
+    """How the conversations of the tokenizer at `tokenizer_path` (a dataset's, an import's) are rendered: its own
+    template (the one beside it), else ChatML, whose tokens it must hold (a tokenizer without them is refused)."""
     tokenizer = load_tokenizer(tokenizer_path)
     template = template_beside(tokenizer_path)
     if template is not None and template_label(template) != CHAT_TEMPLATE:
-        return chat_encoder(tokenizer, template).end_ids
-    im_end = tokenizer.token_id(IM_END)
-    if im_end is None:
-        raise UserError(f"{tokenizer_path}: the tokenizer has no {IM_END} and no chat template beside it; prepare the "
-                        "data with a chat template")
-    return [im_end]
+        return chat_encoder(tokenizer, template)
+    return ChatEncoder(tokenizer)
 
 
 def template_name(encoder: ChatEncoder | TemplateChat) -> str:
@@ -193,6 +189,24 @@ class TemplateChat:
             )
         last = len(prompt) + int(np.flatnonzero(rendered.trained[len(prompt) :])[-1])
         return rendered.ids[len(prompt) : last + 1]
+
+    def answer_text(self, ids: list[int]) -> str:
+        """The answer in a completion the model wrote after `prompt`: what stands where the template puts an
+        answer's content (GPT-OSS: after the last `<|channel|>final<|message|>`, before `<|return|>`)."""
+        text = self._encoder.decode(list(ids), skip_special_tokens=False)
+        lead, trail = self._answer_frame
+        if lead and lead in text:
+            text = text[text.rindex(lead) + len(lead) :]
+        return text.split(trail)[0] if trail else text
+
+    @cached_property
+    def _answer_frame(self) -> tuple[str, str]:
+        """The trained text of an answer before and after its content (`<|channel|>final<|message|>`, `<|return|>`),
+        found by rendering a one-character answer."""
+        text, spans = self._spans([Message("user", "?"), Message("assistant", _ANSWER)])
+        start, stop = spans[-1]
+        lead, _, trail = text[start:stop].partition(_ANSWER)
+        return lead, trail
 
     @cached_property
     def end_ids(self) -> list[int]:

@@ -19,7 +19,7 @@ import torch
 from ferry.checkpoint import latest_checkpoint
 from ferry.config import UserError
 from ferry.data.chat import CHAT_TEMPLATE_JINJA, CHAT_TOKENS
-from ferry.data.chat_template import answer_end_ids, read_chat_template, template_beside
+from ferry.data.chat_template import chat_of, read_chat_template, template_beside
 from ferry.data.tokenizer import END_OF_TEXT, BPETokenizer, load_tokenizer
 from ferry.interop.architectures import hf_config, natural_architecture, refusals, to_hf_state
 from ferry.interop.deepseek import mtp_layer_prefixes
@@ -92,7 +92,7 @@ def export_checkpoint(
     if config.tie_embeddings:
         model.tie_weights()
     if fast_tokenizer.chat_template is not None:  # a chat model's answer ends at its end token, a text's at EOS
-        model.generation_config.eos_token_id = [fast_tokenizer.eos_token_id, *answer_end_ids(tokenizer_path)]
+        model.generation_config.eos_token_id = [fast_tokenizer.eos_token_id, *chat_of(tokenizer_path).end_ids]
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     with no_progress_bars():

@@ -27,10 +27,9 @@ import torch
 
 from ferry.config import UserError
 from ferry.data import DataCursor
-from ferry.data.chat_template import answer_end_ids
+from ferry.data.chat_template import chat_of
 from ferry.data.records import RecordDataset
 from ferry.data.targets import completion_batch
-from ferry.data.tokenizer import load_tokenizer
 from ferry.inference import GenerationConfig
 from ferry.inference.evaluation import held_out_due
 from ferry.inference.generate import GenerationResult
@@ -99,9 +98,8 @@ class GRPOObjective:
         self.held_out = records.held_out
         self.micro_batch = records.micro_batch
         self.moe = records.moe
-        tokenizer_path = self.dataset.path / self.dataset.tokenizer["file"]
-        self.tokenizer = load_tokenizer(tokenizer_path)
-        self.stop_ids = answer_end_ids(tokenizer_path)
+        self.chat = chat_of(self.dataset.path / self.dataset.tokenizer["file"])
+        self.stop_ids = self.chat.end_ids
         self.pad_id = self.dataset.tokenizer["eos_id"]
         self.verify = VERIFIERS[self.config.verifier]
         self.prompts_per_step = records.loader.global_batch
@@ -230,7 +228,7 @@ class GRPOObjective:
         return Rollouts(prompts, completions, rewards_PG, advantages_PG, kept_P)
 
     def _reward(self, tokens: list[int], answer: str) -> float:
-        return self.verify(_text(self.tokenizer, tokens, self.stop_ids), answer)
+        return self.verify(self.chat.answer_text(tokens), answer)
 
     def _micro_batch(self, context: StepContext, rollouts: Rollouts, rows: list[int]) -> _MicroBatch:
         """Kept completions `rows` as one micro-batch (none: a zero-weight filler that keeps the ranks in step), with
@@ -330,29 +328,22 @@ def solved_prompts(
     the seed (seed, i, j) whatever the ranks. A rank without prompts of its own still decodes one, uncounted,
     to stay in step with the others. `generation`: a step context's, or `partial(generate, model)` in one
     process. `progress()` is called at every decoding step."""
-    tokenizer_path = dataset.path / dataset.tokenizer["file"]
-    tokenizer = load_tokenizer(tokenizer_path)
-    stop_ids = answer_end_ids(tokenizer_path)
+    chat = chat_of(dataset.path / dataset.tokenizer["file"])
     per_rank = -(-len(dataset) // world_size)
     mine = list(range(rank * per_rank, min((rank + 1) * per_rank, len(dataset))))
     rows = [index for index in mine for _ in range(samples)] or [0]
     seeds = [_seed(seed, _EVAL_STREAM, index, sample) for index in mine for sample in range(samples)] or [0]
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature)
     result = generation(
-        [dataset.field(row, "prompt") for row in rows], config, end_ids=stop_ids, row_seeds=seeds, progress=progress
+        [dataset.field(row, "prompt") for row in rows], config, end_ids=chat.end_ids, row_seeds=seeds, progress=progress
     )
     if not mine:
         return 0.0
     accepted = [
-        verify(_text(tokenizer, completion.tokens, stop_ids), dataset.answers[row]) >= 1.0
+        verify(chat.answer_text(completion.tokens), dataset.answers[row]) >= 1.0
         for row, completion in zip(rows, result.completions)
     ]
     return sum(accepted) / samples
-
-
-def _text(tokenizer, tokens: list[int], stop_ids: list[int]) -> str:
-    """A completion's text for the verifier: its tokens without the end token (`<|im_end|>`) that ended it."""
-    return tokenizer.decode([token for token in tokens if token not in stop_ids])
 
 
 def _seed(*parts: int) -> int:

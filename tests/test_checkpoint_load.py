@@ -20,7 +20,7 @@ from ferry.checkpoint import (
     verify_checkpoint,
 )
 from ferry.checkpoint import reader
-from ferry.checkpoint.byte_reads import hash_and_fill
+from ferry.checkpoint.byte_reads import HASHED_READ_BYTES, hash_and_fill
 from ferry.comm import DistContext
 from ferry.comm.spawn import run_on_ranks
 from ferry.model import ModelConfig, MoEConfig, Transformer
@@ -191,6 +191,15 @@ def test_hash_and_fill_gives_the_file_digests_and_refuses_ranges_that_skip_or_re
     _safetensors_file(overlapping, header, values.numpy().tobytes())
     with pytest.raises(CheckpointError, match="not possible"):
         hash_and_fill(overlapping, {"x": torch.empty(2), "y": torch.empty(4)}, ("xxh3_128",))
+
+    large = tmp_path / "large.safetensors"  # a tensor read and hashed in pieces: 2.5 of them
+    pieces = torch.arange(5 * HASHED_READ_BYTES // 8, dtype=torch.float32)
+    header_large = {"z": {"dtype": "F32", "shape": [pieces.numel()], "data_offsets": [0, pieces.nbytes]}}
+    _safetensors_file(large, header_large, pieces.numpy().tobytes())
+    filled = torch.empty_like(pieces)
+    expected = xxhash.xxh3_128(large.read_bytes()).hexdigest()
+    assert hash_and_fill(large, {"z": filled}, ("xxh3_128",)) == {"xxh3_128": expected}
+    assert torch.equal(filled, pieces)
 
     huge = tmp_path / "huge.safetensors"
     huge.write_bytes(struct.pack("<Q", 2**62) + b"{}")

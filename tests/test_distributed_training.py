@@ -232,8 +232,9 @@ def test_a_chunked_expert_parallel_exchange_trains_as_the_single_exchange(stdlib
     """EP2, `parallel.ep_overlap: chunked` in 2 and 4 parts: every expert computes the same rows, in parts, so the
     losses equal the single exchange's to 1e-8 relative over 4 steps (measured 1e-10) and the gradient norms to
     1e-6 (measured 3e-8 at the fourth step, 3e-12 at the first: the weight gradients are summed over the parts,
-    in another order, and the weights drift apart by as much). The exchanges in flight while the experts compute
-    show as an overlapped share; the single exchange has none. Recomputed under activation checkpointing, the chunked
+    in another order, and the weights drift apart by as much). Every step issues its exchanges in parts, each
+    measured in flight and waited for (how much of them the experts compute through is a timing, which a loaded
+    2-core machine can bring to 0: benchmarks/ep_overlap.py measures it); the single exchange overlaps nothing. Recomputed under activation checkpointing, the chunked
     exchange is the same bit for bit, with no exchange issued again."""
     layout = (str(stdlib_dataset), "parallel.ep=2", "train.steps=4")
     variants = {
@@ -250,7 +251,10 @@ def test_a_chunked_expert_parallel_exchange_trains_as_the_single_exchange(stdlib
         assert _relative(done[name]["losses"], single["losses"]) < 1e-8
         norms = [[record["grad_norm"] for record in done[run]["records"]] for run in (name, "none")]
         assert _relative(*norms) < 1e-6
-        assert all(0 < record["ep_overlap_share"] <= 1 and record["ep_comm_s"] > 0 for record in done[name]["records"])
+        assert all(0 <= record["ep_overlap_share"] <= 1 and record["ep_comm_s"] > 0 for record in done[name]["records"])
+        parts = [(record["ep_exchanges"], plain["ep_exchanges"]) for record, plain in zip(done[name]["records"],
+                                                                                              single["records"])]
+        assert all(chunked > whole for chunked, whole in parts), "every step exchanged its rows in parts"
     assert all(record["ep_overlap_share"] == 0 for record in single["records"])
     recomputed = done["chunked2-recomputed"]
     assert recomputed["losses"] == done["chunked2"]["losses"]

@@ -21,6 +21,8 @@ import torch
 from ferry.platform.digests import Digests, digest_file
 from ferry.checkpoint.format import CheckpointError
 
+HASHED_READ_BYTES = 8 << 20  # a piece read and hashed at once: small enough to stay in cache between the two
+
 
 class TensorFile:
     """Positional reads of a verified safetensors file's tensors into caller-owned memory.
@@ -68,12 +70,14 @@ def _byte_ranges(descriptor: int, path: Path) -> dict[str, tuple[int, int]]:
         raise CheckpointError(f"{path} has an unreadable safetensors header: {exc!r}") from None
 
 
-def _pread_exactly(descriptor: int, path: Path, name: str, byte_range: tuple[int, int], out: torch.Tensor) -> None:
-    """Read the bytes of tensor `name` straight into `out`'s memory."""
+def _pread_exactly(
+    descriptor: int, path: Path, name: str, byte_range: tuple[int, int], out: torch.Tensor | memoryview
+) -> None:
+    """Read the bytes of tensor `name` (or of a piece of it) straight into `out`'s memory."""
     start, end = byte_range
-    if end - start != out.nbytes:
-        raise CheckpointError(f"{path}: {name} holds {end - start} bytes, {out.nbytes} expected")
-    view = bytes_of(out)
+    view = out if isinstance(out, memoryview) else bytes_of(out)
+    if end - start != len(view):
+        raise CheckpointError(f"{path}: {name} holds {end - start} bytes, {len(view)} expected")
     done = 0
     while done < len(view):
         count = os.preadv(descriptor, [view[done:]], start + done)
@@ -112,8 +116,13 @@ def hash_and_fill(path: Path, targets: dict[str, torch.Tensor], names: Iterable[
                 if not position <= start <= end <= size:
                     raise CheckpointError(f"{path}: the header puts {name} at bytes {start}-{end}: not possible")
                 digest.update(whole[position:start])
-                _pread_exactly(descriptor, path, name, (start, end), targets[name])
-                digest.update(bytes_of(targets[name]))
+                if end - start != targets[name].nbytes:
+                    raise CheckpointError(f"{path}: {name} holds {end - start} bytes, {targets[name].nbytes} expected")
+                view = bytes_of(targets[name])
+                for offset in range(0, len(view), HASHED_READ_BYTES):  # each piece hashed while still in cache
+                    piece = view[offset : offset + HASHED_READ_BYTES]
+                    _pread_exactly(descriptor, path, name, (start + offset, start + offset + len(piece)), piece)
+                    digest.update(piece)
                 position = end
             digest.update(whole[position:])
     return digest.hexdigests()

@@ -8,7 +8,8 @@ Each combination is refused by `ferry train`'s own checks (naming the setting), 
 another drawn layout and compared again (`ferry/portability/fuzz/`). Every outcome is a JSON line in
 REPORT/outcomes.jsonl (default runs/layout-fuzz); the summary (counts, refusal messages, the commands that
 reproduce each failure) is printed and written to REPORT/summary.txt. The runs themselves go to a scratch
-directory under --dir, removed at the end (a failure's commands rebuild them). Draws are a function of (seed, index): a failure replays from them or from its
+directory under --dir, removed at the end (a failure's commands rebuild them). Draws are a function of (seed,
+index): a failure replays from them or from its
 `--only` line.
 """
 

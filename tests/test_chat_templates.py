@@ -45,7 +45,8 @@ def _theirs(template: str) -> PreTrainedTokenizerFast:
 
 
 def _as_dicts(messages: list[Message]) -> list[dict]:
-    return [{"role": m.role, "content": m.content, **({"thinking": m.thinking} if m.thinking else {})} for m in messages]
+    return [{"role": m.role, "content": m.content} | ({"thinking": m.thinking} if m.thinking else {})
+            for m in messages]
 
 
 def _trained_text(chat: TemplateChat, messages: list[Message]) -> list[str]:
@@ -195,7 +196,8 @@ def test_import_then_sft_dpo_and_export_in_the_models_own_template(gpt_oss_dir, 
     capsys.readouterr()
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"What is {a}+2?", "answer": str(a + 2)}) + "\n" for a in range(8)))
+    rows = [{"prompt": f"What is {a}+2?", "answer": str(a + 2)} for a in range(8)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert main(["data", "prepare", "--prompts", str(prompts), "--tokenizer", str(imported / "tokenizer.json"),
                  "--output", str(tmp_path / "data" / "prompts")]) == 0
     common = ["configs/tiny.yaml", "--model", str(imported / "model.yaml"), "data.seq_len=64",

@@ -34,7 +34,8 @@ def test_module_k_reads_the_token_k_ahead_and_predicts_within_the_row_and_the_do
     targets_BS = torch.tensor([[11, 12, 13, 14, 15, IGNORE_INDEX]])
     documents_BS = torch.tensor([[0, 0, 0, 1, 1, 1]])
     assert targets_ahead(targets_BS, 1, None).tolist() == [[12, 13, 14, 15, IGNORE_INDEX, IGNORE_INDEX]]
-    assert targets_ahead(targets_BS, 1, documents_BS).tolist() == [[12, 13, IGNORE_INDEX, 15, IGNORE_INDEX, IGNORE_INDEX]]
+    within_documents = [[12, 13, IGNORE_INDEX, 15, IGNORE_INDEX, IGNORE_INDEX]]
+    assert targets_ahead(targets_BS, 1, documents_BS).tolist() == within_documents
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,8 @@ def test_a_deepseek_v3_export_keeps_the_modules_where_deepseek_does_and_transfor
         tmp_path / "hf", output_loading_info=True, attn_implementation="eager"
     )
     assert not report["missing_keys"] and not report["mismatched_keys"]
-    assert {name.split(".")[2] for name in report["unexpected_keys"]} == {str(config.n_layers), str(config.n_layers + 1)}
+    unexpected_layers = {name.split(".")[2] for name in report["unexpected_keys"]}
+    assert unexpected_layers == {str(config.n_layers), str(config.n_layers + 1)}
     tokens_BS = torch.randint(0, config.vocab_size, (2, 15), generator=torch.Generator().manual_seed(3))
     mtp = _transformers_mtp(tmp_path / "hf", theirs, config)
     with torch.no_grad():
@@ -156,7 +158,9 @@ def test_a_deepseek_v3_export_keeps_the_modules_where_deepseek_does_and_transfor
         ours_logits = ours.mtp_logits(tokens_BS)
         h_BSD, positions = output.hidden_states[-1], torch.arange(tokens_BS.shape[1])[None]
         for depth in range(1, config.mtp.depth + 1):  # module k reads token i + k, at position i + k
-            h_BSD = mtp.forward_layer(depth - 1, h_BSD[:, :-1], positions[:, depth:], None, input_ids=tokens_BS[:, depth:])
+            h_BSD = mtp.forward_layer(
+                depth - 1, h_BSD[:, :-1], positions[:, depth:], None, input_ids=tokens_BS[:, depth:]
+            )
             their_logits = mtp._project_to_logits(h_BSD)
             ours_at = ours_logits[depth - 1][:, : tokens_BS.shape[1] - depth]
             assert ((their_logits - ours_at).norm() / their_logits.norm()) < 1e-5, depth
@@ -180,7 +184,8 @@ def test_a_trained_mtp_run_exports_imports_and_refuses_an_architecture_without_m
     assert main(["export", str(run_dir), str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
     assert main(["import", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
-    original, back = read_model_state(latest_checkpoint(run_dir)), read_model_state(latest_checkpoint(tmp_path / "imported"))
+    original = read_model_state(latest_checkpoint(run_dir))
+    back = read_model_state(latest_checkpoint(tmp_path / "imported"))
     assert sorted(original) == sorted(back) and any(name.startswith("mtp.0.") for name in back)
     assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
     capsys.readouterr()

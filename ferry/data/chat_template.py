@@ -216,7 +216,8 @@ class TemplateChat:
 
     def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
         payload = [
-            {"role": message.role, "content": message.content, **({"thinking": message.thinking} if message.thinking else {})}
+            {"role": message.role, "content": message.content}
+            | ({"thinking": message.thinking} if message.thinking else {})
             for message in messages
         ]
         try:
@@ -274,7 +275,8 @@ class TemplateChat:
         ids = np.asarray(encoding.ids, dtype=np.int64)
         trained = np.zeros(len(ids), dtype=bool)
         for index, (start, stop) in enumerate(encoding.offsets):
-            trained[index] = any(start < span_stop and span_start < max(stop, start + 1) for span_start, span_stop in spans)
+            end = max(stop, start + 1)  # a token of no characters (an added token's) still has its place
+            trained[index] = any(start < span_stop and span_start < end for span_start, span_stop in spans)
         return RenderedConversation(ids, trained)
 
 

@@ -76,7 +76,7 @@ class PrepareSpec:
     chat: bool = False
     seq_len: int | None = None
     records: str | None = None
-    chat_template: str | None = None  # a Jinja template file (or a directory holding one); chatml; None: beside --tokenizer
+    chat_template: str | None = None  # a Jinja template (a file, a directory with one), chatml; None: --tokenizer's
 
     @classmethod
     def from_flags(
@@ -419,7 +419,8 @@ def _write_conversations(spec: PrepareSpec, documents: Callable[[], Iterator[Doc
     writer.close()
     mask_writer.close()
     manifest = token_manifest(tokenizer, staging, writer, packer.stats.conversations)
-    manifest["chat"] = {"template": _keep_template(encoder, staging), "seq_len": spec.seq_len, **packer.stats.as_record()}
+    template = _keep_template(encoder, staging)
+    manifest["chat"] = {"template": template, "seq_len": spec.seq_len, **packer.stats.as_record()}
     manifest["loss_mask"] = {"shards": mask_writer.shards}
     return manifest
 

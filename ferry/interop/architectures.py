@@ -86,7 +86,9 @@ def _gpt_oss_parts(config: ModelConfig, arch: str) -> list[str]:
         if getattr(config.moe if field.startswith("moe.") else config, field.removeprefix("moe."))
     ]
     if config.moe.activation != "swiglu":
-        problems.append(f"model.moe.activation {config.moe.activation!r}: {arch}'s experts are SwiGLU (gpt_oss's clamped)")
+        problems.append(
+            f"model.moe.activation {config.moe.activation!r}: {arch}'s experts are SwiGLU (gpt_oss's clamped)"
+        )
     return problems
 
 

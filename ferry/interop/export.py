@@ -138,7 +138,8 @@ def _fast_tokenizer(path: Path):
     if template is not None:
         chat_template = read_chat_template(template)
     else:
-        chat_template = CHAT_TEMPLATE_JINJA if all(loaded.token_id(token) is not None for token in CHAT_TOKENS) else None
+        chatml = all(loaded.token_id(token) is not None for token in CHAT_TOKENS)
+        chat_template = CHAT_TEMPLATE_JINJA if chatml else None
     return PreTrainedTokenizerFast(
         tokenizer_file=str(path), eos_token=END_OF_TEXT, pad_token=END_OF_TEXT, unk_token=None, bos_token=None,
         clean_up_tokenization_spaces=False, chat_template=chat_template,

@@ -23,8 +23,9 @@ BLOCKS, SCALES = "_blocks", "_scales"
 def is_mxfp4(hf_config) -> bool:
     """Whether a transformers config says its checkpoint stores tensors in MXFP4."""
     quantization = getattr(hf_config, "quantization_config", None) or {}
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
-    return str(method) == "mxfp4"
+    if isinstance(quantization, dict):
+        return str(quantization.get("quant_method")) == "mxfp4"
+    return str(getattr(quantization, "quant_method", None)) == "mxfp4"
 
 
 def dequantize(blocks_ERGB: torch.Tensor, scales_ERG: torch.Tensor) -> torch.Tensor:

@@ -205,7 +205,8 @@ REGISTRY = Registry(
                 "activation (GPT-OSS's clamped SwiGLU) on its group of expert-sorted rows"
             ),
             portable=_portable(
-                "moe.biased_expert_mlp", moe.biased_expert_mlp, "moe.grouped_mm x3 as selected, biases gathered per row",
+                "moe.biased_expert_mlp", moe.biased_expert_mlp,
+                "moe.grouped_mm x3 as selected, biases gathered per row",
                 uses=("moe.grouped_mm",),
             ),
         ),

@@ -123,7 +123,9 @@ class Attention(nn.Module):
         self.wk.weight.view(groups, self.head_dim, -1).mul_(key_G[:, None, None])
         self.wq.weight.view(self.n_heads, self.head_dim, -1).mul_((gamma_GP / key_G[:, None]).reshape(-1, 1, 1))
 
-    def _within_window(self, visible_BSS: torch.Tensor | None, seq_len: int, device: torch.device) -> torch.Tensor | None:
+    def _within_window(
+        self, visible_BSS: torch.Tensor | None, seq_len: int, device: torch.device
+    ) -> torch.Tensor | None:
         """The keys a position of a whole sequence sees, narrowed to the window (unchanged without one)."""
         if not self.window:
             return visible_BSS

@@ -39,7 +39,9 @@ class MoEConfig(Section):
         description="what ranks a group: the sum of its two best experts' scores (DeepSeek-V3) or its best (V2)",
     )
     routed_scaling_factor: float = Field(1.0, gt=0.0, description="the routed experts' weights multiplied by this")
-    router_bias: bool = Field(False, description="a learned bias on the router's logits, for choice and weights (GPT-OSS)")
+    router_bias: bool = Field(
+        False, description="a learned bias on the router's logits, for choice and weights (GPT-OSS)"
+    )
     expert_biases: bool = Field(False, description="learned biases on every expert's gate, up and down projections")
     activation: Literal["swiglu", "clamped_swiglu"] = Field(
         "swiglu",
@@ -147,7 +149,8 @@ class ModelConfig(Section):
         False, description="gqa: a learned logit per head that joins every row's softmax and takes no value (GPT-OSS)"
     )
     sliding_window: int = Field(
-        0, ge=0, description="gqa: windowed layers attend to the last this-many positions (themselves included); 0 = none"
+        0, ge=0,
+        description="gqa: windowed layers attend to the last this-many positions (themselves included); 0 = none",
     )
     sliding_window_pattern: int = Field(
         2, ge=1,

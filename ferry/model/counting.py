@@ -43,7 +43,7 @@ def count_model(config: ModelConfig, seq_len: int) -> ModelSize:
     embedding = config.vocab_size * dim
     head = 0 if config.tie_embeddings else config.vocab_size * dim
     depth = config.mtp.depth  # each MTP module: two input norms, the projection, a block, its output norm
-    mtp_dense = depth * dense_ffn if layers == config.dense_layers else 0  # a module's block is dense where the model's is
+    mtp_dense = depth * dense_ffn if layers == config.dense_layers else 0  # dense blocks where the model's are
     common = (
         (layers + depth) * (attention + norms) + config.dense_layers * dense_ffn + mtp_dense
         + moe_layers * (router + shared) + dim + depth * (3 * dim + 2 * dim * dim)

@@ -30,7 +30,8 @@ from ferry.model.sequence_split import SequenceSplit
 @dataclass
 class ModelOutput:
     """Logits, or with targets the head's loss instead (`head_loss`, logits None, and each multi-token-prediction
-    module's, `mtp_losses`), and one `MoEStats` per MoE layer (in layer order, the MTP modules' last). Under context parallelism (`split`) they are this rank's positions only: a loss
+    module's, `mtp_losses`), and one `MoEStats` per MoE layer (in layer order, the MTP modules' last). Under
+    context parallelism (`split`) they are this rank's positions only: a loss
     reads its per-position tensors through `own` and makes a sum over positions whole with `summed`."""
 
     logits_BSV: torch.Tensor | None
@@ -285,7 +286,9 @@ class Transformer(nn.Module):
             cache.commit(step)
         h_BSD = self.norm(self.skip.joined(stream))
         if targets is not None:
-            mtp_losses = self._mtp_losses(tokens_BS, h_BSD, targets, document_ids_BS, visible_BSS, padding_BS, moe_stats)
+            mtp_losses = self._mtp_losses(
+                tokens_BS, h_BSD, targets, document_ids_BS, visible_BSS, padding_BS, moe_stats
+            )
             head_loss = chunked_head_loss(h_BSD, self.output.weight, targets)
             return ModelOutput(None, moe_stats, head_loss, split, mtp_losses)
         return ModelOutput(self.output(h_BSD), moe_stats, split=split)

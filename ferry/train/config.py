@@ -275,6 +275,21 @@ class RunConfig(Section):
 
     @field_validator("parallel")
     @classmethod
+    def _farskip_hands_over_unfinished(cls, parallel: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
+        """FSDP gathers a block's weights again for its backward from hooks on the tensors the block returns; a
+        FarSkip block returns a stream whose FFN output is still unfinished, which those hooks do not see (the
+        backward then finds the weights released)."""
+        model = info.data.get("model")
+        if parallel.mode == "fsdp" and model is not None and model.skip == "farskip":
+            raise ValueError(
+                "mode fsdp: model.skip farskip hands each block's FFN output on unfinished, and FSDP gathers a "
+                "block's weights for its backward only from the tensors the block returns; use mode=ep (with "
+                "optim.zero=true to shard the optimizer) or model.skip=standard"
+            )
+        return parallel
+
+    @field_validator("parallel")
+    @classmethod
     def _mtp_where_it_is_computed(cls, parallel: ParallelConfig, info: ValidationInfo) -> ParallelConfig:
         """The MTP modules read the model's last hidden state and its embedding of tokens further on: one
         process's whole rows, with the embedding beside the head."""
@@ -283,18 +298,18 @@ class RunConfig(Section):
             return parallel
         if parallel.pp > 1:
             raise ValueError(
-                f"pp {parallel.pp}: model.mtp's modules need the embedding on the last stage, which holds the head only; "
-                "set model.mtp.depth=0 or pp=1 (ep, zero and fsdp train MTP)"
+                f"pp {parallel.pp}: model.mtp's modules need the embedding on the last stage, which holds the head "
+                "only; set model.mtp.depth=0 or pp=1 (ep, zero and fsdp train MTP)"
             )
         if parallel.cp > 1:
             raise ValueError(
-                f"cp {parallel.cp}: model.mtp's modules read tokens further on in the row, which another context-parallel "
-                "rank holds; set model.mtp.depth=0 or cp=1"
+                f"cp {parallel.cp}: model.mtp's modules read tokens further on in the row, which another "
+                "context-parallel rank holds; set model.mtp.depth=0 or cp=1"
             )
         if train is not None and train.objective != "lm":
             raise ValueError(
-                f"model.mtp trains with the next-token objective (lm); {train.objective} scores sequences with the main "
-                "head alone: set model.mtp.depth=0 for this stage"
+                f"model.mtp trains with the next-token objective (lm); {train.objective} scores sequences with the "
+                "main head alone: set model.mtp.depth=0 for this stage"
             )
         return parallel
 

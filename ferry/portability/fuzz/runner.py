@@ -37,7 +37,7 @@ BASE_RUN = {  # the suite's tiny model and batch (tests/conftest.py), checkpoint
         "dense_layers": 1, "dense_ffn_dim": 64, "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32},
     },
     "data": {"seq_len": 32},
-    "train": {"steps": STEPS, "global_batch": 16, "micro_batch": 4, "log_every": 1},  # 16: 4 ranks of 4
+    "train": {"steps": STEPS, "global_batch": 32, "micro_batch": 4, "log_every": 1},  # 32: 4 ranks of 8
     "optim": {"lr": 3e-3, "warmup_steps": 2},
     "checkpoint": {"interval": RESUME_AT, "keep": 4},
 }
@@ -112,10 +112,11 @@ class Fuzzer:
         resumed = self._resumed_layout(combination, resume_layout)
         if self.refusal(resumed) is not None:  # a layout this computation cannot take: the resume stays as it was
             resumed = combination
-        resume_dir = self.work / "runs" / f"{combination.digest()}-resumed-{resumed.digest()}"
         checkpoint = run_dir / "checkpoints" / f"step-{RESUME_AT:08d}"
-        resume_command = self._command(resumed, resume_dir, f"resume={checkpoint}")
-        continued = self._losses(resume_command, resume_dir)
+        resume_command, continued = self._resume(resumed, combination, checkpoint)
+        if isinstance(continued, str) and continued.startswith(f"exit {REFUSED}: ") and resumed != combination:
+            resumed = combination  # refused by a check that needs the ranks: resumed in its own layout instead
+            resume_command, continued = self._resume(resumed, combination, checkpoint)
         commands = [shlex.join(command), shlex.join(resume_command)]
         if isinstance(continued, str):
             return Outcome(combination, "crashed", f"resumed: {continued}", commands, resumed)
@@ -124,6 +125,14 @@ class Fuzzer:
             return Outcome(combination, "diverged", f"resumed in another layout, {parted}", commands, resumed,
                            resumed_worst)
         return Outcome(combination, "equal", "", commands, resumed, max(worst, resumed_worst))
+
+    def _resume(
+        self, resumed: Combination, combination: Combination, checkpoint: Path
+    ) -> tuple[list[str], list[float] | str]:
+        """`combination`'s checkpoint resumed in `resumed`'s layout: the command and its losses (or why not)."""
+        resume_dir = self.work / "runs" / f"{combination.digest()}-resumed-{resumed.digest()}"
+        command = self._command(resumed, resume_dir, f"resume={checkpoint}")
+        return command, self._losses(command, resume_dir)
 
     def _oracle(self, computation: Combination) -> list[float] | Outcome:
         key = computation.digest()

@@ -2,7 +2,8 @@
 
 Every layout is meant to be the same computation, so a combination splits in two: the **computation** (the
 model's kinds and parts, the optimizer, the kernel policy, the data's masking, the sequences of a forward) and the
-**layout** (how many ranks, which parallelism, recomputation, overlap and dispatch of the expert exchange). The oracle of a combination is its
+**layout** (how many ranks, which parallelism, recomputation, overlap and dispatch of the expert exchange). The
+oracle of a combination is its
 computation on one process with the default layout; combinations that share a computation share their oracle.
 A draw is a function of (seed, index) alone, so a failure replays from those two numbers.
 """
@@ -89,11 +90,19 @@ class Combination:
         return " ".join(f"{axis}={value}" for axis, value in self.values)
 
 
+ONE_PROCESS = ("single", "ep", "ep-zero", "dp-zero", "fsdp")  # the parallel values a single process can take
+
+
 def draw(seed: int, index: int) -> Combination:
-    """Combination `index` of the stream `seed`: each axis's value uniformly, from its own generator."""
+    """Combination `index` of the stream `seed`: each axis's value uniformly, from its own generator; on one
+    process, the parallelism among those one process has (a pipeline or a split sequence needs two ranks, and
+    is refused on one without telling anything)."""
     generator = random.Random(f"{seed}:{index}")
     axes = {**COMPUTATION, **LAYOUT}
-    return Combination(tuple((axis, generator.choice(list(values))) for axis, values in axes.items()))
+    values = {axis: generator.choice(list(choices)) for axis, choices in axes.items()}
+    if values["world"] == "1" and values["parallel"] not in ONE_PROCESS:
+        values["parallel"] = generator.choice(ONE_PROCESS)
+    return Combination(tuple(values.items()))
 
 
 def named(text: str) -> Combination:

@@ -73,4 +73,5 @@ def mtp_figures(sums: dict[str, float], depth: int) -> dict:
     """The step record's `mtp.loss`: each module's mean loss over its trained targets."""
     if not depth:
         return {}
-    return {"mtp.loss": {str(k): sums[f"mtp{k}_loss_sum"] / max(sums[f"mtp{k}_targets"], 1) for k in range(1, depth + 1)}}
+    means = {str(k): sums[f"mtp{k}_loss_sum"] / max(sums[f"mtp{k}_targets"], 1) for k in range(1, depth + 1)}
+    return {"mtp.loss": means}

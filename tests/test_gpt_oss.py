@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
+from transformers import GptOssConfig, GptOssForCausalLM
 
-from ferry.inference.config import GenerationConfig
-from ferry.inference.generate import generate
 from ferry.interop.architectures import from_hf_state, hf_config, model_config_from_hf, refusals, to_hf_state
 from ferry.interop.importing import read_hf_dir
 from ferry.model import ModelConfig, Transformer
 
+from hf_oracle import exported, greedy_tokens_agree, relative
 from test_interop import _random_model
 
 TOLERANCE = 1e-5  # relative: fp32 kernels in another order, never more
@@ -39,35 +38,16 @@ def gpt_oss_config(case: str) -> ModelConfig:
     return ModelConfig.model_validate({**BASE, **CASES[case]})
 
 
-def relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    return ((ours - theirs).norm() / theirs.norm()).item()
-
-
-def _exported(model: Transformer) -> GptOssForCausalLM:
-    hf = hf_config(model.config, "gpt_oss", 0, "float32")
-    theirs = AutoModelForCausalLM.from_config(hf, attn_implementation="eager")
-    assert isinstance(theirs, GptOssForCausalLM)
-    state = to_hf_state(model.state_dict(), model.config, "gpt_oss")
-    missing, unexpected = theirs.load_state_dict(state, strict=False)
-    assert unexpected == [] and missing == (["lm_head.weight"] if model.config.tie_embeddings else [])
-    return theirs.eval()
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_an_export_as_gpt_oss_gives_ferrys_logits_and_greedy_tokens(case):
     config = gpt_oss_config(case)
     assert refusals(config, "gpt_oss") == []
     ours = _random_model(config)
-    theirs = _exported(ours)
+    theirs = exported(ours, "gpt_oss", GptOssForCausalLM)
     tokens_BS = torch.randint(0, config.vocab_size, (3, 23), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert relative(ours(tokens_BS).logits_BSV, theirs(tokens_BS).logits) < TOLERANCE
-    prompt = tokens_BS[0, :5]
-    with torch.no_grad():
-        their_tokens = theirs.generate(prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                       pad_token_id=0)[0, 5:].tolist()
-    ours_tokens = generate(ours, [prompt.tolist()], GenerationConfig(max_new_tokens=12, temperature=0.0)).completions
-    assert ours_tokens[0].tokens == their_tokens
+    assert greedy_tokens_agree(ours, theirs, tokens_BS[0, :5], 12)
 
 
 def test_the_parts_change_the_logits():

@@ -108,6 +108,28 @@ def template_beside(tokenizer_path: Path | None) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
+def chosen_template(given: str | None, tokenizer: str) -> Path | None:
+    """The Jinja template conversations are rendered with: `given` (`--chat-template`: a file or a directory
+    holding one; `chatml` for ferry's own), else the one beside the `tokenizer` file (an imported model's); None
+    for ferry's ChatML."""
+    if given == CHAT_TEMPLATE:
+        return None
+    if given is not None:
+        path = Path(given)
+        if not path.exists():
+            raise UserError(f"--chat-template {given!r}: no such file or directory (or chatml)")
+        return path
+    return template_beside(Path(tokenizer)) if tokenizer not in ("bpe", "byte") else None
+
+
+def keep_template(encoder: ChatEncoder | TemplateChat, directory: Path) -> str:
+    """A model's own template written beside a dataset's tokenizer in `directory`, where training, generation and
+    export find it; what the manifest records of it (`template_name`)."""
+    if isinstance(encoder, TemplateChat):
+        (directory / TEMPLATE_FILE).write_text(encoder.template_text, encoding="utf-8")
+    return template_name(encoder)
+
+
 def chat_encoder(tokenizer: Tokenizer, template: Path | None) -> ChatEncoder | TemplateChat:
     """The model's own template's renderer when `template` is given, else ferry's ChatML (its tokens added to the
     tokenizer where it lacks them), which is also what a ferry export's template (ChatML in Jinja) comes back as."""

@@ -27,15 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from ferry.config.errors import UserError
-from ferry.data.chat import CHAT_TEMPLATE, parse_messages
-from ferry.data.chat_template import (
-    TEMPLATE_FILE,
-    TemplateChat,
-    chat_encoder,
-    template_beside,
-    template_label,
-    template_name,
-)
+from ferry.data.chat import parse_messages
+from ferry.data.chat_template import chat_encoder, chosen_template, keep_template, template_label
 from ferry.data.conversations import EMBEDDED_CONVERSATIONS, embedded_conversations, read_conversations
 from ferry.data.corpus import EMBEDDED_CORPORA, Document, embedded_documents, within_budget
 from ferry.data.formats import collect_files, documentless, no_documents, parts, read_texts
@@ -295,7 +288,7 @@ def spec_settings(spec: PrepareSpec) -> dict:
     if spec.embedded_skip_bytes:
         settings["embedded_skip_bytes"] = spec.embedded_skip_bytes
     if spec.chat or spec.records:
-        template = chat_template_path(spec)
+        template = chosen_template(spec.chat_template, spec.tokenizer)
         name = template_label(template)
         if spec.chat:
             settings["chat"] = {"template": name, "seq_len": spec.seq_len}
@@ -391,7 +384,7 @@ def _same_files(recorded: object, file_sha256: dict[str, str], text_field: str) 
 def _write_conversations(spec: PrepareSpec, documents: Callable[[], Iterator[Document]], staging: Path) -> dict:
     """Conversations rendered with the chat template, packed whole into rows of `seq_len`, with the mask
     stream beside the tokens. One end-of-text closes the stream so the last row also makes a window."""
-    encoder = chat_encoder(load_tokenizer(spec.tokenizer), chat_template_path(spec))
+    encoder = chat_encoder(load_tokenizer(spec.tokenizer), chosen_template(spec.chat_template, spec.tokenizer))
     tokenizer = encoder.tokenizer
     packer = RowPacker(spec.seq_len, tokenizer.eos_id)
     writer = ShardWriter(staging, token_dtype(tokenizer), spec.shard_tokens)
@@ -419,39 +412,18 @@ def _write_conversations(spec: PrepareSpec, documents: Callable[[], Iterator[Doc
     writer.close()
     mask_writer.close()
     manifest = token_manifest(tokenizer, staging, writer, packer.stats.conversations)
-    template = _keep_template(encoder, staging)
+    template = keep_template(encoder, staging)
     manifest["chat"] = {"template": template, "seq_len": spec.seq_len, **packer.stats.as_record()}
     manifest["loss_mask"] = {"shards": mask_writer.shards}
     return manifest
 
 
-def chat_template_path(spec: PrepareSpec) -> Path | None:
-    """The Jinja template conversations are rendered with: `--chat-template` (a file or a directory holding one),
-    else the one beside `--tokenizer` (an imported model's); None for ferry's ChatML."""
-    if spec.chat_template == CHAT_TEMPLATE:
-        return None
-    if spec.chat_template is not None:
-        path = Path(spec.chat_template)
-        if not path.exists():
-            raise UserError(f"--chat-template {spec.chat_template!r}: no such file or directory (or chatml)")
-        return path
-    return template_beside(Path(spec.tokenizer)) if spec.tokenizer not in ("bpe", "byte") else None
-
-
-def _keep_template(encoder, staging: Path) -> str:
-    """A model's own template is written beside the dataset's tokenizer, where training, generation and export
-    find it; what the manifest records of it (`template_name`)."""
-    if isinstance(encoder, TemplateChat):
-        (staging / TEMPLATE_FILE).write_text(encoder.template_text, encoding="utf-8")
-    return template_name(encoder)
-
-
 def _write_record_dataset(spec: PrepareSpec, documents: Callable[[], Iterator[Document]], staging: Path) -> dict:
     """Preference pairs or prompts, each kept whole, tokenized with the chat template."""
-    encoder = chat_encoder(load_tokenizer(spec.tokenizer), chat_template_path(spec))
+    encoder = chat_encoder(load_tokenizer(spec.tokenizer), chosen_template(spec.chat_template, spec.tokenizer))
     tokenizer = encoder.tokenizer
     records = write_records(documents(), spec.records, encoder, staging)
-    records["template"] = _keep_template(encoder, staging)
+    records["template"] = keep_template(encoder, staging)
     (staging / TOKENIZER_NAME).write_text(tokenizer.to_json(), encoding="utf-8")
     records["files"] = [file_entry(staging / name) for name in records["files"]]
     return {

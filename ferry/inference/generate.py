@@ -59,7 +59,7 @@ class GenerationSync:
     all_finished: Callable[[bool], bool]
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: FSDP gathers a rollout's weights into buffers the next step gathers into
 @torch.compiler.set_stance("force_eager")  # a cache's shapes change every step: compiled blocks would recompile
 def generate(
     model: Transformer,

@@ -401,25 +401,33 @@ def test_two_expert_parallel_ranks_train_as_one_process_does(tmp_path, task, sft
     assert ranks[0]["records"][-1]["moe.ep_imbalance"] >= 1.0
 
 
-def test_grpo_rollouts_under_fsdp_leave_its_gathered_weights_trainable(tmp_path, task, sft):
-    """FSDP gathers a block's weights into buffers it gathers into again at the next forward: a rollout decoded
-    under inference mode would make them tensors no later step may update (the layout fuzzer's crash). Under
-    no_grad the 2-rank run draws the one-process rollouts, scores the same rewards and takes its losses."""
+@pytest.mark.parametrize("objective", ["dpo", "grpo"])
+def test_dpo_and_grpo_train_under_fsdp_as_one_process_does(tmp_path, task, sft, objective):
+    """FSDP over 2 ranks (the layout fuzzer's two findings): the frozen reference is sharded as the policy is,
+    so its pieces load and its forwards gather alike (DPO's scores, GRPO's KL penalty); and FSDP gathers a
+    block's weights into buffers it gathers into again at the next forward, so a rollout decoded under inference
+    mode would make them tensors no later step may update: decoded under no_grad, the run draws the one-process
+    rollouts and scores the same rewards."""
     import distributed_training as runs
 
     from ferry.comm.spawn import run_on_ranks
 
+    data = task["pairs"] if objective == "dpo" else task["prompts"]
     overrides = [
-        "train.objective=grpo", f"init_from={sft}", f"data.sources=[{{name: d, path: {task['prompts']}}}]",
+        f"train.objective={objective}", f"init_from={sft}", f"data.sources=[{{name: d, path: {data}}}]",
         "model.vocab_size=576", "data.seq_len=64", "train.steps=2", "checkpoint.interval=0", "optim.lr=1e-3",
         "train.global_batch=8", "train.micro_batch=2", "grpo.group_size=4", "grpo.max_new_tokens=3",
-        "grpo.verifier=numeric",
+        "grpo.verifier=numeric", "grpo.kl_coef=0.05",
     ]
-    single = runs.train_run(str(task["prompts"]), str(tmp_path / "one"), *overrides)
-    fsdp = run_on_ranks(runs.train_run, 2, str(task["prompts"]), str(tmp_path / "two"), *overrides,
-                        "parallel.mode=fsdp")[0]
-    assert [r["reward"] for r in fsdp["records"]] == [r["reward"] for r in single["records"]]
+    single = runs.train_run(str(data), str(tmp_path / "one"), *overrides)
+    fsdp = run_on_ranks(runs.train_run, 2, str(data), str(tmp_path / "two"), *overrides, "parallel.mode=fsdp")[0]
     assert fsdp["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-6)
+    if objective == "grpo":
+        assert [r["reward"] for r in fsdp["records"]] == [r["reward"] for r in single["records"]]
+        assert fsdp["records"][-1]["kl"] > 0, "the reference scored the rollouts"
+    else:
+        assert [r["rewards/margin"] for r in fsdp["records"]] == pytest.approx(
+            [r["rewards/margin"] for r in single["records"]], rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.parametrize("objective", ["dpo", "grpo"])

@@ -195,8 +195,10 @@ class FullySharded:
         return optimizer_over(placed.dense + placed.experts, decayed, weight_decay, muon, groups.world, **adamw)
 
     def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None:
+        """A frozen reference sharded as the trained model is, so checkpoint pieces land in it alike and each of
+        its forwards gathers its blocks as the trained model's do."""
         if groups.world is not None:
-            raise UserError("a reference model needs parallel.mode: ep (FSDP mode is the weight-gathering baseline)")
+            apply_fsdp(model, next(model.parameters()).device, groups.world)
 
 
 PLACEMENTS = {"ep": ExpertResident, "fsdp": FullySharded}

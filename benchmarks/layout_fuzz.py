@@ -19,6 +19,7 @@ import argparse
 import time
 from pathlib import Path
 
+from ferry.portability.fuzz.data import prepare_fuzz_data
 from ferry.portability.fuzz.report import append, summary
 from ferry.portability.fuzz.runner import Fuzzer
 from ferry.portability.fuzz.space import draw, named
@@ -43,7 +44,7 @@ def main() -> None:
     report.mkdir(parents=True, exist_ok=True)
     (report / "outcomes.jsonl").write_text("")
     with scratch_dir(args.dir, "layout-fuzz-") as work:
-        fuzzer = Fuzzer(work, prepare_data(work))
+        fuzzer = Fuzzer(work, prepare_fuzz_data(work))
         outcomes, began = [], time.perf_counter()
         deadline = began + budget_seconds(args.budget) if args.budget else None
         index = 0
@@ -64,15 +65,6 @@ def main() -> None:
         text = summary(outcomes, time.perf_counter() - began, args.seed)
         (report / "summary.txt").write_text(text + "\n")
         print(text)
-
-
-def prepare_data(work: Path) -> Path:
-    """The suite's dataset: the first ~400 kB of the embedded corpus in a 512-token BPE."""
-    from ferry.data import PrepareSpec, prepare_dataset
-
-    output = work / "data" / "stdlib"
-    prepare_dataset(PrepareSpec(embedded="stdlib", embedded_max_bytes=400_000, vocab_size=512), output)
-    return output
 
 
 if __name__ == "__main__":

@@ -5,42 +5,57 @@ that reproduces it; draws replay from (seed, index)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import textwrap
 
 import pytest
 
+from ferry.portability.fuzz.data import prepare_fuzz_data
 from ferry.portability.fuzz.report import summary
 from ferry.portability.fuzz.runner import Fuzzer
 from ferry.portability.fuzz.space import draw, named
 
+COMPUTATION = "objective=sft precision=bf16 experts=biased-clamped"  # SFT's loss mask, bf16, GPT-OSS's experts
 SAMPLE = [  # one computation in three layouts, each resumed in another; and a refusal
-    ("world=2 parallel=ep-zero recompute=selective ep_exchange=chunked", "world=2 parallel=fsdp"),
-    ("world=2 parallel=fsdp recompute=full", "world=1"),
-    ("world=2 parallel=pp ep_exchange=rowwise", "world=2 parallel=ep"),
+    (f"{COMPUTATION} world=2 parallel=ep-zero recompute=selective ep_exchange=chunked", "world=2 parallel=fsdp"),
+    (f"{COMPUTATION} world=2 parallel=fsdp recompute=full", "world=1"),
+    (f"{COMPUTATION} world=2 parallel=pp schedule=gpipe ep_exchange=rowwise", "world=2 parallel=ep"),
     ("world=1 parallel=cp", "world=1"),
+    ("objective=grpo world=2 parallel=fsdp", "world=2 parallel=ep"),  # from an SFT parent, by the seeds' spread
 ]
 
 
 @pytest.fixture(scope="module")
-def fuzzer(stdlib_dataset, tmp_path_factory):
-    return Fuzzer(tmp_path_factory.mktemp("fuzz"), stdlib_dataset)
+def fuzz_data(stdlib_dataset, tmp_path_factory):
+    return prepare_fuzz_data(tmp_path_factory.mktemp("fuzz-data"), stdlib_dataset)
+
+
+@pytest.fixture(scope="module")
+def fuzzer(fuzz_data, tmp_path_factory):
+    return Fuzzer(tmp_path_factory.mktemp("fuzz"), fuzz_data)
 
 
 def test_the_ci_sample_is_refused_by_name_or_equal_to_its_oracle_and_resumes_in_another_layout(fuzzer):
     outcomes = [fuzzer.judge(named(drawn), named(resume)) for drawn, resume in SAMPLE]
     verdicts = [outcome.verdict for outcome in outcomes]
-    assert verdicts == ["equal", "equal", "equal", "refused"], summary(outcomes, 0, 0)
+    assert verdicts == ["equal", "equal", "equal", "refused", "equal"], summary(outcomes, 0, 0)
     assert "parallel.cp" in outcomes[3].detail
-    assert all(outcome.resumed_in is not None and len(outcome.commands) == 2 for outcome in outcomes[:3])
+    ran = [*outcomes[:3], outcomes[4]]
+    assert all(outcome.resumed_in is not None and len(outcome.commands) == 2 for outcome in ran)
     assert outcomes[1].resumed_in.world == 1, "resumed on one process from two ranks' checkpoint"
-    assert len(list((fuzzer.work / "oracles").iterdir())) == 1, "the three share one oracle run"
+    oracles = sorted(path.name for path in (fuzzer.work / "oracles").iterdir())
+    assert len(oracles) == 4 and sum("-seed-" in name for name in oracles) == 2, "one oracle for the three; GRPO's "
+    "with its two seed runs"
+    judged = json.loads((fuzzer.work / "runs" / outcomes[4].combination.digest() / "judged" / "compare-reward.json")
+                        .read_text())
+    assert judged["profile"] == "sampled" and judged["seed_spread"] > 0 and judged["passed"]
     text = summary(outcomes, 60, 0)
-    assert text.startswith("seed 0: 4 distinct combinations in 1.0 min: 3 equal, 1 refused, 0 diverged, 0 crashed")
+    assert text.startswith("seed 0: 5 distinct combinations in 1.0 min: 4 equal, 1 refused, 0 diverged, 0 crashed")
 
 
-def test_a_planted_bug_is_reported_as_a_divergence_with_the_command_that_reproduces_it(stdlib_dataset, tmp_path):
+def test_a_planted_bug_is_reported_as_a_divergence_with_the_command_that_reproduces_it(fuzz_data, tmp_path):
     plant = tmp_path / "plant"
     plant.mkdir()
     (plant / "sitecustomize.py").write_text(textwrap.dedent('''
@@ -60,10 +75,11 @@ def test_a_planted_bug_is_reported_as_a_divergence_with_the_command_that_reprodu
 
         strategies.reduce_gradients = dropped_on_rank_1
     '''))
-    planted = Fuzzer(tmp_path / "work", stdlib_dataset, env={**os.environ, "PYTHONPATH": str(plant)})
+    planted = Fuzzer(tmp_path / "work", fuzz_data, env={**os.environ, "PYTHONPATH": str(plant)})
     outcome = planted.judge(named("world=2 parallel=ep"), named("world=1"))
     assert outcome.verdict == "diverged", outcome.detail
-    assert re.match(r"step [2-6]: relative difference \d\.\d\de-\d\d \(the largest", outcome.detail), outcome.detail
+    assert re.match(r"step [2-6]: outside the layout bound, relative difference \d\.\d\de-\d\d at most \(step [2-6], "
+                    r"loss\)", outcome.detail), outcome.detail
     assert "--nproc 2" in outcome.commands[0] and "parallel.ep=2" in outcome.commands[0]
     assert f"diverged: {outcome.combination.describe()}" in summary([outcome], 1, 0)
 

@@ -1,9 +1,9 @@
 """What the layout fuzzer draws: one value per axis, each axis a setting a user changes.
 
 Every layout is meant to be the same computation, so a combination splits in two: the **computation** (the
-model's kinds and parts, the optimizer, the kernel policy, the data's masking, the sequences of a forward) and the
-**layout** (how many ranks, which parallelism, recomputation, overlap and dispatch of the expert exchange). The
-oracle of a combination is its
+objective and its data, the compute precision, the model's depth, kinds and parts, the optimizer, the kernel
+policy, the data's masking, the sequences of a forward) and the **layout** (how many ranks, which parallelism and
+pipeline schedule, recomputation, overlap and dispatch of the expert exchange). The oracle of a combination is its
 computation on one process with the default layout; combinations that share a computation share their oracle.
 A draw is a function of (seed, index) alone, so a failure replays from those two numbers.
 """
@@ -17,12 +17,29 @@ from dataclasses import dataclass
 
 # axis -> {value: overrides}; the first value of each axis is the one-process default
 COMPUTATION: dict[str, dict[str, tuple[str, ...]]] = {
+    # what a step optimises, on the data it reads (the placeholders: `FuzzData`'s datasets, and PARENT, the SFT
+    # checkpoint of the same model that DPO and GRPO start from and take as their reference)
+    "objective": {
+        "lm": ("data.sources=[{name: text, path: TEXT}]",),
+        "sft": ("data.sources=[{name: chat, path: CHAT}]", "data.seq_len=64"),
+        "dpo": ("train.objective=dpo", "data.sources=[{name: pairs, path: PAIRS}]", "data.seq_len=64",
+                "init_from=PARENT"),
+        "grpo": ("train.objective=grpo", "data.sources=[{name: prompts, path: PROMPTS}]", "data.seq_len=64",
+                 "grpo.group_size=4", "grpo.max_new_tokens=3", "grpo.verifier=numeric", "init_from=PARENT"),
+    },
+    "precision": {"fp32": (), "bf16": ("precision.compute_dtype=bf16",)},
+    "layers": {"2": (), "4": ("model.n_layers=4",)},
     "attention": {
         "gqa": (),
         "mla": ("model.attention=mla", "model.n_kv_heads=4",
                 "model.mla={q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, "
                 "v_head_dim: 8}"),
+        # GPT-OSS's: biased projections, a sink logit a head, every other layer windowed
+        "gqa-sinks-window": ("model.attention_bias=true", "model.attention_sinks=true", "model.sliding_window=16",
+                             "model.sliding_window_pattern=2"),
     },
+    "experts": {"plain": (), "biased-clamped": ("model.moe.router_bias=true", "model.moe.expert_biases=true",
+                                                "model.moe.activation=clamped_swiglu")},
     "dense_layers": {"1": ("model.dense_layers=1",), "0": ("model.dense_layers=0",)},
     "shared_expert": {"none": (), "32": ("model.moe.shared_expert_ffn_dim=32",)},
     "routing": {"softmax": (), "sigmoid-groups": ("model.moe.score_func=sigmoid", "model.moe.n_group=2",
@@ -46,6 +63,13 @@ LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
         "pp": ("parallel.pp=2",),
         "pp-ep": ("parallel.pp=2", "parallel.ep=HALF"),
         "cp": ("parallel.cp=2",),
+    },
+    # a pipeline's schedule (1f1b with any other parallelism, where it means nothing)
+    "schedule": {
+        "1f1b": (),
+        "gpipe": ("parallel.pp_schedule=gpipe",),
+        "interleaved": ("parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"),
+        "looped": ("parallel.pp_schedule=looped_bfs", "parallel.pp_virtual_stages=2"),
     },
     "recompute": {"none": (), "selective": ("train.activation_checkpointing=selective",),
                   "full": ("train.activation_checkpointing=full",)},
@@ -76,6 +100,13 @@ class Combination:
                       for override in values[chosen[axis]]]
         return found
 
+    def profile(self) -> str:
+        """The tolerance profile (`tolerances.yaml`) its steps are judged under against its oracle: `sampled` for
+        an objective that draws its own data, `layout-bf16` for bf16 compute, `layout` otherwise."""
+        if self["objective"] == "grpo":
+            return "sampled"
+        return "layout-bf16" if self["precision"] == "bf16" else "layout"
+
     def computation(self) -> Combination:
         """The oracle's combination: this computation, on one process with the default layout."""
         chosen = dict(self.values)
@@ -91,17 +122,30 @@ class Combination:
 
 
 ONE_PROCESS = ("single", "ep", "ep-zero", "dp-zero", "fsdp")  # the parallel values a single process can take
+PIPELINES = ("pp", "pp-ep")
+TWO_STAGES_A_RANK = ("interleaved", "looped")  # 4 stages over 2 ranks: a block each needs 4 layers
+NEXT_TOKEN = ("lm", "sft")  # the objectives MTP's modules train with
 
 
 def draw(seed: int, index: int) -> Combination:
-    """Combination `index` of the stream `seed`: each axis's value uniformly, from its own generator; on one
-    process, the parallelism among those one process has (a pipeline or a split sequence needs two ranks, and
-    is refused on one without telling anything)."""
+    """Combination `index` of the stream `seed`: each axis's value uniformly, from its own generator, then made
+    to mean something, where a value would otherwise be refused or ignored without telling anything:
+    - on one process, the parallelism among those one process has (a pipeline or a split sequence needs two);
+    - a schedule only with a pipeline (1f1b, the default, otherwise), and two stages a rank on 4 layers (2 layers
+      have too few blocks for 4 stages);
+    - MTP only with a next-token objective: it is a pre-training aid, which a DPO or GRPO stage is refused
+      with by name (`tests/test_mtp.py`), so a draw of it there would measure one known refusal again."""
     generator = random.Random(f"{seed}:{index}")
     axes = {**COMPUTATION, **LAYOUT}
     values = {axis: generator.choice(list(choices)) for axis, choices in axes.items()}
     if values["world"] == "1" and values["parallel"] not in ONE_PROCESS:
         values["parallel"] = generator.choice(ONE_PROCESS)
+    if values["parallel"] not in PIPELINES:
+        values["schedule"] = "1f1b"
+    elif values["schedule"] in TWO_STAGES_A_RANK:
+        values["layers"] = "4"
+    if values["objective"] not in NEXT_TOKEN:
+        values["mtp"] = "none"
     return Combination(tuple(values.items()))
 
 

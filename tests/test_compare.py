@@ -33,8 +33,10 @@ def cli(*argv):
 CURVE = [6.0 - 0.02 * step for step in range(30)]
 
 
-def test_the_four_profiles_exist_and_every_number_has_its_reason():
-    assert list(tolerance_profiles()) == ["bitwise", "same-hardware", "cross-accelerator", "sampled"]
+def test_the_profiles_exist_and_every_number_has_its_reason():
+    assert list(tolerance_profiles()) == [
+        "bitwise", "same-hardware", "cross-accelerator", "sampled", "layout", "layout-bf16"
+    ]
     bitwise = tolerance_profile("bitwise")
     assert bitwise.rtol == bitwise.atol == 0.0 and bitwise.window == 1
     assert bitwise.metric == "loss" and bitwise.seeds == 0
@@ -45,7 +47,7 @@ def test_the_four_profiles_exist_and_every_number_has_its_reason():
         for line in TOLERANCES_FILE.read_text().splitlines()
         if re.match(r"\s+(metric|steps|window|min_steps|rtol|atol|seeds|spread_z):", line)
     ]
-    assert len(numbers) == 23
+    assert len(numbers) == 33
     assert all(re.search(r"#\s*\S", line) for line in numbers), "a tolerance without its reason"
 
 

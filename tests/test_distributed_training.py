@@ -218,7 +218,7 @@ def test_checkpointed_fsdp_training_equals_the_plain_fsdp_run(stdlib_dataset, tm
     it already gathers for: the same all-gathers, and the same losses bit for bit. The plain run is pinned to the
     portable routed experts, which a checkpointed run takes: under `auto` the plain run takes the CPU's fused
     loop, which cannot be replayed and sums each expert's rows in another order, and every block's gradient then
-    differs in its last bits (5e-10 at most, measured) from the first step on."""
+    differs in its last bits (by 2e-9 at most, measured on gradients of up to 3e-2) from the first step on."""
     layout = ("parallel.mode=fsdp", "train.steps=3", 'kernels.ops."moe.routed_experts"=portable')
     plain, checkpointed = (
         run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path / mode), *layout,

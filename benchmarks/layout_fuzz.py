@@ -8,9 +8,9 @@ Each combination is refused by `ferry train`'s own checks (naming the setting), 
 another drawn layout and compared again (`ferry/portability/fuzz/`). Every outcome is a JSON line in
 REPORT/outcomes.jsonl (default runs/layout-fuzz); the summary (counts, refusal messages, the commands that
 reproduce each failure) is printed and written to REPORT/summary.txt. The runs themselves go to a scratch
-directory under --dir, removed at the end (a failure's commands rebuild them). Draws are a function of (seed,
-index): a failure replays from them or from its
-`--only` line.
+directory under --dir, removed at the end unless a combination diverged or crashed: then it is kept, with the
+base config, datasets and parents its commands name. Draws are a function of (seed, index): a failure replays
+from them or from its `--only` line.
 """
 
 from __future__ import annotations
@@ -43,9 +43,15 @@ def main() -> None:
     report = Path(args.report)
     report.mkdir(parents=True, exist_ok=True)
     (report / "outcomes.jsonl").write_text("")
-    with scratch_dir(args.dir, "layout-fuzz-") as work:
+    outcomes = []
+
+    def failed() -> bool:
+        """Whether a combination diverged or crashed: its commands need the scratch directory kept."""
+        return any(outcome.verdict in ("diverged", "crashed") for outcome in outcomes)
+
+    with scratch_dir(args.dir, "layout-fuzz-", keep=failed) as work:
         fuzzer = Fuzzer(work, prepare_fuzz_data(work))
-        outcomes, began = [], time.perf_counter()
+        began = time.perf_counter()
         deadline = began + budget_seconds(args.budget) if args.budget else None
         index = 0
         while True:
@@ -63,6 +69,8 @@ def main() -> None:
             if args.only:
                 break
         text = summary(outcomes, time.perf_counter() - began, args.seed)
+        if failed():
+            text += f"\nthe runs, datasets and parents the commands above name are kept in {work}"
         (report / "summary.txt").write_text(text + "\n")
         print(text)
 

@@ -9,11 +9,17 @@ rank at the next step's end, names the path and the error and what was kept, and
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+import threading
 
 import pytest
+import torch
 
-from ferry.checkpoint import SaveFailed, list_checkpoints
+from ferry.checkpoint import CheckpointMeta, Layout, SaveFailed, TensorPiece, list_checkpoints
+from ferry.checkpoint.config import CheckpointConfig
+from ferry.checkpoint.manager import CheckpointManager
 from ferry.cli.main import main
 from ferry.comm.spawn import run_on_ranks
 from ferry.train import Trainer
@@ -119,3 +125,30 @@ def test_the_memory_model_counts_the_host_snapshot_where_saves_run_in_the_backgr
     assert two.snapshot_bytes == pytest.approx(parameters * 12, rel=0.05), "fp32 weights and AdamW's two moments"
     assert "in host memory an asynchronous checkpoint's snapshot" in two.describe()
     assert memory_estimate(make_config("checkpoint.async_save=false"), 2, "cpu").snapshot_bytes == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness is a thread's own only on Linux")
+def test_a_background_save_writes_at_a_lower_priority_than_training_down_to_its_helper_threads(tmp_path, monkeypatch):
+    import ferry.checkpoint.writer as writer
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen = []
+    write_file = writer.write_tensor_file
+
+    def recording(path, tensors, *how):
+        seen.append(niceness())
+        return write_file(path, tensors, *how)
+
+    monkeypatch.setattr(writer, "write_tensor_file", recording)
+    training = niceness()
+    manager = CheckpointManager(CheckpointConfig(async_save=True, writer_niceness=7), tmp_path)
+    pieces = {"model.w": TensorPiece.whole(torch.ones(64, 64)), "optim.exp_avg.w": TensorPiece.whole(torch.ones(64))}
+    meta = CheckpointMeta(step=1, tokens_seen=0, layout=Layout(world_size=1, ep_degree=1, mode="single"),
+                          model_config={}, run_config={}, environment={}, train_state={})
+    manager.save(pieces, meta)
+    manager.wait()
+    assert manager.saved == [tmp_path / "step-00000001"] and len(seen) == 2
+    assert seen == [min(19, training + 7)] * 2  # the files are written by threads the writer started
+    assert niceness() == training  # training's own thread keeps its priority

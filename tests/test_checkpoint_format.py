@@ -87,10 +87,10 @@ def test_a_failed_save_leaves_no_checkpoint_and_the_previous_one_intact(tmp_path
     pieces = {"model.w": TensorPiece.whole(torch.ones(3)), "optim.exp_avg.w": TensorPiece.whole(torch.ones(3))}
     save_checkpoint(tmp_path, pieces, _meta(1))
 
-    def disk_full(path, tensors):
+    def disk_full(path, tensors, *how):
         if "optim" in Path(path).name:
             raise OSError(28, "No space left on device")
-        return write_file(path, tensors)
+        return write_file(path, tensors, *how)
 
     write_file = writer.write_tensor_file
     monkeypatch.setattr(writer, "write_tensor_file", disk_full)

@@ -159,8 +159,8 @@ from ferry.train import Trainer, load_run_config
 config_path, signal_path = sys.argv[1:]
 write_file = writer.write_tensor_file
 
-def write_then_hang(path, tensors):
-    written = write_file(path, tensors)
+def write_then_hang(path, tensors, *how):
+    written = write_file(path, tensors, *how)
     if Path(path).parent.name == ".step-00000004.partial":
         Path(signal_path).write_text("one file of the step-4 save is written")
         time.sleep(600)

@@ -6,13 +6,13 @@ would be a second pass over it. Here the header goes out first, then each tensor
 memory, each also fed to the digests: one pass, no copy. The layout is safetensors' own (a little-endian u64
 header length, the JSON header padded with spaces to a multiple of 8 bytes, the tensors' bytes in header order),
 and the safetensors library itself checks every header before a checkpoint is read (`reader._check_headers`),
-as `byte_reads.py` reads the bytes back by range.
+as `byte_reads.py` reads the bytes back by range. The bytes go past the page cache where the filesystem allows
+(`ferry.platform.file_writes`): nothing reads a checkpoint soon after it is written.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import torch
 from ferry.checkpoint.byte_reads import bytes_of
 from ferry.checkpoint.format import FileRecord
 from ferry.platform.digests import RECORDED, Digests
+from ferry.platform.file_writes import HashedFileWriter
 
 # safetensors' names of the dtypes a checkpoint holds
 SAFETENSORS_DTYPES = {
@@ -31,9 +32,10 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
+def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor], direct: bool = True) -> FileRecord:
     """Write `tensors` (contiguous, in host memory: the writer's pieces are) as the safetensors file `path`,
-    fsynced; returns its size and every recorded digest."""
+    fsynced, past the page cache if `direct` and the filesystem allow; returns its size and every recorded
+    digest."""
     header, offset = {}, 0
     for name, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
@@ -43,11 +45,9 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecor
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     digests = Digests(RECORDED)
-    with open(path, "wb") as handle:
-        for chunk in (struct.pack("<Q", len(text)), text, *(bytes_of(tensor) for tensor in tensors.values())):
-            handle.write(chunk)
-            digests.update(chunk)
-        handle.flush()
-        os.fsync(handle.fileno())
-    return FileRecord(bytes=8 + len(text) + offset, **digests.hexdigests())
-
+    with HashedFileWriter(path, digests, direct) as out:
+        out.write(struct.pack("<Q", len(text)) + text)
+        for tensor in tensors.values():
+            out.write(bytes_of(tensor))
+        size = out.finish()
+    return FileRecord(bytes=size, **digests.hexdigests())

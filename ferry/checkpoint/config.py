@@ -33,6 +33,12 @@ class CheckpointConfig(Section):
         description="largest tensor file in MiB: a rank's state is split over several, which hash and read on all "
         "cores at once (a tensor larger than this gets a file of its own)",
     )
+    direct_io: bool = Field(
+        True,
+        description="write tensor files past the page cache (O_DIRECT, one small aligned buffer), where the OS and "
+        "filesystem allow: nothing reads a checkpoint soon after it is written, and filling the cache with it "
+        "cost a save most of its speed (docs/performance.md); false: through the page cache",
+    )
     verify: Literal["xxh3_128", "sha256"] = Field(
         "xxh3_128",
         description="the file digest a resume checks: xxh3_128 finds corrupt and truncated files as surely and "
@@ -43,6 +49,14 @@ class CheckpointConfig(Section):
         description="true: copy the tensors to host memory, then write them on a background thread per rank while "
         "training goes on; auto: so on a multi-rank run whose snapshot fits in half the host's free memory, "
         "otherwise false (the choice is in run.json)",
+    )
+    writer_niceness: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="how much lower a background save's writer threads run than training (Linux niceness): 0 "
+        "competes for the cores as an equal; 10 takes the time training leaves and a tenth of a busy core; 19 "
+        "only what training leaves",
     )
     on_failure: Literal["stop", "continue"] = Field(
         "stop",

@@ -34,6 +34,7 @@ from ferry.checkpoint.ranked import (
 )
 from ferry.checkpoint.reader import list_checkpoints
 from ferry.checkpoint.writer import CheckpointMeta
+from ferry.platform.thread_priority import lower_this_thread
 
 _LEFTOVERS = (".step-*.partial", ".step-*.replaced")
 # Where a resume moves the checkpoints of the branch it leaves (no `step-*` name: no reader lists it).
@@ -205,6 +206,7 @@ class CheckpointManager:
         return snapshot, copied
 
     def _write_in_background(self, save: _Save) -> None:
+        lower_this_thread(self.config.writer_niceness)
         started = time.perf_counter()
         try:
             if save.copied is not None:
@@ -232,7 +234,9 @@ class CheckpointManager:
         self.saved.append(save.final)
 
     def _write_share(self, save: _Save) -> None:
-        write_share(save.staging, self.rank, save.pieces, self.config.file_mb << 20, save.before_publish)
+        write_share(
+            save.staging, self.rank, save.pieces, self.config.file_mb << 20, save.before_publish, self.config.direct_io
+        )
 
     def _publish(self, save: _Save) -> None:
         """On the main rank: the manifest once every rank's files are there, then the older checkpoints pruned."""

@@ -46,14 +46,19 @@ class SaveAbandoned(Exception):
 
 
 def write_share(
-    staging: Path, rank: int, pieces: dict, max_file_bytes: int, before_publish: Callable[[Path], None] | None = None
+    staging: Path,
+    rank: int,
+    pieces: dict,
+    max_file_bytes: int,
+    before_publish: Callable[[Path], None] | None = None,
+    direct: bool = True,
 ) -> None:
     """Write this rank's pieces into `staging`, then its done marker; on any failure its failed marker (if the
     storage still takes one) and raise. `before_publish(staging)` runs once the tensor files are written (fault
-    injection strikes there)."""
+    injection strikes there); `direct`: past the page cache where the filesystem allows."""
     try:
         staging.mkdir(parents=True, exist_ok=True)
-        record = write_rank_files(staging, rank, pieces, max_file_bytes)
+        record = write_rank_files(staging, rank, pieces, max_file_bytes, direct)
         if before_publish is not None:
             before_publish(staging)
         _write_marker(staging / _DONE.format(rank=rank), _record_json(record))

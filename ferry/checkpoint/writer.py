@@ -71,14 +71,16 @@ def save_checkpoint(
     meta: CheckpointMeta,
     max_file_bytes: int = DEFAULT_FILE_BYTES,
     before_publish: Callable[[], None] | None = None,
+    direct: bool = True,
 ) -> Path:
     """Save a checkpoint whose every piece is held by this process (world size 1); returns its path.
 
     `before_publish` runs once the tensor files are written and before the manifest makes them a
-    checkpoint (fault injection kills the process there).
+    checkpoint (fault injection kills the process there). `direct`: the tensor files go past the page
+    cache where the filesystem allows (`checkpoint.direct_io`).
     """
     staging = begin_save(root, meta.step)
-    record = write_rank_files(staging, 0, pieces, max_file_bytes)
+    record = write_rank_files(staging, 0, pieces, max_file_bytes, direct)
     if before_publish is not None:
         before_publish()
     write_manifest(staging, build_manifest([record], meta))
@@ -95,11 +97,15 @@ def begin_save(root: Path, step: int) -> Path:
 
 
 def write_rank_files(
-    staging: Path, rank: int, pieces: dict[str, TensorPiece], max_file_bytes: int = DEFAULT_FILE_BYTES
+    staging: Path,
+    rank: int,
+    pieces: dict[str, TensorPiece],
+    max_file_bytes: int = DEFAULT_FILE_BYTES,
+    direct: bool = True,
 ) -> RankRecord:
     """Write this rank's pieces, per name group, into files of at most `max_file_bytes`, each fsynced and hashed
-    as it is written (`byte_writes.py`), several at once. Each takes the mode the umask gives `manifest.json`:
-    whoever may read the manifest may read the tensors."""
+    as it is written (`byte_writes.py`; past the page cache if `direct`), several at once. Each takes the mode the
+    umask gives `manifest.json`: whoever may read the manifest may read the tensors."""
     groups: dict[str, dict[str, TensorPiece]] = {}
     for name, piece in pieces.items():
         piece.check(name)
@@ -111,7 +117,7 @@ def write_rank_files(
             for part, names in enumerate(_parts(members, max_file_bytes)):
                 file = rank_file_name(group, rank, part)
                 tensors = {name: members[name].local.detach().contiguous() for name in names}
-                writing[file] = pool.submit(_write_file, staging / file, tensors)
+                writing[file] = pool.submit(_write_file, staging / file, tensors, direct)
                 for name in names:
                     piece = members[name]
                     entry = PieceRecord(file=file, offset=list(piece.offset), shape=list(piece.local.shape))
@@ -120,9 +126,9 @@ def write_rank_files(
     return record
 
 
-def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
+def _write_file(path: Path, tensors: dict[str, torch.Tensor], direct: bool) -> FileRecord:
     try:
-        written = write_tensor_file(path, tensors)
+        written = write_tensor_file(path, tensors, direct)
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
     give_ordinary_mode(path)

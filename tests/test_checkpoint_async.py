@@ -127,6 +127,25 @@ def test_the_memory_model_counts_the_host_snapshot_where_saves_run_in_the_backgr
     assert memory_estimate(make_config("checkpoint.async_save=false"), 2, "cpu").snapshot_bytes == 0
 
 
+def _one_background_save(root, niceness: int) -> CheckpointManager:
+    manager = CheckpointManager(CheckpointConfig(async_save=True, writer_niceness=niceness), root)
+    pieces = {"model.w": TensorPiece.whole(torch.ones(64, 64)), "optim.exp_avg.w": TensorPiece.whole(torch.ones(64))}
+    meta = CheckpointMeta(step=1, tokens_seen=0, layout=Layout(world_size=1, ep_degree=1, mode="single"),
+                          model_config={}, run_config={}, environment={}, train_state={})
+    manager.save(pieces, meta)
+    manager.wait()
+    return manager
+
+
+def test_a_background_save_whose_lower_priority_is_refused_still_saves(tmp_path, monkeypatch):
+    def refused(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refused)
+    manager = _one_background_save(tmp_path, niceness=10)
+    assert manager.saved == [tmp_path / "step-00000001"] == list_checkpoints(tmp_path)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness is a thread's own only on Linux")
 def test_a_background_save_writes_at_a_lower_priority_than_training_down_to_its_helper_threads(tmp_path, monkeypatch):
     import ferry.checkpoint.writer as writer
@@ -143,12 +162,7 @@ def test_a_background_save_writes_at_a_lower_priority_than_training_down_to_its_
 
     monkeypatch.setattr(writer, "write_tensor_file", recording)
     training = niceness()
-    manager = CheckpointManager(CheckpointConfig(async_save=True, writer_niceness=7), tmp_path)
-    pieces = {"model.w": TensorPiece.whole(torch.ones(64, 64)), "optim.exp_avg.w": TensorPiece.whole(torch.ones(64))}
-    meta = CheckpointMeta(step=1, tokens_seen=0, layout=Layout(world_size=1, ep_degree=1, mode="single"),
-                          model_config={}, run_config={}, environment={}, train_state={})
-    manager.save(pieces, meta)
-    manager.wait()
+    manager = _one_background_save(tmp_path, niceness=7)
     assert manager.saved == [tmp_path / "step-00000001"] and len(seen) == 2
     assert seen == [min(19, training + 7)] * 2  # the files are written by threads the writer started
     assert niceness() == training  # training's own thread keeps its priority

@@ -4,6 +4,7 @@ every length around the block and the piece, and every refusal or failure of the
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 
@@ -24,11 +25,15 @@ def small_pieces(monkeypatch):
 
 
 def _write(path, chunks, direct=True):
+    """The file written; whether it went past the page cache, by the writer's word and by its descriptor's flags
+    before the fsync; its size; its digests."""
     digests = Digests(RECORDED)
     with HashedFileWriter(path, digests, direct) as out:
         for chunk in chunks:
             out.write(chunk)
+        flagged = bool(fcntl.fcntl(out._descriptor, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
         size = out.finish()
+    assert out.direct == flagged
     return out.direct, size, digests.hexdigests()
 
 
@@ -72,8 +77,6 @@ def test_a_filesystem_that_refuses_direct_writes_at_open_is_written_through_the_
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is a Linux flag")
 def test_a_filesystem_that_refuses_the_first_direct_write_gets_the_file_through_the_page_cache(tmp_path, monkeypatch):
-    import fcntl
-
     written = os.pwrite
 
     def refuse_direct(descriptor, data, offset):
@@ -83,7 +86,8 @@ def test_a_filesystem_that_refuses_the_first_direct_write_gets_the_file_through_
 
     monkeypatch.setattr(file_writes.os, "pwrite", refuse_direct)
     chunks = _chunks(3 * PIECE + 5, seed=2)
-    _, size, digests = _write(tmp_path / "file", chunks)
+    direct, size, digests = _write(tmp_path / "file", chunks)
+    assert not direct
     assert (tmp_path / "file").read_bytes() == b"".join(chunks) and size == 3 * PIECE + 5
     assert digests["sha256"] == hashlib.sha256(b"".join(chunks)).hexdigest()
 

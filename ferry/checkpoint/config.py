@@ -35,8 +35,8 @@ class CheckpointConfig(Section):
     )
     direct_io: bool = Field(
         True,
-        description="write tensor files past the page cache (O_DIRECT, one small aligned buffer), where the OS and "
-        "filesystem allow: nothing reads a checkpoint soon after it is written, and filling the cache with it "
+        description="write tensor files past the page cache (O_DIRECT, two 8 MiB aligned buffers a file), where the "
+        "OS and filesystem allow: nothing reads a checkpoint soon after it is written, and filling the cache with it "
         "cost a save most of its speed (docs/performance.md); false: through the page cache",
     )
     verify: Literal["xxh3_128", "sha256"] = Field(

@@ -12,7 +12,8 @@ the next piece into the other, so the device is kept busy while the CPU hashes.
 here are page-aligned (an anonymous map), every piece but the last is a multiple of `BLOCK_BYTES`, and the last
 is padded to a block and the file then truncated to its true length. Where the OS has no `O_DIRECT` or the
 filesystem refuses it (tmpfs before Linux 6.6, some network filesystems), the file is written through the page
-cache instead, in pieces of the same size; either way it is fsynced before `finish` returns.
+cache instead, in pieces of the same size; either way it is fsynced before `finish` returns. A file being
+written past the cache holds its two buffers, 16 MiB, until it is closed.
 """
 
 from __future__ import annotations
@@ -42,23 +43,27 @@ class HashedFileWriter:
         self._digests = digests
         self._size = 0
         self._descriptor = _open_direct(path) if direct else None
-        self.direct = self._descriptor is not None
-        if not self.direct:
+        self.direct = self._staged = self._descriptor is not None  # `direct` turns false if the first write is refused
+        if not self._staged:
             self._descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
             return
-        self._buffers = [mmap.mmap(-1, PIECE_BYTES) for _ in range(2)]
-        self._views = [memoryview(buffer) for buffer in self._buffers]
+        try:
+            self._buffers = [mmap.mmap(-1, PIECE_BYTES) for _ in range(2)]
+            self._views = [memoryview(buffer) for buffer in self._buffers]
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="direct-write")
+        except BaseException:
+            os.close(self._descriptor)
+            raise
         self._writes: list[Future | None] = [None, None]  # each buffer's write in flight
         self._current = 0  # the buffer being filled
         self._filled = 0
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="direct-write")
 
     def write(self, data) -> None:
         """Append `data` (anything with the buffer protocol, contiguous) to the file."""
         data = memoryview(data).cast("B")
         for start in range(0, len(data), PIECE_BYTES):
             piece = data[start : start + PIECE_BYTES]
-            if self.direct:
+            if self._staged:
                 self._stage(piece)
             else:
                 _write_all(self._descriptor, piece, self._size)
@@ -67,7 +72,7 @@ class HashedFileWriter:
 
     def finish(self) -> int:
         """Write what is staged, fsync, and return the file's length in bytes."""
-        if self.direct:
+        if self._staged:
             if self._filled:
                 self._drain()
             for write in self._writes:
@@ -78,10 +83,11 @@ class HashedFileWriter:
         return self._size
 
     def close(self) -> None:
-        """Close the file; a write still in flight (the caller failed mid-file) is waited for first. The buffers
-        are unmapped when the last reference goes (a failed write's traceback may still hold a slice)."""
-        if self.direct:
-            self._writer.shutdown(wait=True)
+        """Close the file; a write still in flight (the caller failed mid-file) is waited for first, one queued
+        behind it dropped. The buffers are unmapped when the last reference goes (a failed write's traceback may
+        still hold a slice)."""
+        if self._staged:
+            self._writer.shutdown(wait=True, cancel_futures=True)
             self._views = self._buffers = []
         os.close(self._descriptor)
 
@@ -131,6 +137,7 @@ class HashedFileWriter:
                 raise
             flags = fcntl.fcntl(self._descriptor, fcntl.F_GETFL)
             fcntl.fcntl(self._descriptor, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            self.direct = False
             _write_all(self._descriptor, piece, 0)
 
 

@@ -20,10 +20,14 @@ MOST_NICE = 19
 
 
 def lower_this_thread(niceness: int) -> bool:
-    """Raise the calling thread's niceness by `niceness` (at most to 19); whether it was done (Linux only)."""
+    """Raise the calling thread's niceness by `niceness` (at most to 19); whether it was done (Linux only, and
+    where no security policy refuses it: a priority is advice, so a refusal is no error)."""
     if niceness <= 0 or not sys.platform.startswith("linux"):
         return False
     thread = threading.get_native_id()
-    current = os.getpriority(os.PRIO_PROCESS, thread)
-    os.setpriority(os.PRIO_PROCESS, thread, min(MOST_NICE, current + niceness))
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(MOST_NICE, current + niceness))
+    except OSError:  # a security policy may refuse it: the thread then only competes as an equal
+        return False
     return True

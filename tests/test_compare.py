@@ -12,6 +12,7 @@ from ferry.cli.metrics import add_metrics_commands
 from ferry.config import UserError
 from ferry.metrics import METRICS_FILE
 from ferry.portability import compare_runs, tolerance_profile, tolerance_profiles
+from ferry.portability.comparison.compare import NoSpread
 from ferry.portability.comparison.tolerances import TOLERANCES_FILE
 from ferry.train import train
 
@@ -116,6 +117,7 @@ def test_bad_seed_runs_are_refused_naming_them(tmp_path, profile, seed_runs, mes
     with pytest.raises(UserError, match=re.escape(message.format(**paths))) as caught:
         cli(*argv)
     assert caught.value.exit_code == 2
+    assert isinstance(caught.value, NoSpread) == message.startswith("drew the same")  # a broken run is no band of 0
 
 
 def test_identical_runs_pass_bitwise_and_write_plot_and_verdict(tmp_path):
@@ -217,8 +219,10 @@ def test_a_non_finite_reference_measures_no_spread_and_a_zero_reward_is_judged(t
     broken = write_run(tmp_path / "broken", a_rewards[:29] + [float("nan")] + a_rewards[30:], metric="reward")
     seeds = [str(write_run(tmp_path / f"seed{k}", noisy_rewards(k), metric="reward")) for k in (1, 2)]
     b = write_run(tmp_path / "b", noisy_rewards(3), metric="reward")
-    with pytest.raises(UserError, match="run A .*broken has a non-finite 'reward' at step 30: it measures no spread"):
+    broken_reference = "run A .*broken has a non-finite 'reward' at step 30: it measures no spread"
+    with pytest.raises(UserError, match=broken_reference) as caught:
         compare_runs(broken, b, profile="sampled", seed_runs=seeds)
+    assert not isinstance(caught.value, NoSpread)  # broken, not a band of width 0 that a bitwise check could replace
     # a policy that solves nothing yet: A's windowed reward is 0, and the verdict and its summary still stand
     zeros = [0.0] * 5
     a = write_run(tmp_path / "a", zeros + a_rewards[5:], metric="reward")

@@ -35,6 +35,11 @@ from ferry.portability.comparison.tolerances import ToleranceProfile, tolerance_
 DEFAULT_PROFILE = "same-hardware"
 
 
+class NoSpread(UserError):
+    """The seed runs drew exactly what run A drew at every judged step: there is no band to judge run B in (a
+    caller may then ask for run B to draw the same values, bit for bit)."""
+
+
 @dataclass
 class Verdict:
     """What was compared, how, and the outcome; `as_dict()` is the JSON verdict file."""
@@ -202,7 +207,7 @@ def measured_spread(
     seeds_RS = np.array([_spread_values(run, "seed run", metric, steps) for run in seed_runs])
     spread = _seed_spread(a_S, seeds_RS, window)
     if spread == 0.0:
-        raise UserError(
+        raise NoSpread(
             f"the seed runs {', '.join(str(run) for run in seed_runs)} drew the same {metric!r} as {run_a} at every "
             f"step of {steps[0]}..{steps[-1]}: they measure no spread to judge against"
         )

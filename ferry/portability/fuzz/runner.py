@@ -139,16 +139,13 @@ class Fuzzer:
     def _judged(self, combination: Combination, oracle: Path, run_dir: Path) -> tuple[float, str]:
         """The largest relative difference from the oracle over the steps both recorded, and where the run first
         leaves its profile's bound ("" where it does not); the verdict's JSON and plot are left in the run."""
-        from ferry.config import UserError
-        from ferry.portability.comparison.compare import compare_runs
+        from ferry.portability.comparison.compare import NoSpread, compare_runs
 
         profile = combination.profile()
         seed_runs = [self._seed_run(oracle, seed) for seed in SEED_RUNS] if profile == "sampled" else []
         try:
             verdict = compare_runs(oracle, run_dir, profile, STEPS, output_dir=run_dir / "judged", seed_runs=seed_runs)
-        except UserError as exc:
-            if "measure no spread" not in str(exc):
-                raise
+        except NoSpread:
             # the oracle's seeds drew the same rewards: no band to judge in, and the run must draw them too
             profile = "bitwise"
             verdict = compare_runs(oracle, run_dir, profile, STEPS, "reward", output_dir=run_dir / "judged")

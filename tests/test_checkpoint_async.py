@@ -127,12 +127,15 @@ def test_the_memory_model_counts_the_host_snapshot_where_saves_run_in_the_backgr
     assert memory_estimate(make_config("checkpoint.async_save=false"), 2, "cpu").snapshot_bytes == 0
 
 
+PIECES = {"model.w": TensorPiece.whole(torch.arange(4096.0).view(64, 64)),
+          "optim.exp_avg.w": TensorPiece.whole(torch.ones(64, dtype=torch.bfloat16))}
+META = CheckpointMeta(step=1, tokens_seen=0, layout=Layout(world_size=1, ep_degree=1, mode="single"),
+                      model_config={}, run_config={}, environment={}, train_state={})
+
+
 def _one_background_save(root, niceness: int) -> CheckpointManager:
     manager = CheckpointManager(CheckpointConfig(async_save=True, writer_niceness=niceness), root)
-    pieces = {"model.w": TensorPiece.whole(torch.ones(64, 64)), "optim.exp_avg.w": TensorPiece.whole(torch.ones(64))}
-    meta = CheckpointMeta(step=1, tokens_seen=0, layout=Layout(world_size=1, ep_degree=1, mode="single"),
-                          model_config={}, run_config={}, environment={}, train_state={})
-    manager.save(pieces, meta)
+    manager.save(PIECES, META)
     manager.wait()
     return manager
 

@@ -1,9 +1,10 @@
 """Writing a file once, in pieces each hashed as it goes out, past the page cache where the filesystem allows.
 
 A checkpoint's tensor files are written once and read, if ever, by a restart. Through the page cache every byte
-first needs a free page of memory, and the cache fills with bytes nobody reads soon. On a virtual machine whose
-free memory the host takes back, each such page is a fault into the host: a 1 GB save ran at 0.4-0.5 GB/s
-through the page cache where the same disk took it at 1.3-2.2 past it (docs/performance.md, "Checkpoint I/O").
+first needs a free page of memory, and the cache fills with bytes nobody reads soon. On the virtual machine the
+checkpoint benchmarks ran on, filling it cost a 1 GB save 0.9-1.5 core-seconds in the kernel: the save ran at
+0.4-0.5 GB/s through the page cache where the same disk took it at 1.7-2.0 past it (docs/performance.md,
+"Checkpoint I/O").
 Past the cache (`O_DIRECT`), the bytes go from two small aligned buffers, reused for every piece, to the device:
 while a helper thread writes one (the write blocks until the device has the bytes), the caller copies and hashes
 the next piece into the other, so the device is kept busy while the CPU hashes.

@@ -62,14 +62,14 @@ class HashedFileWriter:
     def write(self, data) -> None:
         """Append `data` (anything with the buffer protocol, contiguous) to the file."""
         data = memoryview(data).cast("B")
+        if self._staged:
+            self._stage(data)
+            return
         for start in range(0, len(data), PIECE_BYTES):
             piece = data[start : start + PIECE_BYTES]
-            if self._staged:
-                self._stage(piece)
-            else:
-                _write_all(self._descriptor, piece, self._size)
-                self._digests.update(piece)
-                self._size += len(piece)
+            _write_all(self._descriptor, piece, self._size)
+            self._digests.update(piece)
+            self._size += len(piece)
 
     def finish(self) -> int:
         """Write what is staged, fsync, and return the file's length in bytes."""

@@ -8,7 +8,6 @@ the checkpoint invalid rather than being looked at.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from ferry.checkpoint.format import (
     parse_step,
 )
 from ferry.config.errors import UserError
+from ferry.platform.io_threads import io_threads
 
 # Given a checkpoint's manifest, fresh CPU tensors (by logical name) that the verification fills with
 # whole stored tensors as it hashes their files, so that those bytes are read once, not twice.
@@ -113,8 +113,8 @@ class Checkpoint:
     def read_many(self, boxes: list[tuple[str, torch.Tensor, tuple[int, ...] | None]]) -> None:
         """`read_into` for each (name, out, offset); an empty `out` reads nothing.
 
-        Boxes that go into plain CPU memory are read on all cores at once, largest
-        first: reads release the GIL, and filling fresh memory is mostly the kernel's
+        Boxes that go into plain CPU memory are read on this rank's share of the cores
+        (`io_threads`) at once, largest first: reads release the GIL, and filling fresh memory is mostly the kernel's
         page faults, which one core alone takes twice as long to serve as two. The
         others (casts, other devices) take a whole host copy each and go one at a time.
         """
@@ -123,7 +123,7 @@ class Checkpoint:
             if box[1].numel():
                 (direct if is_plain_cpu(box[1], self.record(box[0]).dtype) else copied).append(box)
         ordered = sorted(direct, key=lambda box: box[1].nbytes, reverse=True)
-        with ThreadPoolExecutor(max_workers=max(1, min(len(ordered), os.cpu_count() or 1))) as pool:
+        with ThreadPoolExecutor(max_workers=io_threads(len(ordered))) as pool:
             for done in [pool.submit(self.read_into, *box) for box in ordered]:
                 done.result()
         for box in copied:
@@ -260,7 +260,7 @@ def _verify(path: Path, prefetch: Prefetch | None, digests: tuple[str, ...], ran
         size = file_path.stat().st_size
         if size != expected.bytes:
             raise CheckpointError(f"{file_path} has {size:,} bytes where the manifest says {expected.bytes:,}")
-    # hashlib, xxhash and reads release the GIL, so the files of a checkpoint hash on all cores at once, largest first.
+    # hashlib, xxhash and reads release the GIL: a rank's files hash on its share of the cores at once, largest first.
     files = sorted(manifest.files, key=lambda file: (-manifest.files[file].bytes, file))[rank::world_size]
     mine = set(files)
     targets = _prefetch_targets(manifest, prefetch(manifest) if prefetch else {})
@@ -269,7 +269,7 @@ def _verify(path: Path, prefetch: Prefetch | None, digests: tuple[str, ...], ran
     for name, tensor in targets.items():
         by_file[manifest.tensors[name].pieces[0].file][name] = tensor
     names = recorded_digests(manifest, digests)
-    with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max_workers=io_threads(len(files))) as pool:
         found = list(pool.map(lambda file: hash_and_fill(path / file, by_file[file], names), files))
     for file, values in zip(files, found):
         for name, value in values.items():

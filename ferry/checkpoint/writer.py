@@ -42,6 +42,9 @@ from ferry.checkpoint.format import (
     step_dir_name,
 )
 from ferry.platform.file_modes import give_ordinary_mode
+from ferry.platform.io_threads import io_threads
+
+WRITER_THREADS = "ferry-checkpoint-file"  # the name of the threads that write a rank's files
 
 
 @dataclass(frozen=True)
@@ -104,24 +107,25 @@ def write_rank_files(
     direct: bool = True,
 ) -> RankRecord:
     """Write this rank's pieces, per name group, into files of at most `max_file_bytes`, each fsynced and hashed
-    as it is written (`byte_writes.py`; past the page cache if `direct`), several at once. Each takes the mode the
-    umask gives `manifest.json`: whoever may read the manifest may read the tensors."""
+    as it is written (`byte_writes.py`; past the page cache if `direct`), several at once (on this rank's share of
+    the host's cores, `io_threads`). Each takes the mode the umask gives `manifest.json`: whoever may read the
+    manifest may read the tensors."""
     groups: dict[str, dict[str, TensorPiece]] = {}
     for name, piece in pieces.items():
         piece.check(name)
         groups.setdefault(name_group(name), {})[name] = piece
     record = RankRecord()
-    writing = {}
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        for group, members in groups.items():
-            for part, names in enumerate(_parts(members, max_file_bytes)):
-                file = rank_file_name(group, rank, part)
-                tensors = {name: members[name].local.detach().contiguous() for name in names}
-                writing[file] = pool.submit(_write_file, staging / file, tensors, direct)
-                for name in names:
-                    piece = members[name]
-                    entry = PieceRecord(file=file, offset=list(piece.offset), shape=list(piece.local.shape))
-                    record.tensors[name] = (dtype_name(piece.local.dtype), list(piece.global_shape), entry)
+    files = {}
+    for group, members in groups.items():
+        for part, names in enumerate(_parts(members, max_file_bytes)):
+            file = rank_file_name(group, rank, part)
+            files[file] = {name: members[name].local.detach().contiguous() for name in names}
+            for name in names:
+                piece = members[name]
+                entry = PieceRecord(file=file, offset=list(piece.offset), shape=list(piece.local.shape))
+                record.tensors[name] = (dtype_name(piece.local.dtype), list(piece.global_shape), entry)
+    with ThreadPoolExecutor(max_workers=io_threads(len(files)), thread_name_prefix=WRITER_THREADS) as pool:
+        writing = {file: pool.submit(_write_file, staging / file, tensors, direct) for file, tensors in files.items()}
         record.files = {file: done.result() for file, done in writing.items()}
     return record
 

@@ -1,0 +1,77 @@
+"""A rank writes and hashes its checkpoint files on its share of the host's cores, not on all of them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ferry.checkpoint import writer
+from ferry.checkpoint.format import TensorPiece
+from ferry.platform import io_threads as io
+
+
+@pytest.fixture
+def host(monkeypatch):
+    """A host of `cores` usable cores running `ranks` ranks of one job."""
+
+    def make(cores: int, ranks: int | None) -> None:
+        monkeypatch.setattr(io, "usable_cores", lambda: cores)
+        if ranks is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("cores", "ranks", "tasks", "threads"),
+    [
+        (96, 8, 100, 12),  # each of 8 ranks an eighth of the node
+        (96, None, 100, 96),  # one process: every core
+        (96, 8, 5, 5),  # no more threads than files
+        (2, 2, 10, 2),  # never fewer than two
+        (16, 64, 10, 2),
+        (16, 8, 1, 1),
+        (16, 8, 0, 1),
+    ],
+)
+def test_a_rank_takes_its_share_of_the_cores(host, cores, ranks, tasks, threads):
+    host(cores, ranks)
+    assert io.io_threads(tasks) == threads
+
+
+def test_a_launcher_count_that_is_no_number_counts_as_one_rank(host, monkeypatch):
+    host(24, None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+    assert io.io_threads(100) == 24
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="no affinity masks here")
+def test_usable_cores_follow_the_affinity_mask(monkeypatch):
+    monkeypatch.setattr(io.os, "sched_getaffinity", lambda pid: {0, 3, 5})
+    assert io.usable_cores() == 3
+
+
+def test_the_writer_uses_the_share_and_no_more(host, monkeypatch, tmp_path):
+    """Ten files on a 64-core host with 16 ranks: four writer threads, each file written once."""
+    host(64, 16)
+    seen: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def slow_write(path, tensors, direct):
+        time.sleep(0.05)  # long enough that every submission finds the pool's threads busy
+        with lock:
+            seen[path.name] = threading.current_thread().name
+        return writer.FileRecord(bytes=1, sha256="0" * 64, xxh3_128="0" * 32)
+
+    monkeypatch.setattr(writer, "_write_file", slow_write)
+    pieces = {f"model.w{i}": TensorPiece.whole(torch.ones(4)) for i in range(10)}
+    record = writer.write_rank_files(tmp_path, 0, pieces, max_file_bytes=16)
+    assert len(record.files) == 10 and set(seen) == set(record.files)
+    threads = set(seen.values())
+    assert len(threads) == 4
+    assert all(name.startswith(writer.WRITER_THREADS) for name in threads)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from ferry.checkpoint import writer
+from ferry.checkpoint import CheckpointMeta, Layout, reader, save_checkpoint, verify_checkpoint, writer
 from ferry.checkpoint.format import TensorPiece
 from ferry.platform import io_threads as io
 
@@ -75,3 +75,31 @@ def test_the_writer_uses_the_share_and_no_more(host, monkeypatch, tmp_path):
     threads = set(seen.values())
     assert len(threads) == 4
     assert all(name.startswith(writer.WRITER_THREADS) for name in threads)
+
+
+def test_a_verification_hashes_on_the_share_and_no_more(host, monkeypatch, tmp_path):
+    """A checkpoint of ten files, verified by a rank of 16 on a 64-core host: four hashing threads."""
+    pieces = {f"model.w{i}": TensorPiece.whole(torch.full((4,), float(i))) for i in range(10)}
+    save_checkpoint(tmp_path, pieces, _meta(), max_file_bytes=16)
+    host(64, 16)
+    seen: set[str] = set()
+    lock = threading.Lock()
+    real = reader.hash_and_fill
+
+    def slow_hash(path, targets, names):
+        time.sleep(0.05)
+        with lock:
+            seen.add(threading.current_thread().name)
+        return real(path, targets, names)
+
+    monkeypatch.setattr(reader, "hash_and_fill", slow_hash)
+    with verify_checkpoint(tmp_path / "step-00000001") as checkpoint:
+        assert torch.equal(checkpoint.read("model.w7"), torch.full((4,), 7.0))
+    assert len(seen) == 4
+
+
+def _meta() -> CheckpointMeta:
+    return CheckpointMeta(
+        step=1, tokens_seen=0, layout=Layout(world_size=1, ep_degree=1, mode="single"), model_config={},
+        run_config={}, environment={}, train_state={},
+    )

@@ -7,25 +7,27 @@ step: 1.0 GB of tensors. Save is `save_checkpoint` (safetensors files written pa
 cache, fsync, sha256 and xxh3-128, manifest, rename); `save_page_cache` is the same save through
 the page cache (`checkpoint.direct_io: false`), measured after the reads in pairs with a raw
 write of its own. Load is what a resume does (check every file's digest, by default xxh3-128,
-reading the live model's weights and a fresh optimizer's moments, which it allocates as
-`np.fromfile` allocates its arrays, in place as each file hashes: `resume_prefetch`).
+reading the live model's weights and a fresh optimizer's moments, which it allocates afresh as
+`np.fromfile` does its arrays, in place as each file hashes: `resume_prefetch`).
 `load_sha256` is the same load checking sha256 instead (`checkpoint.verify: sha256`). The
 baseline writes the same tensors' bytes to one file with `ndarray.tofile` and an fsync, and
 reads them back with `np.fromfile`.
 
-Both sides fsync their writes. Before the reads, both sides' files are evicted from the
-page cache (`posix_fadvise(DONTNEED)` on each file: no root needed, unlike dropping the
-whole cache), so `load_gbps` and `raw_read_gbps` read from the disk, as a restart after a
-failure does. Each cold read starts as the 1 GB the previous step cached is released: the raw
-read as the raw file written before it is evicted, the load as the raw read's pages are. Where
-freshly released memory is cheaper to fill than memory long free (a virtual machine whose host
-takes free memory back), the read that came second would otherwise pay for memory the first
-did not. The same reads are then repeated with the files cached (`*_cached`): there the
-baseline is a memory copy, and the load's digest of every byte weighs more.
+Each round writes both sides' files (both fsync), evicts them from the page cache
+(`posix_fadvise(DONTNEED)` on each file: no root needed, unlike dropping the whole cache), then
+reads them cold, as a restart after a failure does: one side first, then, once the first one's
+pages are evicted too, the other. The sides take turns going first, `--repeats` rounds each, and
+`load_ratio` compares the two first reads: on a virtual machine the read that comes second ran
+up to twice as slow as the same read first (whichever side it was; the raw read most, whose
+fresh arrays `np.fromfile` advises into huge pages), so a fixed order measured the order as
+much as the load. The second reads give `load_ratio_second`. The same reads are then repeated
+with the files cached (`*_cached`): there the baseline is a memory copy, and the load's digest
+of every byte weighs more.
 
-The last line printed is one JSON object with the medians of the repeats: save_gbps,
-load_gbps, raw_write_gbps, raw_read_gbps, save_ratio (and save_ratio_page_cache), load_ratio, the share of the load
-spent verifying (the digest of every file), the sha256 load, and the cached figures.
+The last line printed is one JSON object with the medians: save_gbps, load_gbps,
+raw_write_gbps, raw_read_gbps, save_ratio (and save_ratio_page_cache), load_ratio (and
+load_ratio_second), the share of the load spent verifying (the digest of every file), the sha256
+load, and the cached figures.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def run(work: Path, repeats: int) -> dict:
         "save": [],
         "raw_read": [],
         "load": [],
+        "raw_read_second": [],
+        "load_second": [],
         "load_sha256": [],
         "raw_read_cached": [],
         "load_cached": [],
@@ -120,22 +124,30 @@ def run(work: Path, repeats: int) -> dict:
         "save_page_cache": [],
     }
     verify_s: list[float] = []
-    for _ in range(repeats):
+    for round_ in range(2 * repeats):  # `repeats` rounds in each order
         raw = work / "raw.bin"
         timings["raw_write"].append(_timed(lambda: _raw_write(raw, arrays)))
         root = work / "checkpoints"
         checkpoint = root / "step-00000001"
         timings["save"].append(_timed(lambda: save_checkpoint(root, pieces, meta)))
         _evict([raw, *checkpoint.iterdir()])
-        timings["raw_read"].append(_timed(lambda: _raw_read(raw, arrays)))
-        _evict([raw])  # the load, too, starts as the 1 GB that the read before it cached is released
-        timings["load"].append(_timed(lambda: _load(checkpoint, model, fresh(), plan, verify_s)))
-        _evict(list(checkpoint.iterdir()))
+        reads = [
+            ("raw_read", lambda first: _raw_read(raw, arrays), [raw]),
+            ("load", lambda first: _load(checkpoint, model, fresh(), plan, verify_s if first else []),
+             list(checkpoint.iterdir())),
+        ]
+        order = reads if round_ % 2 == 0 else reads[::-1]
+        for position, (name, read, files) in enumerate(order):
+            first = position == 0
+            timings[name if first else f"{name}_second"].append(_timed(lambda: read(first)))
+            _evict(files)  # the read after it starts as the 1 GB this one cached is released
         timings["load_sha256"].append(_timed(lambda: _load(checkpoint, model, fresh(), plan, [], "sha256")))
         _raw_read(raw, arrays)
         timings["raw_read_cached"].append(_timed(lambda: _raw_read(raw, arrays)))
         timings["load_cached"].append(_timed(lambda: _load(checkpoint, model, fresh(), plan, [])))
-        print("  ".join(f"{name} {nbytes / values[-1] / 1e9:.3f} GB/s" for name, values in timings.items() if values))
+        shown = ("raw_write", "save", order[0][0], f"{order[1][0]}_second", "load_sha256", "load_cached")
+        figures = "  ".join(f"{name} {nbytes / timings[name][-1] / 1e9:.3f} GB/s" for name in shown)
+        print(f"{order[0][0]} first: {figures}")
         raw.unlink()
         shutil.rmtree(root)
     for _ in range(repeats):  # after the reads, so that the main loop's memory is what a save alone leaves
@@ -154,6 +166,7 @@ def run(work: Path, repeats: int) -> dict:
         "save_ratio": round(gbps["save"] / gbps["raw_write"], 3),
         "save_ratio_page_cache": round(gbps["save_page_cache"] / gbps["raw_write_page_cache"], 3),
         "load_ratio": round(gbps["load"] / gbps["raw_read"], 3),
+        "load_ratio_second": round(gbps["load_second"] / gbps["raw_read_second"], 3),
         "load_verify_share": round(statistics.median(verify_s) / statistics.median(timings["load"]), 3),
         "load_gbps_sha256": round(gbps["load_sha256"], 3),
         "load_ratio_sha256": round(gbps["load_sha256"] / gbps["raw_read"], 3),

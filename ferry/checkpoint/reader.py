@@ -114,9 +114,10 @@ class Checkpoint:
         """`read_into` for each (name, out, offset); an empty `out` reads nothing.
 
         Boxes that go into plain CPU memory are read on this rank's share of the cores
-        (`io_threads`) at once, largest first: reads release the GIL, and filling fresh memory is mostly the kernel's
-        page faults, which one core alone takes twice as long to serve as two. The
-        others (casts, other devices) take a whole host copy each and go one at a time.
+        (`io_threads`) at once, largest first: reads release the GIL, and filling fresh
+        memory is mostly the kernel's page faults, which one core alone takes twice as
+        long to serve as two. The others (casts, other devices) take a whole host copy
+        each and go one at a time.
         """
         direct, copied = [], []
         for box in boxes:

@@ -16,11 +16,13 @@ reads them back with `np.fromfile`.
 Each round writes both sides' files (both fsync), evicts them from the page cache
 (`posix_fadvise(DONTNEED)` on each file: no root needed, unlike dropping the whole cache), then
 reads them cold, as a restart after a failure does: one side first, then, once the first one's
-pages are evicted too, the other. The sides take turns going first, `--repeats` rounds each, and
-`load_ratio` compares the two first reads: on a virtual machine the read that comes second ran
-up to twice as slow as the same read first (whichever side it was; the raw read most, whose
-fresh arrays `np.fromfile` advises into huge pages), so a fixed order measured the order as
-much as the load. The second reads give `load_ratio_second`. The same reads are then repeated
+pages are evicted too, the other. The sides take turns going first, `--repeats` rounds each, the
+side read first having been written first, and `load_ratio` compares the two first reads. On a
+virtual machine both orders matter: the read that comes second ran up to twice as slow as the
+same read first (whichever side it was; the raw read most, whose fresh arrays `np.fromfile`
+advises into huge pages), and files written last were sometimes read at half speed (their
+host's writeback still going on), so a fixed order measured the order as much as the load.
+The second reads give `load_ratio_second`. The same reads are then repeated
 with the files cached (`*_cached`): there the baseline is a memory copy, and the load's digest
 of every byte weighs more.
 
@@ -126,17 +128,22 @@ def run(work: Path, repeats: int) -> dict:
     verify_s: list[float] = []
     for round_ in range(2 * repeats):  # `repeats` rounds in each order
         raw = work / "raw.bin"
-        timings["raw_write"].append(_timed(lambda: _raw_write(raw, arrays)))
         root = work / "checkpoints"
         checkpoint = root / "step-00000001"
-        timings["save"].append(_timed(lambda: save_checkpoint(root, pieces, meta)))
+        writes = [
+            ("raw_write", lambda: _raw_write(raw, arrays)),
+            ("save", lambda: save_checkpoint(root, pieces, meta)),
+        ]
+        raw_first = round_ % 2 == 0
+        for name, write in writes if raw_first else writes[::-1]:  # the side read first was written first
+            timings[name].append(_timed(write))
         _evict([raw, *checkpoint.iterdir()])
         reads = [
             ("raw_read", lambda first: _raw_read(raw, arrays), [raw]),
             ("load", lambda first: _load(checkpoint, model, fresh(), plan, verify_s if first else []),
              list(checkpoint.iterdir())),
         ]
-        order = reads if round_ % 2 == 0 else reads[::-1]
+        order = reads if raw_first else reads[::-1]
         for position, (name, read, files) in enumerate(order):
             first = position == 0
             timings[name if first else f"{name}_second"].append(_timed(lambda: read(first)))

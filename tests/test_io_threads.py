@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -50,7 +51,7 @@ def test_a_launcher_count_that_is_no_number_counts_as_one_rank(host, monkeypatch
     assert io.io_threads(100) == 24
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="no affinity masks here")
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="affinity masks are Linux's")
 def test_usable_cores_follow_the_affinity_mask(monkeypatch):
     monkeypatch.setattr(io.os, "sched_getaffinity", lambda pid: {0, 3, 5})
     assert io.usable_cores() == 3

@@ -163,3 +163,23 @@ def resume_point_with_shared_verification(root: str):
 
     found = find_resume_point("latest", Path(root), share=SharedVerification(context.rank, context.world_size, agree))
     return found.checkpoint.step, [reason for _, reason in found.skipped]
+
+
+def tensor_collectives_without_warnings(former_names: bool):
+    """Reduce-scatter and all-gather through `Collectives`, with this torch's current names or, with `former_names`,
+    the ones torch 2.11 alone has; the results and every warning the calls raised."""
+    import warnings
+
+    from ferry.comm import collectives
+
+    if former_names:
+        collectives._reduce_scatter = dist.reduce_scatter_tensor
+        collectives._all_gather = dist.all_gather_into_tensor
+    context = init_distributed(CommConfig(backend="gloo"), CPU)
+    comms = Collectives(None, CommStats(), CPU)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scattered = comms.reduce_scatter(torch.empty(2), torch.arange(4.0) * (context.rank + 1))
+        gathered = comms.all_gather(torch.empty(4), torch.full((2,), float(context.rank)))
+        raw = comms.all_gather_raw(torch.full((1, 3), float(context.rank)), "gather_test")
+    return scattered.tolist(), gathered.tolist(), raw.tolist(), [str(w.message) for w in caught]

@@ -127,6 +127,41 @@ def problems(quoted: Quoted) -> list[str]:
     return found
 
 
+# The figures of a line: they vary with the machine (timings, MFU, the last digits of a loss) and with how long a run
+# trained (digests, checkpoint steps, token counts), so the shape of a quoted line is compared, not its figures. A
+# step line's counter ("step     30/60") is no figure: which steps print is the console's rule.
+_FIGURE = re.compile(r"(?<!\w)[0-9a-f]*\d[0-9a-f]*(?:[.,]\d+)*(?:e[+-]?\d+)?")
+_STEP_COUNTER = re.compile(r"^(step\s+\d+/\d+)(.*)$")
+# ferry's own lines among a command's output, and the indented lines that continue them; the rest (generated text,
+# tables) is content a shorter run changes
+_OWN_LINE = re.compile(r"^(ferry: |step\s+\d|  \S)")
+
+
+def shape(line: str) -> str:
+    """`line` with every figure replaced by `#`, a step line's counter kept."""
+    counter = _STEP_COUNTER.match(line)
+    head, rest = (counter.group(1), counter.group(2)) if counter else ("", line)
+    return head + _FIGURE.sub("#", rest)
+
+
+def unprinted(quoted: list[str], printed: list[str]) -> list[str]:
+    """The quoted lines of ferry's own (a trailing `...` quoting a line's start) that the printed lines do not hold,
+    in order, in their shape."""
+    missing, position = [], 0
+    for line in quoted:
+        if not _OWN_LINE.match(line):
+            continue
+        cut = line.endswith("...")
+        wanted = shape(line.removesuffix("...").rstrip() if cut else line)
+        for offset, candidate in enumerate(printed[position:]):
+            if (shape(candidate).startswith(wanted) if cut else shape(candidate) == wanted):
+                position += offset + 1
+                break
+        else:
+            missing.append(line)
+    return missing
+
+
 def _config_problems(args) -> list[str]:
     from ferry.config import ConfigError, UserError
 

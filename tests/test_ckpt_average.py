@@ -95,7 +95,7 @@ def test_an_average_is_refused_as_a_resume_and_the_message_says_how_to_start_fro
     early, late = two_checkpoints
     assert main(["ckpt", "average", str(early), str(late), "--out", str(tmp_path / "soup"), "--optimizer", optimizer]) == 0
     soup = tmp_path / "soup" / "step-00000004"
-    missing = "data position, RNG state" if optimizer == "average" else "AdamW state, data position, RNG state"
+    missing = "data position, RNG state" if optimizer == "average" else "optimizer state, data position, RNG state"
     start = f"init_from={soup} init_optimizer=true" if optimizer == "average" else f"init_from={soup}"
     trainer = Trainer(make_config("train.steps=6", f"resume={soup}", run_dir=tmp_path / "run"))
     with pytest.raises(UserError, match=f"holds no {missing}: .* start from it with {start}$"):

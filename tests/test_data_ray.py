@@ -1,5 +1,6 @@
 """`ferry data prepare --engine ray` on a real local Ray (started by the command with this machine's CPUs, no
-dashboard): the dataset one process writes, byte for byte, with the manifest saying where it ran; a malformed
+dashboard): the dataset one process writes, byte for byte, with the manifest saying where it ran and Ray's driver
+log beside it (`libraries.log`, off the console); a malformed
 line exits 2 naming the file and the line, leaving nothing; a task whose worker is killed (SIGKILL, found by
 the process title Ray gives a worker running a task) runs again and the dataset is still the same; with
 `--retries 0` the kill is final and reported naming the input file; `--address` joins a running cluster
@@ -38,6 +39,9 @@ def test_ray_writes_the_dataset_one_process_writes(tmp_path, capsys):
     assert ran.returncode == 0, ran.stderr
     assert "tokenised by Ray" in ran.stdout and "1 node(s), " in ran.stdout
     alone, on_ray = directory_files(tmp_path / "alone"), directory_files(tmp_path / "ray")
+    ray_log = on_ray.pop("libraries.log").decode()  # what Ray's driver logged: kept in the dataset, off the console
+    assert "WARNING ray." in ray_log and "Token authentication" in ray_log
+    assert "Token authentication" not in ran.stdout + ran.stderr
     assert len([name for name in alone if name.startswith("shard-")]) > 5
     manifest = json.loads(on_ray.pop("manifest.json"))
     where = manifest.pop("prepared_by")
@@ -88,6 +92,7 @@ def test_address_joins_a_running_cluster_and_an_address_where_none_answers_is_re
         subprocess.run([*ray, "stop"], capture_output=True, timeout=120)
     assert main(["data", "prepare", str(corpus), "--output", str(tmp_path / "alone"), *flags[:4]]) == 0
     on_cluster = directory_files(tmp_path / "joined")
+    on_cluster.pop("libraries.log", None)  # what Ray's driver logged, if anything: not the dataset's
     assert json.loads(on_cluster.pop("manifest.json"))["prepared_by"]["address"] == address
     alone = directory_files(tmp_path / "alone")
     alone.pop("manifest.json")
@@ -156,6 +161,7 @@ def test_a_task_whose_worker_is_killed_runs_again_and_a_final_failure_names_the_
     assert code == 0, err
     assert len(killed) == 1  # a task really died, and was run again
     on_ray = directory_files(tmp_path / "ray")
+    on_ray.pop("libraries.log")  # what Ray's driver logged: not the dataset's
     manifest = json.loads(on_ray.pop("manifest.json"))
     manifest.pop("prepared_by")
     alone = directory_files(tmp_path / "alone")

@@ -11,7 +11,7 @@ import yaml
 
 from ferry.cli.main import main
 from ferry.model import Transformer, count_model
-from ferry.model.presets import load_preset, preset_names
+from ferry.model.presets import load_preset, preset_name, preset_names
 
 
 def test_every_preset_has_a_tiny_variant_of_the_same_structure():
@@ -83,6 +83,26 @@ def test_each_tiny_preset_trains_on_the_demo_config_as_it_stands_and_the_run_nam
     assert f"— model {name}, " in capsys.readouterr().out
     assert yaml.safe_load((run / "config.yaml").read_text())["run"]["model_preset"] == name
     assert json.loads((run / "run.json").read_text())["config"]["run"]["model_preset"] == name
+
+
+def test_a_model_yaml_that_ferry_import_writes_is_named_by_its_directory_in_the_banner(
+    demo_vocabulary_dataset, tmp_path, capsys
+):
+    """`ferry import` writes `OUT/model.yaml`: the run is named after OUT, never "model model"; a preset file of
+    another name keeps its stem."""
+    imported = tmp_path / "qwen-imported"
+    imported.mkdir()
+    (imported / "model.yaml").write_text(yaml.safe_dump({"model": load_preset("olmoe-1b-7b-tiny").model_dump(
+        mode="json")}))
+    run = tmp_path / "run"
+    argv = ["train", "configs/tiny.yaml", "--model", str(imported / "model.yaml"),
+            f"data.sources.0.path={demo_vocabulary_dataset}", f"run.dir={run}", "train.steps=1"]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "— model qwen-imported, " in out and "model model" not in out
+    assert yaml.safe_load((run / "config.yaml").read_text())["run"]["model_preset"] == "qwen-imported"
+    assert preset_name(str(imported / "olmoe-variant.yaml")) == "olmoe-variant"
+    assert preset_name("olmoe-1b-7b-tiny") == "olmoe-1b-7b-tiny"
 
 
 def test_a_vocabulary_smaller_than_the_tokenizers_says_the_override_that_fits(demo_vocabulary_dataset, tmp_path,

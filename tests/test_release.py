@@ -81,7 +81,7 @@ def test_a_release_holds_every_stage_and_verifies(released, capsys):
     assert "ferry release replay . --stage pretrain" in card
     assert "ferry release branch . --stage midtrain\n" in card and "weights and AdamW state." in card
     card = (released / "weights" / "README.md").read_text()
-    assert "ferry release branch . --stage midtrain\n" in card and "(this release carries no AdamW state)" in card
+    assert "ferry release branch . --stage midtrain\n" in card and "(this release carries no optimizer state)" in card
     assert "with the release's own copy of its data" in card
     assert main(["release", "verify", str(full)]) == 0
     assert "PASS" in capsys.readouterr().out

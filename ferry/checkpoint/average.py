@@ -15,12 +15,12 @@ from typing import Literal
 import torch
 
 from ferry.checkpoint.diff import config_differences
-from ferry.checkpoint.format import Layout, TensorPiece
+from ferry.checkpoint.format import Layout, TensorPiece, optimizer_kind
 from ferry.checkpoint.reader import Checkpoint, verify_checkpoint
 from ferry.checkpoint.writer import CheckpointMeta, save_checkpoint
 from ferry.config import UserError
 
-MODEL, EXP_AVG, EXP_AVG_SQ, ADAM_STEP = "model.", "optim.exp_avg.", "optim.exp_avg_sq.", "optim.step."
+MODEL, OPTIM, STEP_COUNT = "model.", "optim.", "optim.step."
 OptimizerChoice = Literal["drop", "average"]
 
 
@@ -39,8 +39,9 @@ def average_checkpoints(
     optimizer: OptimizerChoice = "drop",
 ) -> AverageResult:
     """The weighted mean (weights normalised to sum to one) of every model tensor, computed in float64
-    and stored in each tensor's dtype; with `optimizer="average"`, AdamW's moments too, and its step
-    counts the largest of the inputs'. The RNG state is dropped: the result starts a stage."""
+    and stored in each tensor's dtype; with `optimizer="average"`, the optimizer's state too (AdamW's moments,
+    Muon's momentum: every state of the kind the manifests record, which must be one), and its step counts the
+    largest of the inputs'. The RNG state is dropped: the result starts a stage."""
     if len(paths) < 2:
         raise UserError("ckpt average: give at least two checkpoints")
     weights = weights if weights is not None else [1.0] * len(paths)
@@ -52,10 +53,12 @@ def average_checkpoints(
     first = checkpoints[0]
     names = _names(first, optimizer)
     for other in checkpoints[1:]:
+        if optimizer == "average":
+            _check_same_optimizer(first, other)
         _check_same_model(first, other, names)
     pieces = {}
     for name in names:
-        if name.startswith(ADAM_STEP):
+        if name.startswith(STEP_COUNT):
             pieces[name] = TensorPiece.whole(torch.stack([c.read(name) for c in checkpoints]).amax(dim=0))
             continue
         mean = sum(weight * c.read(name).double() for weight, c in zip(weights, checkpoints))
@@ -87,11 +90,20 @@ def average_checkpoints(
 def _names(checkpoint: Checkpoint, optimizer: OptimizerChoice) -> list[str]:
     names = checkpoint.names(MODEL)
     if optimizer == "average":
-        moments = [name for name in checkpoint.names("optim.") if name.startswith((EXP_AVG, EXP_AVG_SQ, ADAM_STEP))]
-        if not moments:
+        moments = checkpoint.names(OPTIM)
+        if not moments or optimizer_kind(checkpoint.manifest.train_state) is None:
             raise UserError(f"--optimizer average: {checkpoint.path} holds no optimizer state (a weights-only checkpoint)")
         names += moments
     return names
+
+
+def _check_same_optimizer(first: Checkpoint, other: Checkpoint) -> None:
+    ours, theirs = optimizer_kind(first.manifest.train_state), optimizer_kind(other.manifest.train_state)
+    if ours != theirs:
+        raise UserError(
+            f"ckpt average --optimizer average: {other.path} holds {theirs or 'no'} optimizer state and {first.path} "
+            f"{ours}'s; their states cannot be averaged (drop them with --optimizer drop)"
+        )
 
 
 def _check_same_model(first: Checkpoint, other: Checkpoint, names: list[str]) -> None:

@@ -32,8 +32,15 @@ ADAMW_FORMAT_VERSION = 3
 
 def format_version_of(train_state: dict) -> int:
     """The version a checkpoint of `train_state` is written as: the oldest that describes it."""
+    return FORMAT_VERSION if optimizer_kind(train_state) == "Muon" else ADAMW_FORMAT_VERSION
+
+
+def optimizer_kind(train_state: dict) -> str | None:
+    """Which optimizer's state a checkpoint of `train_state` holds (`AdamW`, `Muon`), as its manifest records it;
+    None where it holds none (weights only, an import, an average that dropped it)."""
     optimizer = train_state.get("optimizer")
-    return FORMAT_VERSION if isinstance(optimizer, dict) and optimizer.get("kind") == "Muon" else ADAMW_FORMAT_VERSION
+    kind = optimizer.get("kind") if isinstance(optimizer, dict) else None
+    return kind if isinstance(kind, str) else None
 MANIFEST_DIGEST = "manifest_sha256"
 MANIFEST_NAME = "manifest.json"
 TENSOR_SUFFIX = ".safetensors"

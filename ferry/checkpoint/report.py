@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ferry.checkpoint.format import Manifest, TensorRecord
+from ferry.checkpoint.format import Manifest, TensorRecord, optimizer_kind
 from ferry.checkpoint.digests import RECORDED
 from ferry.checkpoint.reader import read_manifest, recorded_digests, verify_checkpoint
 
@@ -45,8 +45,7 @@ def inspect_lines(path: Path) -> list[str]:
 
 def _optimizer_line(manifest: Manifest) -> list[str]:
     """Which optimizer's state the checkpoint holds and for how many parameters (none for weights alone)."""
-    optimizer = manifest.train_state.get("optimizer")
-    kind = optimizer.get("kind") if isinstance(optimizer, dict) else None
+    kind = optimizer_kind(manifest.train_state)
     if kind is None:
         return []
     states: dict[str, int] = {}

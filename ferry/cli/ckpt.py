@@ -24,7 +24,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     average.add_argument("--weights", default=None, help="comma-separated weights, one per checkpoint (default equal)")
     average.add_argument(
         "--optimizer", choices=["drop", "average"], default="drop",
-        help="drop AdamW's state (default) or average its moments too",
+        help="drop the optimizer's state (default) or average it too (AdamW's moments, Muon's momentum; step counts: the largest)",
     )
     average.set_defaults(handler=_average)
 

@@ -53,7 +53,7 @@ def run_import(args: argparse.Namespace) -> int:
     result = import_hf(args.hf_dir, args.out, args.tokenizer)
     print(
         f"ferry: imported {result.arch} ({result.parameters:,} parameters) as {result.checkpoint} "
-        "(weights only: training starts AdamW afresh)"
+        "(weights only: training starts its optimizer afresh)"
     )
     print(f"  model config: {result.model_file} (the `model:` section of a run config)")
     if result.tokenizer is not None:

@@ -28,7 +28,7 @@ _FORMS = """usage: ferry release PIPELINE_DIR --out DIR [--optimizer] [--data] [
   replay DIR               train a stage's first steps again from the release and judge them against the
                            recorded curve; exit 0 pass, 1 fail (naming the profile), 2 bad input
   branch DIR               train a new run from a stage of the release (its config and data, its final
-                           checkpoint's weights and AdamW state where carried), from here or anywhere"""
+                           checkpoint's weights and optimizer state where carried), from here or anywhere"""
 
 
 def add_release_commands(commands) -> None:
@@ -46,7 +46,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
         "pipeline_dir", help="a pipeline directory (ferry pipeline run --dir), or a run directory (ferry train)"
     )
     build.add_argument("--out", required=True, help="the release directory to write (new or empty)")
-    build.add_argument("--optimizer", action="store_true", help="keep each checkpoint's AdamW state")
+    build.add_argument("--optimizer", action="store_true", help="keep each checkpoint's optimizer state (AdamW's moments or Muon's momentum, as it was trained)")
     build.add_argument("--data", action="store_true", help="include the data files, not only their manifests")
     build.add_argument("--no-export", action="store_true", help="leave out the transformers exports")
     build.add_argument(

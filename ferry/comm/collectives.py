@@ -17,6 +17,17 @@ from ferry.comm.replay import replaying
 from ferry.comm.stats import CommStats
 
 
+def newest_collective(module, current: str, former: str):
+    """`module.current` where this torch has it, else `module.former`: torch 2.13 renamed the tensor forms of
+    reduce-scatter and all-gather (`*_single`) and warns on every call of the old names, which torch 2.11 (still
+    run on accelerators) alone has."""
+    return getattr(module, current, None) or getattr(module, former)
+
+
+_reduce_scatter = newest_collective(dist, "reduce_scatter_single", "reduce_scatter_tensor")
+_all_gather = newest_collective(dist, "all_gather_single", "all_gather_into_tensor")
+
+
 class Collectives:
     """Collectives over one process group (None = the default group), timed into `stats`."""
 
@@ -68,7 +79,7 @@ class Collectives:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "reduce_scatter") -> torch.Tensor:
         with self.timed(op, input.numel() * input.element_size()):
-            dist.reduce_scatter_tensor(output, input, group=self.group)
+            _reduce_scatter(output, input, group=self.group)
         return output
 
     def all_gather_raw(self, x: torch.Tensor, op: str) -> torch.Tensor:
@@ -76,7 +87,7 @@ class Collectives:
         wrote: a recompute reads the first gather's result and issues none (as `all_to_all_raw`)."""
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # the first dimension joined, as gloo asks
         with self._timed_once(op, out.numel() * out.element_size()):
-            dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+            _all_gather(out, x.contiguous(), group=self.group)
         return torch.ops.aten.alias(out).view(self.size, *x.shape)
 
     def all_reduce_raw(self, x: torch.Tensor, op: str) -> torch.Tensor:
@@ -89,7 +100,7 @@ class Collectives:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
         with self.timed("all_gather", input.numel() * input.element_size() * self.size):
-            dist.all_gather_into_tensor(output, input.contiguous(), group=self.group)
+            _all_gather(output, input.contiguous(), group=self.group)
         return output
 
     def broadcast(self, tensor: torch.Tensor, group_src: int) -> torch.Tensor:

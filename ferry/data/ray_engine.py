@@ -9,7 +9,9 @@ dataset is byte for byte the one a single process writes, and only the driver wr
 no shared storage. At most two tasks per CPU are in flight, and the driver holds the streams of those only.
 
 Without `--address`, a local Ray is started here with the machine's CPUs (or `--workers N`), no dashboard,
-and stopped at the end; with one, the job joins that cluster and uses at most `--workers` of its CPUs.
+and stopped at the end; with one, the job joins that cluster and uses at most `--workers` of its CPUs. What Ray
+logs in the driver (its token authentication warning on every start) goes to the dataset's `libraries.log`, not
+the console; the workers' logs stay in Ray's session directory.
 
 Failures: a task whose worker process or node died is run again by Ray (`max_retries`), as is one whose read
 raised an OSError (a network filesystem's hiccup); after `retries` further attempts the failure is final and
@@ -33,6 +35,7 @@ from ferry.config.extras import import_extra
 from ferry.data.formats import Part
 from ferry.data.tokenizer import Tokenizer, tokenizer_from_json
 from ferry.data.workers import PartTokens, encode_part, part_file
+from ferry.platform.library_logs import LIBRARY_LOG_FILE, library_logs_in
 
 _LOOK_AHEAD = 2  # tasks in flight per CPU: one running, one waiting to be taken
 _CONNECT_TIMEOUT_S = 10
@@ -65,8 +68,16 @@ def tokenize_parts_on_ray(
     where: dict,
 ) -> Iterator[PartTokens]:
     """The (index, part) pairs tokenised by Ray tasks into part files in `directory`, yielded in the order given.
-    `where` receives the description of the cluster that ran them (the manifest's `prepared_by`)."""
+    `where` receives the description of the cluster that ran them (the manifest's `prepared_by`); Ray's driver log
+    goes beside `directory`, in the dataset (`libraries.log`)."""
     ray = import_extra("ray", "ray", "--engine ray", "Ray")
+    with library_logs_in(directory.parent / LIBRARY_LOG_FILE, ("ray",), unhandled=True):
+        yield from _on_ray(ray, parts, tokenizer, text_field, dtype, directory, engine, where)
+
+
+def _on_ray(
+    ray, parts, tokenizer: Tokenizer, text_field: str, dtype: np.dtype, directory: Path, engine: RayEngine, where: dict
+) -> Iterator[PartTokens]:
     started_here = not ray.is_initialized()
     if started_here:
         _start(ray, engine)

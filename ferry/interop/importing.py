@@ -2,7 +2,7 @@
 checkpoint (GPT-OSS's MXFP4 experts dequantised, `mxfp4.py`).
 
 OUT holds the checkpoint (`OUT/checkpoints/step-00000000`: the weights, in fp32, and no optimizer
-state: training it starts AdamW afresh), `OUT/model.yaml` (the `model:` section a run config needs
+state: training it starts its optimizer afresh), `OUT/model.yaml` (the `model:` section a run config needs
 to train it, e.g. `ferry train CONFIG model=... init_from=OUT/checkpoints/step-00000000`), and
 `OUT/tokenizer.json` when the directory has one, for `ferry data prepare --tokenizer`.
 """
@@ -122,7 +122,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None 
         environment={**environment_fingerprint(torch.device("cpu")), "imported_from": str(hf_dir.resolve()), "arch": arch},
         train_state={
             "imported": True,
-            "optimizer": "none: training starts AdamW afresh",
+            "optimizer": "none: training starts its optimizer afresh",
             **({"tokenizer": {"encoding_sha256": digest}} if digest else {}),
         },
     )

@@ -38,30 +38,36 @@ TrackerName = Literal["tensorboard", "wandb", "mlflow"]
 
 class WandbConfig(Section):
     """Weights & Biases (`metrics.trackers: [wandb]`, the `wandb` extra): a run per ferry run, its id kept in the
-    run directory so a resumed or restarted run continues it."""
+    run directory so a resumed or restarted run continues it. A setting left unset here leaves W&B's own environment
+    variable in force (`WANDB_PROJECT`, `WANDB_MODE`, `WANDB_DIR`, `WANDB_ENTITY`, `WANDB_BASE_URL`), and ferry's
+    default where that is unset too (ferry/metrics/tracker_settings.py)."""
 
-    project: str = Field("ferry", min_length=1)
-    entity: str | None = Field(None, min_length=1, description="team or user (default: the API key's)")
-    mode: Literal["online", "offline"] = Field(
-        "online", description="offline: the run is written under dir only, for `wandb sync` later"
+    project: str | None = Field(None, min_length=1, description="default: WANDB_PROJECT, else ferry")
+    entity: str | None = Field(None, min_length=1, description="team or user (default: WANDB_ENTITY, else the API key's)")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="offline: the run is written under dir only, for `wandb sync` later; disabled: no W&B run "
+        "(as W&B means it: nothing logged, nothing counted as a failure); default: WANDB_MODE, else online"
     )
-    dir: str | None = Field(None, min_length=1, description="where W&B writes its files (default: the run directory)")
+    dir: str | None = Field(
+        None, min_length=1, description="where W&B writes its files (default: WANDB_DIR, else the run directory)"
+    )
     base_url: str | None = Field(
-        None, min_length=1, description="a W&B server of your own (default: W&B's, or the WANDB_BASE_URL it reads)"
+        None, min_length=1, description="a W&B server of your own (default: WANDB_BASE_URL, else W&B's)"
     )
     init_timeout_s: float = Field(60.0, gt=0.0, description="how long W&B may take to open its run")
 
 
 class MlflowConfig(Section):
     """MLflow (`metrics.trackers: [mlflow]`, the `mlflow` extra): a run per ferry run, its id kept in the run
-    directory so a resumed or restarted run continues it."""
+    directory so a resumed or restarted run continues it. A setting left unset here leaves MLflow's own environment
+    variable in force (`MLFLOW_TRACKING_URI`, `MLFLOW_EXPERIMENT_NAME`), and ferry's default where that is unset too."""
 
     tracking_uri: str | None = Field(
         None, min_length=1,
-        description="an MLflow server (http://...) or a database (sqlite:///...); default: "
+        description="an MLflow server (http://...) or a database (sqlite:///...); default: MLFLOW_TRACKING_URI, else "
         "sqlite:///<run.dir>/mlflow.db",
     )
-    experiment: str = Field("ferry", min_length=1)
+    experiment: str | None = Field(None, min_length=1, description="default: MLFLOW_EXPERIMENT_NAME, else ferry")
 
 
 class MetricsConfig(Section):

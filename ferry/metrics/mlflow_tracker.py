@@ -1,8 +1,10 @@
 """MLflow as a tracker (`metrics.trackers: [mlflow]`): the step records as metrics, the resolved config as the
 run's parameters (dotted keys), run.json's summary as tags, run.json and the plots as artifacts.
 
-By default the store is a database in the run directory (`sqlite:///<run.dir>/mlflow.db`, its artifacts beside
-it): MLflow no longer takes a bare directory as its store. A resumed or restarted ferry run continues its MLflow run
+The store and the experiment are the config's, else MLflow's own environment variables (`MLFLOW_TRACKING_URI`,
+`MLFLOW_EXPERIMENT_NAME`) when the user set them, else ferry's defaults: a database in the run directory
+(`sqlite:///<run.dir>/mlflow.db`, its artifacts beside it; MLflow no longer takes a bare directory as its store) and
+the experiment `ferry`. A resumed or restarted ferry run continues its MLflow run
 (the id kept in the run directory); its parameters were logged at the start and are not logged again.
 """
 
@@ -11,8 +13,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ferry.metrics.config import MlflowConfig
 from ferry.config.extras import import_extra
+from ferry.metrics.config import MlflowConfig
+from ferry.metrics.tracker_settings import TrackerSetting, resolve_setting
 from ferry.metrics.tracker_sink import flattened
 
 _BATCH = 100  # MLflow's limit on parameters a call (1,000 metrics; 100 parameters)
@@ -21,14 +24,23 @@ _TAG_CHARS = 5000
 
 class MlflowTracker:
     name = "mlflow"
+    loggers = ("mlflow", "alembic")  # its store's schema migrations log through alembic
 
     def __init__(self, config: MlflowConfig, run_dir: Path, run_name: str):
         tracking = import_extra("mlflow.tracking", "mlflow", "metrics.trackers: mlflow", "MLflow")
         entities = import_extra("mlflow.entities", "mlflow", "metrics.trackers: mlflow", "MLflow")
         self._entities = (entities.Metric, entities.Param, entities.RunTag)
         self._client_type = tracking.MlflowClient
-        self.uri = config.tracking_uri or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
-        self.experiment = config.experiment
+        store = f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+        self.settings: dict[str, TrackerSetting] = {
+            "tracking_uri": resolve_setting(config.tracking_uri, "metrics.mlflow.tracking_uri", "MLFLOW_TRACKING_URI",
+                                            store),
+            "experiment": resolve_setting(config.experiment, "metrics.mlflow.experiment", "MLFLOW_EXPERIMENT_NAME",
+                                          "ferry"),
+        }
+        self.active = True
+        self.uri = self.settings["tracking_uri"].value
+        self.experiment = self.settings["experiment"].value
         self.run_dir = run_dir
         self.run_name = run_name
         self._client = None

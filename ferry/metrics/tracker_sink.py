@@ -9,7 +9,8 @@ thread, at the next record), and the tracker is left: training goes on. At the r
 tracker's run id and failures (`trackers`). The step records' counter is as far as the thread had got.
 
 The tracker's run id is kept in `<run.dir>/trackers.json`, so that a resumed or restarted run continues the same
-tracker run rather than starting another.
+tracker run rather than starting another. A tracker its own settings disable (W&B's `disabled` mode) gets no thread
+and no records; run.json says so, with the source of each of its settings.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import json
 import os
 import queue
 import threading
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Protocol
 
 from ferry.metrics.names import RUN_RECORD_FILE, TRACKER_IDS_FILE, scalars
+from ferry.metrics.tracker_settings import TrackerSetting, describe_settings
+from ferry.platform.library_logs import LIBRARY_LOG_FILE, library_logs_in
 
 _IDS = threading.Lock()  # the trackers of a run keep their ids in one file, each from its own thread
 _QUEUED_RECORDS = 1024
@@ -36,6 +40,9 @@ class Tracker(Protocol):
     """What a tracker's adapter does, all of it on the sink's thread."""
 
     name: str
+    settings: dict[str, TrackerSetting]  # each with its source (ferry/metrics/tracker_settings.py)
+    active: bool  # False where the tracker's own settings disable it: no run, no failure
+    loggers: tuple[str, ...]  # the library's loggers, whose records go to the run's libraries.log, not the console
 
     def open(self, run_id: str | None, config: dict, summary: dict) -> str:
         """Start the tracker's run, or continue `run_id`; with the resolved config and run.json's summary. Returns
@@ -65,10 +72,20 @@ class TrackerSink:
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=_QUEUED_RECORDS)
         self._thread = threading.Thread(target=self._work, name=f"ferry-{tracker.name}", daemon=True)
-        self._thread.start()
-        self._queue.put(("open",))
+        self._logs = ExitStack()
+        if tracker.active:
+            self._logs.enter_context(library_logs_in(run_dir / LIBRARY_LOG_FILE, tracker.loggers))
+            self._thread.start()
+            self._queue.put(("open",))
+
+    def announcement(self) -> str:
+        """The console's line for the tracker: its settings and where each came from."""
+        state = "" if self.tracker.active else "disabled by its mode, no run; "
+        return f"ferry: tracker {self.tracker.name}: {state}{describe_settings(self.tracker.settings)}"
 
     def write(self, record: dict) -> None:
+        if not self.tracker.active:
+            return
         try:
             self._queue.put_nowait(("log", record["step"], scalars(record)))
         except queue.Full:
@@ -82,16 +99,21 @@ class TrackerSink:
 
     def close(self) -> None:
         """Hand the tracker the run's files and end its run, waiting at most `timeout_s` for it."""
-        try:
-            self._queue.put(("end",), timeout=self.timeout_s)
-        except queue.Full:
-            self._fail(f"it did not take the end of the run within metrics.tracker_timeout_s ({self.timeout_s:g} s)")
+        if not self.tracker.active:
             return
-        self._thread.join(self.timeout_s)
-        if self._thread.is_alive():
-            self._fail(
-                f"it did not finish within metrics.tracker_timeout_s ({self.timeout_s:g} s); the run ends without it"
-            )
+        with self._logs:
+            try:
+                self._queue.put(("end",), timeout=self.timeout_s)
+            except queue.Full:
+                self._fail(
+                    f"it did not take the end of the run within metrics.tracker_timeout_s ({self.timeout_s:g} s)"
+                )
+                return
+            self._thread.join(self.timeout_s)
+            if self._thread.is_alive():
+                self._fail(
+                    f"it did not finish within metrics.tracker_timeout_s ({self.timeout_s:g} s); the run ends without it"
+                )
 
     def _work(self) -> None:
         while True:
@@ -136,8 +158,10 @@ class TrackerSink:
 
     def outcome(self) -> dict:
         """What run.json records of the tracker once the run has ended: its run, and what it failed to take."""
+        settings = {name: setting.as_record() for name, setting in self.tracker.settings.items()}
         with self._lock:
-            return {"run_id": self.run_id, "failures": self.failures, "first_failure": self.first_failure}
+            return {"run_id": self.run_id, "failures": self.failures, "first_failure": self.first_failure,
+                    "active": self.tracker.active, "settings": settings}
 
     def _fail(self, reason: str) -> None:
         with self._lock:

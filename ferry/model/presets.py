@@ -35,6 +35,13 @@ def preset_names() -> list[str]:
     return sorted(named_files(PRESETS_DIR))
 
 
+def preset_name(spec: str) -> str:
+    """A preset's name: its file's stem, or, for a file named after what it holds (`model.yaml`, which `ferry import`
+    writes beside the checkpoint it imported), the directory that holds it."""
+    path = Path(spec)
+    return path.resolve().parent.name if path.stem == "model" and path.suffix in (".yaml", ".yml") else path.stem
+
+
 def load_preset(spec: str) -> ModelConfig:
     """The model config of a preset file (a path, or a name in `configs/models/`)."""
     path, raw = read_named_yaml(spec, PRESETS_DIR, "model preset")
@@ -53,8 +60,7 @@ def summarise(spec: str, seq_len: int | None = None) -> PresetSummary:
         raise UserError(f"--seq-len must be at least 1, got {seq_len}")
     config = load_preset(spec)
     length = min(seq_len or COMPARED_SEQ_LEN, config.max_seq_len)
-    name = Path(spec).stem
-    return PresetSummary(name, config, count_model(config, length), length, cache_bytes_per_token(config, 2))
+    return PresetSummary(preset_name(spec), config, count_model(config, length), length, cache_bytes_per_token(config, 2))
 
 
 def preset_overrides(spec: str) -> list[str]:
@@ -62,4 +68,4 @@ def preset_overrides(spec: str) -> list[str]:
     as a flow mapping, so that later overrides (`model.max_seq_len=...`) still apply on top, and its name, which
     the run records (`run.model_preset`)."""
     model = json.dumps(load_preset(spec).model_dump(mode="json"))
-    return [f"model={model}", f"run.model_preset={json.dumps(Path(spec).stem)}"]
+    return [f"model={model}", f"run.model_preset={json.dumps(preset_name(spec))}"]

@@ -8,7 +8,7 @@ corrupt checkpoint, a kill in the middle of a save (of one rank or of all of the
 in the background, so it strikes while their writer threads run). Non-finite gradients fail the job
 (`fault.on_nonfinite: raise`) so that it rolls back rather than skips, and the hang timeout is a
 multiple of the uninterrupted run's step time, so the drill takes minutes, not hours. On a CPU in
-the same layout the final losses and every tensor of the final checkpoint (weights, AdamW state,
+the same layout the final losses and every tensor of the final checkpoint (weights, optimizer state,
 RNG) must be bitwise equal.
 
 Equal end states prove only that the faults which struck were survived, so each fault is judged

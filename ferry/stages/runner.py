@@ -1,6 +1,6 @@
 """`ferry pipeline run`: the stages in order, each a `ferry train` process in `DIR/<stage>/`.
 
-A stage starts from scratch, from its parent's weights (and AdamW state), or continues
+A stage starts from scratch, from its parent's weights (and optimizer state), or continues
 its parent's whole train state; which checkpoint that parent is, and its digest, is
 decided before the stage runs and recorded in the lineage. Running the file again
 skips finished stages, resumes an interrupted one from its own newest checkpoint, and

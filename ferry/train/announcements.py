@@ -86,6 +86,8 @@ def announce(
         )
     if hub.prometheus is not None:
         say(f"ferry: Prometheus metrics at {hub.prometheus.url}")
+    for tracker in hub.trackers:
+        say(tracker.announcement())
     if found and found.checkpoint:
         say(f"ferry: resuming from {found.checkpoint.path} at step {found.checkpoint.step}")
     elif found:

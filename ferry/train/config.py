@@ -104,7 +104,7 @@ class OptimConfig(Section):
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     decay_fraction: float = Field(0.2, gt=0.0, le=1.0, description="wsd: the share of the steps spent decaying")
-    zero: bool = Field(False, description="ZeRO-1: shard AdamW state over the ranks replicating each parameter")
+    zero: bool = Field(False, description="ZeRO-1: shard the optimizer state (AdamW's moments, Muon's momentum) over the ranks replicating each parameter")
 
     @field_validator("betas")
     @classmethod
@@ -212,7 +212,7 @@ class RunConfig(Section):
         "0, e.g. one `ferry import` wrote; a run that resumes takes its own checkpoint instead",
     )
     init_optimizer: bool = Field(
-        False, description="with init_from, start from that checkpoint's AdamW state too (moments and step counts)"
+        False, description="with init_from, start from that checkpoint's optimizer state too (AdamW's moments and step counts, or Muon's momentum besides them)"
     )
 
     @property

@@ -149,7 +149,7 @@ def check_resumable(checkpoint: Checkpoint) -> None:
     missing = [
         what
         for what, present in (
-            ("AdamW state", has_optimizer),
+            ("optimizer state", has_optimizer),
             ("data position", isinstance(state.get("data_cursor"), dict)),
             ("RNG state", RNG + "cpu" in checkpoint.manifest.tensors),
         )
@@ -164,7 +164,7 @@ def check_resumable(checkpoint: Checkpoint) -> None:
 
 
 def initialize_from(job: Job, model: ModelParts, path: Path) -> tuple[dict[str, str], list[str]]:
-    """Start from the weights of the checkpoint at `path` (of the same model), and its AdamW state with
+    """Start from the weights of the checkpoint at `path` (of the same model), and its optimizer state with
     `init_optimizer`; data position, step counter and schedule start fresh. Returns what came over and a note."""
     config = job.config
     if not path.exists():

@@ -9,7 +9,7 @@ finished run, `ferry release RUN_DIR`, as a pipeline of one stage: ferry/stages/
       stages/<name>/
         config.yaml              the stage's resolved run config (what `ferry train` ran)
         run.json metrics.jsonl   its run record and metrics (plus its plots and restart log, when present)
-        checkpoints/step-N/      its final checkpoint in the neutral format (AdamW state only with --optimizer)
+        checkpoints/step-N/      its final checkpoint in the neutral format (its optimizer's state only with --optimizer)
         source-manifest.json     without --optimizer: the manifest the lineage's digest names, which the
                                  weights-only manifest is checked against file by file
         tokenizer.json           the tokenizer it trained with, so that export, generate and eval need no data
@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from ferry.checkpoint.digests import checkpoint_digest
-from ferry.checkpoint.format import MANIFEST_NAME, seal_manifest
+from ferry.checkpoint.format import MANIFEST_NAME, optimizer_kind, seal_manifest
 from ferry.config import UserError
 from ferry.data.manifest import sha256_file
+from ferry.platform.library_logs import LIBRARY_LOG_FILE
 from ferry.stages.lineage import LINEAGE_FILE, Lineage
 from ferry.stages.runner import CONFIGS_DIR
 from ferry.stages.single_run import RUN_KIND, is_run_dir, run_lineage
@@ -179,6 +180,8 @@ def _stage(
             f"{result['digest'][:12]}); the pipeline directory changed after the stage finished"
         )
     checkpoint = target / "checkpoints" / source.name
+    trained_with = optimizer_kind(json.loads((source / MANIFEST_NAME).read_text(encoding="utf-8"))
+                                  .get("train_state", {}))
     with_optimizer = _copy_checkpoint(source, checkpoint, optimizer, target / SOURCE_MANIFEST)
     tokenizer = _tokenizer(record, target)
     entry: dict[str, Any] = {
@@ -196,6 +199,7 @@ def _stage(
             "lineage_digest": result["digest"],
             "digest": checkpoint_digest(checkpoint),
             "optimizer": with_optimizer,
+            "optimizer_kind": trained_with,
             "source_manifest": None if with_optimizer else f"{stage_dir(name)}/{SOURCE_MANIFEST}",
         },
         "tokenizer": tokenizer,
@@ -208,14 +212,14 @@ def _stage(
         "skipped": "not asked (--no-export)"
     }
     say(f"ferry: release: stage {name}: step {result['step']} checkpoint"
-        f"{' with AdamW state' if with_optimizer else ' (weights)'}; export: "
+        f"{f' with {trained_with} state' if with_optimizer else ' (weights)'}; export: "
         f"{entry['export'].get('arch') or entry['export'].get('skipped')}")
     return entry
 
 
 def _copy_checkpoint(source: Path, target: Path, optimizer: bool, source_manifest: Path) -> bool:
-    """Copy the checkpoint; without `optimizer` leave out its AdamW files and tensors, reseal its manifest and
-    keep the original manifest beside it. Returns whether the AdamW state is in the copy."""
+    """Copy the checkpoint; without `optimizer` leave out its optimizer's files and tensors, reseal its manifest and
+    keep the original manifest beside it. Returns whether the optimizer's state is in the copy."""
     manifest = json.loads((source / MANIFEST_NAME).read_text(encoding="utf-8"))
     dropped = {file for file in manifest["files"] if file.startswith(f"{OPTIMIZER_GROUP}-")}
     if optimizer or not dropped:
@@ -313,7 +317,7 @@ def _source(use: dict[str, Any], out: Path, files: bool, taken: set[str]) -> dic
         )
     target = out / "data" / key
     if files:
-        shutil.copytree(path, target, ignore=shutil.ignore_patterns(".*"))
+        shutil.copytree(path, target, ignore=shutil.ignore_patterns(".*", LIBRARY_LOG_FILE))
     else:
         target.mkdir(parents=True)
         shutil.copy2(manifest_path, target / MANIFEST_NAME)

@@ -105,7 +105,7 @@ def model_card(release: dict[str, Any]) -> str:
         "## Continue from any stage",
         "",
         f"Train a new run from any stage: its config, {data}, starting from its final checkpoint's weights"
-        + (" and AdamW state" if release["optimizer_state"] else " (this release carries no AdamW state)")
+        + _optimizer_words(stages)
         + ". `--out DIR` says where the run goes; `KEY=VALUE` overrides follow, as for `ferry train`; a stage of a "
         "new pipeline starts from a checkpoint here with `init_from: <path>`.",
         "",
@@ -167,3 +167,18 @@ def _data_dir(source: dict[str, Any] | None, use: dict[str, Any]) -> str:
     if source is not None and source["files_included"]:
         return source["dir"]
     return source["path"] if source is not None else use["name"]
+
+
+def _optimizer_words(stages: list[dict[str, Any]]) -> str:
+    """What a branch starts from besides the weights: each carried checkpoint's optimizer state, by the kind its
+    manifest records (`AdamW`, `Muon`)."""
+    by_kind: dict[str, list[str]] = {}
+    for stage in stages:
+        checkpoint = stage["checkpoint"]
+        if checkpoint["optimizer"]:
+            by_kind.setdefault(checkpoint.get("optimizer_kind") or "optimizer", []).append(stage["name"])
+    if not by_kind:
+        return " (this release carries no optimizer state)"
+    if len(by_kind) == 1:
+        return f" and {next(iter(by_kind))} state"
+    return " and optimizer state (" + "; ".join(f"{kind} for {', '.join(names)}" for kind, names in by_kind.items()) + ")"

@@ -296,9 +296,10 @@ def _start(directory: Path, release: dict[str, Any], entry: dict[str, Any], stag
     start = entry["start"]
     needs_optimizer = start["carry"] == "weights+optimizer"
     if needs_optimizer and not checkpoint["optimizer"]:
+        state = f"{checkpoint.get('optimizer_kind') or 'optimizer'} state"
         raise UserError(
-            f"stage {stage} starts from {parent['stage']}'s weights and AdamW state, and this release carries no "
-            "AdamW state: release the pipeline with --optimizer to replay it"
+            f"stage {stage} starts from {parent['stage']}'s weights and {state}, and this release carries no "
+            "optimizer state: release the pipeline with --optimizer to replay it"
         )
     if start["steps"] == "continue":
         overrides["resume"] = path

@@ -122,7 +122,12 @@ COMPILED = {"train.compile": "blocks"}
 SELECTIVE = {"train.activation_checkpointing": "selective"}
 # full checkpointing and the head and loss by chunks of one sequence: what lets ferry's memory model fit the whole
 # OLMoE-1B-7B step (8 sequences) in one forward on an H200; selective fits 2 (tests/test_step_shape.py)
-LARGE_MICRO = {**COMPILED, "train.activation_checkpointing": "full", "train.loss_chunk": 4096, "train.micro_batch": "auto"}
+LARGE_MICRO = {
+    **COMPILED,
+    "train.activation_checkpointing": "full",
+    "train.loss_chunk": 4096,
+    "train.micro_batch": "auto",
+}
 FP8 = {"precision.experts": "fp8"}
 TORCHAO = {**FP8, 'kernels.ops."moe.fp8_grouped_mm"': "torchao"}
 VARIANTS = {
@@ -309,7 +314,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=list(SHAPES), default="mid")
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument(
-        "--batch", type=int, default=None,
+        "--batch",
+        type=int,
+        default=None,
         help="sequences per micro-batch (mid: 16, olmoe-1b-7b: 1); the step keeps the shape's micro-batch count; "
         "variants with train.micro_batch=auto take ferry's choice instead",
     )
@@ -317,7 +324,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variants", type=_variants, default=list(VARIANTS), help=f"a comma-separated subset of {','.join(VARIANTS)}"
     )
     parser.add_argument(
-        "--trace", choices=list(VARIANTS), default=None, metavar="VARIANT",
+        "--trace",
+        choices=list(VARIANTS),
+        default=None,
+        metavar="VARIANT",
         help=f"profile step {TRACED_STEP} of this variant (one of --variants) and print where its GPU time went",
     )
     parser.add_argument("--device", default="cuda")

@@ -28,8 +28,14 @@ from ferry.data import PrepareSpec, prepare_dataset
 from scratch import DIR_HELP, scratch_dir
 
 MODEL = {
-    "vocab_size": 4096, "dim": 1024, "n_layers": 2, "n_heads": 8, "n_kv_heads": 8, "max_seq_len": 128,
-    "dense_layers": 0, "moe": {"num_experts": 16, "top_k": 1, "expert_ffn_dim": 1024},
+    "vocab_size": 4096,
+    "dim": 1024,
+    "n_layers": 2,
+    "n_heads": 8,
+    "n_kv_heads": 8,
+    "max_seq_len": 128,
+    "dense_layers": 0,
+    "moe": {"num_experts": 16, "top_k": 1, "expert_ffn_dim": 1024},
 }
 
 
@@ -97,8 +103,9 @@ def main() -> None:
         prepare_dataset(PrepareSpec(embedded="stdlib", embedded_max_bytes=2_000_000, vocab_size=4096), dataset)
         runs = {}
         for name, asynchronous in (("foreground", False), ("background", True)):
-            run = run_on_ranks(train, 2, str(dataset), str(work / name), args.steps, args.interval, asynchronous,
-                               timeout_s=1800)[0]
+            run = run_on_ranks(
+                train, 2, str(dataset), str(work / name), args.steps, args.interval, asynchronous, timeout_s=1800
+            )[0]
             runs[name] = summary(run, args.interval)
             print(f"{name}: {json.dumps(runs[name])}")
         last = list_checkpoints(work / "foreground" / "checkpoints")[-1]

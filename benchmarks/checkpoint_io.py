@@ -88,6 +88,7 @@ def run(work: Path, repeats: int) -> dict:
     torch.manual_seed(0)
     model = Transformer(MODEL)
     plan = build_plan(ParallelConfig(), DistContext(rank=0, world_size=1, local_rank=0, backend=None), model, CPU)
+
     def fresh():
         """An optimizer without state, as a resuming process has before it loads."""
         return plan.build_optimizer(decayed_parameter_names(model), 0.1, zero=False, lr=3e-3)
@@ -140,8 +141,11 @@ def run(work: Path, repeats: int) -> dict:
         _evict([raw, *checkpoint.iterdir()])
         reads = [
             ("raw_read", lambda first: _raw_read(raw, arrays), [raw]),
-            ("load", lambda first: _load(checkpoint, model, fresh(), plan, verify_s if first else []),
-             list(checkpoint.iterdir())),
+            (
+                "load",
+                lambda first: _load(checkpoint, model, fresh(), plan, verify_s if first else []),
+                list(checkpoint.iterdir()),
+            ),
         ]
         order = reads if raw_first else reads[::-1]
         for position, (name, read, files) in enumerate(order):

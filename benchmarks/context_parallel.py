@@ -30,7 +30,12 @@ from ferry.data import PrepareSpec, prepare_dataset
 from scratch import DIR_HELP, scratch_dir
 
 MODEL = {
-    "vocab_size": 4096, "dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "dense_layers": 0,
+    "vocab_size": 4096,
+    "dim": 128,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "dense_layers": 0,
     "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_dim": 128},
 }
 ROWS = 2  # the global batch: both rows in one micro-batch
@@ -49,8 +54,13 @@ def run(dataset: str, run_dir: str, seq_len: int, steps: int, cp: int, timed: bo
         "run": {"name": "context-parallel", "seed": 0, "device": "cpu", "dir": run_dir},
         "model": {**MODEL, "max_seq_len": seq_len},
         "data": {"seq_len": seq_len, "document_masking": True, "sources": [{"name": "stdlib", "path": dataset}]},
-        "train": {"steps": steps if timed else 1, "global_batch": ROWS, "micro_batch": ROWS, "log_every": steps,
-                  "loss_chunk": 512},
+        "train": {
+            "steps": steps if timed else 1,
+            "global_batch": ROWS,
+            "micro_batch": ROWS,
+            "log_every": steps,
+            "loss_chunk": 512,
+        },
         "optim": {"lr": 1e-3, "warmup_steps": 1},
         "parallel": {"cp": cp},
         "eval": {"sources": []},
@@ -98,8 +108,10 @@ def exchanges(seq_len: int, repeats: int) -> dict:
         block = kv_BGLZ
         for _ in range(world - 1):
             received = torch.empty_like(block)
-            sends = [dist.P2POp(dist.isend, block, (rank + 1) % world), dist.P2POp(dist.irecv, received,
-                                                                               (rank - 1) % world)]
+            sends = [
+                dist.P2POp(dist.isend, block, (rank + 1) % world),
+                dist.P2POp(dist.irecv, received, (rank - 1) % world),
+            ]
             for request in dist.batch_isend_irecv(sends):
                 request.wait()
             block = received
@@ -148,12 +160,15 @@ def measure(work: Path, seq_len: int, steps: int) -> dict:
     measured = two[0]["records"][-1]["cp.bytes"]
     for cp in (1, 2, 4):
         print(f"cp {cp}: one forward keeps {kept[cp] / 2**20:.1f} MiB a rank ({kept[cp] / kept[1]:.2f} of one process)")
-    print(f"cp 2: {measured:,} bytes of exchanges a step, analytic {analytic_bytes(seq_len):,}; "
-          f"{two[0]['records'][-1]['cp.comm_s'] * 1000:.1f} ms in them")
+    print(
+        f"cp 2: {measured:,} bytes of exchanges a step, analytic {analytic_bytes(seq_len):,}; "
+        f"{two[0]['records'][-1]['cp.comm_s'] * 1000:.1f} ms in them"
+    )
     print(f"step time: one process {step_s[1] * 1000:.0f} ms, cp 2 on 2 ranks {step_s[2] * 1000:.0f} ms")
-    print("one attention layer's exchanges on 2 ranks: " + ", ".join(
-        f"{name} {seconds * 1e6:.0f} us" for name, seconds in methods.items()
-    ))
+    print(
+        "one attention layer's exchanges on 2 ranks: "
+        + ", ".join(f"{name} {seconds * 1e6:.0f} us" for name, seconds in methods.items())
+    )
     figures = {
         "seq_len": seq_len,
         "kept_ratio": round(kept[2] / kept[1], 3),

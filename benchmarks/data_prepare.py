@@ -177,8 +177,10 @@ def main() -> None:
         if not tokenizer_path.is_file():
             train_tokenizer(corpus, tokenizer_path)
         kind = "zstd JSON-lines (several frames)" if args.zstd else "JSON-lines"
-        print(f"corpus: {size / 1e6:.0f} MB in {args.files} {kind} files, BPE {_VOCAB:,} tokens, "
-              f"{os.cpu_count()} cores, load average {load_before:.2f}")
+        print(
+            f"corpus: {size / 1e6:.0f} MB in {args.files} {kind} files, BPE {_VOCAB:,} tokens, "
+            f"{os.cpu_count()} cores, load average {load_before:.2f}"
+        )
         rows = {}
         cores = {}
         used = cpu_seconds()
@@ -204,9 +206,11 @@ def main() -> None:
         one, most = rows["workers=1"][0], rows[f"workers={args.workers}"][0]
         scaling = one / most
         load_after = os.getloadavg()[0]
-        print(f"workers={args.workers} vs workers=1: {scaling:.2f}x; workers={args.workers} vs anchor: "
-              f"{rows['anchor'][0] / most:.2f}x; datasets identical for every worker count: {identical}; "
-              f"load average after {load_after:.2f}")
+        print(
+            f"workers={args.workers} vs workers=1: {scaling:.2f}x; workers={args.workers} vs anchor: "
+            f"{rows['anchor'][0] / most:.2f}x; datasets identical for every worker count: {identical}; "
+            f"load average after {load_after:.2f}"
+        )
         result = {
             "corpus_mb": round(size / 1e6, 1),
             "cores": os.cpu_count(),

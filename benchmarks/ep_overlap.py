@@ -36,10 +36,19 @@ WARMUP_STEPS = 4
 SHAPES = {
     "tiny": {"vocab": 4096, "seq_len": 128, "global_batch": 16, "overrides": []},
     "mid": {
-        "vocab": 4096, "seq_len": 256, "global_batch": 16,
+        "vocab": 4096,
+        "seq_len": 256,
+        "global_batch": 16,
         "overrides": [
-            "model.dim=512", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=8", "model.dense_layers=0",
-            "model.moe.num_experts=32", "model.moe.top_k=4", "model.moe.expert_ffn_dim=512", "model.max_seq_len=256",
+            "model.dim=512",
+            "model.n_layers=4",
+            "model.n_heads=8",
+            "model.n_kv_heads=8",
+            "model.dense_layers=0",
+            "model.moe.num_experts=32",
+            "model.moe.top_k=4",
+            "model.moe.expert_ffn_dim=512",
+            "model.max_seq_len=256",
         ],
     },
 }
@@ -57,12 +66,26 @@ def run(shape: str, ranks: int, mode: str, steps: int, data: Path, root: Path) -
     spec = SHAPES[shape]
     run_dir = root / f"{shape}-{ranks}-{mode}"
     command = [
-        sys.executable, "-m", "ferry", "train", str(REPO / "configs" / "tiny.yaml"), "--nproc", str(ranks),
-        f"data.sources=[{{name: synthetic, path: {data}}}]", f"data.seq_len={spec['seq_len']}",
-        f"model.vocab_size={spec['vocab']}", f"train.global_batch={spec['global_batch']}",
-        f"train.micro_batch={spec['global_batch'] // ranks}", f"train.steps={steps}", "train.log_every=1000",
-        f"parallel.ep={ranks}", "checkpoint.enabled=false", "metrics.sinks.prometheus.enabled=false",
-        f"run.dir={run_dir}", *spec["overrides"], *MODES[mode],
+        sys.executable,
+        "-m",
+        "ferry",
+        "train",
+        str(REPO / "configs" / "tiny.yaml"),
+        "--nproc",
+        str(ranks),
+        f"data.sources=[{{name: synthetic, path: {data}}}]",
+        f"data.seq_len={spec['seq_len']}",
+        f"model.vocab_size={spec['vocab']}",
+        f"train.global_batch={spec['global_batch']}",
+        f"train.micro_batch={spec['global_batch'] // ranks}",
+        f"train.steps={steps}",
+        "train.log_every=1000",
+        f"parallel.ep={ranks}",
+        "checkpoint.enabled=false",
+        "metrics.sinks.prometheus.enabled=false",
+        f"run.dir={run_dir}",
+        *spec["overrides"],
+        *MODES[mode],
     ]
     records = train_records(command, run_dir, WARMUP_STEPS, REPO)
     if isinstance(records, str):

@@ -28,8 +28,17 @@ from ferry.kernels import KernelsConfig, select_kernels
 from ferry.model import ModelConfig, Transformer
 
 MODEL = dict(
-    vocab_size=4096, dim=256, n_layers=6, n_heads=8, n_kv_heads=2, max_seq_len=512, qk_norm=True,
-    qk_norm_scope="head", dense_layers=1, dense_ffn_dim=768, moe=dict(num_experts=16, top_k=2, expert_ffn_dim=256),
+    vocab_size=4096,
+    dim=256,
+    n_layers=6,
+    n_heads=8,
+    n_kv_heads=2,
+    max_seq_len=512,
+    qk_norm=True,
+    qk_norm_scope="head",
+    dense_layers=1,
+    dense_ffn_dim=768,
+    moe=dict(num_experts=16, top_k=2, expert_ffn_dim=256),
 )
 
 
@@ -64,11 +73,15 @@ def main() -> None:
     config = ModelConfig.model_validate(MODEL)
     torch.manual_seed(0)
     cpu = torch.device("cpu")
-    ours = Transformer(config, select_kernels(KernelsConfig(), cpu, torch.float32)).eval()  # as `ferry generate` builds it
+    ours = Transformer(
+        config, select_kernels(KernelsConfig(), cpu, torch.float32)
+    ).eval()  # as `ferry generate` builds it
     theirs = AutoModelForCausalLM.from_config(hf_config(config, "qwen3_moe", 0, "float32"))
     theirs.load_state_dict(to_hf_state(ours.state_dict(), config), strict=False)
     theirs.eval()
-    prompts_BS = torch.randint(1, config.vocab_size, (args.batch, args.prompt_tokens), generator=torch.Generator().manual_seed(1))
+    prompts_BS = torch.randint(
+        1, config.vocab_size, (args.batch, args.prompt_tokens), generator=torch.Generator().manual_seed(1)
+    )
     greedy = GenerationConfig(max_new_tokens=args.new_tokens, temperature=0.0)
     new = args.batch * args.new_tokens
 
@@ -76,7 +89,9 @@ def main() -> None:
     ferry_tokens = torch.tensor([completion.tokens for completion in result.completions])
     hf_options = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
-        hf_tokens = theirs.generate(prompts_BS, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **hf_options)
+        hf_tokens = theirs.generate(
+            prompts_BS, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **hf_options
+        )
     same = torch.equal(ferry_tokens, hf_tokens[:, args.prompt_tokens :])
     same_no_cache = torch.equal(ferry_tokens, _no_cache(ours, prompts_BS, args.new_tokens))
     if not (same and same_no_cache):
@@ -88,14 +103,20 @@ def main() -> None:
     ferry_rate = new / statistics.median(decode_s)
     with torch.inference_mode():
         hf_total = _median_seconds(
-            lambda: theirs.generate(prompts_BS, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **hf_options),
+            lambda: theirs.generate(
+                prompts_BS, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **hf_options
+            ),
             args.repeats,
         )
         hf_prefill = _median_seconds(lambda: theirs(prompts_BS, use_cache=True), args.repeats)
     hf_rate = new / (hf_total - hf_prefill)
-    no_cache_rate = new / _median_seconds(lambda: _no_cache(ours, prompts_BS, args.new_tokens), max(1, args.repeats // 2))
+    no_cache_rate = new / _median_seconds(
+        lambda: _no_cache(ours, prompts_BS, args.new_tokens), max(1, args.repeats // 2)
+    )
     figures = {
-        "batch": args.batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+        "batch": args.batch,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
         "threads": torch.get_num_threads(),
         "ferry_decode_tokens_per_s": round(ferry_rate, 1),
         "ferry_prefill_tokens_per_s": round(result.prefill_tokens_per_s, 1),

@@ -115,8 +115,10 @@ def main() -> None:
     for row in rows:
         row["peak_vs_logits"] = round(row["peak_mib"] / logits["peak_mib"], 3) if logits["peak_mib"] else None
         row["time_vs_logits"] = round(row["step_ms"] / logits["step_ms"], 3)
-        print(f"{row['chunk']:>10}{row['step_ms']:>10.1f}{row['peak_mib']:>11.1f}{row['peak_vs_logits']:>11}"
-              f"{row['loss']:>16.4f}")
+        print(
+            f"{row['chunk']:>10}{row['step_ms']:>10.1f}{row['peak_mib']:>11.1f}{row['peak_vs_logits']:>11}"
+            f"{row['loss']:>16.4f}"
+        )
     shape = {"tokens": args.tokens, "dim": args.dim, "vocab": args.vocab, "bf16": args.bf16, "device": args.device}
     print(json.dumps({**shape, "variants": rows}))
 

@@ -66,8 +66,14 @@ def main() -> None:
     for cached in args.cached:
         prompt_BSD = torch.randn(args.batch, cached, config.dim)
         x_BSD = torch.randn(args.batch, args.steps, config.dim)
-        filled = KVCache(config, torch.zeros(args.batch, dtype=torch.long), cached + args.steps, torch.float32,
-                         torch.device("cpu"), latent_decoding="expanded")
+        filled = KVCache(
+            config,
+            torch.zeros(args.batch, dtype=torch.long),
+            cached + args.steps,
+            torch.float32,
+            torch.device("cpu"),
+            latent_decoding="expanded",
+        )
         step = filled.begin(cached)
         layer(prompt_BSD, filled.layer(0, step))
         filled.commit(step)
@@ -91,8 +97,11 @@ def main() -> None:
             "speedup": round(speedup, 2),
             "relative_difference": difference,
         }
-    print(json.dumps({"shape": "moonlight-16b-a3b attention", "batch": args.batch, "threads": args.threads,
-                      "results": results}))
+    print(
+        json.dumps(
+            {"shape": "moonlight-16b-a3b attention", "batch": args.batch, "threads": args.threads, "results": results}
+        )
+    )
 
 
 if __name__ == "__main__":

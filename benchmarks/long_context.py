@@ -77,7 +77,9 @@ def window_overrides(short: int, seq_len: int) -> list[str]:
     """Windows of `seq_len` tokens, as many a step as make BATCH_AT_S windows of `short`: the same tokens a step."""
     batch = BATCH_AT_S * short // seq_len
     return [
-        f"data.seq_len={seq_len}", f"model.max_seq_len={seq_len}", f"train.global_batch={batch}",
+        f"data.seq_len={seq_len}",
+        f"model.max_seq_len={seq_len}",
+        f"train.global_batch={batch}",
         f"train.micro_batch={batch}",
     ]
 
@@ -91,7 +93,9 @@ def stage_2_variants(short: int, theta: float, head_dim: int) -> dict[str, list[
         "extended, no scaling": at_long,
         f"extended, ABF (theta {abf:,.0f})": [*at_long, f"model.rope_theta={abf:.1f}"],
         f"extended, YaRN x{FACTOR}": [
-            *at_long, "model.rope_scaling.kind=yarn", f"model.rope_scaling.factor={FACTOR}",
+            *at_long,
+            "model.rope_scaling.kind=yarn",
+            f"model.rope_scaling.factor={FACTOR}",
             f"model.rope_scaling.original_max_seq_len={short}",
         ],
     }
@@ -111,15 +115,20 @@ def pretrain(args: argparse.Namespace, corpus: Path, run_dir: Path) -> None:
     """Stage 1: from scratch at S, with the demo's optimizer and schedule."""
     overrides = [*window_overrides(args.seq_len, args.seq_len), f"run.seed={args.seed}"]
     seconds, last = run_stage(run_dir, corpus, args.pretrain_steps, overrides)
-    print(f"pre-trained: {args.pretrain_steps} steps of {BATCH_AT_S * args.seq_len:,} tokens in {seconds:.0f} s, "
-          f"train loss {last:.4f}")
+    print(
+        f"pre-trained: {args.pretrain_steps} steps of {BATCH_AT_S * args.seq_len:,} tokens in {seconds:.0f} s, "
+        f"train loss {last:.4f}"
+    )
 
 
 def extend(args: argparse.Namespace, corpus: Path, parent: Path, work: Path) -> dict[str, Path]:
     """Stage 2 in every variant, from the parent's weights and AdamW state, with one schedule and data seed."""
     config = load_model(parent, device="cpu").model.config
     common = [
-        f"init_from={parent}", "init_optimizer=true", f"run.seed={args.seed + 1}", f"optim.lr={args.extend_lr}",
+        f"init_from={parent}",
+        "init_optimizer=true",
+        f"run.seed={args.seed + 1}",
+        f"optim.lr={args.extend_lr}",
         f"optim.warmup_steps={max(1, args.extend_steps // 10)}",
     ]
     runs = {}
@@ -127,8 +136,10 @@ def extend(args: argparse.Namespace, corpus: Path, parent: Path, work: Path) -> 
     for index, (name, overrides) in enumerate(variants.items()):
         runs[name] = work / f"stage-2-{index}"
         seconds, last = run_stage(runs[name], corpus, args.extend_steps, common + overrides)
-        print(f"{name}: {args.extend_steps} steps of {BATCH_AT_S * args.seq_len:,} tokens in {seconds:.0f} s, "
-              f"train loss {last:.4f}")
+        print(
+            f"{name}: {args.extend_steps} steps of {BATCH_AT_S * args.seq_len:,} tokens in {seconds:.0f} s, "
+            f"train loss {last:.4f}"
+        )
     return runs
 
 
@@ -179,9 +190,14 @@ def report(args: argparse.Namespace, losses: dict[str, dict[str, float]], wall_s
     print(f"at {long} against no extension ({control:.4f}): " + ", ".join(ratios))
     print(f"wall time {wall_s:.0f} s")
     return {
-        "seq_len": short, "extended_seq_len": long, "pretrain_steps": args.pretrain_steps,
-        "extend_steps": args.extend_steps, "tokens_per_step": BATCH_AT_S * short, "eval_tokens": args.eval_tokens,
-        "seed": args.seed, "threads": torch.get_num_threads(),
+        "seq_len": short,
+        "extended_seq_len": long,
+        "pretrain_steps": args.pretrain_steps,
+        "extend_steps": args.extend_steps,
+        "tokens_per_step": BATCH_AT_S * short,
+        "eval_tokens": args.eval_tokens,
+        "seed": args.seed,
+        "threads": torch.get_num_threads(),
         "held_out_loss": {name: {key: round(value, 4) for key, value in row.items()} for name, row in losses.items()},
         "loss_at_4s_vs_no_extension": {name: round(delta, 4) for name, delta in differences.items()},
         "wall_s": round(wall_s, 1),

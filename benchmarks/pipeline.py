@@ -37,8 +37,15 @@ from ferry_runs import train_records  # noqa: E402
 WARMUP_STEPS = 3
 VOCAB, SEQ_LEN = 512, 256
 MODEL = [
-    "model.dim=384", "model.n_layers=8", "model.n_heads=6", "model.n_kv_heads=6", "model.dense_layers=0",
-    "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.expert_ffn_dim=768", f"model.max_seq_len={SEQ_LEN}",
+    "model.dim=384",
+    "model.n_layers=8",
+    "model.n_heads=6",
+    "model.n_kv_heads=6",
+    "model.dense_layers=0",
+    "model.moe.num_experts=8",
+    "model.moe.top_k=2",
+    "model.moe.expert_ffn_dim=768",
+    f"model.max_seq_len={SEQ_LEN}",
     "model.qk_norm=false",
 ]
 SCHEDULES = {
@@ -61,12 +68,29 @@ def analytic_bubble(schedule: str, stages: int, micro_batches: int) -> float | N
 def run(ranks: int, schedule: str, micro_batches: int, steps: int, data: Path, root: Path) -> dict:
     run_dir = root / f"pp{ranks}-{schedule}"
     command = [
-        sys.executable, "-m", "ferry", "train", str(REPO / "configs" / "tiny.yaml"), "--nproc", str(ranks),
-        f"data.sources=[{{name: synthetic, path: {data}}}]", f"data.seq_len={SEQ_LEN}", f"model.vocab_size={VOCAB}",
-        f"train.global_batch={micro_batches}", "train.micro_batch=1", f"train.loss_chunk={SEQ_LEN}",
-        f"train.steps={steps}", "train.log_every=1000", f"parallel.pp={ranks}", "checkpoint.enabled=false",
-        "checkpoint.interval=0", "metrics.sinks.prometheus.enabled=false", "eval.sources=[]", f"run.dir={run_dir}",
-        *MODEL, *SCHEDULES[schedule],
+        sys.executable,
+        "-m",
+        "ferry",
+        "train",
+        str(REPO / "configs" / "tiny.yaml"),
+        "--nproc",
+        str(ranks),
+        f"data.sources=[{{name: synthetic, path: {data}}}]",
+        f"data.seq_len={SEQ_LEN}",
+        f"model.vocab_size={VOCAB}",
+        f"train.global_batch={micro_batches}",
+        "train.micro_batch=1",
+        f"train.loss_chunk={SEQ_LEN}",
+        f"train.steps={steps}",
+        "train.log_every=1000",
+        f"parallel.pp={ranks}",
+        "checkpoint.enabled=false",
+        "checkpoint.interval=0",
+        "metrics.sinks.prometheus.enabled=false",
+        "eval.sources=[]",
+        f"run.dir={run_dir}",
+        *MODEL,
+        *SCHEDULES[schedule],
     ]
     records = train_records(command, run_dir, WARMUP_STEPS, REPO)
     if isinstance(records, str):
@@ -82,9 +106,12 @@ def run(ranks: int, schedule: str, micro_batches: int, steps: int, data: Path, r
         return 1.0 - max(rank_busy) / record["pp.schedule_s"]
 
     return {
-        "step_s": median("step_s"), "schedule_s": median("pp.schedule_s"), "bubble": median("pp.bubble"),
+        "step_s": median("step_s"),
+        "schedule_s": median("pp.schedule_s"),
+        "bubble": median("pp.bubble"),
         "busiest_rank_bubble": statistics.median(busiest_rank_bubble(record) for record in records),
-        "stage_busy_s": stage_busy, "tokens_per_s": median("tokens_per_s"),
+        "stage_busy_s": stage_busy,
+        "tokens_per_s": median("tokens_per_s"),
         "analytic_bubble": analytic_bubble(schedule, ranks, micro_batches),
     }
 
@@ -114,13 +141,15 @@ def main() -> None:
                 mean, busiest = figure["bubble"], figure["busiest_rank_bubble"]
                 against = (
                     f"analytic {analytic:.3f} (mean {mean / analytic:.2f}x, busiest {busiest / analytic:.2f}x)"
-                    if analytic else "analytic -"
+                    if analytic
+                    else "analytic -"
                 )
                 busy = ", ".join(f"{1000 * seconds:.0f}" for seconds in figure["stage_busy_s"])
                 print(
                     f"pp {ranks} {schedule:<17} m {args.micro_batches}: step {1000 * figure['step_s']:6.0f} ms, "
                     f"schedule {1000 * figure['schedule_s']:6.0f} ms, bubble mean {mean:.3f} busiest rank "
-                    f"{busiest:.3f}, {against}; stage busy ms [{busy}]", flush=True,
+                    f"{busiest:.3f}, {against}; stage busy ms [{busy}]",
+                    flush=True,
                 )
     print(json.dumps(results))
 

@@ -79,18 +79,44 @@ def main() -> None:
     started = time.perf_counter()
     for seed in args.seeds:
         sft_dir, grpo_dir = args.work / f"sft-{seed}", args.work / f"grpo-{seed}"
-        train(load_run_config(REPO / "configs" / "tiny.yaml", [
-            *MODEL, f"run.dir={sft_dir}", "run.overwrite=true", f"run.seed={seed}", "checkpoint.interval=0",
-            f"data.sources=[{{name: chat, path: {data['chat']}}}]", f"train.steps={args.sft_steps}",
-            "optim.warmup_steps=10",
-        ]))
-        train(load_run_config(REPO / "configs" / "tiny.yaml", [
-            *MODEL, f"run.dir={grpo_dir}", "run.overwrite=true", f"run.seed={seed}", "checkpoint.interval=0",
-            "train.objective=grpo", f"init_from={sft_dir / 'checkpoints'}",
-            f"data.sources=[{{name: prompts, path: {data['prompts']}}}]", "grpo.verifier=numeric",
-            "grpo.max_new_tokens=4", "train.global_batch=16", "train.micro_batch=8", f"train.steps={args.grpo_steps}",
-            "optim.lr=6e-4", "optim.warmup_steps=5", "optim.schedule=constant",
-        ]))
+        train(
+            load_run_config(
+                REPO / "configs" / "tiny.yaml",
+                [
+                    *MODEL,
+                    f"run.dir={sft_dir}",
+                    "run.overwrite=true",
+                    f"run.seed={seed}",
+                    "checkpoint.interval=0",
+                    f"data.sources=[{{name: chat, path: {data['chat']}}}]",
+                    f"train.steps={args.sft_steps}",
+                    "optim.warmup_steps=10",
+                ],
+            )
+        )
+        train(
+            load_run_config(
+                REPO / "configs" / "tiny.yaml",
+                [
+                    *MODEL,
+                    f"run.dir={grpo_dir}",
+                    "run.overwrite=true",
+                    f"run.seed={seed}",
+                    "checkpoint.interval=0",
+                    "train.objective=grpo",
+                    f"init_from={sft_dir / 'checkpoints'}",
+                    f"data.sources=[{{name: prompts, path: {data['prompts']}}}]",
+                    "grpo.verifier=numeric",
+                    "grpo.max_new_tokens=4",
+                    "train.global_batch=16",
+                    "train.micro_batch=8",
+                    f"train.steps={args.grpo_steps}",
+                    "optim.lr=6e-4",
+                    "optim.warmup_steps=5",
+                    "optim.schedule=constant",
+                ],
+            )
+        )
         before, after = solve_rates(sft_dir, held_out), solve_rates(grpo_dir, held_out)
         rows.append((seed, *before, *after))
         print(

@@ -62,7 +62,9 @@ def kept(config: RunConfig, tokens: int) -> dict:
         measured = (memory.kept_bytes() - h_BSD.numel() * 4) / (tokens * config.model.n_layers)
         estimated = kept_bytes_per_token_layer(fp32, mode, compute_bytes=4)
         figures[mode] = {
-            "measured": round(measured), "estimated": estimated, "measured_vs_estimate": measured / estimated
+            "measured": round(measured),
+            "estimated": estimated,
+            "measured_vs_estimate": measured / estimated,
         }
     for mode in MODES:
         figures[mode]["vs_none"] = figures[mode]["measured"] / figures["none"]["measured"]
@@ -125,7 +127,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
     parser.add_argument(
-        "--tokens", type=int, default=5120,
+        "--tokens",
+        type=int,
+        default=5120,
         help="tokens of a step; the default gives micro-batches of 5,120 to 640 tokens, none shaped like a weight",
     )
     parser.add_argument("--repeats", type=int, default=9)
@@ -133,8 +137,9 @@ def main() -> None:
     args = parser.parse_args()
     config = load_config(RunConfig, args.config, [])
     seq_len = config.data.seq_len
-    tokens_BS = torch.randint(0, config.model.vocab_size, (args.tokens // seq_len, seq_len),
-                              generator=torch.Generator().manual_seed(0))
+    tokens_BS = torch.randint(
+        0, config.model.vocab_size, (args.tokens // seq_len, seq_len), generator=torch.Generator().manual_seed(0)
+    )
     results = {
         "kept": kept(config, seq_len),
         "traffic": traffic(config, tokens_BS),
@@ -145,20 +150,26 @@ def main() -> None:
         return
     print(f"kept for the backward, bytes per token and block ({Path(args.config).name}, fp32, {seq_len} tokens)")
     for mode, figure in results["kept"].items():
-        print(f"  {mode:<9} {figure['measured']:>7,}  estimate {figure['estimated']:>7,}  "
-              f"measured/estimate {figure['measured_vs_estimate']:.2f}  vs none {figure['vs_none']:.2f}")
+        print(
+            f"  {mode:<9} {figure['measured']:>7,}  estimate {figure['estimated']:>7,}  "
+            f"measured/estimate {figure['measured_vs_estimate']:.2f}  vs none {figure['vs_none']:.2f}"
+        )
     print(f"parameter-proportional bytes of one step of {args.tokens:,} tokens (bf16 compute, fp32 weights)")
     for key, figure in results["traffic"].items():
         casts, micro = key.split("/")
-        print(f"  casts {casts:<11} {micro} micro-batch(es): weight and gradient casts "
-              f"{figure.get('weight_casts', 0):>11,} ({figure['casts_vs_one_micro_batch']:.1f}x one)  "
-              f"gradient adds {figure.get('gradient_adds', 0):>11,}")
+        print(
+            f"  casts {casts:<11} {micro} micro-batch(es): weight and gradient casts "
+            f"{figure.get('weight_casts', 0):>11,} ({figure['casts_vs_one_micro_batch']:.1f}x one)  "
+            f"gradient adds {figure.get('gradient_adds', 0):>11,}"
+        )
     timed = results["time"]
     print(f"one step on this CPU, 2 micro-batches, bf16 (median of {args.repeats})")
-    print(f"  none {timed['none_s']} s, selective {timed['selective_s']} s ({timed['selective_vs_none']:.2f}x), "
-          f"full {timed['full_s']} s ({timed['full_vs_none']:.2f}x); "
-          f"weights cast per use {timed['casts_per_use_s']} s, "
-          f"once a step {timed['none_s']} s ({timed['casts_once_vs_per_use']:.2f}x)")
+    print(
+        f"  none {timed['none_s']} s, selective {timed['selective_s']} s ({timed['selective_vs_none']:.2f}x), "
+        f"full {timed['full_s']} s ({timed['full_vs_none']:.2f}x); "
+        f"weights cast per use {timed['casts_per_use_s']} s, "
+        f"once a step {timed['none_s']} s ({timed['casts_once_vs_per_use']:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

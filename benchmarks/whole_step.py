@@ -104,7 +104,10 @@ class TransformersSide:
         kept = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
         self.optimizer = torch.optim.AdamW(
             [{"params": decayed, "weight_decay": optim.weight_decay}, {"params": kept, "weight_decay": 0.0}],
-            lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=True,
+            lr=optim.lr,
+            betas=tuple(optim.betas),
+            eps=optim.eps,
+            fused=True,
         )
         self.grad_clip = optim.grad_clip
         self.vocab = trainer.config.model.vocab_size
@@ -169,21 +172,67 @@ def gemm_limit_s(args: argparse.Namespace, repeats: int = 3) -> float:
 # What each op of a profiled ferry step is spent on; an op not listed counts as "other".
 CATEGORIES = {
     "matmuls": ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"),
-    "attention kernel": ("aten::_scaled_dot_product_flash_attention_for_cpu",
-                         "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
-    "loss": ("aten::_log_softmax", "aten::_log_softmax_backward_data", "aten::nll_loss_forward",
-             "aten::nll_loss_backward", "aten::argmax"),
-    "optimizer and clipping": ("aten::_fused_adamw_", "aten::_foreach_norm", "aten::_foreach_mul_",
-                               "aten::linalg_vector_norm"),
-    "token moves (gather, scatter, sort)": ("aten::index_select", "aten::index_add_", "aten::scatter_add_",
-                                            "aten::sort", "aten::argsort", "aten::gather", "aten::index",
-                                            "aten::index_put_", "aten::_index_put_impl_", "aten::topk"),
+    "attention kernel": (
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    ),
+    "loss": (
+        "aten::_log_softmax",
+        "aten::_log_softmax_backward_data",
+        "aten::nll_loss_forward",
+        "aten::nll_loss_backward",
+        "aten::argmax",
+    ),
+    "optimizer and clipping": (
+        "aten::_fused_adamw_",
+        "aten::_foreach_norm",
+        "aten::_foreach_mul_",
+        "aten::linalg_vector_norm",
+    ),
+    "token moves (gather, scatter, sort)": (
+        "aten::index_select",
+        "aten::index_add_",
+        "aten::scatter_add_",
+        "aten::sort",
+        "aten::argsort",
+        "aten::gather",
+        "aten::index",
+        "aten::index_put_",
+        "aten::_index_put_impl_",
+        "aten::topk",
+    ),
     "elementwise (norms, RoPE, SwiGLU, residuals)": (
-        "aten::mul", "aten::mul_", "aten::add", "aten::add_", "aten::pow", "aten::rsqrt", "aten::silu",
-        "aten::silu_backward", "aten::div", "aten::mean", "aten::sum", "aten::neg", "aten::cat", "aten::fill_",
-        "aten::copy_", "aten::zero_", "aten::softmax", "aten::_softmax", "aten::_softmax_backward_data",
-        "aten::where", "aten::xlogy", "aten::logsumexp", "aten::exp", "aten::sub", "aten::linalg_vecdot",
-        "aten::lerp_", "aten::addcmul_", "aten::addcdiv_", "aten::sqrt", "aten::masked_fill"),
+        "aten::mul",
+        "aten::mul_",
+        "aten::add",
+        "aten::add_",
+        "aten::pow",
+        "aten::rsqrt",
+        "aten::silu",
+        "aten::silu_backward",
+        "aten::div",
+        "aten::mean",
+        "aten::sum",
+        "aten::neg",
+        "aten::cat",
+        "aten::fill_",
+        "aten::copy_",
+        "aten::zero_",
+        "aten::softmax",
+        "aten::_softmax",
+        "aten::_softmax_backward_data",
+        "aten::where",
+        "aten::xlogy",
+        "aten::logsumexp",
+        "aten::exp",
+        "aten::sub",
+        "aten::linalg_vecdot",
+        "aten::lerp_",
+        "aten::addcmul_",
+        "aten::addcdiv_",
+        "aten::sqrt",
+        "aten::masked_fill",
+    ),
 }
 # Autograd functions whose every op counts toward one category, whatever the op (the cross-entropy's backward
 # is an exponential, a scale and a scatter, which alone would read as elementwise work and token moves).
@@ -235,11 +284,17 @@ def main() -> None:
         "--breakdown", action="store_true", help="also profile ferry's step and print where its time goes"
     )
     parser.add_argument(
-        "--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+        "--variant",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE[,KEY=VALUE]",
         help="one more ferry side with these config overrides, e.g. train.loss_chunk=512 (repeatable)",
     )
     parser.add_argument(
-        "--op", action="append", default=[], metavar="OP=IMPLEMENTATION",
+        "--op",
+        action="append",
+        default=[],
+        metavar="OP=IMPLEMENTATION",
         help="pin a kernel op on every ferry side (kernels.ops), e.g. moe.grouped_mm=torch_grouped_mm",
     )
     parser.add_argument("--dim", type=int, default=256)
@@ -252,7 +307,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16, help="sequences a step")
     parser.add_argument(
-        "--dtype", choices=sorted(COMPUTE_DTYPES), default="fp32",
+        "--dtype",
+        choices=sorted(COMPUTE_DTYPES),
+        default="fp32",
         help="compute dtype of both sides (bf16: autocast over fp32 parameters) and of the GEMM limit",
     )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -79,6 +79,22 @@ def rehearse_ep2_to_one(dataset: Path, work: Path, *model_overrides: str) -> tup
     config = work / "run.yaml"
     work.mkdir(parents=True, exist_ok=True)
     config.write_text(json.dumps(raw))
-    code = main(["rehearse", str(config), "--from", "cpu-ep2", "--to", "cpu", "--steps", "35", "--switch-at", "25",
-                 "--dir", str(work / "rehearsal"), "--history", str(work / "history")])
+    code = main(
+        [
+            "rehearse",
+            str(config),
+            "--from",
+            "cpu-ep2",
+            "--to",
+            "cpu",
+            "--steps",
+            "35",
+            "--switch-at",
+            "25",
+            "--dir",
+            str(work / "rehearsal"),
+            "--history",
+            str(work / "history"),
+        ]
+    )
     return code, json.loads((work / "rehearsal" / "verdict.json").read_text())

@@ -32,10 +32,15 @@ def run(corpus: Path, work: Path, output: Path, tokenizer: str) -> None:
             LambdaFilter(_keeps_document),
             TokenPartsWriter(work / "parts", tokenizer=tokenizer, shard_tokens=700),
         ],
-        tasks=2, workers=2, logging_dir=str(work / "logs-tokenise"),
+        tasks=2,
+        workers=2,
+        logging_dir=str(work / "logs-tokenise"),
     )
     LocalPipelineExecutor(
-        [DatasetJoiner(work / "parts", output)], tasks=1, logging_dir=str(work / "logs-join"), depends=tokenising,
+        [DatasetJoiner(work / "parts", output)],
+        tasks=1,
+        logging_dir=str(work / "logs-join"),
+        depends=tokenising,
     ).run()
 
 

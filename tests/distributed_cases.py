@@ -80,9 +80,18 @@ def bad_layout_raises(ep: int):
     from ferry.parallel import ParallelConfig, build_plan
 
     context = init_distributed(CommConfig(backend="gloo"), CPU)
-    model = Transformer(ModelConfig.model_validate({"vocab_size": 64, "dim": 16, "n_layers": 1, "n_heads": 2,
-                                                    "n_kv_heads": 2,
-                                                    "moe": {"num_experts": 3, "top_k": 1, "expert_ffn_dim": 8}}))
+    model = Transformer(
+        ModelConfig.model_validate(
+            {
+                "vocab_size": 64,
+                "dim": 16,
+                "n_layers": 1,
+                "n_heads": 2,
+                "n_kv_heads": 2,
+                "moe": {"num_experts": 3, "top_k": 1, "expert_ffn_dim": 8},
+            }
+        )
+    )
     build_plan(ParallelConfig(ep=ep), context, model, CPU)
 
 
@@ -96,17 +105,19 @@ def rank_one_raises():
 def _tiny_moe_model():
     from ferry.model import ModelConfig, Transformer
 
-    return Transformer(ModelConfig.model_validate(
-        {
-            "vocab_size": 64,
-            "dim": 32,
-            "n_layers": 2,
-            "n_heads": 4,
-            "n_kv_heads": 2,
-            "max_seq_len": 16,
-            "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16, "shared_expert_ffn_dim": 8},
-        }
-    ))
+    return Transformer(
+        ModelConfig.model_validate(
+            {
+                "vocab_size": 64,
+                "dim": 32,
+                "n_layers": 2,
+                "n_heads": 4,
+                "n_kv_heads": 2,
+                "max_seq_len": 16,
+                "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16, "shared_expert_ffn_dim": 8},
+            }
+        )
+    )
 
 
 def model_ep_equals_single(mode: str, ep: int):
@@ -128,14 +139,18 @@ def model_ep_equals_single(mode: str, ep: int):
 
     def loss_of(net, batch):
         out = net(batch[:, :-1])
-        return F.cross_entropy(out.logits_BSV.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum") / total, out
+        return F.cross_entropy(
+            out.logits_BSV.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
+        ) / total, out
 
     loss, output = loss_of(model, mine)
     loss.backward()
     plan.sync_gradients()
     ref_loss, ref_output = loss_of(reference, tokens)
     ref_loss.backward()
-    logits_error = (output.logits_BSV - ref_output.logits_BSV[context.rank * rows : (context.rank + 1) * rows]).abs().max()
+    logits_error = (
+        (output.logits_BSV - ref_output.logits_BSV[context.rank * rows : (context.rank + 1) * rows]).abs().max()
+    )
     worst = 0.0
     ref_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():

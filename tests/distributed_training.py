@@ -12,7 +12,9 @@ from conftest import TINY_RUN
 
 
 def tiny_config(dataset: str, run_dir: str, *overrides: str) -> RunConfig:
-    raw = apply_overrides(TINY_RUN, [f"run.dir={run_dir}", "train.steps=10", "checkpoint.interval=5", "checkpoint.keep=5"])
+    raw = apply_overrides(
+        TINY_RUN, [f"run.dir={run_dir}", "train.steps=10", "checkpoint.interval=5", "checkpoint.keep=5"]
+    )
     raw["data"]["sources"] = [{"name": "stdlib", "path": dataset}]
     return validate(RunConfig, apply_overrides(raw, list(overrides)))
 

@@ -154,7 +154,7 @@ def unprinted(quoted: list[str], printed: list[str]) -> list[str]:
         cut = line.endswith("...")
         wanted = shape(line.removesuffix("...").rstrip() if cut else line)
         for offset, candidate in enumerate(printed[position:]):
-            if (shape(candidate).startswith(wanted) if cut else shape(candidate) == wanted):
+            if shape(candidate).startswith(wanted) if cut else shape(candidate) == wanted:
                 position += offset + 1
                 break
         else:
@@ -202,5 +202,6 @@ def _known(override: str) -> bool:
 
     keys, _ = parse_override(override)
     dotted = ".".join(keys)
-    return any(dotted == key or dotted.startswith(f"{key}.") or key.startswith(f"{dotted}.")
-               for key in run_config_keys())
+    return any(
+        dotted == key or dotted.startswith(f"{key}.") or key.startswith(f"{dotted}.") for key in run_config_keys()
+    )

@@ -26,7 +26,10 @@ def load_offline(out: Path, text: str, new_tokens: int) -> dict:
     """The export's model type, the ids of `text`, the logits at every position and `new_tokens` greedy tokens."""
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(out), text, str(new_tokens)], capture_output=True, text=True, env=offline,
+        [sys.executable, "-c", _PROBE, str(out), text, str(new_tokens)],
+        capture_output=True,
+        text=True,
+        env=offline,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -28,7 +28,8 @@ def exported(model: Transformer, arch: str, model_class: type):
 def greedy_tokens_agree(ours: Transformer, theirs, prompt_S: torch.Tensor, new_tokens: int) -> bool:
     """Whether ferry's greedy decoding with its cache and transformers' `generate` give the same tokens."""
     with torch.no_grad():
-        their_tokens = theirs.generate(prompt_S[None], max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                                       pad_token_id=0)[0, prompt_S.numel():].tolist()
+        their_tokens = theirs.generate(
+            prompt_S[None], max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, prompt_S.numel() :].tolist()
     config = GenerationConfig(max_new_tokens=new_tokens, temperature=0.0)
     return generate(ours, [prompt_S.tolist()], config).completions[0].tokens == their_tokens

@@ -14,9 +14,17 @@ from ferry.config.loader import parse_override
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = [
-    "model.vocab_size=512", "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-    "model.dense_ffn_dim=64", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_dim=32",
-    "data.seq_len=32", "model.max_seq_len=32",
+    "model.vocab_size=512",
+    "model.dim=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.dense_ffn_dim=64",
+    "model.moe.num_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.expert_ffn_dim=32",
+    "data.seq_len=32",
+    "model.max_seq_len=32",
 ]
 EAGER = ("portable", "auto", "fp8-emulated", "fp8-native", "fp8-torchao", "chunked-loss", "large-micro-eager")
 AUTO_MICRO = ("large-micro", "large-micro-eager", "fp8-torchao-compiled")
@@ -32,8 +40,16 @@ def harness():
 
 
 def _args(harness, data="data", shape: str = "olmoe-1b-7b", batch: int | None = 2, steps: int | None = None):
-    return argparse.Namespace(data=str(data), shape=shape, steps=steps or harness.WARMUP_STEPS + 2, batch=batch,
-                              device="cpu", set=TINY, dir=None, trace=None)
+    return argparse.Namespace(
+        data=str(data),
+        shape=shape,
+        steps=steps or harness.WARMUP_STEPS + 2,
+        batch=batch,
+        device="cpu",
+        set=TINY,
+        dir=None,
+        trace=None,
+    )
 
 
 def _train_keys(harness, name: str, **kwargs) -> dict:
@@ -52,11 +68,15 @@ def test_each_new_variant_has_the_keys_its_description_gives(harness):
     assert variants["checkpointed"] == {**variants["compiled"], "train.activation_checkpointing": "selective"}
     assert variants["checkpointed-full"] == {**variants["compiled"], "train.activation_checkpointing": "full"}
     assert variants["large-micro"] == {
-        **variants["checkpointed-full"], "train.loss_chunk": 4096, "train.micro_batch": "auto"
+        **variants["checkpointed-full"],
+        "train.loss_chunk": 4096,
+        "train.micro_batch": "auto",
     }
     assert variants["large-micro-eager"] == {**variants["large-micro"], "train.compile": "none"}
     assert variants["fp8-torchao-compiled"] == {
-        **variants["fp8-torchao"], **variants["large-micro"], "train.compile": "blocks"
+        **variants["fp8-torchao"],
+        **variants["large-micro"],
+        "train.compile": "blocks",
     }
 
 
@@ -107,8 +127,12 @@ def test_the_micro_batch_used_is_read_wherever_run_json_records_it(harness, run,
 
 
 def test_the_fp8_approval_ratio_compares_against_large_micro(harness):
-    results = {"large-micro": {"tokens_per_s": 100.0}, "fp8-torchao-compiled": {"tokens_per_s": 115.0},
-               "compiled": {"tokens_per_s": 80.0}, "checkpointed": {"failed": "out of memory"}}
+    results = {
+        "large-micro": {"tokens_per_s": 100.0},
+        "fp8-torchao-compiled": {"tokens_per_s": 115.0},
+        "compiled": {"tokens_per_s": 80.0},
+        "checkpointed": {"failed": "out of memory"},
+    }
     ratios = harness.ratios(results)
     assert ratios["fp8_torchao_compiled_vs_large_micro"] == pytest.approx(1.15)
     assert ratios["large_micro_vs_compiled"] == pytest.approx(1.25)

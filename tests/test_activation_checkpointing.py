@@ -73,8 +73,14 @@ def test_what_a_forward_keeps_shrinks_by_mode_and_follows_the_memory_model():
     writes its output by slices (`out=`), so selective recomputes it: below the estimate, which counts the
     grouped GEMM outputs a GPU kernel returns whole."""
     model = {
-        "vocab_size": 97, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "max_seq_len": 256,
-        "dense_layers": 0, "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_dim": 32},
+        "vocab_size": 97,
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 4,
+        "max_seq_len": 256,
+        "dense_layers": 0,
+        "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_dim": 32},
     }
     config = ModelConfig.model_validate(model)
     run = RunConfig.model_validate({"model": model, "data": {"seq_len": 256}, "precision": {"compute_dtype": "fp32"}})
@@ -91,8 +97,15 @@ def test_what_an_mla_forward_keeps_follows_its_own_estimate():
     latent 32, the default latent sizes), against 7,744, 4,648 and 328 estimated; GQA's estimate said 4,864 for
     none. Selective is below its estimate for the reason GQA's is."""
     model = {
-        "vocab_size": 97, "dim": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 256, "dense_layers": 0,
-        "attention": "mla", "mla": {"q_lora_rank": 32}, "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_dim": 32},
+        "vocab_size": 97,
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "max_seq_len": 256,
+        "dense_layers": 0,
+        "attention": "mla",
+        "mla": {"q_lora_rank": 32},
+        "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_dim": 32},
     }
     config = ModelConfig.model_validate(model)
     run = RunConfig.model_validate({"model": model, "data": {"seq_len": 256}, "precision": {"compute_dtype": "fp32"}})

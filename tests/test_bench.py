@@ -287,6 +287,8 @@ def test_a_model_override_changes_the_workload_digest(records, tmp_path):
     code, record = bench(tmp_path, "top1", str(root / "moe-tiny.yaml"), "model.moe.top_k=1")
     assert code == 0 and record["input_digest"] == found["single"]["input_digest"]
     assert record["workload_digest"] != found["single"]["workload_digest"]
-    assert found["ep2-layout"]["workload_digest"] == found["portable"]["workload_digest"] == found["single"][
-        "workload_digest"
-    ]
+    assert (
+        found["ep2-layout"]["workload_digest"]
+        == found["portable"]["workload_digest"]
+        == found["single"]["workload_digest"]
+    )

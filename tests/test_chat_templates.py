@@ -28,8 +28,13 @@ FIXTURES = Path(__file__).parent / "fixtures" / "chat"
 TOKENIZER = FIXTURES / "tokenizer.json"
 CONVERSATIONS = [
     [Message("user", "What is 2+2?"), Message("assistant", "4.")],
-    [Message("system", "Be brief."), Message("user", "What is 2+2?"), Message("assistant", "4.", "Add them."),
-     Message("user", "And 3+3?"), Message("assistant", "Six, as 3 and 3 make 6.", "Add again.")],
+    [
+        Message("system", "Be brief."),
+        Message("user", "What is 2+2?"),
+        Message("assistant", "4.", "Add them."),
+        Message("user", "And 3+3?"),
+        Message("assistant", "Six, as 3 and 3 make 6.", "Add again."),
+    ],
     [Message("user", "Say <|end|> twice."), Message("assistant", "<|end|> <|end|>")],
 ]
 
@@ -45,8 +50,7 @@ def _theirs(template: str) -> PreTrainedTokenizerFast:
 
 
 def _as_dicts(messages: list[Message]) -> list[dict]:
-    return [{"role": m.role, "content": m.content} | ({"thinking": m.thinking} if m.thinking else {})
-            for m in messages]
+    return [{"role": m.role, "content": m.content} | ({"thinking": m.thinking} if m.thinking else {}) for m in messages]
 
 
 def _trained_text(chat: TemplateChat, messages: list[Message]) -> list[str]:
@@ -69,8 +73,9 @@ def test_the_rendering_is_transformers_apply_chat_template_token_for_token(templ
     for messages in CONVERSATIONS:
         expected = theirs.apply_chat_template(_as_dicts(messages), tokenize=True, return_dict=True)["input_ids"]
         assert ours.render_many([messages])[0].ids.tolist() == expected
-        asking = theirs.apply_chat_template(_as_dicts(messages[:-1]), tokenize=True, add_generation_prompt=True,
-                                            return_dict=True)["input_ids"]
+        asking = theirs.apply_chat_template(
+            _as_dicts(messages[:-1]), tokenize=True, add_generation_prompt=True, return_dict=True
+        )["input_ids"]
         assert ours.prompt(messages[:-1]).tolist() == asking
 
 
@@ -78,8 +83,9 @@ def test_generation_marks_train_what_transformers_masks_as_the_assistants():
     ours, theirs = _chat("chatml-generation.jinja"), _theirs("chatml-generation.jinja")
     assert ours.marked
     for messages in CONVERSATIONS[:2]:
-        mask = theirs.apply_chat_template(_as_dicts(messages), tokenize=True, return_dict=True,
-                                          return_assistant_tokens_mask=True)["assistant_masks"]
+        mask = theirs.apply_chat_template(
+            _as_dicts(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )["assistant_masks"]
         assert ours.render_many([messages])[0].trained.tolist() == [bool(flag) for flag in mask]
     assert _trained_text(ours, CONVERSATIONS[1]) == ["4.<|im_end|>", "Six, as 3 and 3 make 6.<|im_end|>"]
 
@@ -96,8 +102,10 @@ def test_harmony_without_marks_trains_every_final_channel_and_the_last_turns_ana
     assert chat.end_ids == [spelled["<|return|>"]]
     prompt = CONVERSATIONS[1][:4]
     completion = chat.completion(prompt, "6.")
-    assert np.concatenate([chat.prompt(prompt), completion]).tolist() == chat.render_many(
-        [[*prompt, Message("assistant", "6.")]])[0].ids.tolist()
+    assert (
+        np.concatenate([chat.prompt(prompt), completion]).tolist()
+        == chat.render_many([[*prompt, Message("assistant", "6.")]])[0].ids.tolist()
+    )
 
 
 def test_the_answer_a_grpo_verifier_reads_is_what_stands_where_the_template_puts_an_answers_content():
@@ -118,8 +126,10 @@ def test_text_that_spells_a_special_token_becomes_it_as_in_transformers():
 
 def test_a_template_that_rewrites_earlier_text_by_what_follows_is_refused_naming_the_turn(tmp_path):
     counting = tmp_path / "counting.jinja"
-    counting.write_text("{{ messages | length }} messages{% for m in messages %}|{{ m.role }}: {{ m.content }}"
-                        "{% endfor %}{% if add_generation_prompt %}|assistant: {% endif %}")
+    counting.write_text(
+        "{{ messages | length }} messages{% for m in messages %}|{{ m.role }}: {{ m.content }}"
+        "{% endfor %}{% if add_generation_prompt %}|assistant: {% endif %}"
+    )
     chat = TemplateChat(load_tokenizer(TOKENIZER), counting.read_text(), str(counting))
     with pytest.raises(UserError, match="the conversation before assistant turn 1 renders otherwise on its own"):
         chat.render_many([CONVERSATIONS[0]])
@@ -131,8 +141,11 @@ def test_an_older_directorys_template_is_read_from_tokenizer_config_json(tmp_pat
     assert read_chat_template(tmp_path) == template
     named = tmp_path / "named"
     named.mkdir()
-    (named / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]}))
+    (named / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]}
+        )
+    )
     assert read_chat_template(named) == template
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8}))
     with pytest.raises(UserError, match="has no chat_template"):
@@ -140,10 +153,27 @@ def test_an_older_directorys_template_is_read_from_tokenizer_config_json(tmp_pat
 
 
 GPT_OSS_TINY = dict(
-    vocab_size=448, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=128, attention_bias=True,
-    attention_sinks=True, sliding_window=16, rope_theta=150000.0,
-    moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16, score_func="softmax", renormalize=True, router_bias=True,
-             expert_biases=True, activation="clamped_swiglu"),
+    vocab_size=448,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    max_seq_len=128,
+    attention_bias=True,
+    attention_sinks=True,
+    sliding_window=16,
+    rope_theta=150000.0,
+    moe=dict(
+        num_experts=4,
+        top_k=2,
+        expert_ffn_dim=16,
+        score_func="softmax",
+        renormalize=True,
+        router_bias=True,
+        expert_biases=True,
+        activation="clamped_swiglu",
+    ),
 )
 
 
@@ -166,9 +196,16 @@ def gpt_oss_dir(tmp_path_factory):
 
 
 def _conversations_file(path: Path) -> Path:
-    rows = [{"messages": [{"role": "user", "content": f"What is {a}+{b}?"},
-                          {"role": "assistant", "content": f"{a + b}.", "thinking": f"Add {a} and {b}."}]}
-            for a in range(6) for b in range(6)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is {a}+{b}?"},
+                {"role": "assistant", "content": f"{a + b}.", "thinking": f"Add {a} and {b}."},
+            ]
+        }
+        for a in range(6)
+        for b in range(6)
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
@@ -181,39 +218,122 @@ def test_import_then_sft_dpo_and_export_in_the_models_own_template(gpt_oss_dir, 
     assert (imported / "chat_template.jinja").read_text() == (gpt_oss_dir / "chat_template.jinja").read_text()
 
     sft_data = tmp_path / "data" / "sft"
-    argv = ["data", "prepare", "--chat", str(_conversations_file(tmp_path / "chat.jsonl")), "--seq-len", "64",
-            "--tokenizer", str(imported / "tokenizer.json"), "--output", str(sft_data)]
+    argv = [
+        "data",
+        "prepare",
+        "--chat",
+        str(_conversations_file(tmp_path / "chat.jsonl")),
+        "--seq-len",
+        "64",
+        "--tokenizer",
+        str(imported / "tokenizer.json"),
+        "--output",
+        str(sft_data),
+    ]
     assert main(argv) == 0
     manifest = json.loads((sft_data / "manifest.json").read_text())
     assert manifest["chat"]["template"].startswith("jinja:") and (sft_data / "chat_template.jinja").is_file()
     assert manifest["tokenizer"]["vocab_size"] == load_tokenizer(TOKENIZER).vocab_size, "no tokens added"
 
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"What is {a}+1?", "chosen": f"{a + 1}.", "rejected": f"{a}."})
-                             + "\n" for a in range(8)))
-    assert main(["data", "prepare", "--preferences", str(pairs), "--tokenizer", str(imported / "tokenizer.json"),
-                 "--output", str(tmp_path / "data" / "pairs")]) == 0
+    pairs.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {a}+1?", "chosen": f"{a + 1}.", "rejected": f"{a}."}) + "\n"
+            for a in range(8)
+        )
+    )
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--preferences",
+                str(pairs),
+                "--tokenizer",
+                str(imported / "tokenizer.json"),
+                "--output",
+                str(tmp_path / "data" / "pairs"),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
 
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": f"What is {a}+2?", "answer": str(a + 2)} for a in range(8)]
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    assert main(["data", "prepare", "--prompts", str(prompts), "--tokenizer", str(imported / "tokenizer.json"),
-                 "--output", str(tmp_path / "data" / "prompts")]) == 0
-    common = ["configs/tiny.yaml", "--model", str(imported / "model.yaml"), "data.seq_len=64",
-              "train.global_batch=4", "train.micro_batch=4", "train.log_every=1", "optim.warmup_steps=1"]
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--prompts",
+                str(prompts),
+                "--tokenizer",
+                str(imported / "tokenizer.json"),
+                "--output",
+                str(tmp_path / "data" / "prompts"),
+            ]
+        )
+        == 0
+    )
+    common = [
+        "configs/tiny.yaml",
+        "--model",
+        str(imported / "model.yaml"),
+        "data.seq_len=64",
+        "train.global_batch=4",
+        "train.micro_batch=4",
+        "train.log_every=1",
+        "optim.warmup_steps=1",
+    ]
     sft_run, dpo_run = tmp_path / "runs" / "sft", tmp_path / "runs" / "dpo"
-    assert main(["train", *common, f"data.sources=[{{name: sft, path: {sft_data}}}]", f"run.dir={sft_run}",
-                 "train.steps=3", f"init_from={imported / 'checkpoints' / 'step-00000000'}"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *common,
+                f"data.sources=[{{name: sft, path: {sft_data}}}]",
+                f"run.dir={sft_run}",
+                "train.steps=3",
+                f"init_from={imported / 'checkpoints' / 'step-00000000'}",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (sft_run / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < record["trained_share"] < 1 for record in records), "only the assistant's tokens train"
-    assert main(["train", *common, f"data.sources=[{{name: pairs, path: {tmp_path / 'data' / 'pairs'}}}]",
-                 f"run.dir={dpo_run}", "train.steps=2", "train.objective=dpo",
-                 f"init_from={sft_run / 'checkpoints' / 'step-00000003'}"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *common,
+                f"data.sources=[{{name: pairs, path: {tmp_path / 'data' / 'pairs'}}}]",
+                f"run.dir={dpo_run}",
+                "train.steps=2",
+                "train.objective=dpo",
+                f"init_from={sft_run / 'checkpoints' / 'step-00000003'}",
+            ]
+        )
+        == 0
+    )
     grpo_run = tmp_path / "runs" / "grpo"
-    assert main(["train", *common, f"data.sources=[{{name: prompts, path: {tmp_path / 'data' / 'prompts'}}}]",
-                 f"run.dir={grpo_run}", "train.steps=1", "train.objective=grpo", "grpo.group_size=2",
-                 "grpo.max_new_tokens=12", f"init_from={sft_run / 'checkpoints' / 'step-00000003'}"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *common,
+                f"data.sources=[{{name: prompts, path: {tmp_path / 'data' / 'prompts'}}}]",
+                f"run.dir={grpo_run}",
+                "train.steps=1",
+                "train.objective=grpo",
+                "grpo.group_size=2",
+                "grpo.max_new_tokens=12",
+                f"init_from={sft_run / 'checkpoints' / 'step-00000003'}",
+            ]
+        )
+        == 0
+    )
     grpo = json.loads((grpo_run / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0 < grpo["completion_length"] <= 12 and 0 <= grpo["reward"] <= 1
     capsys.readouterr()

@@ -40,8 +40,9 @@ def test_an_asynchronous_save_resumes_bit_for_bit_on_every_layout(stdlib_dataset
     assert [row["step"] for row in saves] == [5, 10]
     assert any(row["checkpoint.write_s"] > 0 for row in whole["records"] if row["step"] > 5)
     checkpoint = tmp_path / "whole" / "checkpoints" / "step-00000005"
-    resumed = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "resumed"), *layout,
-                           f"resume={checkpoint}")[0]
+    resumed = run_on_ranks(
+        runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "resumed"), *layout, f"resume={checkpoint}"
+    )[0]
     assert resumed["losses"] == whole["losses"][5:]
     assert [row["grad_norm"] for row in resumed["records"]] == [row["grad_norm"] for row in whole["records"][5:]]
 
@@ -50,8 +51,16 @@ FULL_ON_RANK_1 = "fault.inject=[{step: 4, rank: 1, kind: disk_full_during_save}]
 
 
 def test_a_full_disk_on_one_rank_stops_every_rank_and_keeps_the_previous_checkpoint(stdlib_dataset, tmp_path):
-    ranks = run_on_ranks(runs.train_reporting_failure, 2, str(stdlib_dataset), str(tmp_path), "parallel.ep=2",
-                         "optim.zero=true", "checkpoint.interval=2", FULL_ON_RANK_1)
+    ranks = run_on_ranks(
+        runs.train_reporting_failure,
+        2,
+        str(stdlib_dataset),
+        str(tmp_path),
+        "parallel.ep=2",
+        "optim.zero=true",
+        "checkpoint.interval=2",
+        FULL_ON_RANK_1,
+    )
     root = tmp_path / "checkpoints"
     for rank in ranks:
         assert rank["error"].startswith("SaveFailed: the checkpoint of step 4 was not saved: rank 1 failed writing")
@@ -64,10 +73,19 @@ def test_a_full_disk_on_one_rank_stops_every_rank_and_keeps_the_previous_checkpo
 
 
 def test_with_on_failure_continue_training_goes_on_and_counts_the_failed_save(stdlib_dataset, tmp_path, capsys):
-    straight = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "straight"), "parallel.ep=2",
-                            "checkpoint.interval=2")[0]
-    ranks = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "run"), "parallel.ep=2",
-                         "checkpoint.interval=2", "checkpoint.on_failure=continue", FULL_ON_RANK_1)
+    straight = run_on_ranks(
+        runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "straight"), "parallel.ep=2", "checkpoint.interval=2"
+    )[0]
+    ranks = run_on_ranks(
+        runs.train_run,
+        2,
+        str(stdlib_dataset),
+        str(tmp_path / "run"),
+        "parallel.ep=2",
+        "checkpoint.interval=2",
+        "checkpoint.on_failure=continue",
+        FULL_ON_RANK_1,
+    )
     assert ranks[0]["losses"] == straight["losses"]
     failed = [row["checkpoint.failed_saves"] for row in ranks[0]["records"]]
     known = failed.index(1) + 1  # the step whose record first counts it
@@ -79,8 +97,18 @@ def test_with_on_failure_continue_training_goes_on_and_counts_the_failed_save(st
 
 def test_a_synchronous_save_refused_permission_names_the_path_and_exits_1(stdlib_dataset, tmp_path, capsys):
     config = [f"data.sources=[{{name: stdlib, path: {stdlib_dataset}}}]", "model.vocab_size=512"]
-    code = main(["train", "configs/tiny.yaml", *config, f"run.dir={tmp_path}", "train.steps=4", "eval.sources=[]",
-                 "checkpoint.interval=2", "fault.inject=[{step: 4, kind: permission_denied_during_save}]"])
+    code = main(
+        [
+            "train",
+            "configs/tiny.yaml",
+            *config,
+            f"run.dir={tmp_path}",
+            "train.steps=4",
+            "eval.sources=[]",
+            "checkpoint.interval=2",
+            "fault.inject=[{step: 4, kind: permission_denied_during_save}]",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1, err[-2000:]
     assert "ferry: error: the checkpoint of step 4 was not saved: rank 0 failed writing it (" in err
@@ -91,7 +119,10 @@ def test_a_synchronous_save_refused_permission_names_the_path_and_exits_1(stdlib
 def _mounted_tmpfs(mount, size_bytes: int) -> bool:
     mount.mkdir()
     options = f"size={size_bytes // 4096 * 4096}"
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True).returncode == 0
+    return (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True).returncode
+        == 0
+    )
 
 
 def test_a_real_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(make_config, tmp_path):
@@ -127,10 +158,19 @@ def test_the_memory_model_counts_the_host_snapshot_where_saves_run_in_the_backgr
     assert memory_estimate(make_config("checkpoint.async_save=false"), 2, "cpu").snapshot_bytes == 0
 
 
-PIECES = {"model.w": TensorPiece.whole(torch.arange(4096.0).view(64, 64)),
-          "optim.exp_avg.w": TensorPiece.whole(torch.ones(64, dtype=torch.bfloat16))}
-META = CheckpointMeta(step=1, tokens_seen=0, layout=Layout(world_size=1, ep_degree=1, mode="single"),
-                      model_config={}, run_config={}, environment={}, train_state={})
+PIECES = {
+    "model.w": TensorPiece.whole(torch.arange(4096.0).view(64, 64)),
+    "optim.exp_avg.w": TensorPiece.whole(torch.ones(64, dtype=torch.bfloat16)),
+}
+META = CheckpointMeta(
+    step=1,
+    tokens_seen=0,
+    layout=Layout(world_size=1, ep_degree=1, mode="single"),
+    model_config={},
+    run_config={},
+    environment={},
+    train_state={},
+)
 
 
 def _one_background_save(root, niceness: int) -> CheckpointManager:

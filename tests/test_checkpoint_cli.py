@@ -67,7 +67,11 @@ def test_train_resume_latest_from_the_command_line(run_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "override, culprit",
-    [("checkpoint.keep=0", "checkpoint.keep"), ("checkpoint.interval=-1", "checkpoint.interval"), ("resume=5", "resume")],
+    [
+        ("checkpoint.keep=0", "checkpoint.keep"),
+        ("checkpoint.interval=-1", "checkpoint.interval"),
+        ("resume=5", "resume"),
+    ],
 )
 def test_bad_checkpoint_settings_exit_2_naming_the_key(override, culprit, capsys):
     assert main(["train", str(REPO / "configs" / "tiny.yaml"), override]) == 2

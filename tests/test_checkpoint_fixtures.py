@@ -37,8 +37,9 @@ def test_a_checkpoint_of_an_earlier_ferry_loads_bit_for_bit_and_trains_on(name, 
     checkpoint = Path(shutil.copytree(FIXTURES / name, tmp_path / "step-00000002"))
     stored = verify_checkpoint(checkpoint)
     hook = StateAtStart()
-    trainer = Trainer(make_config(*overrides, "train.steps=3", f"resume={checkpoint}", run_dir=tmp_path / "run"),
-                      hooks=[hook])
+    trainer = Trainer(
+        make_config(*overrides, "train.steps=3", f"resume={checkpoint}", run_dir=tmp_path / "run"), hooks=[hook]
+    )
     hook.trainer = trainer
     result = trainer.fit()
     model_names = stored.names("model.")

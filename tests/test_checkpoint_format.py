@@ -137,7 +137,9 @@ def test_a_planted_pickle_is_refused_and_never_runs(tmp_path):
         "sha256": hashlib.sha256(payload).hexdigest(),
         "xxh3_128": xxhash.xxh3_128(payload).hexdigest(),
     }
-    rewrite_manifest(swapped, lambda manifest: manifest["files"].update({"optim-rank00000-part0000.safetensors": record}))
+    rewrite_manifest(
+        swapped, lambda manifest: manifest["files"].update({"optim-rank00000-part0000.safetensors": record})
+    )
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
         verify_checkpoint(swapped)
     assert not marker.exists()
@@ -166,8 +168,13 @@ def test_a_tensor_file_written_from_memory_is_what_safetensors_reads_and_its_dig
     from ferry.checkpoint.byte_writes import write_tensor_file
     from ferry.platform.digests import RECORDED, digest_file
 
-    tensors = {"w": torch.randn(5, 3).to(torch.bfloat16), "step": torch.tensor(7.0), "empty": torch.zeros(0, 4),
-               "ids": torch.arange(9, dtype=torch.int64), "mask": torch.tensor([True, False])}
+    tensors = {
+        "w": torch.randn(5, 3).to(torch.bfloat16),
+        "step": torch.tensor(7.0),
+        "empty": torch.zeros(0, 4),
+        "ids": torch.arange(9, dtype=torch.int64),
+        "mask": torch.tensor([True, False]),
+    }
     record = write_tensor_file(tmp_path / "x.safetensors", tensors)
     back = load_file(tmp_path / "x.safetensors")
     assert back.keys() == tensors.keys() and all(torch.equal(back[name], tensors[name]) for name in tensors)

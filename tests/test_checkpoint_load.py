@@ -211,7 +211,12 @@ def _trained_and_saved(tmp_path):
     """A tiny MoE after one optimizer step, saved, then its weights zeroed: (model, plan, a fresh optimizer's
     maker, the optimizer that stepped, the weights as saved, the checkpoint)."""
     model_config = ModelConfig(
-        vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, max_seq_len=8,
+        vocab_size=64,
+        dim=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        max_seq_len=8,
         moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=8),
     )
     torch.manual_seed(0)

@@ -87,7 +87,11 @@ def test_a_muon_checkpoint_is_read_without_ferry_or_torch(make_config, tmp_path)
     (tmp_path / "expected.json").write_text(json.dumps(list(expected)))
     result = subprocess.run(
         [sys.executable, "-I", "-c", _READER, str(checkpoint), str(tmp_path / "expected.json")],
-        env={}, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == expected

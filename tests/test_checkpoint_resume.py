@@ -244,8 +244,12 @@ def test_how_a_model_is_trained_may_change_what_it_computes_may_not(make_config,
 
     saved = make_config("model.dense_layers=0").model_dump(mode="json")
     old = SimpleNamespace(path=tmp_path, manifest=SimpleNamespace(model=saved["model"], run_config=saved))
-    training = ("model.moe.z_loss_coef=0.01", "model.moe.aux_loss_coef=0.1", "model.init_std=0.01",
-                "model.moe.bias_balancing.update_rate=0.01")
+    training = (
+        "model.moe.z_loss_coef=0.01",
+        "model.moe.aux_loss_coef=0.1",
+        "model.init_std=0.01",
+        "model.moe.bias_balancing.update_rate=0.01",
+    )
     notes = check_config(old, make_config("model.dense_layers=0", "model.dense_ffn_dim=48", *training))
     assert sorted(note.split(":")[0] for note in notes) == sorted(item.split("=")[0] for item in training)
     dense = make_config("model.dense_layers=1").model_dump(mode="json")

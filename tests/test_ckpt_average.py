@@ -35,7 +35,9 @@ def test_the_average_is_the_weighted_mean_of_every_model_tensor(two_checkpoints,
 
 def test_optimizer_moments_are_averaged_when_asked(two_checkpoints, tmp_path):
     early, late = two_checkpoints
-    assert main(["ckpt", "average", str(early), str(late), "--out", str(tmp_path / "soup"), "--optimizer", "average"]) == 0
+    assert (
+        main(["ckpt", "average", str(early), str(late), "--out", str(tmp_path / "soup"), "--optimizer", "average"]) == 0
+    )
     soup, a, b = (verify_checkpoint(path) for path in (tmp_path / "soup" / "step-00000004", early, late))
     moments = soup.names("optim.exp_avg")
     assert moments and set(moments) == set(a.names("optim.exp_avg"))
@@ -93,7 +95,9 @@ def test_an_average_is_refused_as_a_resume_and_the_message_says_how_to_start_fro
     from ferry.config import UserError
 
     early, late = two_checkpoints
-    assert main(["ckpt", "average", str(early), str(late), "--out", str(tmp_path / "soup"), "--optimizer", optimizer]) == 0
+    assert (
+        main(["ckpt", "average", str(early), str(late), "--out", str(tmp_path / "soup"), "--optimizer", optimizer]) == 0
+    )
     soup = tmp_path / "soup" / "step-00000004"
     missing = "data position, RNG state" if optimizer == "average" else "optimizer state, data position, RNG state"
     start = f"init_from={soup} init_optimizer=true" if optimizer == "average" else f"init_from={soup}"

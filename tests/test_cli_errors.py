@@ -118,8 +118,10 @@ def test_a_device_that_is_not_here_is_named_as_the_flag_given(argv, capsys):
 
 @pytest.mark.parametrize(
     ("flags", "named"),
-    [(["--max-bytes", "3"], "--max-bytes is the text budget of an embedded corpus"),
-     (["--prompts", "--shard-tokens", "5"], "--shard-tokens: --prompts writes its records whole")],
+    [
+        (["--max-bytes", "3"], "--max-bytes is the text budget of an embedded corpus"),
+        (["--prompts", "--shard-tokens", "5"], "--shard-tokens: --prompts writes its records whole"),
+    ],
 )
 def test_a_prepare_option_that_would_be_ignored_is_refused(tmp_path, flags, named, capsys):
     rows = _write(tmp_path, "rows.jsonl", '{"text": "hello", "prompt": "2+2=", "answer": "4"}\n')
@@ -145,7 +147,8 @@ def test_a_blank_prompt_line_and_a_dataset_given_twice_are_refused(tmp_path, cap
         (["train", TINY, "--run-name", "my run"], "--run-name", "did you mean 'run.name=my run'?"),
         (["train", TINY, "--steps"], "--steps", "did you mean train.steps=VALUE?"),
         (
-            ["launch", TINY, "--platform", "cpu", "--nodes", "1", "--warmup-steps", "5"], "--warmup-steps",
+            ["launch", TINY, "--platform", "cpu", "--nodes", "1", "--warmup-steps", "5"],
+            "--warmup-steps",
             "did you mean optim.warmup_steps=5?",
         ),
         (["rehearse", TINY, "--from", "cpu", "--to", "cpu", "--lr", "1e-3"], "--lr", "did you mean optim.lr=1e-3?"),

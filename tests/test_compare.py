@@ -36,7 +36,12 @@ CURVE = [6.0 - 0.02 * step for step in range(30)]
 
 def test_the_profiles_exist_and_every_number_has_its_reason():
     assert list(tolerance_profiles()) == [
-        "bitwise", "same-hardware", "cross-accelerator", "sampled", "layout", "layout-bf16"
+        "bitwise",
+        "same-hardware",
+        "cross-accelerator",
+        "sampled",
+        "layout",
+        "layout-bf16",
     ]
     bitwise = tolerance_profile("bitwise")
     assert bitwise.rtol == bitwise.atol == 0.0 and bitwise.window == 1
@@ -92,7 +97,11 @@ def test_a_sampled_run_is_judged_against_the_spread_between_seeds(tmp_path):
     [
         ("sampled", ["{s1}"], "needs 2 run(s) of run A's config with other seeds (--seed-run), got 1"),
         ("same-hardware", ["{s1}", "{s2}"], "profile same-hardware has a fixed band and takes no seed runs"),
-        ("sampled", ["{s1}", "{short}"], "seed run {short} has no 'reward' at 20 of the judged steps (first 21, last 40)"),
+        (
+            "sampled",
+            ["{s1}", "{short}"],
+            "seed run {short} has no 'reward' at 20 of the judged steps (first 21, last 40)",
+        ),
         ("sampled", ["{s1}", "{broken}"], "seed run {broken} has a non-finite 'reward' at step 4"),
         ("sampled", ["{s1}", "{s1}"], "seed run {s1} is another seed run again"),
         ("sampled", ["{s1}", "{a}"], "seed run {a} is run A again"),
@@ -108,8 +117,9 @@ def test_bad_seed_runs_are_refused_naming_them(tmp_path, profile, seed_runs, mes
         "s1": write_run(tmp_path / "s1", noisy_rewards(1), metric="reward"),
         "s2": write_run(tmp_path / "s2", noisy_rewards(2), metric="reward"),
         "short": write_run(tmp_path / "short", noisy_rewards(3, steps=20), metric="reward"),
-        "broken": write_run(tmp_path / "broken", noisy_rewards(4)[:3] + [float("nan")] + noisy_rewards(4)[4:],
-                            metric="reward"),
+        "broken": write_run(
+            tmp_path / "broken", noisy_rewards(4)[:3] + [float("nan")] + noisy_rewards(4)[4:], metric="reward"
+        ),
     }
     argv = ["compare", str(paths["a"]), str(paths["b"]), "--profile", profile, "--metric", "reward"]
     for run in seed_runs:
@@ -213,7 +223,6 @@ def test_bad_input_is_a_user_error_naming_the_culprit(tmp_path, argv, message):
     assert caught.value.exit_code == 2
 
 
-
 def test_a_non_finite_reference_measures_no_spread_and_a_zero_reward_is_judged(tmp_path):
     a_rewards = noisy_rewards(0)
     broken = write_run(tmp_path / "broken", a_rewards[:29] + [float("nan")] + a_rewards[30:], metric="reward")
@@ -227,11 +236,16 @@ def test_a_non_finite_reference_measures_no_spread_and_a_zero_reward_is_judged(t
     zeros = [0.0] * 5
     a = write_run(tmp_path / "a", zeros + a_rewards[5:], metric="reward")
     seeds = [str(write_run(tmp_path / f"z{k}", zeros + noisy_rewards(k)[5:], metric="reward")) for k in (1, 2)]
-    verdict = compare_runs(a, write_run(tmp_path / "b0", zeros + noisy_rewards(3)[5:], metric="reward"),
-                           profile="sampled", seed_runs=seeds)
+    verdict = compare_runs(
+        a, write_run(tmp_path / "b0", zeros + noisy_rewards(3)[5:], metric="reward"), profile="sampled", seed_runs=seeds
+    )
     assert verdict.passed and verdict.max_rel_diff is not None and "PASS" in verdict.summary()
-    early = compare_runs(a, write_run(tmp_path / "b1", [0.5] + zeros[1:] + a_rewards[5:], metric="reward"),
-                         profile="sampled", seed_runs=seeds)
+    early = compare_runs(
+        a,
+        write_run(tmp_path / "b1", [0.5] + zeros[1:] + a_rewards[5:], metric="reward"),
+        profile="sampled",
+        seed_runs=seeds,
+    )
     assert not early.passed and early.first_failing_step == 1 and early.max_rel_diff is None  # 0.5 against 0
     assert early.max_bound_fraction > 1 and "relative" not in early.summary().split("max |diff|")[1].split(",")[0]
 

@@ -36,7 +36,7 @@ def test_resolved_config_round_trips(tmp_path):
     config = load_run_config(REPO / "configs" / "tiny.yaml", ["train.steps=7"])
     dumped = tmp_path / "config.yaml"
     dumped.write_text(dump_yaml(config))
-    assert load_run_config(dumped) .model_dump() == {**config.model_dump()}
+    assert load_run_config(dumped).model_dump() == {**config.model_dump()}
 
 
 @pytest.mark.parametrize(
@@ -84,11 +84,13 @@ HELD_OUT = "eval.sources=[{name: held, path: data/held}]"
         (["train.global_batch=24", "train.micro_batch=4"], 16, ["train.global_batch=64"]),  # 16 ranks cannot split 24
         ([HELD_OUT, "eval.batch_size=24", "train.micro_batch=4"], 4, ["train.micro_batch=2", "eval.batch_size=32"]),
         (
-            ["parallel.ep=3", "train.micro_batch=1"], 16,
+            ["parallel.ep=3", "train.micro_batch=1"],
+            16,
             ["parallel.ep=1", "parallel.ep=2", "parallel.ep=4", "parallel.ep=8"],
         ),
         (
-            ["parallel.ep=4", "train.micro_batch=1", "train.global_batch=12", "model.moe.num_experts=4"], 6,
+            ["parallel.ep=4", "train.micro_batch=1", "train.global_batch=12", "model.moe.num_experts=4"],
+            6,
             ["parallel.ep=1", "parallel.ep=2"],  # of 6 and of the 4 experts, split evenly
         ),
     ],

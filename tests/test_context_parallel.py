@@ -24,8 +24,13 @@ from ferry.data.prepare import PrepareSpec
 from ferry.train import Trainer
 
 LAYOUT_TOLERANCE = 1e-5
-LONG = ("model.max_seq_len=1024", "data.seq_len=1024", "data.document_masking=true", "train.global_batch=4",
-        "train.micro_batch=2")
+LONG = (
+    "model.max_seq_len=1024",
+    "data.seq_len=1024",
+    "data.document_masking=true",
+    "train.global_batch=4",
+    "train.micro_batch=2",
+)
 
 
 def _relative(a: list[float], b: list[float]) -> float:
@@ -50,8 +55,13 @@ def packed_documents(tmp_path_factory):
 def reference(packed_documents, tmp_path_factory):
     """The 1-process run (held-out evaluation at steps 5 and 10, checkpoints at 4, 8 and 10), and cp 2 on 2 ranks."""
     data = str(packed_documents)
-    held_out = (f"eval.sources=[{{name: held_out, path: {data}}}]", "eval.interval=5", "eval.batches=1",
-                "eval.batch_size=2", "checkpoint.interval=4")
+    held_out = (
+        f"eval.sources=[{{name: held_out, path: {data}}}]",
+        "eval.interval=5",
+        "eval.batches=1",
+        "eval.batch_size=2",
+        "checkpoint.interval=4",
+    )
     single_dir = tmp_path_factory.mktemp("single")
     single = runs.train_run(data, str(single_dir), *LONG, *held_out)
     cp_dir = tmp_path_factory.mktemp("cp2")
@@ -98,19 +108,38 @@ def test_a_checkpoint_resumes_across_context_parallel_degrees(reference, packed_
     each continues the uninterrupted run, data cursor included."""
     data, held_out = str(packed_documents), reference["held_out"]
     single = reference["single"]["losses"]
-    one = runs.train_run(data, str(tmp_path / "one"), *LONG, *held_out,
-                         f"resume={reference['cp_dir'] / 'checkpoints' / 'step-00000004'}")
+    one = runs.train_run(
+        data, str(tmp_path / "one"), *LONG, *held_out, f"resume={reference['cp_dir'] / 'checkpoints' / 'step-00000004'}"
+    )
     assert _relative(one["losses"], single[4:]) < LAYOUT_TOLERANCE
-    two = run_on_ranks(runs.train_run, 2, data, str(tmp_path / "two"), *LONG, *held_out, "parallel.cp=2",
-                       f"resume={tmp_path / 'one' / 'checkpoints' / 'step-00000008'}")
+    two = run_on_ranks(
+        runs.train_run,
+        2,
+        data,
+        str(tmp_path / "two"),
+        *LONG,
+        *held_out,
+        "parallel.cp=2",
+        f"resume={tmp_path / 'one' / 'checkpoints' / 'step-00000008'}",
+    )
     assert _relative(two[0]["losses"], single[8:]) < LAYOUT_TOLERANCE
 
 
-def test_cp2_with_experts_split_over_the_same_ranks_and_zero_trains_as_one_process(reference, packed_documents,
-                                                                                   tmp_path):
-    ranks = run_on_ranks(runs.train_run, 2, str(packed_documents), str(tmp_path), *LONG, "parallel.cp=2",
-                         "parallel.ep=2", "optim.zero=true", "train.activation_checkpointing=full",
-                         "checkpoint.interval=0")
+def test_cp2_with_experts_split_over_the_same_ranks_and_zero_trains_as_one_process(
+    reference, packed_documents, tmp_path
+):
+    ranks = run_on_ranks(
+        runs.train_run,
+        2,
+        str(packed_documents),
+        str(tmp_path),
+        *LONG,
+        "parallel.cp=2",
+        "parallel.ep=2",
+        "optim.zero=true",
+        "train.activation_checkpointing=full",
+        "checkpoint.interval=0",
+    )
     assert _relative(ranks[0]["losses"], reference["single"]["losses"]) < LAYOUT_TOLERANCE
 
 
@@ -119,10 +148,19 @@ def test_cp2_on_4_ranks_composes_with_data_expert_and_pipeline_parallelism(packe
     """cp 2 x dp 2 with experts split over 2 ranks, and 2 pipeline stages of cp 2, on 4 ranks: as one process with
     the same micro-batches, held-out losses too (shorter windows: 4 processes share 2 cores)."""
     data = str(packed_documents)
-    shorter = ("model.max_seq_len=256", "data.seq_len=256", "data.document_masking=true", "train.global_batch=4",
-               "train.micro_batch=1", "train.steps=6", "checkpoint.interval=0",
-               f"eval.sources=[{{name: held_out, path: {data}}}]", "eval.interval=3", "eval.batches=1",
-               "eval.batch_size=2")
+    shorter = (
+        "model.max_seq_len=256",
+        "data.seq_len=256",
+        "data.document_masking=true",
+        "train.global_batch=4",
+        "train.micro_batch=1",
+        "train.steps=6",
+        "checkpoint.interval=0",
+        f"eval.sources=[{{name: held_out, path: {data}}}]",
+        "eval.interval=3",
+        "eval.batches=1",
+        "eval.batch_size=2",
+    )
     single = runs.train_run(data, str(tmp_path / "one"), *shorter)
     ranks = run_on_ranks(runs.train_run, 4, data, str(tmp_path / "four"), *shorter, "parallel.cp=2", *layout)
     assert all(rank["losses"] == ranks[0]["losses"] for rank in ranks)
@@ -135,20 +173,39 @@ def test_cp2_on_4_ranks_composes_with_data_expert_and_pipeline_parallelism(packe
     assert _relative(held_out(ranks[0]["records"]), held_out(single["records"])) < LAYOUT_TOLERANCE
 
 
-@pytest.mark.parametrize("variant", [
-    ("model.attention=mla", "model.n_kv_heads=4", "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8",
-     "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=8"),
-    ("model.skip=farskip",),
-    ("train.loss_chunk=128",),
-], ids=["mla", "farskip", "chunked-head-loss"])
-def test_cp2_splits_latent_attention_and_farskip_blocks_as_one_process_computes_them(packed_documents, tmp_path,
-                                                                                      variant):
+@pytest.mark.parametrize(
+    "variant",
+    [
+        (
+            "model.attention=mla",
+            "model.n_kv_heads=4",
+            "model.mla.kv_lora_rank=16",
+            "model.mla.qk_nope_head_dim=8",
+            "model.mla.qk_rope_head_dim=8",
+            "model.mla.v_head_dim=8",
+        ),
+        ("model.skip=farskip",),
+        ("train.loss_chunk=128",),
+    ],
+    ids=["mla", "farskip", "chunked-head-loss"],
+)
+def test_cp2_splits_latent_attention_and_farskip_blocks_as_one_process_computes_them(
+    packed_documents, tmp_path, variant
+):
     """MLA gathers each key's latent and rotary part and expands them on every rank; FarSkip's MoE exchange is in
     flight while the next attention gathers its keys; the chunked head loss takes each rank's targets inside the
     model."""
     data = str(packed_documents)
-    shorter = ("model.max_seq_len=256", "data.seq_len=256", "data.document_masking=true", "train.global_batch=4",
-               "train.micro_batch=2", "train.steps=6", "checkpoint.interval=0", *variant)
+    shorter = (
+        "model.max_seq_len=256",
+        "data.seq_len=256",
+        "data.document_masking=true",
+        "train.global_batch=4",
+        "train.micro_batch=2",
+        "train.steps=6",
+        "checkpoint.interval=0",
+        *variant,
+    )
     single = runs.train_run(data, str(tmp_path / "one"), *shorter)
     extra = ("parallel.ep=2",) if "model.skip=farskip" in variant else ()
     ranks = run_on_ranks(runs.train_run, 2, data, str(tmp_path / "two"), *shorter, "parallel.cp=2", *extra)
@@ -163,8 +220,16 @@ def test_cp2_keeps_half_the_activations_of_one_process(packed_documents, tmp_pat
     one = runs.kept_by_a_forward(data, str(tmp_path / "one"), 1024)["kept"]
     two = run_on_ranks(runs.kept_by_a_forward, 2, data, str(tmp_path / "two"), 1024, "parallel.cp=2")
     assert max(rank["kept"] for rank in two) <= 0.55 * one
-    four = run_on_ranks(runs.kept_by_a_forward, 4, data, str(tmp_path / "four"), 1024, "parallel.cp=4",
-                        "train.global_batch=4", "train.micro_batch=4")
+    four = run_on_ranks(
+        runs.kept_by_a_forward,
+        4,
+        data,
+        str(tmp_path / "four"),
+        1024,
+        "parallel.cp=4",
+        "train.global_batch=4",
+        "train.micro_batch=4",
+    )
     assert max(rank["kept"] for rank in four) <= 0.3 * one
 
 
@@ -190,8 +255,24 @@ def test_the_memory_model_and_the_micro_batch_choice_know_cp(make_config):
 
 
 def test_launch_explain_places_the_context_parallel_groups(tmp_path, capsys):
-    argv = ["launch", "configs/tiny.yaml", "--platform", "cpu", "--nodes", "2", "--nproc-per-node", "2",
-            "--scheduler", "slurm", "--out", str(tmp_path / "launch"), "parallel.cp=2", "--explain"]
+    argv = [
+        "launch",
+        "configs/tiny.yaml",
+        "--platform",
+        "cpu",
+        "--nodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--scheduler",
+        "slurm",
+        "--out",
+        str(tmp_path / "launch"),
+        "parallel.cp=2",
+        "--explain",
+    ]
     assert main(argv) == 0
-    assert ("context parallelism: groups of 2 consecutive ranks split every sequence (inside a node); the data is "
-            "split over 2 data rank(s)") in capsys.readouterr().out
+    assert (
+        "context parallelism: groups of 2 consecutive ranks split every sequence (inside a node); the data is "
+        "split over 2 data rank(s)"
+    ) in capsys.readouterr().out

@@ -175,8 +175,9 @@ def test_a_record_measured_under_load_is_named_in_a_warning_and_one_at_rest_is_n
     older = write(tmp_path, "older", record())  # from a ferry that did not measure the load
     assert cost(tmp_path, busy, at_rest, older) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert f"WARNING: {busy} was measured under load: other processes used 1.6 of 2 cores, load average up to 4.7" \
-        in out
+    assert (
+        f"WARNING: {busy} was measured under load: other processes used 1.6 of 2 cores, load average up to 4.7" in out
+    )
     assert f"WARNING: {older}: whether it was measured under load is unknown (load unknown" in out
     assert at_rest not in out
     costed = {row["file"]: row for row in json.loads((tmp_path / "out" / "cost.json").read_text())["records"]}

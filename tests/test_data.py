@@ -23,7 +23,9 @@ def text_sources(tmp_path):
 
 def test_prepare_writes_shards_and_a_manifest_with_hashes(text_sources, tmp_path):
     txt, jsonl = text_sources
-    result = prepare_dataset(PrepareSpec(inputs=[str(txt), str(jsonl)], tokenizer="byte", shard_tokens=1000), tmp_path / "ds")
+    result = prepare_dataset(
+        PrepareSpec(inputs=[str(txt), str(jsonl)], tokenizer="byte", shard_tokens=1000), tmp_path / "ds"
+    )
     manifest = result.manifest
     assert manifest["documents"] == 41
     sources = {entry["source"]: entry for entry in manifest["source_hashes"]}
@@ -92,12 +94,14 @@ def test_embedded_corpus_prepares_offline(stdlib_dataset):
     assert all(entry["source"].startswith("embedded:stdlib/") for entry in dataset.manifest["source_hashes"])
 
 
-def test_a_held_out_slice_of_the_embedded_corpus_shares_no_document_with_the_training_budget(
-    stdlib_dataset, tmp_path
-):
+def test_a_held_out_slice_of_the_embedded_corpus_shares_no_document_with_the_training_budget(stdlib_dataset, tmp_path):
     trained = {entry["source"] for entry in TokenDataset(stdlib_dataset, "trained").manifest["source_hashes"]}
-    spec = PrepareSpec(embedded="stdlib", embedded_max_bytes=100_000, embedded_skip_bytes=400_000,
-                       tokenizer=str(stdlib_dataset / "tokenizer.json"))
+    spec = PrepareSpec(
+        embedded="stdlib",
+        embedded_max_bytes=100_000,
+        embedded_skip_bytes=400_000,
+        tokenizer=str(stdlib_dataset / "tokenizer.json"),
+    )
     held_out = TokenDataset(prepare_dataset(spec, tmp_path / "held-out").output, "held out")
     sources = [entry["source"] for entry in held_out.manifest["source_hashes"]]
     assert sources and not trained.intersection(sources)

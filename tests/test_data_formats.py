@@ -20,10 +20,13 @@ TEXT_FORMATS = ("jsonl", "jsonl.gz", "json.gz", "jsonl.zst", "parquet", "arrow-d
 
 def _documents(count: int = 240) -> list[dict]:
     """Rows with text worth tokenizing: several lines, non-ASCII letters, an id column beside the text."""
-    words = ("ferry", "expert", "router", "tëxt", "шард", "日本", "token", "batch", "loss", "{\"json\": 1}")
+    words = ("ferry", "expert", "router", "tëxt", "шард", "日本", "token", "batch", "loss", '{"json": 1}')
     return [
-        {"id": index, "text": " ".join(words[(index * 7 + k) % len(words)] for k in range(3 + index % 11))
-         + ("\nsecond line" if index % 5 == 0 else "")}
+        {
+            "id": index,
+            "text": " ".join(words[(index * 7 + k) % len(words)] for k in range(3 + index % 11))
+            + ("\nsecond line" if index % 5 == 0 else ""),
+        }
         for index in range(count)
     ]
 
@@ -41,8 +44,15 @@ def _save_to_disk(directory: Path, table: pa.Table, files: int) -> Path:
     for name, start, stop in zip(names, bounds[:-1], bounds[1:]):
         with pa.ipc.new_stream(directory / name, table.schema) as writer:
             writer.write_table(table.slice(start, stop - start), max_chunksize=50)
-    state = {"_data_files": [{"filename": name} for name in names], "_fingerprint": "0", "_format_columns": None,
-             "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": "train"}
+    state = {
+        "_data_files": [{"filename": name} for name in names],
+        "_fingerprint": "0",
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": "train",
+    }
     (directory / "state.json").write_text(json.dumps(state))
     (directory / "dataset_info.json").write_text(json.dumps({"citation": "", "description": "", "features": {}}))
     return directory
@@ -153,8 +163,12 @@ def _tokenizer(tmp_path: Path) -> Path:
 def test_conversations_preferences_and_prompts_come_from_every_format(tmp_path, capsys):
     tokenizer = _tokenizer(tmp_path)
     conversations = [
-        {"messages": [{"role": "user", "content": f"what is {i} + {i}?"},
-                      {"role": "assistant", "content": f"{i} + {i} is {2 * i}."}]}
+        {
+            "messages": [
+                {"role": "user", "content": f"what is {i} + {i}?"},
+                {"role": "assistant", "content": f"{i} + {i} is {2 * i}."},
+            ]
+        }
         for i in range(30)
     ]
     preferences = [{"prompt": f"say {i}", "chosen": f"{i}", "rejected": f"{i + 1}"} for i in range(30)]
@@ -190,15 +204,18 @@ def _truncated(path: Path, data: bytes, compress) -> None:
 MALFORMED = {
     # name: (file name, writer, what the message names besides the file)
     "parquet without the text column": (
-        "rows.parquet", lambda p: pq.write_table(pa.table({"id": [1, 2], "body": ["a", "b"]}), p),
+        "rows.parquet",
+        lambda p: pq.write_table(pa.table({"id": [1, 2], "body": ["a", "b"]}), p),
         ["no column 'text'", "its columns: id, body"],
     ),
     "a null text in a parquet row": (
-        "rows.parquet", lambda p: pq.write_table(pa.table({"text": ["a", "b", None, "d"]}), p, row_group_size=2),
+        "rows.parquet",
+        lambda p: pq.write_table(pa.table({"text": ["a", "b", None, "d"]}), p, row_group_size=2),
         [" row 2: 'text' is null"],
     ),
     "a truncated gzip": (
-        "rows.jsonl.gz", lambda p: _truncated(p, _json_lines(_documents(400)), gzip.compress),
+        "rows.jsonl.gz",
+        lambda p: _truncated(p, _json_lines(_documents(400)), gzip.compress),
         ["gzip stream is corrupt or cut short before this line", "ended before the end-of-stream"],
     ),
     "a zstd frame error": ("rows.jsonl.zst", _zstd_frames_then_garbage, [":6: the zstd stream", "Unknown frame"]),
@@ -208,31 +225,39 @@ MALFORMED = {
         [":1: the zstd stream is corrupt or cut short", "it is truncated"],
     ),
     "a non-UTF-8 line": (
-        "rows.jsonl.gz", lambda p: p.write_bytes(gzip.compress(b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n')),
+        "rows.jsonl.gz",
+        lambda p: p.write_bytes(gzip.compress(b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n')),
         [":3: not UTF-8 text"],
     ),
     "a JSON line that does not parse": (
-        "rows.jsonl.zst", lambda p: p.write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "ok"}\n{"text": \n')),
+        "rows.jsonl.zst",
+        lambda p: p.write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "ok"}\n{"text": \n')),
         [":2: not valid JSON"],
     ),
     "a save_to_disk state naming a missing file": (
-        "saved", lambda p: (_save_to_disk(p, pa.table({"text": ["a", "b"]}), 2),
-                            (p / "data-00001-of-00002.arrow").unlink()),
+        "saved",
+        lambda p: (_save_to_disk(p, pa.table({"text": ["a", "b"]}), 2), (p / "data-00001-of-00002.arrow").unlink()),
         ["state.json lists", "data-00001-of-00002.arrow, which does not exist"],
     ),
     "a DatasetDict rather than one split": (
-        "splits", lambda p: (_save_to_disk(p / "train", pa.table({"text": ["a"]}), 1),
-                             (p / "dataset_dict.json").write_text('{"splits": ["train"]}')),
+        "splits",
+        lambda p: (
+            _save_to_disk(p / "train", pa.table({"text": ["a"]}), 1),
+            (p / "dataset_dict.json").write_text('{"splits": ["train"]}'),
+        ),
         ["is a DatasetDict of splits train: give the directory of the split to prepare"],
     ),
     "an empty zstd file": ("rows.jsonl.zst", lambda p: p.write_bytes(b""), ["is empty (0 bytes), which is no zstd"]),
     "an empty gzip file": ("rows.jsonl.gz", lambda p: p.write_bytes(b""), ["is empty (0 bytes), which is no gzip"]),
     "a parquet table without rows": (
-        "rows.parquet", lambda p: pq.write_table(pa.table({"text": pa.array([], pa.string())}), p),
+        "rows.parquet",
+        lambda p: pq.write_table(pa.table({"text": pa.array([], pa.string())}), p),
         ["the inputs hold no documents: ", "rows.parquet holds no rows or text"],
     ),
     "a parquet file that is not one": (
-        "rows.parquet", lambda p: p.write_bytes(b"PAR1 but nothing else"), ["cannot be read as Parquet"],
+        "rows.parquet",
+        lambda p: p.write_bytes(b"PAR1 but nothing else"),
+        ["cannot be read as Parquet"],
     ),
 }
 

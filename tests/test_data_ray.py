@@ -26,7 +26,10 @@ _TASK_TITLE = b"ray::_tokenize_part_task"  # what Ray names a worker process whi
 
 def _ferry(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ferry", *args], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "ferry", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, **(env or {})},
     )
 
@@ -63,8 +66,19 @@ def test_a_malformed_line_read_by_a_ray_task_exits_2_naming_it_and_leaves_nothin
     inputs.mkdir()
     (inputs / "a.jsonl").write_text(json_lines(text_rows(0, 30)), encoding="utf-8")
     (inputs / "b.jsonl").write_text(json_lines(text_rows(0, 40)) + '{"text": "cut short\n', encoding="utf-8")
-    ran = _ferry("data", "prepare", str(inputs), "--output", str(tmp_path / "out"), "--tokenizer", "byte",
-                 "--engine", "ray", "--workers", "1")
+    ran = _ferry(
+        "data",
+        "prepare",
+        str(inputs),
+        "--output",
+        str(tmp_path / "out"),
+        "--tokenizer",
+        "byte",
+        "--engine",
+        "ray",
+        "--workers",
+        "1",
+    )
     assert ran.returncode == 2
     assert f"{inputs / 'b.jsonl'}:41: not valid JSON" in ran.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["inputs"]
@@ -78,14 +92,35 @@ def test_address_joins_a_running_cluster_and_an_address_where_none_answers_is_re
         port = probe.getsockname()[1]
     ray = [str(Path(sys.executable).with_name("ray"))]
     started = subprocess.run(
-        [*ray, "start", "--head", "--port", str(port), "--num-cpus", "1", "--include-dashboard=false",
-         "--disable-usage-stats"], capture_output=True, text=True, timeout=120,
+        [
+            *ray,
+            "start",
+            "--head",
+            "--port",
+            str(port),
+            "--num-cpus",
+            "1",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     try:
         assert started.returncode == 0, started.stderr
         address = f"127.0.0.1:{port}"
-        joined = _ferry("data", "prepare", str(corpus), "--output", str(tmp_path / "joined"), *flags,
-                        "--address", address, env={"RAY_AUTH_MODE": "token"})
+        joined = _ferry(
+            "data",
+            "prepare",
+            str(corpus),
+            "--output",
+            str(tmp_path / "joined"),
+            *flags,
+            "--address",
+            address,
+            env={"RAY_AUTH_MODE": "token"},
+        )
         assert joined.returncode == 0, joined.stderr
         assert f"tokenised by Ray {__import__('ray').__version__} at {address}: 1 node(s), 1 CPU(s)" in joined.stdout
     finally:
@@ -140,9 +175,24 @@ def _kill_tasks(proc: subprocess.Popen, kills: int, killed: list[int]) -> None:
 
 def _prepare_while_killing(inputs: Path, tokenizer: Path, output: Path, kills: int, *flags: str) -> tuple:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ferry", "data", "prepare", str(inputs), "--output", str(output),
-         "--tokenizer", str(tokenizer), "--engine", "ray", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "ferry",
+            "data",
+            "prepare",
+            str(inputs),
+            "--output",
+            str(output),
+            "--tokenizer",
+            str(tokenizer),
+            "--engine",
+            "ray",
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     killed: list[int] = []
     killer = threading.Thread(target=_kill_tasks, args=(proc, kills, killed))

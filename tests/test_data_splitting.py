@@ -24,7 +24,7 @@ def _frames(text: str, lines_per_frame: int) -> bytes:
     lines = text.splitlines(keepends=True)
     compressor = zstandard.ZstdCompressor(level=3, write_checksum=True)
     return b"".join(
-        compressor.compress("".join(lines[at:at + lines_per_frame]).encode("utf-8"))
+        compressor.compress("".join(lines[at : at + lines_per_frame]).encode("utf-8"))
         for at in range(0, len(lines), lines_per_frame)
     )
 
@@ -51,7 +51,7 @@ def test_a_large_jsonl_is_ranges_of_whole_lines_that_read_as_the_file(big):
     assert pieces[0].start == 0 and pieces[-1].end == size
     data = path.read_bytes()
     for before, after in zip(pieces, pieces[1:]):
-        assert before.end == after.start and data[after.start - 1:after.start] == b"\n"
+        assert before.end == after.start and data[after.start - 1 : after.start] == b"\n"
     assert _texts(pieces) == _texts(parts(path)) and len(_texts(pieces)) == 1500
     assert parts(path, size) == parts(path)  # under twice the range size: whole
 

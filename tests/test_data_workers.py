@@ -104,7 +104,9 @@ def test_the_rendered_slurm_array_prepares_and_merges_the_same_dataset(corpus, t
     for name, index in (("prepare", "0"), ("prepare", "1"), ("merge", "")):
         expanded = subprocess.run(
             ["bash", "-c", f'ferry() {{ printf "%s\\0" "$@"; }}; source job/{name}.sbatch'],
-            check=True, capture_output=True, env={**os.environ, "SLURM_ARRAY_TASK_ID": index},
+            check=True,
+            capture_output=True,
+            env={**os.environ, "SLURM_ARRAY_TASK_ID": index},
         ).stdout
         assert main(expanded.decode().split("\0")[:-1]) == 0
     assert sorted(path.name for path in (tmp_path / "dataset.tasks").iterdir()) == ["task-0", "task-1"]

@@ -26,7 +26,9 @@ def _run_pipeline(corpus: Path, work: Path, output: Path, tokenizer: str) -> Non
     """datatrove's executors, in a process of their own (`datatrove_pipeline.py` says why)."""
     ran = subprocess.run(
         [sys.executable, str(_PIPELINE), str(corpus), str(work), str(output), tokenizer],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert ran.returncode == 0, ran.stderr[-3000:]
 

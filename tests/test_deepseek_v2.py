@@ -20,20 +20,45 @@ from test_interop import _random_model
 TOLERANCE = 1e-5  # relative: fp32 kernels in another order, never more
 
 V2_BASE = dict(
-    vocab_size=64, dim=32, n_layers=3, n_heads=4, max_seq_len=64, attention="mla", dense_layers=1, dense_ffn_dim=40,
+    vocab_size=64,
+    dim=32,
+    n_layers=3,
+    n_heads=4,
+    max_seq_len=64,
+    attention="mla",
+    dense_layers=1,
+    dense_ffn_dim=40,
     mla=dict(q_lora_rank=0, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
-    moe=dict(num_experts=8, top_k=2, expert_ffn_dim=16, score_func="softmax", renormalize=False,
-             shared_expert_ffn_dim=32, routed_scaling_factor=1.5),
+    moe=dict(
+        num_experts=8,
+        top_k=2,
+        expert_ffn_dim=16,
+        score_func="softmax",
+        renormalize=False,
+        shared_expert_ffn_dim=32,
+        routed_scaling_factor=1.5,
+    ),
 )
 V2_CASES = {
     "greedy": {},
     "group-limited-compressed-queries": dict(
         mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
-        moe=dict(num_experts=8, top_k=3, expert_ffn_dim=16, score_func="softmax", renormalize=False, n_group=4,
-                 topk_group=2, group_score="max", routed_scaling_factor=16.0),
+        moe=dict(
+            num_experts=8,
+            top_k=3,
+            expert_ffn_dim=16,
+            score_func="softmax",
+            renormalize=False,
+            n_group=4,
+            topk_group=2,
+            group_score="max",
+            routed_scaling_factor=16.0,
+        ),
     ),
     "yarn-no-shared-tied": dict(
-        tie_embeddings=True, dense_layers=0, rope_theta=500.0,
+        tie_embeddings=True,
+        dense_layers=0,
+        rope_theta=500.0,
         rope_scaling=dict(kind="yarn", factor=4.0, original_max_seq_len=16, mscale=1.0, mscale_all_dim=0.8),
         moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16, score_func="softmax", renormalize=False),
     ),
@@ -99,4 +124,6 @@ def test_a_v2_directory_imports_to_the_same_logits_and_round_trips_bit_for_bit(c
 )
 def test_what_deepseek_v2_cannot_express_is_named(overrides, named):
     config = ModelConfig.model_validate({**V2_BASE, **overrides})
-    assert any(problem.startswith(named) for problem in refusals(config, "deepseek_v2")), refusals(config, "deepseek_v2")
+    assert any(problem.startswith(named) for problem in refusals(config, "deepseek_v2")), refusals(
+        config, "deepseek_v2"
+    )

@@ -28,7 +28,9 @@ def reference(stdlib_dataset, tmp_path_factory):
     single_dir = tmp_path_factory.mktemp("single")
     single = Trainer(runs.tiny_config(str(stdlib_dataset), str(single_dir), *held_out)).fit().losses
     ep_dir = tmp_path_factory.mktemp("ep2")
-    ep = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(ep_dir), "parallel.ep=2", "optim.zero=true", *held_out)
+    ep = run_on_ranks(
+        runs.train_run, 2, str(stdlib_dataset), str(ep_dir), "parallel.ep=2", "optim.zero=true", *held_out
+    )
     return {"single": single, "single_dir": single_dir, "ep": ep, "ep_dir": ep_dir}
 
 
@@ -52,7 +54,9 @@ def test_held_out_loss_does_not_depend_on_the_layout(reference, stdlib_dataset, 
     assert sorted(ep) == sorted(single) == [5, 10]
     assert _relative(list(ep.values()), list(single.values())) < LAYOUT_TOLERANCE
     final = reference["ep_dir"] / "checkpoints" / "step-00000010"
-    assert main(["eval", str(final), "--data", str(stdlib_dataset), "--batches", "2", "--batch-size", "8", "--json"]) == 0
+    assert (
+        main(["eval", str(final), "--data", str(stdlib_dataset), "--batches", "2", "--batch-size", "8", "--json"]) == 0
+    )
     figures = json.loads(capsys.readouterr().out)
     assert figures["seq_len"] == 32 and figures["step"] == 10
     assert figures["datasets"][str(stdlib_dataset)]["loss"] == pytest.approx(ep[10], rel=1e-6)
@@ -135,9 +139,18 @@ def test_an_error_only_the_main_rank_meets_is_reported_by_every_rank(stdlib_data
 
     from conftest import REPO
 
-    base = [sys.executable, "-m", "ferry", "train", str(REPO / "configs" / "tiny.yaml"),
-            f"data.sources.0.path={stdlib_dataset}", "model.vocab_size=512", f"run.dir={tmp_path}", "train.steps=1",
-            "eval.sources=[]"]
+    base = [
+        sys.executable,
+        "-m",
+        "ferry",
+        "train",
+        str(REPO / "configs" / "tiny.yaml"),
+        f"data.sources.0.path={stdlib_dataset}",
+        "model.vocab_size=512",
+        f"run.dir={tmp_path}",
+        "train.steps=1",
+        "eval.sources=[]",
+    ]
     assert subprocess.run(base, capture_output=True, text=True, timeout=300).returncode == 0
     before = (tmp_path / "metrics.jsonl").read_text()
     with socket.socket() as taken:
@@ -160,15 +173,28 @@ def test_nproc_launch_reports_each_ranks_error_and_exits_2(stdlib_dataset, tmp_p
 
     missing = tmp_path / "no-dataset"
     result = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(REPO / "configs" / "tiny.yaml"), "--nproc", "2",
-         f"data.sources.0.path={missing}", "model.vocab_size=512", f"run.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "ferry",
+            "train",
+            str(REPO / "configs" / "tiny.yaml"),
+            "--nproc",
+            "2",
+            f"data.sources.0.path={missing}",
+            "model.vocab_size=512",
+            f"run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"'{missing}' is not a prepared dataset" in result.stderr
     for rank in (0, 1):
         reported = (
-            f"ferry: rank {rank}: error: data.sources.0 (stdlib): '{missing}' is not a prepared dataset" in result.stderr
+            f"ferry: rank {rank}: error: data.sources.0 (stdlib): '{missing}' is not a prepared dataset"
+            in result.stderr
             or f"ferry: rank {rank} was stopped by the launcher" in result.stderr
         )
         assert reported, f"rank {rank}'s fate is not reported"
@@ -182,9 +208,22 @@ def test_nproc_launch_refuses_a_layout_the_job_cannot_take_before_any_rank_start
     from conftest import REPO
 
     result = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(REPO / "configs" / "tiny.yaml"), "--nproc", "2",
-         f"data.sources.0.path={stdlib_dataset}", "model.vocab_size=512", f"run.dir={tmp_path}", "parallel.ep=3"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "ferry",
+            "train",
+            str(REPO / "configs" / "tiny.yaml"),
+            "--nproc",
+            "2",
+            f"data.sources.0.path={stdlib_dataset}",
+            "model.vocab_size=512",
+            f"run.dir={tmp_path}",
+            "parallel.ep=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "ferry: error: parallel.ep: 3 does not divide the world size 2" in result.stderr
@@ -200,7 +239,11 @@ def test_checkpointed_expert_parallel_training_equals_the_plain_ep_run(stdlib_da
     layout = ("parallel.ep=2", "optim.zero=true", "train.steps=3")
     runs_by_mode = {
         mode: run_on_ranks(
-            runs.train_counting_exchanges, 2, str(stdlib_dataset), str(tmp_path / mode), *layout,
+            runs.train_counting_exchanges,
+            2,
+            str(stdlib_dataset),
+            str(tmp_path / mode),
+            *layout,
             f"train.activation_checkpointing={mode}",
         )[0]
         for mode in ("none", "selective", "full")
@@ -221,8 +264,14 @@ def test_checkpointed_fsdp_training_equals_the_plain_fsdp_run(stdlib_dataset, tm
     differs in its last bits (by 2e-9 at most, measured on gradients of up to 3e-2) from the first step on."""
     layout = ("parallel.mode=fsdp", "train.steps=3", 'kernels.ops."moe.routed_experts"=portable')
     plain, checkpointed = (
-        run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path / mode), *layout,
-                     f"train.activation_checkpointing={mode}")[0]
+        run_on_ranks(
+            runs.train_run,
+            2,
+            str(stdlib_dataset),
+            str(tmp_path / mode),
+            *layout,
+            f"train.activation_checkpointing={mode}",
+        )[0]
         for mode in ("none", "selective")
     )
     assert checkpointed["losses"] == plain["losses"]
@@ -241,7 +290,8 @@ def test_a_chunked_expert_parallel_exchange_trains_as_the_single_exchange(stdlib
     exchange is the same bit for bit, with no exchange issued again."""
     layout = (str(stdlib_dataset), "parallel.ep=2", "train.steps=4")
     variants = {
-        "none": (), "chunked2": ("parallel.ep_overlap=chunked",),
+        "none": (),
+        "chunked2": ("parallel.ep_overlap=chunked",),
         "chunked4": ("parallel.ep_overlap=chunked", "parallel.ep_chunks=4"),
         "chunked2-recomputed": ("parallel.ep_overlap=chunked", "train.activation_checkpointing=selective"),
     }
@@ -255,8 +305,10 @@ def test_a_chunked_expert_parallel_exchange_trains_as_the_single_exchange(stdlib
         norms = [[record["grad_norm"] for record in done[run]["records"]] for run in (name, "none")]
         assert _relative(*norms) < 1e-6
         assert all(0 <= record["ep_overlap_share"] <= 1 and record["ep_comm_s"] > 0 for record in done[name]["records"])
-        parts = [(record["ep_exchanges"], plain["ep_exchanges"]) for record, plain in zip(done[name]["records"],
-                                                                                              single["records"])]
+        parts = [
+            (record["ep_exchanges"], plain["ep_exchanges"])
+            for record, plain in zip(done[name]["records"], single["records"])
+        ]
         assert all(chunked > whole for chunked, whole in parts), "every step exchanged its rows in parts"
     assert all(record["ep_overlap_share"] == 0 for record in single["records"])
     recomputed = done["chunked2-recomputed"]
@@ -270,8 +322,14 @@ def test_ep_overlap_auto_measures_every_candidate_and_trains_as_the_one_it_keeps
     fastest of them. Each candidate ran its own exchange: the parts and the per-expert exchanges multiply the
     messages (how much of them overlaps is a timing, measured by benchmarks/ep_overlap.py)."""
     auto = run_on_ranks(
-        runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "auto"), "parallel.ep=2", "train.steps=3",
-        "parallel.ep_overlap=auto", "parallel.ep_overlap_trial_steps=1",
+        runs.train_run,
+        2,
+        str(stdlib_dataset),
+        str(tmp_path / "auto"),
+        "parallel.ep=2",
+        "train.steps=3",
+        "parallel.ep_overlap=auto",
+        "parallel.ep_overlap_trial_steps=1",
     )[0]
     record = json.loads((tmp_path / "auto" / "run.json").read_text())["ep_overlap"]
     candidates = record["candidates"]
@@ -282,9 +340,12 @@ def test_ep_overlap_auto_measures_every_candidate_and_trains_as_the_one_it_keeps
     exchanges = {name: figures["ep_exchanges"] for name, figures in candidates.items()}
     assert exchanges["none"] < exchanges["chunked2"] < exchanges["chunked4"]
     assert exchanges["none"] < exchanges["rowwise"]
-    kept = {"none": ("parallel.ep_overlap=none",), "chunked2": ("parallel.ep_overlap=chunked",),
-            "chunked4": ("parallel.ep_overlap=chunked", "parallel.ep_chunks=4"),
-            "rowwise": ("parallel.ep_dispatch=rowwise",)}[record["chosen"]]
+    kept = {
+        "none": ("parallel.ep_overlap=none",),
+        "chunked2": ("parallel.ep_overlap=chunked",),
+        "chunked4": ("parallel.ep_overlap=chunked", "parallel.ep_chunks=4"),
+        "rowwise": ("parallel.ep_dispatch=rowwise",),
+    }[record["chosen"]]
     fixed = run_on_ranks(
         runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "fixed"), "parallel.ep=2", "train.steps=3", *kept
     )[0]
@@ -305,7 +366,8 @@ def test_the_rowwise_exchange_trains_as_the_permuted_one(stdlib_dataset, tmp_pat
     one exchange per local expert; recomputed under activation checkpointing, nothing is sent again."""
     layout = ("parallel.ep=2", "train.steps=4")
     variants = {
-        "permuted": (), "rowwise": ("parallel.ep_dispatch=rowwise",),
+        "permuted": (),
+        "rowwise": ("parallel.ep_dispatch=rowwise",),
         "rowwise-recomputed": ("parallel.ep_dispatch=rowwise", "train.activation_checkpointing=selective"),
     }
     done = {

@@ -15,8 +15,11 @@ from ferry.cli.main import main
 
 QUOTED = quoted_commands()
 # run for real in a checkout-like directory: quick on any machine, and needing nothing the suite has not made
-_REAL = (["data", "prepare", "--embedded", "stdlib", "--output", "data/stdlib"], ["data", "verify", "data/stdlib"],
-         ["kernels", "list"])
+_REAL = (
+    ["data", "prepare", "--embedded", "stdlib", "--output", "data/stdlib"],
+    ["data", "verify", "data/stdlib"],
+    ["kernels", "list"],
+)
 # quoted commands run for real in that directory, in this order, their output held against the page's: the tour's
 # stop and resume, and the tiny run's export, import and generation (its run made first, shorter than the demo's)
 _TOURS = (
@@ -88,21 +91,35 @@ def test_the_tours_print_what_their_pages_quote(checkout, monkeypatch, capsys):
         expected = [line.replace("/tmp/", temporary) for line in quoted.output]
         missing = unprinted(expected, (said.out + said.err).splitlines())
         if missing:
-            drifted.append(f"{quoted.where}\n  quoted but not printed:\n    " + "\n    ".join(missing)
-                           + "\n  printed:\n    " + "\n    ".join((said.out + said.err).splitlines()))
+            drifted.append(
+                f"{quoted.where}\n  quoted but not printed:\n    "
+                + "\n    ".join(missing)
+                + "\n  printed:\n    "
+                + "\n    ".join((said.out + said.err).splitlines())
+            )
     assert not drifted, "\n".join(drifted)
 
 
 def test_a_drifted_output_is_caught_in_its_shape_not_its_figures():
-    printed = ["ferry: training tiny on cpu x 1 — 3.17M params", "step      1/60  loss 8.3585  lr 1.00e-04",
-               "step     25/60  loss 7.0012  lr 2.50e-03", "ferry: stopped at step 30 — final loss 6.1111; run in r"]
-    assert unprinted(["...", "step     25/60  loss 6.9  ...", "ferry: stopped at step 31 — final loss 6.2; run in r"],
-                     printed) == []
+    printed = [
+        "ferry: training tiny on cpu x 1 — 3.17M params",
+        "step      1/60  loss 8.3585  lr 1.00e-04",
+        "step     25/60  loss 7.0012  lr 2.50e-03",
+        "ferry: stopped at step 30 — final loss 6.1111; run in r",
+    ]
+    assert (
+        unprinted(
+            ["...", "step     25/60  loss 6.9  ...", "ferry: stopped at step 31 — final loss 6.2; run in r"], printed
+        )
+        == []
+    )
     assert unprinted(["step     30/60  loss 6.2854  lr 3.00e-03  ..."], printed) == [
-        "step     30/60  loss 6.2854  lr 3.00e-03  ..."], "a step the console does not print"
+        "step     30/60  loss 6.2854  lr 3.00e-03  ..."
+    ], "a step the console does not print"
     assert unprinted(["ferry: stopped at step 30 — final loss 6.2; run in r; and more"], printed) != []
-    assert unprinted(["step     25/60  loss 7.0012  lr 2.50e-03", "step      1/60  loss 8.3585  lr 1.00e-04"],
-                     printed) == ["step      1/60  loss 8.3585  lr 1.00e-04"], "in order"
+    assert unprinted(
+        ["step     25/60  loss 7.0012  lr 2.50e-03", "step      1/60  loss 8.3585  lr 1.00e-04"], printed
+    ) == ["step      1/60  loss 8.3585  lr 1.00e-04"], "in order"
     assert unprinted(["step     25/60  loss 7.0012"], printed) != [], "a whole line, unless cut with ..."
     assert unprinted(["a generated line, not ferry's own"], printed) == []
 

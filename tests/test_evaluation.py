@@ -41,7 +41,10 @@ def test_a_run_records_held_out_loss_at_its_interval_and_ferry_eval_agrees(
     """With `train.loss_chunk` the evaluation scores by chunks too, and `ferry eval` as the run did."""
     qwen3_shaped = ("model.qk_norm=true", "model.qk_norm_scope=head")  # so that it exports
     config = make_config(
-        "train.steps=5", f"train.loss_chunk={loss_chunk}", *qwen3_shaped, _sources(("held_out", stdlib_dataset)),
+        "train.steps=5",
+        f"train.loss_chunk={loss_chunk}",
+        *qwen3_shaped,
+        _sources(("held_out", stdlib_dataset)),
         *HELD_OUT,
     )
     Trainer(config).fit()
@@ -76,7 +79,10 @@ def test_an_export_of_a_document_masked_run_is_evaluated_as_the_run_was_when_ask
     says what the run did; with it, the figure is the run's."""
     qwen3_shaped = ("model.qk_norm=true", "model.qk_norm_scope=head")
     config = make_config(
-        "train.steps=2", "data.document_masking=true", *qwen3_shaped, _sources(("held_out", stdlib_dataset)),
+        "train.steps=2",
+        "data.document_masking=true",
+        *qwen3_shaped,
+        _sources(("held_out", stdlib_dataset)),
         *HELD_OUT,
     )
     Trainer(config).fit()

@@ -29,8 +29,13 @@ def _relative(a: list[float], b: list[float]) -> float:
 
 
 def _models(recompute: str = "none") -> tuple[Transformer, Transformer]:
-    config = ModelConfig.model_validate({**TINY_RUN["model"], "n_layers": 3, "moe": {
-        "num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "shared_expert_ffn_dim": 16}})
+    config = ModelConfig.model_validate(
+        {
+            **TINY_RUN["model"],
+            "n_layers": 3,
+            "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32, "shared_expert_ffn_dim": 16},
+        }
+    )
     torch.manual_seed(0)
     standard = Transformer(config)
     farskip = Transformer(config.model_copy(update={"skip": "farskip"}), initialise=False, recompute=recompute)
@@ -64,8 +69,9 @@ def test_a_recomputed_farskip_block_gives_the_plain_gradients_bit_for_bit(mode):
 @pytest.fixture(scope="module")
 def single(stdlib_dataset, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("farskip-single")
-    config = runs.tiny_config(str(stdlib_dataset), str(run_dir), "model.skip=farskip", *THREE_LAYERS,
-                              "checkpoint.interval=2")
+    config = runs.tiny_config(
+        str(stdlib_dataset), str(run_dir), "model.skip=farskip", *THREE_LAYERS, "checkpoint.interval=2"
+    )
     return {"losses": Trainer(config).fit().losses, "dir": run_dir}
 
 
@@ -77,8 +83,14 @@ def test_farskip_under_expert_parallelism_trains_as_one_process_with_the_combine
     runs (issued before it, completed after it); the last joins the stream before the final norm, with no attention
     between. Checked by the order of the events on rank 0, not by timings."""
     ep2 = run_on_ranks(
-        runs.train_recording_overlap, 2, str(stdlib_dataset), str(tmp_path), "model.skip=farskip", "parallel.ep=2",
-        *THREE_LAYERS, *exchange,
+        runs.train_recording_overlap,
+        2,
+        str(stdlib_dataset),
+        str(tmp_path),
+        "model.skip=farskip",
+        "parallel.ep=2",
+        *THREE_LAYERS,
+        *exchange,
     )[0]
     assert _relative(ep2["losses"], single["losses"]) < LAYOUT_TOLERANCE
     events = ep2["events"]
@@ -97,15 +109,21 @@ def test_the_standard_wiring_waits_for_every_combine_before_the_next_attention(s
     """The same model and exchange with the standard wiring: its single exchange each way is synchronous, and with
     chunks every part's combine completes before the next block's attention."""
     chunked = run_on_ranks(
-        runs.train_recording_overlap, 2, str(stdlib_dataset), str(tmp_path), "parallel.ep=2", *THREE_LAYERS,
+        runs.train_recording_overlap,
+        2,
+        str(stdlib_dataset),
+        str(tmp_path),
+        "parallel.ep=2",
+        *THREE_LAYERS,
         "parallel.ep_overlap=chunked",
     )[0]
     events = chunked["events"]
     issued = {handle: index for index, (event, handle) in enumerate(events) if event == "issue ep_combine"}
     completed = {handle: index for index, (event, handle) in enumerate(events) if event == "complete ep_combine"}
     assert len(issued) == 4 * 2 * 2
-    assert not any(events[between][0] == "attention" for handle in issued
-                   for between in range(issued[handle], completed[handle]))
+    assert not any(
+        events[between][0] == "attention" for handle in issued for between in range(issued[handle], completed[handle])
+    )
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -113,8 +131,16 @@ def test_recomputed_farskip_blocks_under_expert_parallelism_issue_no_exchange_ag
     """A block's recompute waits again for the previous layer's combine and runs the next layer's dispatch again:
     both come from the first run (no all-to-all reaches the process group twice), the losses bit for bit."""
     plain, recomputed = (
-        run_on_ranks(runs.train_counting_exchanges, 2, str(stdlib_dataset), str(tmp_path / name),
-                     "model.skip=farskip", "parallel.ep=2", *THREE_LAYERS, f"train.activation_checkpointing={name}")[0]
+        run_on_ranks(
+            runs.train_counting_exchanges,
+            2,
+            str(stdlib_dataset),
+            str(tmp_path / name),
+            "model.skip=farskip",
+            "parallel.ep=2",
+            *THREE_LAYERS,
+            f"train.activation_checkpointing={name}",
+        )[0]
         for name in ("none", mode)
     )
     assert recomputed["losses"] == plain["losses"]
@@ -123,10 +149,24 @@ def test_recomputed_farskip_blocks_under_expert_parallelism_issue_no_exchange_ag
 
 def test_a_farskip_ep2_checkpoint_resumes_on_one_process(single, stdlib_dataset, tmp_path):
     ep_dir = tmp_path / "ep2"
-    run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(ep_dir), "model.skip=farskip", "parallel.ep=2",
-                 "optim.zero=true", *THREE_LAYERS, "checkpoint.interval=2")
-    config = runs.tiny_config(str(stdlib_dataset), str(tmp_path / "resumed"), "model.skip=farskip", *THREE_LAYERS,
-                              f"resume={ep_dir / 'checkpoints' / 'step-00000002'}")
+    run_on_ranks(
+        runs.train_run,
+        2,
+        str(stdlib_dataset),
+        str(ep_dir),
+        "model.skip=farskip",
+        "parallel.ep=2",
+        "optim.zero=true",
+        *THREE_LAYERS,
+        "checkpoint.interval=2",
+    )
+    config = runs.tiny_config(
+        str(stdlib_dataset),
+        str(tmp_path / "resumed"),
+        "model.skip=farskip",
+        *THREE_LAYERS,
+        f"resume={ep_dir / 'checkpoints' / 'step-00000002'}",
+    )
     assert _relative(Trainer(config).fit().losses, single["losses"][2:]) < LAYOUT_TOLERANCE
 
 
@@ -135,12 +175,23 @@ def test_a_standard_checkpoint_starts_farskip_saying_so_and_farskip_cannot_pass_
 ):
     standard_dir = tmp_path / "standard"
     Trainer(tiny_config(stdlib_dataset, standard_dir, "model.n_layers=3", "train.steps=2")).fit()
-    converted = tiny_config(stdlib_dataset, tmp_path / "converted", "model.n_layers=3", "train.steps=2",
-                            "model.skip=farskip", f"init_from={standard_dir / 'checkpoints'}")
+    converted = tiny_config(
+        stdlib_dataset,
+        tmp_path / "converted",
+        "model.n_layers=3",
+        "train.steps=2",
+        "model.skip=farskip",
+        f"init_from={standard_dir / 'checkpoints'}",
+    )
     Trainer(converted).fit()
     assert "model.skip: standard -> farskip" in capsys.readouterr().out
-    back = tiny_config(stdlib_dataset, tmp_path / "back", "model.n_layers=3", "train.steps=2",
-                       f"init_from={single['dir'] / 'checkpoints'}")
+    back = tiny_config(
+        stdlib_dataset,
+        tmp_path / "back",
+        "model.n_layers=3",
+        "train.steps=2",
+        f"init_from={single['dir'] / 'checkpoints'}",
+    )
     with pytest.raises(ConfigError, match="model.skip: checkpoint 'farskip', this run 'standard'"):
         Trainer(back).fit()
 

@@ -116,8 +116,18 @@ def test_two_ranks_survive_a_kill_and_a_hang_with_losses_bitwise_equal(config_fi
     assert main(["train", *common, f"run.dir={tmp_path / 'straight'}"]) == 0
     faults = "fault.inject=[{step: 4, rank: 1, kind: kill}, {step: 8, rank: 0, kind: hang}]"
     drilled = tmp_path / "drilled"
-    code = main(["train", *common, "--max-restarts", "3", f"run.dir={drilled}", faults, "fault.hang_timeout_s=3",
-                 "fault.hang_first_step_s=30"])
+    code = main(
+        [
+            "train",
+            *common,
+            "--max-restarts",
+            "3",
+            f"run.dir={drilled}",
+            faults,
+            "fault.hang_timeout_s=3",
+            "fault.hang_first_step_s=30",
+        ]
+    )
     assert code == 0
     assert _losses(drilled) == _losses(tmp_path / "straight")
     record = json.loads((drilled / "run.json").read_text())
@@ -159,13 +169,18 @@ def _final_tensors(run_dir) -> dict:
     from safetensors.torch import load_file
 
     final = list_checkpoints(run_dir / "checkpoints")[-1]
-    return {(path.name, name): tensor for path in sorted(final.glob("*.safetensors"))
-            for name, tensor in load_file(path).items()}
+    return {
+        (path.name, name): tensor
+        for path in sorted(final.glob("*.safetensors"))
+        for name, tensor in load_file(path).items()
+    }
 
 
 def test_a_kill_during_a_save_and_a_corrupt_checkpoint_fall_back_to_the_previous_valid_one(config_file, tmp_path):
     assert main(["train", config_file, f"run.dir={tmp_path / 'straight'}"]) == 0
-    faults = "fault.inject=[{step: 4, kind: kill_during_save}, {step: 6, kind: corrupt_checkpoint}, {step: 7, kind: raise}]"
+    faults = (
+        "fault.inject=[{step: 4, kind: kill_during_save}, {step: 6, kind: corrupt_checkpoint}, {step: 7, kind: raise}]"
+    )
     drilled = tmp_path / "drilled"
     assert main(["train", config_file, "--max-restarts", "2", f"run.dir={drilled}", faults]) == 0
     assert _losses(drilled) == _losses(tmp_path / "straight")
@@ -219,7 +234,9 @@ def test_a_supervisor_that_gives_up_after_a_sigkill_completes_the_run_record(tmp
         steps = range(1, 3) if len(attempts) == 1 else range(3, 3)
         with (run_dir / "metrics.jsonl").open("a") as handle:
             for step in steps:
-                handle.write(json.dumps({"step": step, "loss": 1.0, "step_s": 0.01, "checkpoint.blocked_s": 0.0}) + "\n")
+                handle.write(
+                    json.dumps({"step": step, "loss": 1.0, "step_s": 0.01, "checkpoint.blocked_s": 0.0}) + "\n"
+                )
         return Outcome(exit_codes={0: -9}, failed_at_unix=now)
 
     monkeypatch.setattr(supervisor, "run_ranks", killed_at_step_3)
@@ -242,8 +259,9 @@ def test_settling_a_run_that_died_before_writing_its_record_still_leaves_one(tmp
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     append_event(run_dir, {"event": "start", "at_unix": 100.0, "step": 0, "loading_s": 0.0})
-    append_event(run_dir, {"event": "failure", "at_unix": 101.0, "failed_at_step": 0, "causes": [],
-                           "exit_codes": {"0": 1}})
+    append_event(
+        run_dir, {"event": "failure", "at_unix": 101.0, "failed_at_step": 0, "causes": [], "exit_codes": {"0": 1}}
+    )
     content = settle_run_record(run_dir, "the restart budget (--max-restarts 0) is spent", now=102.0)
     assert json.loads((run_dir / "run.json").read_text()) == content
     assert content["status"] == "failed" and content["error"] == "rank 0 exited with code 1"
@@ -254,8 +272,15 @@ def test_a_restart_that_fails_again_before_its_first_step_still_says_where_it_re
     events = [
         {"event": "start", "at_unix": 100.0, "step": 0, "loading_s": 0.0},
         {"event": "failure", "at_unix": 110.0, "failed_at_step": 7, "causes": [], "exit_codes": {"1": -9}},
-        {"event": "restored", "at_unix": 113.0, "step": 6, "verify_s": 1.0, "restore_s": 0.5,
-         "skipped": ["step-00000008"], "removed_unfinished_saves": []},
+        {
+            "event": "restored",
+            "at_unix": 113.0,
+            "step": 6,
+            "verify_s": 1.0,
+            "restore_s": 0.5,
+            "skipped": ["step-00000008"],
+            "removed_unfinished_saves": [],
+        },
         # that attempt died before its first step; the next one restored nothing before it died
         {"event": "failure", "at_unix": 114.0, "failed_at_step": 6, "causes": [], "exit_codes": {"0": 1}},
         {"event": "failure", "at_unix": 120.0, "failed_at_step": 6, "causes": [], "exit_codes": {"0": 1}},
@@ -276,7 +301,9 @@ def test_poisoned_gradients_roll_back_when_asked_and_are_skipped_otherwise(confi
     assert main(["train", config_file, f"run.dir={tmp_path / 'straight'}"]) == 0
     nan = "fault.inject=[{step: 5, kind: nan}]"
     rolled = tmp_path / "rolled"
-    assert main(["train", config_file, "--max-restarts", "1", f"run.dir={rolled}", nan, "fault.on_nonfinite=raise"]) == 0
+    assert (
+        main(["train", config_file, "--max-restarts", "1", f"run.dir={rolled}", nan, "fault.on_nonfinite=raise"]) == 0
+    )
     assert _losses(rolled) == _losses(tmp_path / "straight")
     assert "NonFiniteGradients" in json.loads((rolled / "run.json").read_text())["restarts"][0]["cause"]
     skipped = tmp_path / "skipped"
@@ -289,16 +316,35 @@ def test_poisoned_gradients_under_fsdp_roll_back_too(config_file, tmp_path):
     common = [config_file, "--nproc", "2", "parallel.mode=fsdp", "train.steps=10"]
     assert main(["train", *common, f"run.dir={tmp_path / 'straight'}"]) == 0
     rolled = tmp_path / "rolled"
-    assert main(["train", *common, "--max-restarts", "1", f"run.dir={rolled}", "fault.on_nonfinite=raise",
-                 "fault.hang_timeout_s=20", "fault.inject=[{step: 5, rank: 1, kind: nan}]"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *common,
+                "--max-restarts",
+                "1",
+                f"run.dir={rolled}",
+                "fault.on_nonfinite=raise",
+                "fault.hang_timeout_s=20",
+                "fault.inject=[{step: 5, rank: 1, kind: nan}]",
+            ]
+        )
+        == 0
+    )
     assert _losses(rolled) == _losses(tmp_path / "straight")
     assert "NonFiniteGradients" in json.loads((rolled / "run.json").read_text())["restarts"][0]["cause"]
 
 
 def test_an_auto_interval_is_computed_from_the_measured_save_and_written_into_the_metrics(make_config, tmp_path):
     run_dir = tmp_path / "run"
-    config = make_config("train.steps=40", "checkpoint.interval=auto", "checkpoint.auto_first_step=3",
-                         "checkpoint.keep=40", "fault.mtbf_hours_per_device=0.00005", run_dir=run_dir)
+    config = make_config(
+        "train.steps=40",
+        "checkpoint.interval=auto",
+        "checkpoint.auto_first_step=3",
+        "checkpoint.keep=40",
+        "fault.mtbf_hours_per_device=0.00005",
+        run_dir=run_dir,
+    )
     Trainer(config).fit()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[1]["checkpoint_interval_steps"] is None and records[2]["checkpoint.blocked_s"] > 0
@@ -315,9 +361,21 @@ def test_an_auto_interval_is_computed_from_the_measured_save_and_written_into_th
 
 def test_after_a_restart_an_auto_interval_saves_again(config_file, tmp_path):
     run_dir = tmp_path / "run"
-    code = main(["train", config_file, "--max-restarts", "1", f"run.dir={run_dir}", "train.steps=30",
-                 "checkpoint.interval=auto", "checkpoint.auto_first_step=3", "checkpoint.keep=40",
-                 "fault.mtbf_hours_per_device=0.00005", "fault.inject=[{step: 9, kind: raise}]"])
+    code = main(
+        [
+            "train",
+            config_file,
+            "--max-restarts",
+            "1",
+            f"run.dir={run_dir}",
+            "train.steps=30",
+            "checkpoint.interval=auto",
+            "checkpoint.auto_first_step=3",
+            "checkpoint.keep=40",
+            "fault.mtbf_hours_per_device=0.00005",
+            "fault.inject=[{step: 9, kind: raise}]",
+        ]
+    )
     assert code == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (restart,) = json.loads((run_dir / "run.json").read_text())["restarts"]
@@ -329,9 +387,22 @@ def test_after_a_restart_an_auto_interval_saves_again(config_file, tmp_path):
 
 def test_two_ranks_agree_on_the_auto_interval(config_file, tmp_path):
     run_dir = tmp_path / "run"
-    code = main(["train", config_file, "--nproc", "2", "parallel.ep=2", f"run.dir={run_dir}", "train.steps=24",
-                 "checkpoint.interval=auto", "checkpoint.auto_first_step=3", "checkpoint.keep=40",
-                 "fault.mtbf_hours_per_device=0.00002", "fault.hang_timeout_s=20"])
+    code = main(
+        [
+            "train",
+            config_file,
+            "--nproc",
+            "2",
+            "parallel.ep=2",
+            f"run.dir={run_dir}",
+            "train.steps=24",
+            "checkpoint.interval=auto",
+            "checkpoint.auto_first_step=3",
+            "checkpoint.keep=40",
+            "fault.mtbf_hours_per_device=0.00002",
+            "fault.hang_timeout_s=20",
+        ]
+    )
     assert code == 0
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "completed" and record["checkpoint_interval"]["interval_steps"] >= 1
@@ -346,8 +417,21 @@ def test_a_restart_before_the_first_save_of_a_run_resumed_from_elsewhere_resumes
     assert main(["train", config_file, f"run.dir={donor}", "train.steps=6"]) == 0
     run_dir = tmp_path / "run"
     donor_checkpoint = donor / "checkpoints" / "step-00000006"
-    assert main(["train", config_file, "--max-restarts", "1", f"run.dir={run_dir}", f"resume={donor_checkpoint}",
-                 "checkpoint.interval=0", "fault.inject=[{step: 9, kind: raise}]"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                config_file,
+                "--max-restarts",
+                "1",
+                f"run.dir={run_dir}",
+                f"resume={donor_checkpoint}",
+                "checkpoint.interval=0",
+                "fault.inject=[{step: 9, kind: raise}]",
+            ]
+        )
+        == 0
+    )
     record = json.loads((run_dir / "run.json").read_text())
     assert record["resumed_from"]["checkpoint"] == str(donor_checkpoint)
     assert record["restarts"][0]["resumed_from_step"] == 6
@@ -425,44 +509,64 @@ def test_a_checkpoint_fault_under_an_auto_interval_fires_at_the_first_save_at_or
     from ferry.checkpoint import CheckpointError, verify_checkpoint
 
     run_dir = tmp_path / "run"
-    config = make_config("train.steps=8", "checkpoint.interval=auto", "checkpoint.auto_first_step=4",
-                         "checkpoint.keep=40", "fault.inject=[{step: 3, kind: corrupt_checkpoint}]", run_dir=run_dir)
+    config = make_config(
+        "train.steps=8",
+        "checkpoint.interval=auto",
+        "checkpoint.auto_first_step=4",
+        "checkpoint.keep=40",
+        "fault.inject=[{step: 3, kind: corrupt_checkpoint}]",
+        run_dir=run_dir,
+    )
     Trainer(config).fit()
-    assert "fault.inject.0 (corrupt_checkpoint at step 3 on rank 0) fires at the first checkpoint save at or after" \
+    assert (
+        "fault.inject.0 (corrupt_checkpoint at step 3 on rank 0) fires at the first checkpoint save at or after"
         in capsys.readouterr().out
+    )
     saved = sorted(path.name for path in (run_dir / "checkpoints").glob("step-*"))
     assert saved[0] == "step-00000004", saved
     with pytest.raises(CheckpointError):
         verify_checkpoint(run_dir / "checkpoints" / "step-00000004")
     for later in saved[1:]:
         verify_checkpoint(run_dir / "checkpoints" / later)  # fired once: the later saves are intact
-    resumed = make_config("train.steps=10", "checkpoint.interval=auto", "checkpoint.auto_first_step=4",
-                          "checkpoint.keep=40", "fault.inject=[{step: 3, kind: corrupt_checkpoint}]",
-                          "resume=latest", run_dir=run_dir)
+    resumed = make_config(
+        "train.steps=10",
+        "checkpoint.interval=auto",
+        "checkpoint.auto_first_step=4",
+        "checkpoint.keep=40",
+        "fault.inject=[{step: 3, kind: corrupt_checkpoint}]",
+        "resume=latest",
+        run_dir=run_dir,
+    )
     Trainer(resumed).fit()
     assert "fault.inject.0" not in capsys.readouterr().out  # spent: a resumed run does not announce it again
 
 
 def test_which_save_an_auto_interval_checkpoint_fault_fires_at(make_config, tmp_path):
-    faults = ("fault.inject=[{step: 3, kind: corrupt_checkpoint}, {step: 5, kind: corrupt_checkpoint}, "
-              "{step: 6, kind: kill_during_save, once: false}]")
+    faults = (
+        "fault.inject=[{step: 3, kind: corrupt_checkpoint}, {step: 5, kind: corrupt_checkpoint}, "
+        "{step: 6, kind: kill_during_save, once: false}]"
+    )
     # the checkpoint hook asks the fault injector, with the step it last saved at and whether its interval is fixed
     injector = Resilience(make_config("train.steps=20", "checkpoint.interval=auto", faults), 0, 1, time.time()).injector
     last_save_step = 0
     assert injector.save_fault_step("corrupt_checkpoint", 2, last_save_step, fixed_interval=False) is None
     assert injector.save_fault_step("corrupt_checkpoint", 10, last_save_step, fixed_interval=False) == 3, (
-        "one corruption per save, the earliest first")
+        "one corruption per save, the earliest first"
+    )
     (tmp_path / "run" / ".faults" / "fired").mkdir(parents=True)
     (tmp_path / "run" / ".faults" / "fired" / "fault-0").write_text("fired")
     assert injector.save_fault_step("corrupt_checkpoint", 10, last_save_step, fixed_interval=False) == 5, (
-        "a once fault not yet fired waits for a save")
+        "a once fault not yet fired waits for a save"
+    )
     assert injector.save_fault_step("kill_during_save", 10, last_save_step, fixed_interval=False) == 6
     last_save_step = 10
     assert injector.save_fault_step("kill_during_save", 14, last_save_step, fixed_interval=False) is None, (
-        "an every-attempt fault fires once per attempt")
+        "an every-attempt fault fires once per attempt"
+    )
     fixed = Resilience(make_config("train.steps=20", "checkpoint.interval=3", faults.replace("5", "9")), 0, 1, 0.0)
     assert fixed.injector.save_fault_step("kill_during_save", 6, last_save_step, fixed_interval=True) == 6, (
-        "a fixed interval: the fault of the save's own step")
+        "a fixed interval: the fault of the save's own step"
+    )
 
 
 @pytest.mark.parametrize(
@@ -514,8 +618,12 @@ def test_a_drawn_corrupt_checkpoint_is_followed_by_a_failure_before_the_next_sav
     from ferry.portability.drill import draw_faults, injections
 
     schedule = draw_faults(0, 3, 60, 2, 6)
-    assert schedule[1] == {"step": 30, "rank": 1, "kind": "corrupt_checkpoint",
-                           "followed_by": {"step": 31, "rank": 1, "kind": "raise"}}
+    assert schedule[1] == {
+        "step": 30,
+        "rank": 1,
+        "kind": "corrupt_checkpoint",
+        "followed_by": {"step": 31, "rank": 1, "kind": "raise"},
+    }
     assert injections(schedule, 2) == [
         {"step": 28, "rank": 0, "kind": "nan"},
         {"step": 30, "rank": 1, "kind": "corrupt_checkpoint"},
@@ -528,8 +636,11 @@ def test_a_drawn_corrupt_checkpoint_is_followed_by_a_failure_before_the_next_sav
             if fault["kind"] != "corrupt_checkpoint":
                 assert "followed_by" not in fault
                 continue
-            failing = [other for other in schedule if other["kind"] != "corrupt_checkpoint"
-                       and fault["step"] < other["step"] <= min(fault["step"] + 3, 12)]
+            failing = [
+                other
+                for other in schedule
+                if other["kind"] != "corrupt_checkpoint" and fault["step"] < other["step"] <= min(fault["step"] + 3, 12)
+            ]
             assert bool(failing) != ("followed_by" in fault), (seed, schedule)
 
 
@@ -540,16 +651,23 @@ def test_a_drawn_kill_of_every_rank_during_a_save_is_injected_on_each_of_them():
 
     drawn = [(seed, draw_faults(seed, 4, 12, 4, 3)) for seed in range(200)]
     every = [(seed, fault) for seed, schedule in drawn for fault in schedule if fault["rank"] == "all"]
-    single = [fault for _, schedule in drawn for fault in schedule
-              if fault["kind"] == "kill_during_save" and fault["rank"] != "all"]
+    single = [
+        fault
+        for _, schedule in drawn
+        for fault in schedule
+        if fault["kind"] == "kill_during_save" and fault["rank"] != "all"
+    ]
     assert every and single, "both kinds of kill during a save are drawn"
     seed, fault = every[0]
     schedule = dict(drawn)[seed]
     inject = injections(schedule, 4)
     index = schedule.index(fault)
     assert inject[index] == {"step": fault["step"], "rank": 0, "kind": "kill_during_save"}
-    copies = [other for other in inject[len(schedule):] if other["kind"] == "kill_during_save"
-              and other["step"] == fault["step"]]
+    copies = [
+        other
+        for other in inject[len(schedule) :]
+        if other["kind"] == "kill_during_save" and other["step"] == fault["step"]
+    ]
     assert copies == [{"step": fault["step"], "rank": rank, "kind": "kill_during_save"} for rank in (1, 2, 3)]
     assert _fault_name(fault) == f"kill_during_save on every rank at step {fault['step']}"
     assert all(fault["rank"] == 0 for fault in draw_faults(7, 4, 12, 1, 3) if fault["kind"] == "kill_during_save")
@@ -581,8 +699,17 @@ def test_a_fault_is_exercised_only_as_far_as_the_jobs_records_show(config_file, 
         "the save was cut short; the restart after step 9 removed .step-00000010.partial and resumed from step 8"
     )
     record = json.loads((run_dir / "run.json").read_text())
-    lines = summary_lines({"passed": True, "faults": judged, "restarts": record["restarts"], "losses_compared": 12,
-                           "tensors_compared": 60, "differing_steps": [], "differing_tensors": []})
+    lines = summary_lines(
+        {
+            "passed": True,
+            "faults": judged,
+            "restarts": record["restarts"],
+            "losses_compared": 12,
+            "tensors_compared": 60,
+            "differing_steps": [],
+            "differing_tensors": [],
+        }
+    )
     assert lines[0] == "ferry: drill PASS: 3 fault(s) exercised, 2 restart(s); 1 fault(s) NOT exercised, not counted"
     assert lines[4] == (
         "  corrupt_checkpoint on rank 0 at step 6: NOT exercised — no restart read step-00000006: the first after it "
@@ -600,7 +727,10 @@ def test_a_drill_makes_a_restart_read_the_checkpoint_it_corrupts(config_file, tm
     assert code == 0 and record["passed"], out
     (fault,) = record["faults"]
     assert (fault["kind"], fault["step"], fault["followed_by"]) == (
-        "corrupt_checkpoint", 10, {"step": 11, "rank": 0, "kind": "raise"})
+        "corrupt_checkpoint",
+        10,
+        {"step": 11, "rank": 0, "kind": "raise"},
+    )
     assert fault["exercised"] and record["faults_exercised"] == 1
     assert fault["outcome"] == "the restart after step 10 refused step-00000010 and resumed from step 8"
     (restart,) = record["restarts"]
@@ -623,8 +753,22 @@ def test_bad_drill_input_is_refused_before_anything_runs(argv, culprit, config_f
 
 def test_a_drill_with_three_faults_on_two_ranks_ends_bitwise_equal(config_file, tmp_path, capsys):
     work = tmp_path / "drill"
-    code = main(["drill", config_file, "train.steps=30", "parallel.ep=2", "--nproc", "2", "--faults", "3",
-                 "--seed", "57", "--dir", str(work)])
+    code = main(
+        [
+            "drill",
+            config_file,
+            "train.steps=30",
+            "parallel.ep=2",
+            "--nproc",
+            "2",
+            "--faults",
+            "3",
+            "--seed",
+            "57",
+            "--dir",
+            str(work),
+        ]
+    )
     record = json.loads((work / "drill.json").read_text())
     assert code == 0 and record["passed"], capsys.readouterr().out
     assert [fault["kind"] for fault in record["faults"]] == ["raise", "corrupt_checkpoint", "nan"]

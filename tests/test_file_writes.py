@@ -123,8 +123,13 @@ def test_a_checkpoint_saved_past_the_page_cache_is_the_one_saved_through_it(tmp_
         "optim.exp_avg.w": TensorPiece.whole(torch.randn(300, 70)),
     }
     meta = CheckpointMeta(
-        step=1, tokens_seen=0, layout=Layout(world_size=1, ep_degree=1, mode="single"),
-        model_config={}, run_config={}, environment={}, train_state={},
+        step=1,
+        tokens_seen=0,
+        layout=Layout(world_size=1, ep_degree=1, mode="single"),
+        model_config={},
+        run_config={},
+        environment={},
+        train_state={},
     )
     direct = save_checkpoint(tmp_path / "direct", pieces, meta, direct=True)
     cached = save_checkpoint(tmp_path / "cached", pieces, meta, direct=False)

@@ -253,7 +253,9 @@ def test_a_tokenizer_that_encodes_otherwise_than_the_runs_is_refused_wherever_it
     )
     moved = tmp_path / "moved" / "step-00000002"
     shutil.copytree(checkpoint, moved)
-    rewrite_manifest(moved, lambda manifest: manifest["run_config"]["data"]["sources"][0].update(path=str(other.parent)))
+    rewrite_manifest(
+        moved, lambda manifest: manifest["run_config"]["data"]["sources"][0].update(path=str(other.parent))
+    )
     for command in (["generate", str(moved), "--prompt", "x"], ["export", str(moved), str(tmp_path / "hf")]):
         assert main(command) == 2
         assert f"tokenizer {other} encodes text otherwise" in capsys.readouterr().err

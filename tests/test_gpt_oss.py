@@ -20,10 +20,29 @@ from test_interop import _random_model
 TOLERANCE = 1e-5  # relative: fp32 kernels in another order, never more
 
 BASE = dict(
-    vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, max_seq_len=64,
-    attention_bias=True, attention_sinks=True, sliding_window=4, sliding_window_pattern=2, rope_theta=150000.0,
-    moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16, score_func="softmax", renormalize=True, router_bias=True,
-             expert_biases=True, activation="clamped_swiglu", swiglu_limit=1.5),
+    vocab_size=64,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=12,
+    max_seq_len=64,
+    attention_bias=True,
+    attention_sinks=True,
+    sliding_window=4,
+    sliding_window_pattern=2,
+    rope_theta=150000.0,
+    moe=dict(
+        num_experts=4,
+        top_k=2,
+        expert_ffn_dim=16,
+        score_func="softmax",
+        renormalize=True,
+        router_bias=True,
+        expert_biases=True,
+        activation="clamped_swiglu",
+        swiglu_limit=1.5,
+    ),
 )
 CASES = {
     "alternating-yarn-untruncated": dict(
@@ -57,11 +76,16 @@ def test_the_parts_change_the_logits():
     tokens_BS = torch.randint(0, config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         reference = model(tokens_BS).logits_BSV
-        for overrides in (dict(attention_sinks=False), dict(sliding_window=0),
-                          dict(moe={**BASE["moe"], "swiglu_limit": 100.0})):
-            other = Transformer(config.model_copy(update=overrides) if "moe" not in overrides else
-                                ModelConfig.model_validate({**BASE, **CASES["alternating-yarn-untruncated"],
-                                                            **overrides})).eval()
+        for overrides in (
+            dict(attention_sinks=False),
+            dict(sliding_window=0),
+            dict(moe={**BASE["moe"], "swiglu_limit": 100.0}),
+        ):
+            other = Transformer(
+                config.model_copy(update=overrides)
+                if "moe" not in overrides
+                else ModelConfig.model_validate({**BASE, **CASES["alternating-yarn-untruncated"], **overrides})
+            ).eval()
             other.load_state_dict(model.state_dict(), strict=False)
             assert relative(other(tokens_BS).logits_BSV, reference) > 1e-3, overrides
 
@@ -115,8 +139,14 @@ def test_what_gpt_oss_cannot_express_is_named(overrides, named):
 def test_gpt_oss_parts_are_named_where_another_architecture_cannot_hold_them():
     config = gpt_oss_config("alternating-yarn-untruncated")
     problems = refusals(config, "qwen3_moe")
-    for field in ("model.attention_bias", "model.attention_sinks", "model.sliding_window", "model.moe.router_bias",
-                  "model.moe.expert_biases", "model.moe.activation"):
+    for field in (
+        "model.attention_bias",
+        "model.attention_sinks",
+        "model.sliding_window",
+        "model.moe.router_bias",
+        "model.moe.expert_biases",
+        "model.moe.activation",
+    ):
         assert any(problem.startswith(field) for problem in problems), (field, problems)
 
 
@@ -178,7 +208,9 @@ def test_mxfp4_blocks_without_their_scales_are_named(tmp_path):
     from ferry.config import UserError
     from ferry.interop.mxfp4 import read_mxfp4_state
 
-    save_file({"model.layers.0.mlp.experts.down_proj_blocks": torch.zeros(2, 4, 1, 16, dtype=torch.uint8)},
-              tmp_path / "model.safetensors")
+    save_file(
+        {"model.layers.0.mlp.experts.down_proj_blocks": torch.zeros(2, 4, 1, 16, dtype=torch.uint8)},
+        tmp_path / "model.safetensors",
+    )
     with pytest.raises(UserError, match="down_proj_blocks has no model.layers.0.mlp.experts.down_proj_scales"):
         read_mxfp4_state(tmp_path)

@@ -27,8 +27,12 @@ from hf_offline import load_offline
 LAYOUT_TOLERANCE = 1e-5  # as tests/test_distributed_training.py: sums in another order over 2 ranks
 
 GPT_OSS_RUN = (  # the tiny run of conftest with GPT-OSS's parts; its window (8) shorter than its rows (32)
-    "model.dense_layers=0", "model.head_dim=12", "model.attention_bias=true", "model.attention_sinks=true",
-    "model.sliding_window=8", "model.rope_theta=150000.0",
+    "model.dense_layers=0",
+    "model.head_dim=12",
+    "model.attention_bias=true",
+    "model.attention_sinks=true",
+    "model.sliding_window=8",
+    "model.rope_theta=150000.0",
     "model.rope_scaling={kind: yarn, factor: 2.0, original_max_seq_len: 32, truncate: false}",
     "model.moe={num_experts: 4, top_k: 2, expert_ffn_dim: 32, score_func: softmax, renormalize: true, "
     "router_bias: true, expert_biases: true, activation: clamped_swiglu, swiglu_limit: 2.0}",
@@ -50,8 +54,12 @@ def gpt_oss_run(stdlib_dataset, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "layout",
-    [("parallel.ep=2", "optim.zero=true"), ("parallel.mode=fsdp",), ("parallel.pp=2",),
-     ("parallel.ep=2", "train.activation_checkpointing=selective")],
+    [
+        ("parallel.ep=2", "optim.zero=true"),
+        ("parallel.mode=fsdp",),
+        ("parallel.pp=2",),
+        ("parallel.ep=2", "train.activation_checkpointing=selective"),
+    ],
     ids=["ep2-zero", "fsdp2", "pp2", "ep2-recomputed"],
 )
 def test_every_layout_trains_a_gpt_oss_model_as_one_process(gpt_oss_run, stdlib_dataset, tmp_path, layout):
@@ -80,8 +88,7 @@ def test_a_gpt_oss_run_exports_and_loads_offline_with_ferrys_logits_and_greedy_t
     assert ours_greedy.completions[0].tokens == loaded["greedy"]
 
 
-def test_import_of_the_export_is_bitwise_and_training_continues_from_it(gpt_oss_run, stdlib_dataset, tmp_path,
-                                                                        capsys):
+def test_import_of_the_export_is_bitwise_and_training_continues_from_it(gpt_oss_run, stdlib_dataset, tmp_path, capsys):
     from conftest import tiny_config
 
     from ferry.checkpoint import latest_checkpoint
@@ -110,10 +117,15 @@ def test_import_of_the_export_is_bitwise_and_training_continues_from_it(gpt_oss_
 
 
 def test_biases_and_sinks_take_neither_weight_decay_nor_muon():
-    config = ModelConfig.model_validate(dict(
-        dim=32, n_heads=4, attention_bias=True, attention_sinks=True,
-        moe=dict(router_bias=True, expert_biases=True, activation="clamped_swiglu"),
-    ))
+    config = ModelConfig.model_validate(
+        dict(
+            dim=32,
+            n_heads=4,
+            attention_bias=True,
+            attention_sinks=True,
+            moe=dict(router_bias=True, expert_biases=True, activation="clamped_swiglu"),
+        )
+    )
     model = Transformer(config)
     biases = {name for name, _ in model.named_parameters() if "bias" in name or "sinks" in name}
     assert {"layers.0.ffn.experts.bias_gate_EF", "layers.0.attn.sinks_H", "layers.0.attn.wq.bias"} <= biases
@@ -127,10 +139,14 @@ def test_biases_and_sinks_take_neither_weight_decay_nor_muon():
     [
         (("parallel.cp=2", "model.sliding_window=8"), "cp 2: model.sliding_window is not computed over a split"),
         (("parallel.cp=2", "model.attention_sinks=true"), "cp 2: model.attention_sinks is not computed over a split"),
-        (("optim.name=muon", "optim.muon.qk_clip=50.0", "model.attention_bias=true"),
-         "muon.qk_clip scales the query and key weights to scale the logits, which model.attention_bias"),
-        (("model.attention=mla", "model.n_kv_heads=4", "model.attention_sinks=true"),
-         "attention_sinks: grouped-query attention's"),
+        (
+            ("optim.name=muon", "optim.muon.qk_clip=50.0", "model.attention_bias=true"),
+            "muon.qk_clip scales the query and key weights to scale the logits, which model.attention_bias",
+        ),
+        (
+            ("model.attention=mla", "model.n_kv_heads=4", "model.attention_sinks=true"),
+            "attention_sinks: grouped-query attention's",
+        ),
     ],
 )
 def test_what_a_layout_or_an_optimizer_cannot_compute_is_refused_by_name(stdlib_dataset, tmp_path, overrides, message):

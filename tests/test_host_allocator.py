@@ -43,8 +43,11 @@ print(libc.mallinfo2().arena - heap_before)
 @pytest.mark.skipif(not GLIBC, reason="the preset is a glibc setting")
 def test_with_the_preset_a_freed_large_buffer_stays_in_the_process():
     kept = {
-        preset: int(subprocess.run([sys.executable, "-c", KEPT_AFTER_FREE, preset], check=True, capture_output=True,
-                                   text=True).stdout)
+        preset: int(
+            subprocess.run(
+                [sys.executable, "-c", KEPT_AFTER_FREE, preset], check=True, capture_output=True, text=True
+            ).stdout
+        )
         for preset in ("default", "keep_freed")
     }
     buffer_bytes = 64 * 2**20

@@ -146,7 +146,12 @@ def test_a_resume_that_finds_nothing_draws_what_a_run_from_scratch_draws(make_co
     resumed = Trainer(make_config("train.steps=3", "resume=latest", run_dir=tmp_path / "resumed"))
     assert drawn == [] and resumed.initial_weights is None
     progress = []
-    assert draw_deferred_weights(resumed.parts.job, resumed.parts.numerics.kernels, resumed.parts.model, lambda: progress.append(len(drawn))) == scratch.initial_weights
+    assert (
+        draw_deferred_weights(
+            resumed.parts.job, resumed.parts.numerics.kernels, resumed.parts.model, lambda: progress.append(len(drawn))
+        )
+        == scratch.initial_weights
+    )
     parameters = len(list(resumed.model.parameters()))
     assert len(drawn) > 0 and len(progress) == parameters + 1, "told after each parameter and at the end"
     assert torch.equal(torch.get_rng_state(), generator_after_draw)

@@ -26,31 +26,52 @@ BASE = dict(vocab_size=288, dim=32, n_layers=3, n_heads=4, max_seq_len=64, dense
 CASES = {
     "olmoe-gqa-top1": ("olmoe", dict(n_kv_heads=2, moe=dict(num_experts=4, top_k=1, expert_ffn_dim=24))),
     "olmoe-top3-renorm-tied": (
-        "olmoe", dict(n_kv_heads=4, tie_embeddings=True, moe=dict(num_experts=6, top_k=3, expert_ffn_dim=16, renormalize=True))
+        "olmoe",
+        dict(n_kv_heads=4, tie_embeddings=True, moe=dict(num_experts=6, top_k=3, expert_ffn_dim=16, renormalize=True)),
     ),
     "qwen3-dense-first-renorm": (
         "qwen3_moe",
-        dict(n_kv_heads=2, qk_norm_scope="head", dense_layers=1, moe=dict(num_experts=4, top_k=2, expert_ffn_dim=24, renormalize=True)),
+        dict(
+            n_kv_heads=2,
+            qk_norm_scope="head",
+            dense_layers=1,
+            moe=dict(num_experts=4, top_k=2, expert_ffn_dim=24, renormalize=True),
+        ),
     ),
     "olmoe-yarn-x4": (
         "olmoe",
-        dict(n_kv_heads=2, rope_theta=500.0, rope_scaling=dict(kind="yarn", factor=4.0, original_max_seq_len=16),
-             moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16)),
+        dict(
+            n_kv_heads=2,
+            rope_theta=500.0,
+            rope_scaling=dict(kind="yarn", factor=4.0, original_max_seq_len=16),
+            moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16),
+        ),
     ),
     "qwen3-yarn-x8-untruncated": (  # GPT-OSS's YaRN: the ramp's ends not rounded to whole dimensions
         "qwen3_moe",
-        dict(n_kv_heads=2, qk_norm_scope="head", rope_theta=500.0,
-             rope_scaling=dict(kind="yarn", factor=8.0, original_max_seq_len=32, truncate=False),
-             moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16)),
+        dict(
+            n_kv_heads=2,
+            qk_norm_scope="head",
+            rope_theta=500.0,
+            rope_scaling=dict(kind="yarn", factor=8.0, original_max_seq_len=32, truncate=False),
+            moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16),
+        ),
     ),
     "qwen3-linear-x2": (
         "qwen3_moe",
-        dict(n_kv_heads=2, qk_norm_scope="head", rope_scaling=dict(kind="linear", factor=2.0),
-             moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16)),
+        dict(
+            n_kv_heads=2,
+            qk_norm_scope="head",
+            rope_scaling=dict(kind="linear", factor=2.0),
+            moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16),
+        ),
     ),
     "qwen3-mqa-top1-tied": (
-        "qwen3_moe", dict(n_kv_heads=1, qk_norm_scope="head", tie_embeddings=True, moe=dict(num_experts=8, top_k=1, expert_ffn_dim=8))
-    ),    # heads twice as wide as dim // n_heads, as Qwen3-30B-A3B's (128 at width 2,048 over 32 heads)
+        "qwen3_moe",
+        dict(
+            n_kv_heads=1, qk_norm_scope="head", tie_embeddings=True, moe=dict(num_experts=8, top_k=1, expert_ffn_dim=8)
+        ),
+    ),  # heads twice as wide as dim // n_heads, as Qwen3-30B-A3B's (128 at width 2,048 over 32 heads)
     "qwen3-own-head-dim": (
         "qwen3_moe",
         dict(n_kv_heads=2, head_dim=16, qk_norm_scope="head", moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16)),
@@ -205,7 +226,9 @@ def test_import_of_an_export_gives_the_same_weights_bit_for_bit_and_trains_from_
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     from tokenizers import Tokenizer
 
-    ours, theirs = (Tokenizer.from_file(str(path)) for path in (stdlib_dataset / "tokenizer.json", imported / "tokenizer.json"))
+    ours, theirs = (
+        Tokenizer.from_file(str(path)) for path in (stdlib_dataset / "tokenizer.json", imported / "tokenizer.json")
+    )
     assert theirs.get_vocab() == ours.get_vocab()
     sample = "import os\n\ndef main(argv):\n    return len(argv)  # <|endoftext|>"
     assert theirs.encode(sample).ids == ours.encode(sample).ids
@@ -214,7 +237,9 @@ def test_import_of_an_export_gives_the_same_weights_bit_for_bit_and_trains_from_
 
     def first_losses(name: str, *overrides: str) -> list[float]:
         run_dir = tmp_path / name
-        config = tiny_config(stdlib_dataset, run_dir, "model.qk_norm=true", "model.qk_norm_scope=head", "train.steps=2", *overrides)
+        config = tiny_config(
+            stdlib_dataset, run_dir, "model.qk_norm=true", "model.qk_norm_scope=head", "train.steps=2", *overrides
+        )
         return Trainer(config).fit().losses
 
     from_import = first_losses("a", f"init_from={checkpoint}")
@@ -230,8 +255,12 @@ def test_an_olmoe_round_trip_is_bitwise_too(tmp_path):
     arch, overrides = CASES["olmoe-top3-renorm-tied"]
     config = ModelConfig.model_validate({**BASE, **overrides})
     state = _random_model(config).state_dict()
-    meta = CheckpointMeta(0, 0, Layout(world_size=1, ep_degree=1, mode="ep"), config.model_dump(mode="json"), {}, {}, {})
-    path = save_checkpoint(tmp_path / "ckpt", {f"model.{n}": TensorPiece.whole(t.contiguous()) for n, t in state.items()}, meta)
+    meta = CheckpointMeta(
+        0, 0, Layout(world_size=1, ep_degree=1, mode="ep"), config.model_dump(mode="json"), {}, {}, {}
+    )
+    path = save_checkpoint(
+        tmp_path / "ckpt", {f"model.{n}": TensorPiece.whole(t.contiguous()) for n, t in state.items()}, meta
+    )
     tokenizer = tmp_path / "tokenizer.json"
     _write_tokenizer(tokenizer, config.vocab_size)
     exported = export_checkpoint(path, tmp_path / "hf", arch, tokenizer=tokenizer)
@@ -255,8 +284,18 @@ def test_import_refuses_what_ferry_cannot_compute(tmp_path, capsys):
     from transformers import OlmoeConfig
 
     hf_dir = tmp_path / "hf"
-    config = OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
-                         num_experts=4, num_experts_per_tok=2, clip_qkv=8.0, eos_token_id=0, pad_token_id=0)
+    config = OlmoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        clip_qkv=8.0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
     assert main(["import", str(hf_dir), str(tmp_path / "out")]) == 2
     assert "clip_qkv" in capsys.readouterr().err
@@ -272,7 +311,9 @@ def test_export_overwrite_replaces_an_earlier_export_only(tmp_path, capsys):
     arch, overrides = CASES["olmoe-top3-renorm-tied"]
     config = ModelConfig.model_validate({**BASE, **overrides})
     state = _random_model(config).state_dict()
-    meta = CheckpointMeta(0, 0, Layout(world_size=1, ep_degree=1, mode="ep"), config.model_dump(mode="json"), {}, {}, {})
+    meta = CheckpointMeta(
+        0, 0, Layout(world_size=1, ep_degree=1, mode="ep"), config.model_dump(mode="json"), {}, {}, {}
+    )
     run = tmp_path / "run"
     pieces = {f"model.{n}": TensorPiece.whole(t.contiguous()) for n, t in state.items()}
     path = save_checkpoint(run / "checkpoints", pieces, meta)
@@ -293,8 +334,17 @@ def test_import_of_a_truncated_weights_file_exits_2_naming_the_directory(tmp_pat
     from transformers import OlmoeConfig
 
     hf_dir = tmp_path / "hf"
-    config = OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
-                         num_experts=4, num_experts_per_tok=2, eos_token_id=0, pad_token_id=0)
+    config = OlmoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
     weights = hf_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
@@ -311,8 +361,12 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_both_ways(tmp_
     arch, overrides = CASES["olmoe-top3-renorm-tied"]
     config = ModelConfig.model_validate({**BASE, **overrides, "vocab_size": 272})
     state = _random_model(config).state_dict()
-    meta = CheckpointMeta(0, 0, Layout(world_size=1, ep_degree=1, mode="ep"), config.model_dump(mode="json"), {}, {}, {})
-    path = save_checkpoint(tmp_path / "ckpt", {f"model.{n}": TensorPiece.whole(t.contiguous()) for n, t in state.items()}, meta)
+    meta = CheckpointMeta(
+        0, 0, Layout(world_size=1, ep_degree=1, mode="ep"), config.model_dump(mode="json"), {}, {}, {}
+    )
+    path = save_checkpoint(
+        tmp_path / "ckpt", {f"model.{n}": TensorPiece.whole(t.contiguous()) for n, t in state.items()}, meta
+    )
     larger = tmp_path / "larger.json"
     _write_tokenizer(larger, BASE["vocab_size"])
     tokens = load_tokenizer(larger).vocab_size

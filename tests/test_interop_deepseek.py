@@ -21,10 +21,15 @@ from ferry.train import Trainer
 
 GREEDY = GenerationConfig(max_new_tokens=10, temperature=0.0)
 MLA_RUN = (  # the tiny run of conftest, its attention and routing DeepSeek-V3's
-    "model.attention=mla", "model.n_kv_heads=4",
+    "model.attention=mla",
+    "model.n_kv_heads=4",
     "model.mla={q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 8}",
-    "model.moe.score_func=sigmoid", "model.moe.n_group=2", "model.moe.topk_group=1", "model.moe.renormalize=true",
-    "model.moe.routed_scaling_factor=2.0", "model.moe.shared_expert_ffn_dim=32",
+    "model.moe.score_func=sigmoid",
+    "model.moe.n_group=2",
+    "model.moe.topk_group=1",
+    "model.moe.renormalize=true",
+    "model.moe.routed_scaling_factor=2.0",
+    "model.moe.shared_expert_ffn_dim=32",
     "model.moe.bias_balancing.enabled=true",
 )
 
@@ -48,7 +53,11 @@ def test_greedy_decoding_equals_the_no_cache_path_and_transformers_generate_with
     for prompt, completion in zip(prompts, result.completions):
         assert completion.tokens == greedy_without_cache(ours, prompt, 10), prompt
         expected = theirs.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=10, min_new_tokens=10, eos_token_id=None,
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=10,
+            min_new_tokens=10,
+            eos_token_id=None,
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
         assert completion.tokens == expected, prompt
@@ -147,13 +156,41 @@ def test_a_deepseek_checkpoint_as_deepseek_ships_it_imports_with_its_logits(tmp_
     from ferry.inference import load_model
 
     hf = DeepseekV3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=4, topk_group=2, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, max_position_embeddings=128, rope_interleave=True,
-        num_mtp_layers=1, rms_norm_eps=1e-6, eos_token_id=0, pad_token_id=0,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                         "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0},
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        first_k_dense_replace=1,
+        max_position_embeddings=128,
+        rope_interleave=True,
+        num_mtp_layers=1,
+        rms_norm_eps=1e-6,
+        eos_token_id=0,
+        pad_token_id=0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
     )
     torch.manual_seed(0)
     theirs = AutoModelForCausalLM.from_config(hf).eval()

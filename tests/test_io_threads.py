@@ -101,6 +101,11 @@ def test_a_verification_hashes_on_the_share_and_no_more(host, monkeypatch, tmp_p
 
 def _meta() -> CheckpointMeta:
     return CheckpointMeta(
-        step=1, tokens_seen=0, layout=Layout(world_size=1, ep_degree=1, mode="single"), model_config={},
-        run_config={}, environment={}, train_state={},
+        step=1,
+        tokens_seen=0,
+        layout=Layout(world_size=1, ep_degree=1, mode="single"),
+        model_config={},
+        run_config={},
+        environment={},
+        train_state={},
     )

@@ -52,7 +52,12 @@ def _inputs(op_name: str, D: int = D, F: int = F) -> tuple[tuple, tuple[int, ...
         "linear": ((randn(3, 7, D), randn(F, D)), (0, 1)),
         "attention": ((randn(2, 4, 9, 8), randn(2, 2, 9, 8), randn(2, 2, 9, 8)), (0, 1, 2)),
         "attention.masked": (
-            (randn(2, 4, 5, 8), randn(2, 2, 9, 8), randn(2, 2, 9, 8), _decoding_visibility(pad_B=[0, 3], new=5, slots=9)),
+            (
+                randn(2, 4, 5, 8),
+                randn(2, 2, 9, 8),
+                randn(2, 2, 9, 8),
+                _decoding_visibility(pad_B=[0, 3], new=5, slots=9),
+            ),
             (0, 1, 2),
         ),
         "moe.permute": ((x_TD, expert_ids_TK), (0,)),
@@ -61,8 +66,17 @@ def _inputs(op_name: str, D: int = D, F: int = F) -> tuple[tuple, tuple[int, ...
         "moe.mxfp8_grouped_mm": ((x_ND.detach(), w_gate_EFD, offsets_E, _recipe("mxfp8")), (0, 1)),
         "moe.expert_mlp": ((x_ND.detach(), counts_E, w_gate_EFD, w_up_EFD, w_down_EDF), (0, 2, 3, 4)),
         "moe.biased_expert_mlp": (
-            (x_ND.detach(), counts_E, w_gate_EFD, w_up_EFD, w_down_EDF, randn(E, F), randn(E, F), randn(E, D),
-             GatedActivation("clamped_swiglu", limit=1.0)),
+            (
+                x_ND.detach(),
+                counts_E,
+                w_gate_EFD,
+                w_up_EFD,
+                w_down_EDF,
+                randn(E, F),
+                randn(E, F),
+                randn(E, D),
+                GatedActivation("clamped_swiglu", limit=1.0),
+            ),
             (0, 2, 3, 4, 5, 6, 7),
         ),
         "moe.combine": ((randn(T * K, D), weights_TK, dispatch), (0, 1)),
@@ -112,7 +126,9 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 # torchao's kernels round their scales to powers of two, so they sit ~5% from the emulation on random data;
 # tests/test_kernels_torchao.py holds them to bounds measured for that rounding
 VENDOR = [
-    pytest.param(impl, id=impl.key + " " + impl.op) for impl in REGISTRY.vendor_implementations() if impl.name != "torchao"
+    pytest.param(impl, id=impl.key + " " + impl.op)
+    for impl in REGISTRY.vendor_implementations()
+    if impl.name != "torchao"
 ]
 
 

@@ -122,6 +122,7 @@ def _bf16_gradients(monkeypatch, quantum: int, poisoned: bool) -> list[torch.Ten
     every buffer the pool hands out starts as NaN, as stale rows of an earlier step might."""
     monkeypatch.setattr(cpu_fused_experts, "REDUCED_ROW_QUANTUM", quantum)
     if poisoned:
+
         def nan_filled(shape, dtype):
             return torch.full(shape, float("nan"), dtype=dtype)
 

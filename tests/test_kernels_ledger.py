@@ -79,7 +79,7 @@ def test_kernels_bench_prints_ratios_verdicts_and_a_dispatch_cost_under_one_perc
     assert any(line.startswith("  moe.routed_experts: portable") for line in lines)
     dispatch = next(line for line in lines if line.startswith("registry dispatch:"))
     assert "within the 1% limit" in dispatch
-    (_, record), = read_records(tmp_path, KERNEL_BENCH)
+    ((_, record),) = read_records(tmp_path, KERNEL_BENCH)
     assert record["dtype"] == "float32" and record["shape"]["experts"] == 4 and record["date"]
     assert "host allocator: keep_freed" in lines  # the CPU profile's preset, as a CPU training run has it
     assert record["host_allocator"]["preset"] == "keep_freed"
@@ -172,15 +172,26 @@ def test_the_fp8_grouped_gemms_record_their_whole_steps_against_bf16_and_are_num
 
 @pytest.mark.parametrize(
     "field, value, named",
-    [("profile", "h900", "unknown hardware profile 'h900'"), ("date", "December 2026", "date"), ("ratio", 0.0, "ratio")],
+    [
+        ("profile", "h900", "unknown hardware profile 'h900'"),
+        ("date", "December 2026", "date"),
+        ("ratio", 0.0, "ratio"),
+    ],
 )
 def test_a_whole_step_measurement_names_a_known_profile_a_date_and_a_positive_ratio(field, value, named):
     from ferry.config import ConfigError
     from ferry.config.loader import validate
     from ferry.kernels.ledger import StepMeasurement
 
-    raw = {"profile": "h200", "ratio": 0.19, "baseline": "the bf16 eager step", "shape": "OLMoE-1B-7B",
-           "figures": "3,862 against 20,144 tok/s", "date": "2026-12", "source": "benchmarks/accelerator_training.py"}
+    raw = {
+        "profile": "h200",
+        "ratio": 0.19,
+        "baseline": "the bf16 eager step",
+        "shape": "OLMoE-1B-7B",
+        "figures": "3,862 against 20,144 tok/s",
+        "date": "2026-12",
+        "source": "benchmarks/accelerator_training.py",
+    }
     assert validate(StepMeasurement, raw).ratio == 0.19
     with pytest.raises(ConfigError, match=re.escape(named)):
         validate(StepMeasurement, {**raw, field: value})

@@ -59,8 +59,11 @@ def reference_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
         assert (end - start) % GROUP_ALIGN_ROWS == 0, "reduction-dim groups must be multiples of 16 rows"
         if end > start:
             out[group] = _row_col_scaled_mm(
-                a[:, start:end], b[start:end],
-                scale_a[group * rows : (group + 1) * rows], scale_b[group * cols : (group + 1) * cols], out_dtype,
+                a[:, start:end],
+                b[start:end],
+                scale_a[group * rows : (group + 1) * rows],
+                scale_b[group * cols : (group + 1) * cols],
+                out_dtype,
             )
     return out
 
@@ -83,9 +86,7 @@ def _fwd_bwd(fn, x, w, offsets):
     return [y.detach(), x.grad, w.grad]
 
 
-@pytest.mark.parametrize(
-    "recipe, elements", [(FP8, CUDA_ELEMENTS), (FP8_FNUZ, ROCM_ELEMENTS)], ids=["ocp", "fnuz"]
-)
+@pytest.mark.parametrize("recipe, elements", [(FP8, CUDA_ELEMENTS), (FP8_FNUZ, ROCM_ELEMENTS)], ids=["ocp", "fnuz"])
 @pytest.mark.parametrize(
     "group_sizes",
     [[16, 32, 0, 16], [5, 0, 37, 22, 0], [40, 9, 0, 0]],  # aligned; ragged with empty experts; empty at the end
@@ -98,7 +99,9 @@ def test_native_fp8_path_matches_the_emulation(group_sizes, recipe, elements):
     w = torch.randn(len(group_sizes), 48, 64, generator=generator) * 0.1
     portable = portable_kernels()["moe.fp8_grouped_mm"]
     expected = _fwd_bwd(lambda a, b, o: portable(a, b, o, recipe), x, w, offsets)
-    actual = _fwd_bwd(partial(scaled_grouped_mm_with, reference_scaled_grouped_mm, elements, recipe=recipe), x, w, offsets)
+    actual = _fwd_bwd(
+        partial(scaled_grouped_mm_with, reference_scaled_grouped_mm, elements, recipe=recipe), x, w, offsets
+    )
     for got, want in zip(actual, expected, strict=True):
         assert ((got - want).norm() / want.norm()).item() < TOLERANCE
     for expert, size in enumerate(group_sizes):
@@ -118,8 +121,12 @@ def test_native_fp8_path_matches_the_emulation(group_sizes, recipe, elements):
 def test_native_fp8_path_refuses_recipes_its_kernel_cannot_take(recipe):
     with pytest.raises(ValueError, match=f"with {CUDA_ELEMENTS} for every operand here; the recipe is {recipe.kind}"):
         scaled_grouped_mm_with(
-            reference_scaled_grouped_mm, CUDA_ELEMENTS, torch.randn(4, 16), torch.randn(1, 16, 16),
-            torch.tensor([4], dtype=torch.int32), recipe,
+            reference_scaled_grouped_mm,
+            CUDA_ELEMENTS,
+            torch.randn(4, 16),
+            torch.randn(1, 16, 16),
+            torch.tensor([4], dtype=torch.int32),
+            recipe,
         )
 
 

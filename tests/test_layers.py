@@ -43,8 +43,11 @@ def test_inside_ferry_train_the_base_and_its_sub_packages_import_downwards_only(
     tiers = [line.split(":", 1)[1].split() for line in block.strip().splitlines()]
     tier_of = {unit: index for index, units in enumerate(tiers) for unit in units}
     train = REPO / "ferry" / "train"
-    units = {path.name if path.is_dir() else path.stem for path in train.iterdir()
-             if path.suffix == ".py" or (path.is_dir() and (path / "__init__.py").exists())}
+    units = {
+        path.name if path.is_dir() else path.stem
+        for path in train.iterdir()
+        if path.suffix == ".py" or (path.is_dir() and (path / "__init__.py").exists())
+    }
     assert units == set(tier_of), f"placed in no tier, or gone: {sorted(units ^ set(tier_of))}"
     upward = []
     for path in sorted(train.rglob("*.py")):

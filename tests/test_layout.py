@@ -37,7 +37,10 @@ def test_a_run_lays_its_job_out_once(make_config, monkeypatch):
     result = train(make_config("train.steps=2", "train.micro_batch=auto"))
     assert sum(len(made) for made in calls) == 1
     assert json.loads((result.run_dir / "run.json").read_text())["layout"] == {
-        "world_size": 1, "ep_degree": 1, "mode": "single"}
+        "world_size": 1,
+        "ep_degree": 1,
+        "mode": "single",
+    }
 
 
 def test_a_pipelines_stage_split_is_computed_once_and_read_by_the_memory_model(make_config, monkeypatch):
@@ -53,8 +56,11 @@ def test_a_pipelines_stage_split_is_computed_once_and_read_by_the_memory_model(m
 @pytest.mark.parametrize(
     "overrides, world_size, message",
     [
-        ({"ep": 3}, 4, "parallel.ep: 3 does not divide the world size 4; set parallel.ep=1, parallel.ep=2 or "
-                       "parallel.ep=4"),
+        (
+            {"ep": 3},
+            4,
+            "parallel.ep: 3 does not divide the world size 4; set parallel.ep=1, parallel.ep=2 or parallel.ep=4",
+        ),
         ({"ep": 2, "pp": 2}, 2, "parallel.ep: 2 does not divide the 1 ranks of each pipeline stage"),
         ({"mode": "fsdp", "ep": 2}, 2, "parallel.ep: FSDP mode replicates experts"),
         ({"pp": 3}, 4, "parallel.pp: 3 does not divide the world size 4"),

@@ -48,8 +48,9 @@ def test_the_ci_sample_is_refused_by_name_or_equal_to_its_oracle_and_resumes_in_
     oracles = sorted(path.name for path in (fuzzer.work / "oracles").iterdir())
     assert len(oracles) == 4 and sum("-seed-" in name for name in oracles) == 2, "one oracle for the three; GRPO's "
     "with its two seed runs"
-    judged = json.loads((fuzzer.work / "runs" / outcomes[4].combination.digest() / "judged" / "compare-reward.json")
-                        .read_text())
+    judged = json.loads(
+        (fuzzer.work / "runs" / outcomes[4].combination.digest() / "judged" / "compare-reward.json").read_text()
+    )
     assert judged["profile"] == "sampled" and judged["seed_spread"] > 0 and judged["passed"]
     text = summary(outcomes, 60, 0)
     assert text.startswith("seed 0: 5 distinct combinations in 1.0 min: 4 equal, 1 refused, 0 diverged, 0 crashed")
@@ -58,7 +59,8 @@ def test_the_ci_sample_is_refused_by_name_or_equal_to_its_oracle_and_resumes_in_
 def test_a_planted_bug_is_reported_as_a_divergence_with_the_command_that_reproduces_it(fuzz_data, tmp_path):
     plant = tmp_path / "plant"
     plant.mkdir()
-    (plant / "sitecustomize.py").write_text(textwrap.dedent('''
+    (plant / "sitecustomize.py").write_text(
+        textwrap.dedent('''
         """A bug planted in every process started with this directory first on its path: after the expert
         gradients' reduction, rank 1 drops its own (halving them would not do: AdamW does not see a scale)."""
         import torch.distributed as dist
@@ -74,12 +76,16 @@ def test_a_planted_bug_is_reported_as_a_divergence_with_the_command_that_reprodu
                         param.grad.zero_()
 
         strategies.reduce_gradients = dropped_on_rank_1
-    '''))
+    ''')
+    )
     planted = Fuzzer(tmp_path / "work", fuzz_data, env={**os.environ, "PYTHONPATH": str(plant)})
     outcome = planted.judge(named("world=2 parallel=ep"), named("world=1"))
     assert outcome.verdict == "diverged", outcome.detail
-    assert re.match(r"step [2-6]: outside the layout bound, relative difference \d\.\d\de-\d\d at most \(step [2-6], "
-                    r"loss\)", outcome.detail), outcome.detail
+    assert re.match(
+        r"step [2-6]: outside the layout bound, relative difference \d\.\d\de-\d\d at most \(step [2-6], "
+        r"loss\)",
+        outcome.detail,
+    ), outcome.detail
     assert "--nproc 2" in outcome.commands[0] and "parallel.ep=2" in outcome.commands[0]
     assert f"diverged: {outcome.combination.describe()}" in summary([outcome], 1, 0)
 

@@ -16,8 +16,17 @@ from ferry.model.rope import scaled_inverse_frequencies
 from ferry.train import Trainer
 
 EOS = 0
-MODEL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, dense_layers=1,
-             dense_ffn_dim=48, moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16))
+MODEL = dict(
+    vocab_size=64,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    max_seq_len=64,
+    dense_layers=1,
+    dense_ffn_dim=48,
+    moe=dict(num_experts=4, top_k=2, expert_ffn_dim=16),
+)
 
 
 def test_document_ids_start_a_new_document_after_each_end_of_text():
@@ -73,9 +82,15 @@ def test_a_stage_extends_the_length_and_rope_of_its_parent(make_config, tmp_path
     Trainer(parent).fit()
     checkpoint = tmp_path / "short" / "checkpoints" / "step-00000002"
     longer = make_config(
-        "train.steps=1", f"init_from={checkpoint}", "model.max_seq_len=128", "data.seq_len=128",
-        "model.rope_scaling.kind=yarn", "model.rope_scaling.factor=2.0", "model.rope_scaling.original_max_seq_len=64",
-        "data.document_masking=true", run_dir=tmp_path / "long",
+        "train.steps=1",
+        f"init_from={checkpoint}",
+        "model.max_seq_len=128",
+        "data.seq_len=128",
+        "model.rope_scaling.kind=yarn",
+        "model.rope_scaling.factor=2.0",
+        "model.rope_scaling.original_max_seq_len=64",
+        "data.document_masking=true",
+        run_dir=tmp_path / "long",
     )
     assert len(Trainer(longer).fit().losses) == 1
     wider = make_config("train.steps=1", f"init_from={checkpoint}", "model.dim=48", run_dir=tmp_path / "wide")

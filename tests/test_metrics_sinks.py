@@ -80,24 +80,45 @@ def full_record(step: int) -> dict:
 
 # what DPO and GRPO steps add (a record holds one objective's keys; the sinks must know them all)
 OBJECTIVE_KEYS = {
-    "rewards/chosen": 0.2, "rewards/rejected": -0.1, "rewards/margin": 0.3, "rewards/accuracy": 0.75,
-    "logps/chosen": -2.0, "logps/rejected": -3.5, "reward": 0.6, "reward_std": 0.4, "solve_rate": 0.6, "kl": 0.01,
-    "clip_fraction": 0.02, "completion_length": 2.5, "filtered_groups": 0.25,
-    "eval/rewards/accuracy": {"held_out": 0.8}, "eval/rewards/margin": {"held_out": 1.2},
-    "eval/solve_rate": {"held_out": 0.7}, "eval/greedy_solve_rate": {"held_out": 0.8},
+    "rewards/chosen": 0.2,
+    "rewards/rejected": -0.1,
+    "rewards/margin": 0.3,
+    "rewards/accuracy": 0.75,
+    "logps/chosen": -2.0,
+    "logps/rejected": -3.5,
+    "reward": 0.6,
+    "reward_std": 0.4,
+    "solve_rate": 0.6,
+    "kl": 0.01,
+    "clip_fraction": 0.02,
+    "completion_length": 2.5,
+    "filtered_groups": 0.25,
+    "eval/rewards/accuracy": {"held_out": 0.8},
+    "eval/rewards/margin": {"held_out": 1.2},
+    "eval/solve_rate": {"held_out": 0.7},
+    "eval/greedy_solve_rate": {"held_out": 0.8},
 }
 
 
 # what a pipeline-parallel run's steps add
 PIPELINE_KEYS = {
-    "pp.bubble": 0.2, "pp.schedule_s": 0.35, "pp.stage_busy_s": [0.28, 0.3], "pp.stage_mem_peak_mib": [410.5, 398.0],
+    "pp.bubble": 0.2,
+    "pp.schedule_s": 0.35,
+    "pp.stage_busy_s": [0.28, 0.3],
+    "pp.stage_mem_peak_mib": [410.5, 398.0],
 }
 
 
 # what a run that tracks its attention logits adds (metrics.attn_max_logit, optim.muon.qk_clip), and a
 # context-parallel run (parallel.cp)
-OPT_IN_KEYS = {"mtp.loss": {"1": 3.5, "2": 3.9}, "attn.max_logit": 12.5, "attn.clipped_heads": 2, "cp.comm_s": 0.02,
-               "cp.bytes": 2_097_192, "tracker_failures": 0}
+OPT_IN_KEYS = {
+    "mtp.loss": {"1": 3.5, "2": 3.9},
+    "attn.max_logit": 12.5,
+    "attn.clipped_heads": 2,
+    "cp.comm_s": 0.02,
+    "cp.bytes": 2_097_192,
+    "tracker_failures": 0,
+}
 
 
 def scrape(url: str) -> str:
@@ -155,7 +176,11 @@ def test_a_busy_prometheus_port_is_refused_before_the_earlier_run_is_replaced(ma
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        served = ("run.overwrite=true", "metrics.sinks.prometheus.enabled=true", f"metrics.sinks.prometheus.port={port}")
+        served = (
+            "run.overwrite=true",
+            "metrics.sinks.prometheus.enabled=true",
+            f"metrics.sinks.prometheus.port={port}",
+        )
         with pytest.raises(UserError, match="metrics.sinks.prometheus.port"):
             Trainer(make_config("train.steps=1", *served, run_dir=run_dir)).fit()
     assert {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()} == before

@@ -195,13 +195,21 @@ def test_metrics_config_defaults_and_strictness():
 
 
 def _times(step_s: float = 1.0) -> StepTimes:
-    return StepTimes(step_s=step_s, forward_s=0.3, backward_s=0.6, optimizer_s=0.1, comm_s=0.0, ep_wait_s=0.0,
-                     blocked_s=0.0)
+    return StepTimes(
+        step_s=step_s, forward_s=0.3, backward_s=0.6, optimizer_s=0.1, comm_s=0.0, ep_wait_s=0.0, blocked_s=0.0
+    )
 
 
 def test_an_mfu_above_100_percent_measures_a_measured_peak_again_and_says_which_peak_was_stale():
-    stale = {"dtype": "fp32", "tflops": 0.05, "kind": "measured", "measured_at": "2026-01-01T00:00:00",
-             "load_average": 0.08, "threads": 2, "cache": "/cache/ferry/cpu_peak.json"}
+    stale = {
+        "dtype": "fp32",
+        "tflops": 0.05,
+        "kind": "measured",
+        "measured_at": "2026-01-01T00:00:00",
+        "load_average": 0.08,
+        "threads": 2,
+        "cache": "/cache/ferry/cpu_peak.json",
+    }
     peak = MfuPeak(stale, remeasure=lambda: {**stale, "tflops": 0.2, "measured_at": "2026-01-02T00:00:00"})
     metrics = StepMetrics(torch.device("cpu"), world_size=1, flops_per_token=1e6, peak_flops=peak)
     mfu = metrics.record(_times(), tokens=80_000)["mfu"]  # 8e10 FLOP/s: 1.6 x the stale 5e10, 0.4 x the new 2e11

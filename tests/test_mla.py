@@ -26,20 +26,47 @@ from test_interop import _random_model
 TOLERANCE = 1e-5  # relative (norm of the difference over the norm): fp32 kernels in another order, never more
 
 MLA_BASE = dict(
-    vocab_size=64, dim=32, n_layers=3, n_heads=4, max_seq_len=64, attention="mla", dense_layers=1, dense_ffn_dim=40,
+    vocab_size=64,
+    dim=32,
+    n_layers=3,
+    n_heads=4,
+    max_seq_len=64,
+    attention="mla",
+    dense_layers=1,
+    dense_ffn_dim=40,
     mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
-    moe=dict(num_experts=8, top_k=2, expert_ffn_dim=16, score_func="sigmoid", renormalize=True, n_group=4,
-             topk_group=2, routed_scaling_factor=2.5, shared_expert_ffn_dim=32, bias_balancing=dict(enabled=True)),
+    moe=dict(
+        num_experts=8,
+        top_k=2,
+        expert_ffn_dim=16,
+        score_func="sigmoid",
+        renormalize=True,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        shared_expert_ffn_dim=32,
+        bias_balancing=dict(enabled=True),
+    ),
 )
 YARN = dict(kind="yarn", factor=4.0, original_max_seq_len=16, mscale=1.0, mscale_all_dim=0.8)
 MLA_CASES = {
     "compressed-queries": {},
-    "full-queries-yarn": dict(mla=dict(q_lora_rank=0, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=8,
-                                       v_head_dim=4), rope_theta=500.0, rope_scaling=YARN),
+    "full-queries-yarn": dict(
+        mla=dict(q_lora_rank=0, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=8, v_head_dim=4),
+        rope_theta=500.0,
+        rope_scaling=YARN,
+    ),
     "no-groups-no-shared-tied": dict(
-        tie_embeddings=True, dense_layers=0,
-        moe=dict(num_experts=4, top_k=3, expert_ffn_dim=16, score_func="sigmoid", renormalize=False,
-                 bias_balancing=dict(enabled=True)),
+        tie_embeddings=True,
+        dense_layers=0,
+        moe=dict(
+            num_experts=4,
+            top_k=3,
+            expert_ffn_dim=16,
+            score_func="sigmoid",
+            renormalize=False,
+            bias_balancing=dict(enabled=True),
+        ),
     ),
 }
 
@@ -161,7 +188,8 @@ def test_decoding_keeps_the_latent_only_and_equals_the_full_forward(case):
     cache = KVCache(config, pad_B, 17, torch.float32, torch.device("cpu"))
     mla = config.mla
     assert [buffer.shape for buffer in cache.buffers] == [
-        (config.n_layers, 3, 17, mla.kv_lora_rank), (config.n_layers, 3, 17, mla.qk_rope_head_dim)
+        (config.n_layers, 3, 17, mla.kv_lora_rank),
+        (config.n_layers, 3, 17, mla.qk_rope_head_dim),
     ]
     stored = sum(buffer.numel() * buffer.element_size() for buffer in cache.buffers) // (3 * 17)
     assert cache.bytes_per_token == stored == config.n_layers * (mla.kv_lora_rank + mla.qk_rope_head_dim) * 4
@@ -193,8 +221,12 @@ def test_absorbed_decoding_equals_expanded_decoding_and_greedy_tokens_agree(case
         assert relative(logits["absorbed"][row, pad:], logits["expanded"][row, pad:]) < TOLERANCE
     prompts = [tokens_BS[row, : 4 + row].tolist() for row in range(3)]
     completions = {
-        form: [c.tokens for c in generate(model, prompts, GenerationConfig(
-            max_new_tokens=12, temperature=0.0, latent_decoding=form)).completions]
+        form: [
+            c.tokens
+            for c in generate(
+                model, prompts, GenerationConfig(max_new_tokens=12, temperature=0.0, latent_decoding=form)
+            ).completions
+        ]
         for form in ("absorbed", "expanded", "auto")
     }
     assert completions["absorbed"] == completions["expanded"] == completions["auto"]
@@ -203,10 +235,15 @@ def test_absorbed_decoding_equals_expanded_decoding_and_greedy_tokens_agree(case
 def test_auto_latent_decoding_absorbs_a_decoding_step_and_expands_a_long_prompt():
     """The form with fewer multiply-adds: one new token over 4,096 cached latents is absorbed; a prompt of 4,096
     tokens at once is expanded (its queries would each attend in the latent's 576 dimensions, not 192)."""
-    moonlight = ModelConfig.model_validate(dict(
-        dim=2048, n_layers=2, n_heads=16, attention="mla",
-        mla=dict(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
-    ))
+    moonlight = ModelConfig.model_validate(
+        dict(
+            dim=2048,
+            n_layers=2,
+            n_heads=16,
+            attention="mla",
+            mla=dict(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        )
+    )
     rope = RotaryEmbedding(moonlight.rope_dim, moonlight.max_seq_len, moonlight.rope_theta, moonlight.rope_scaling)
     attention = LatentAttention(moonlight, rope)
     assert attention._absorbs("auto", 1, 4096) and attention._absorbs("auto", 8, 1024)
@@ -216,10 +253,15 @@ def test_auto_latent_decoding_absorbs_a_decoding_step_and_expands_a_long_prompt(
 
 def test_the_latent_cache_is_a_fraction_of_the_full_keys_and_values():
     """DeepSeek-V3's shape: 576 cached values a token and layer where full keys and values take 128 heads x 320."""
-    v3 = ModelConfig.model_validate(dict(
-        dim=7168, n_layers=61, n_heads=128, attention="mla",
-        mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
-    ))
+    v3 = ModelConfig.model_validate(
+        dict(
+            dim=7168,
+            n_layers=61,
+            n_heads=128,
+            attention="mla",
+            mla=dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        )
+    )
     assert cache_bytes_per_token(v3, 2) == 61 * 576 * 2
     expanded = 61 * 128 * (192 + 128) * 2
     assert expanded / cache_bytes_per_token(v3, 2) > 71
@@ -250,8 +292,10 @@ def test_a_closed_gate_silences_attention_and_an_open_one_passes_it_halved(kind)
         (["attention=mla", "n_kv_heads=2"], "n_kv_heads 2: MLA gives every head its own keys and values"),
         (["mla.qk_rope_head_dim=5"], "model.mla.qk_rope_head_dim: qk_rope_head_dim 5 must be even"),
         (["rope_scaling.kind=linear", "rope_scaling.factor=2", "rope_scaling.mscale=1"], "belong to yarn scaling"),
-        (["rope_scaling={kind: yarn, factor: 4, original_max_seq_len: 16, mscale_all_dim: 1}"],
-         "mscale_all_dim scales MLA's softmax"),
+        (
+            ["rope_scaling={kind: yarn, factor: 4, original_max_seq_len: 16, mscale_all_dim: 1}"],
+            "mscale_all_dim scales MLA's softmax",
+        ),
         (["moe.n_group=3"], "model.moe: n_group 3 must divide num_experts (8)"),
         (["moe.n_group=4", "moe.topk_group=1", "moe.top_k=3"], "top_k 3 exceeds the 2 experts of topk_group 1"),
         (["attention_gate=head_wise"], "model.attention_gate: Input should be 'none', 'head' or 'elementwise'"),
@@ -268,7 +312,9 @@ def test_bad_attention_and_routing_settings_name_the_field(overrides, named):
 @pytest.mark.parametrize(
     "overrides",
     [
-        {}, {"attention_gate": "elementwise"}, {"mla": {"q_lora_rank": 0}},
+        {},
+        {"attention_gate": "elementwise"},
+        {"mla": {"q_lora_rank": 0}},
         {"attention": "gqa", "attention_gate": "head", "dim": 32, "n_kv_heads": 2, "dense_layers": 0},
     ],
 )

@@ -25,12 +25,19 @@ from ferry.train.trainer import train
 
 LAYOUT_TOLERANCE = 1e-5
 MLA = (
-    "model.attention=mla", "model.n_kv_heads=4", "model.attention_gate=head",
+    "model.attention=mla",
+    "model.n_kv_heads=4",
+    "model.attention_gate=head",
     "model.mla={q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 8}",
-    "model.moe.score_func=sigmoid", "model.moe.n_group=2", "model.moe.topk_group=1", "model.moe.renormalize=true",
-    "model.moe.routed_scaling_factor=2.0", "model.moe.shared_expert_ffn_dim=32",
+    "model.moe.score_func=sigmoid",
+    "model.moe.n_group=2",
+    "model.moe.topk_group=1",
+    "model.moe.renormalize=true",
+    "model.moe.routed_scaling_factor=2.0",
+    "model.moe.shared_expert_ffn_dim=32",
     "model.moe.bias_balancing.enabled=true",
-    "train.steps=4", "checkpoint.interval=2",
+    "train.steps=4",
+    "checkpoint.interval=2",
 )
 
 
@@ -56,8 +63,15 @@ def test_mla_under_expert_parallelism_and_zero_trains_as_one_process(reference):
 
 def test_an_ep2_mla_checkpoint_resumes_under_fsdp_and_in_one_process(reference, stdlib_dataset, tmp_path):
     checkpoint = reference["ep_dir"] / "checkpoints" / "step-00000002"
-    fsdp = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "fsdp"), *MLA, f"resume={checkpoint}",
-                        "parallel.mode=fsdp")
+    fsdp = run_on_ranks(
+        runs.train_run,
+        2,
+        str(stdlib_dataset),
+        str(tmp_path / "fsdp"),
+        *MLA,
+        f"resume={checkpoint}",
+        "parallel.mode=fsdp",
+    )
     assert _relative(fsdp[0]["losses"], reference["single"][2:]) < LAYOUT_TOLERANCE
     alone = Trainer(runs.tiny_config(str(stdlib_dataset), str(tmp_path / "one"), *MLA, f"resume={checkpoint}"))
     assert _relative(alone.fit().losses, reference["single"][2:]) < LAYOUT_TOLERANCE
@@ -79,8 +93,11 @@ def test_a_checkpointed_mla_run_equals_the_plain_one_bit_for_bit(stdlib_dataset,
     (both on the portable routed path, which a recompute can replay)."""
     same_kernels = ('kernels.ops."moe.routed_experts"=portable', "train.steps=2", "checkpoint.interval=0")
     plain = Trainer(runs.tiny_config(str(stdlib_dataset), str(tmp_path / "plain"), *MLA, *same_kernels))
-    checkpointed = Trainer(runs.tiny_config(str(stdlib_dataset), str(tmp_path / mode), *MLA, *same_kernels,
-                                            f"train.activation_checkpointing={mode}"))
+    checkpointed = Trainer(
+        runs.tiny_config(
+            str(stdlib_dataset), str(tmp_path / mode), *MLA, *same_kernels, f"train.activation_checkpointing={mode}"
+        )
+    )
     assert checkpointed.fit().losses == plain.fit().losses
     plain_state, checkpointed_state = plain.model.state_dict(), checkpointed.model.state_dict()
     assert all(torch.equal(plain_state[name], checkpointed_state[name]) for name in plain_state)
@@ -88,11 +105,18 @@ def test_a_checkpointed_mla_run_equals_the_plain_one_bit_for_bit(stdlib_dataset,
 
 def test_an_mla_block_compiles_whole_and_computes_as_eager():
     """One graph for the attention and its gate (no break): the compiled region inductor would fuse."""
-    config = ModelConfig.model_validate(dict(
-        dim=32, n_heads=4, attention="mla", attention_gate="elementwise", n_layers=1, vocab_size=64,
-        mla=dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
-        rope_scaling=dict(kind="yarn", factor=2.0, original_max_seq_len=512, mscale_all_dim=1.0),
-    ))
+    config = ModelConfig.model_validate(
+        dict(
+            dim=32,
+            n_heads=4,
+            attention="mla",
+            attention_gate="elementwise",
+            n_layers=1,
+            vocab_size=64,
+            mla=dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+            rope_scaling=dict(kind="yarn", factor=2.0, original_max_seq_len=512, mscale_all_dim=1.0),
+        )
+    )
     attention = Transformer(config).layers[0].attn
     x_BSD = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(0))
     compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
@@ -103,11 +127,14 @@ def test_an_mla_block_compiles_whole_and_computes_as_eager():
 def task(stdlib_dataset, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mla-task")
     views = {
-        "chat": {"chat": True, "seq_len": 64}, "pairs": {"records": "preferences"}, "prompts": {"records": "prompts"}
+        "chat": {"chat": True, "seq_len": 64},
+        "pairs": {"records": "preferences"},
+        "prompts": {"records": "prompts"},
     }
     for name, flags in views.items():
-        spec = PrepareSpec(embedded="largest", tokenizer=str(stdlib_dataset / "tokenizer.json"),
-                           embedded_max_bytes=20_000, **flags)
+        spec = PrepareSpec(
+            embedded="largest", tokenizer=str(stdlib_dataset / "tokenizer.json"), embedded_max_bytes=20_000, **flags
+        )
         prepare_dataset(spec, root / name)
     return {name: root / name for name in views}
 
@@ -116,8 +143,15 @@ def _objective_config(tmp_path: Path, name: str, source: Path, *overrides: str):
     from conftest import tiny_config
 
     return tiny_config(
-        Path("unused"), tmp_path / name, *MLA, "model.vocab_size=576", "data.seq_len=64", "train.steps=2",
-        "checkpoint.interval=0", f"data.sources=[{{name: d, path: {source}}}]", *overrides,
+        Path("unused"),
+        tmp_path / name,
+        *MLA,
+        "model.vocab_size=576",
+        "data.seq_len=64",
+        "train.steps=2",
+        "checkpoint.interval=0",
+        f"data.sources=[{{name: d, path: {source}}}]",
+        *overrides,
     )
 
 
@@ -132,12 +166,19 @@ def sft(task, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize(
     "objective, source, extra",
-    [("dpo", "pairs", ()), ("grpo", "prompts", ("grpo.group_size=2", "grpo.max_new_tokens=4", "train.global_batch=4",
-                                                 "train.micro_batch=4"))],
+    [
+        ("dpo", "pairs", ()),
+        (
+            "grpo",
+            "prompts",
+            ("grpo.group_size=2", "grpo.max_new_tokens=4", "train.global_batch=4", "train.micro_batch=4"),
+        ),
+    ],
 )
 def test_every_objective_trains_an_mla_model(task, sft, tmp_path, objective, source, extra):
-    config = _objective_config(tmp_path, objective, task[source], f"train.objective={objective}", f"init_from={sft}",
-                               *extra)
+    config = _objective_config(
+        tmp_path, objective, task[source], f"train.objective={objective}", f"init_from={sft}", *extra
+    )
     losses = train(config).losses
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses), objective
 

@@ -29,7 +29,12 @@ def _config(**overrides) -> ModelConfig:
 
 
 def test_counter_matches_the_built_model():
-    for overrides in [{}, {"qk_norm": True, "moe": {"shared_expert_ffn_dim": 8}}, {"qk_norm": True, "qk_norm_scope": "head"}, {"tie_embeddings": True}]:
+    for overrides in [
+        {},
+        {"qk_norm": True, "moe": {"shared_expert_ffn_dim": 8}},
+        {"qk_norm": True, "qk_norm_scope": "head"},
+        {"tie_embeddings": True},
+    ]:
         config = _config(**overrides)
         model = Transformer(config)
         size = count_model(config, seq_len=16)

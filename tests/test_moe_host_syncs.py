@@ -43,8 +43,10 @@ class RecordHostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = str(func.overloadpacket)
-        sized_on_the_host = name == "aten.repeat_interleave" and kwargs.get("output_size") is None and any(
-            isinstance(arg, torch.Tensor) and arg.dtype in (torch.int32, torch.int64) for arg in args
+        sized_on_the_host = (
+            name == "aten.repeat_interleave"
+            and kwargs.get("output_size") is None
+            and any(isinstance(arg, torch.Tensor) and arg.dtype in (torch.int32, torch.int64) for arg in args)
         )
         if name in SYNCING_OPS or sized_on_the_host:
             self.reads.append(name)

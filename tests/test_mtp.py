@@ -62,8 +62,12 @@ def test_each_depths_loss_is_recorded_and_the_modules_train_the_trunk(single, st
 
 
 @pytest.mark.parametrize(
-    "layout", [("parallel.ep=2", "optim.zero=true"), ("parallel.mode=fsdp",),
-               ("parallel.ep=2", "train.activation_checkpointing=selective")],
+    "layout",
+    [
+        ("parallel.ep=2", "optim.zero=true"),
+        ("parallel.mode=fsdp",),
+        ("parallel.ep=2", "train.activation_checkpointing=selective"),
+    ],
     ids=["ep2-zero", "fsdp2", "ep2-recomputed"],
 )
 def test_every_layout_that_holds_whole_rows_trains_mtp_as_one_process(single, stdlib_dataset, tmp_path, layout):
@@ -171,8 +175,9 @@ def test_a_deepseek_v3_export_keeps_the_modules_where_deepseek_does_and_transfor
         assert torch.equal(imported[name], tensor), name
 
 
-def test_a_trained_mtp_run_exports_imports_and_refuses_an_architecture_without_modules(stdlib_dataset, tmp_path,
-                                                                                      capsys):
+def test_a_trained_mtp_run_exports_imports_and_refuses_an_architecture_without_modules(
+    stdlib_dataset, tmp_path, capsys
+):
     from conftest import tiny_config
     from test_interop_deepseek import MLA_RUN
 
@@ -190,8 +195,11 @@ def test_a_trained_mtp_run_exports_imports_and_refuses_an_architecture_without_m
     assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
     capsys.readouterr()
     gqa = tmp_path / "gqa"
-    Trainer(tiny_config(stdlib_dataset, gqa, "model.mtp.depth=1", "model.qk_norm=true", "model.qk_norm_scope=head",
-                        "train.steps=1")).fit()
+    Trainer(
+        tiny_config(
+            stdlib_dataset, gqa, "model.mtp.depth=1", "model.qk_norm=true", "model.qk_norm_scope=head", "train.steps=1"
+        )
+    ).fit()
     assert main(["export", str(gqa), str(tmp_path / "qwen")]) == 2
     assert "model.mtp.depth: qwen3_moe has no multi-token-prediction modules (deepseek_v3 keeps them)" in (
         capsys.readouterr().err

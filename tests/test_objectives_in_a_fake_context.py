@@ -27,7 +27,14 @@ from ferry.train.step_statistics import StepStatistics
 
 CPU = torch.device("cpu")
 MODEL = ModelConfig(
-    vocab_size=576, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, dense_layers=1, dense_ffn_dim=64,
+    vocab_size=576,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    max_seq_len=64,
+    dense_layers=1,
+    dense_ffn_dim=64,
     moe={"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32},
 )
 
@@ -53,7 +60,9 @@ class FakeContext:
         for forward in passes:
             self.events.append("forward")
             output = self.model(
-                forward.tokens_BS, document_ids_BS=forward.document_ids_BS, padding_BS=forward.padding_BS,
+                forward.tokens_BS,
+                document_ids_BS=forward.document_ids_BS,
+                padding_BS=forward.padding_BS,
                 targets=forward.head,
             )
             parts = forward.loss(output)
@@ -107,14 +116,16 @@ def records(stdlib_dataset, tmp_path_factory) -> dict[str, Path]:
     tokenizer = str(stdlib_dataset / "tokenizer.json")
     root = tmp_path_factory.mktemp("records")
     for kind in ("preferences", "prompts"):
-        prepare_dataset(PrepareSpec(embedded="largest", tokenizer=tokenizer, embedded_max_bytes=20_000, records=kind),
-                        root / kind)
+        prepare_dataset(
+            PrepareSpec(embedded="largest", tokenizer=tokenizer, embedded_max_bytes=20_000, records=kind), root / kind
+        )
     return {"preferences": root / "preferences", "prompts": root / "prompts"}
 
 
 def _loader(path: Path, kind: str, global_batch: int) -> RecordLoader:
-    return RecordLoader(DataConfig(sources=[{"name": kind, "path": str(path)}]), seed=0, global_batch=global_batch,
-                        kind=kind)
+    return RecordLoader(
+        DataConfig(sources=[{"name": kind, "path": str(path)}]), seed=0, global_batch=global_batch, kind=kind
+    )
 
 
 def _statistics(model: Transformer, names: tuple[str, ...]) -> StepStatistics:
@@ -124,8 +135,9 @@ def _statistics(model: Transformer, names: tuple[str, ...]) -> StepStatistics:
 def _dpo(records, tmp_path, policy) -> tuple[DPOObjective, FakeReferences]:
     references = FakeReferences(policy)
     loader = _loader(records["preferences"], "preferences", global_batch=8)
-    records = RecordTraining(loader, {}, micro_batch=4, moe=MODEL.moe, max_seq_len=64, eval_interval=0,
-                             references=references)
+    records = RecordTraining(
+        loader, {}, micro_batch=4, moe=MODEL.moe, max_seq_len=64, eval_interval=0, references=references
+    )
     objective = DPOObjective(DPOConfig(beta=0.5, score_batch=16), records, tmp_path / "cache", {"model": "tiny"})
     return objective, references
 
@@ -159,8 +171,15 @@ def test_dpo_starts_at_log_2_against_its_own_parent_and_moves_the_chosen_answers
 
 def _grpo(records, policy, verifier: str = "numeric", **settings) -> GRPOObjective:
     config = GRPOConfig(group_size=4, max_new_tokens=3, verifier=verifier, **settings)
-    training = RecordTraining(_loader(records["prompts"], "prompts", global_batch=4), {}, micro_batch=2,
-                              moe=MODEL.moe, max_seq_len=64, eval_interval=0, references=FakeReferences(policy))
+    training = RecordTraining(
+        _loader(records["prompts"], "prompts", global_batch=4),
+        {},
+        micro_batch=2,
+        moe=MODEL.moe,
+        max_seq_len=64,
+        eval_interval=0,
+        references=FakeReferences(policy),
+    )
     return GRPOObjective(config, training, seed=0)
 
 

@@ -41,12 +41,25 @@ def test_a_muon_runs_release_says_muon_in_its_messages_card_and_record(muon_run,
 
 
 def test_a_replay_that_needs_the_parents_muon_state_names_it(tmp_path):
-    parent = {"name": "pretrain", "checkpoint": {"path": "stages/pretrain/checkpoints/step-00000004",
-                                                "lineage_digest": "d", "optimizer": False, "optimizer_kind": "Muon"}}
-    child = {"name": "midtrain", "parent": {"stage": "pretrain", "digest": "d", "checkpoint": "x"},
-             "start": {"carry": "weights+optimizer", "steps": "fresh"}}
-    with pytest.raises(UserError, match="starts from pretrain's weights and Muon state, and this release carries no "
-                                        "optimizer state: release the pipeline with --optimizer"):
+    parent = {
+        "name": "pretrain",
+        "checkpoint": {
+            "path": "stages/pretrain/checkpoints/step-00000004",
+            "lineage_digest": "d",
+            "optimizer": False,
+            "optimizer_kind": "Muon",
+        },
+    }
+    child = {
+        "name": "midtrain",
+        "parent": {"stage": "pretrain", "digest": "d", "checkpoint": "x"},
+        "start": {"carry": "weights+optimizer", "steps": "fresh"},
+    }
+    with pytest.raises(
+        UserError,
+        match="starts from pretrain's weights and Muon state, and this release carries no "
+        "optimizer state: release the pipeline with --optimizer",
+    ):
         _start(tmp_path, {"stages": [parent, child]}, child, "midtrain")
 
 
@@ -54,8 +67,9 @@ def test_averaging_muon_checkpoints_averages_their_momentum_and_refuses_another_
     muon_run, make_config, tmp_path, capsys
 ):
     early, late = list_checkpoints(muon_run / "checkpoints")
-    assert main(["ckpt", "average", str(early), str(late), "--out", str(tmp_path / "soup"), "--optimizer",
-                 "average"]) == 0
+    assert (
+        main(["ckpt", "average", str(early), str(late), "--out", str(tmp_path / "soup"), "--optimizer", "average"]) == 0
+    )
     [soup] = list_checkpoints(tmp_path / "soup")
     averaged, first, second = (verify_checkpoint(path) for path in (soup, early, late))
     momentum = [name for name in first.names("optim.momentum_buffer.")]
@@ -69,7 +83,19 @@ def test_averaging_muon_checkpoints_averages_their_momentum_and_refuses_another_
     train(make_config("train.steps=2", run_dir=adamw))
     [adamw_checkpoint] = list_checkpoints(adamw / "checkpoints")
     capsys.readouterr()
-    assert main(["ckpt", "average", str(late), str(adamw_checkpoint), "--out", str(tmp_path / "mixed"),
-                 "--optimizer", "average"]) == 2
+    assert (
+        main(
+            [
+                "ckpt",
+                "average",
+                str(late),
+                str(adamw_checkpoint),
+                "--out",
+                str(tmp_path / "mixed"),
+                "--optimizer",
+                "average",
+            ]
+        )
+        == 2
+    )
     assert "holds AdamW optimizer state and" in capsys.readouterr().err and not (tmp_path / "mixed").exists()
-

@@ -9,7 +9,9 @@ import distributed_cases as cases
 
 
 def test_ep2_dispatch_equals_local_experts_forward_and_backward():
-    for output_error, input_grad_error, local_experts, ops in run_on_ranks(cases.dispatcher_matches_local_experts, 2, 2):
+    for output_error, input_grad_error, local_experts, ops in run_on_ranks(
+        cases.dispatcher_matches_local_experts, 2, 2
+    ):
         assert output_error < 1e-5 and input_grad_error < 1e-5
         assert local_experts == 4, "each EP rank keeps half the experts"
         assert {"ep_counts", "ep_dispatch", "ep_combine", "ep_dispatch_backward", "ep_combine_backward"} <= ops

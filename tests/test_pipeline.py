@@ -24,14 +24,26 @@ from conftest import TINY_RUN, tiny_config
 def _write_pipeline(tmp_path, dataset, midtrain_overrides: dict | None = None, pretrain_from: str | None = None):
     config = {**TINY_RUN, "data": {**TINY_RUN["data"], "sources": [{"name": "stdlib", "path": str(dataset)}]}}
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(config))
-    pretrain = {"name": "pretrain", "config": "tiny.yaml",
-                "overrides": {"train.steps": 4, "checkpoint.interval": 2, "optim.schedule": "wsd"}}
+    pretrain = {
+        "name": "pretrain",
+        "config": "tiny.yaml",
+        "overrides": {"train.steps": 4, "checkpoint.interval": 2, "optim.schedule": "wsd"},
+    }
     if pretrain_from:
         pretrain["init_from"] = pretrain_from
     midtrain = {
-        "name": "midtrain", "init_from": "previous", "carry": "weights+optimizer", "lr": "parent",
-        "overrides": {"train.steps": 4, "optim.schedule": "linear", "optim.min_lr_ratio": 0.0,
-                      "optim.warmup_steps": 0, "run.seed": 1, **(midtrain_overrides or {})},
+        "name": "midtrain",
+        "init_from": "previous",
+        "carry": "weights+optimizer",
+        "lr": "parent",
+        "overrides": {
+            "train.steps": 4,
+            "optim.schedule": "linear",
+            "optim.min_lr_ratio": 0.0,
+            "optim.warmup_steps": 0,
+            "run.seed": 1,
+            **(midtrain_overrides or {}),
+        },
     }
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump({"name": "test", "stages": [pretrain, midtrain]}, sort_keys=False))
@@ -107,8 +119,10 @@ def test_a_rerun_whose_stage_refuses_its_input_puts_every_stage_back(finished, s
     assert list_checkpoints(out / "midtrain" / "checkpoints") and (cache / "entry").read_text() == "kept"
     assert not (out / ".replaced").exists()
     lineage = run_pipeline(path, out, rerun="midtrain")
-    assert [stage["name"] for stage in json.loads((out / "lineage.json").read_text())["stages"]] == ["pretrain",
-                                                                                                      "midtrain"]
+    assert [stage["name"] for stage in json.loads((out / "lineage.json").read_text())["stages"]] == [
+        "pretrain",
+        "midtrain",
+    ]
     assert lineage.stages["midtrain"]["status"] == "finished" and (cache / "entry").read_text() == "kept"
     assert not (out / ".replaced").exists()
 
@@ -144,7 +158,9 @@ def test_a_key_the_pipeline_sets_per_stage_is_refused_on_the_command_line(finish
 
 def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(finished, stdlib_dataset, tmp_path):
     straight = run_pipeline(*finished)  # finished earlier: its lineage as recorded
-    killed = _write_pipeline(tmp_path, stdlib_dataset, {"checkpoint.interval": 2, "fault.inject": [{"step": 4, "kind": "kill"}]})
+    killed = _write_pipeline(
+        tmp_path, stdlib_dataset, {"checkpoint.interval": 2, "fault.inject": [{"step": 4, "kind": "kill"}]}
+    )
     lineage = run_pipeline(killed, tmp_path / "resumed")
     assert lineage.stages["midtrain"]["status"] == "failed"
     lineage = run_pipeline(_write_pipeline(tmp_path, stdlib_dataset, {"checkpoint.interval": 2}), tmp_path / "resumed")
@@ -160,8 +176,10 @@ def test_a_stage_killed_midway_resumes_to_the_uninterrupted_result(finished, std
     [
         ([{"name": "a", "config": "tiny.yaml"}, {"name": "a", "init_from": "previous"}], "stage names must be unique"),
         ([{"name": "a", "config": "tiny.yaml", "init_from": "previous"}], "no previous stage"),
-        ([{"name": "a", "config": "tiny.yaml"}, {"name": "b", "init_from": "previous", "steps": "continue"}],
-         "carry: weights+optimizer"),
+        (
+            [{"name": "a", "config": "tiny.yaml"}, {"name": "b", "init_from": "previous", "steps": "continue"}],
+            "carry: weights+optimizer",
+        ),
         ([{"name": "a", "config": "tiny.yaml", "overrides": {"optim.schedule": "step"}}], "stage a of"),
         ([{"name": "a", "config": "missing.yaml"}], "missing.yaml"),
     ],

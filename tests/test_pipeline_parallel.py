@@ -82,14 +82,24 @@ def test_a_pipelined_run_records_its_stages_and_bubble(reference):
         ("parallel.pp_schedule=gpipe",),
         ("parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"),
         ("parallel.pp_schedule=looped_bfs", "parallel.pp_virtual_stages=2", "parallel.pp_split=[1,1,1,1]"),
-        ("parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2", "kernels.policy=portable",
-         "train.loss_chunk=0"),
+        (
+            "parallel.pp_schedule=zero_bubble",
+            "parallel.pp_virtual_stages=2",
+            "kernels.policy=portable",
+            "train.loss_chunk=0",
+        ),
     ],
     ids=["gpipe", "interleaved_1f1b", "looped_bfs", "zero_bubble"],
 )
 def test_every_schedule_gives_the_same_losses(reference, stdlib_dataset, tmp_path, schedule):
     pp = run_on_ranks(
-        runs.train_run, 2, str(stdlib_dataset), str(tmp_path), *PIPELINED_MODEL, "parallel.pp=2", "train.steps=4",
+        runs.train_run,
+        2,
+        str(stdlib_dataset),
+        str(tmp_path),
+        *PIPELINED_MODEL,
+        "parallel.pp=2",
+        "train.steps=4",
         *schedule,
     )
     assert _relative(pp[0]["losses"], reference["single"]["losses"][:4]) < TOLERANCE
@@ -121,7 +131,12 @@ def test_a_pp2_checkpoint_resumes_in_one_process(reference, stdlib_dataset, tmp_
 def test_a_one_process_checkpoint_resumes_as_pp2(reference, stdlib_dataset, tmp_path):
     checkpoint = reference["single_dir"] / "checkpoints" / "step-00000005"
     resumed = run_on_ranks(
-        runs.train_run, 2, str(stdlib_dataset), str(tmp_path), *PIPELINED_MODEL, "parallel.pp=2",
+        runs.train_run,
+        2,
+        str(stdlib_dataset),
+        str(tmp_path),
+        *PIPELINED_MODEL,
+        "parallel.pp=2",
         f"resume={checkpoint}",
     )
     assert len(resumed[0]["losses"]) == 5
@@ -134,8 +149,10 @@ def test_ferry_eval_reads_a_pipelined_checkpoint_as_the_single_process_one(refer
     figures = []
     for run_dir in (reference["pp_dir"], reference["single_dir"]):
         final = run_dir / "checkpoints" / "step-00000010"
-        assert main(["eval", str(final), "--data", str(stdlib_dataset), "--batches", "2", "--batch-size", "8",
-                     "--json"]) == 0
+        assert (
+            main(["eval", str(final), "--data", str(stdlib_dataset), "--batches", "2", "--batch-size", "8", "--json"])
+            == 0
+        )
         figures.append(json.loads(capsys.readouterr().out)["datasets"][str(stdlib_dataset)]["loss"])
     assert _relative(figures[:1], figures[1:]) < TOLERANCE
 
@@ -143,7 +160,13 @@ def test_ferry_eval_reads_a_pipelined_checkpoint_as_the_single_process_one(refer
 def test_a_pp2_checkpoint_resumes_as_ep2(reference, stdlib_dataset, tmp_path):
     checkpoint = reference["pp_dir"] / "checkpoints" / "step-00000005"
     resumed = run_on_ranks(
-        runs.train_run, 2, str(stdlib_dataset), str(tmp_path), *PIPELINED_MODEL, "parallel.ep=2", "optim.zero=true",
+        runs.train_run,
+        2,
+        str(stdlib_dataset),
+        str(tmp_path),
+        *PIPELINED_MODEL,
+        "parallel.ep=2",
+        "optim.zero=true",
         f"resume={checkpoint}",
     )
     assert _relative(resumed[0]["losses"], reference["single"]["losses"][5:]) < TOLERANCE
@@ -154,8 +177,15 @@ def test_a_pipeline_with_zero1_on_4_ranks_trains_as_one_process(reference, stdli
     """world 4 = pp 2 x (dp x ep) 2: each stage's two ranks split the step's rows and, with ep 2, its experts;
     dense gradients are summed over a stage's ranks, expert gradients over the ranks holding the same experts."""
     run = run_on_ranks(
-        runs.train_run, 4, str(stdlib_dataset), str(tmp_path), *PIPELINED_MODEL, "parallel.pp=2", *layout,
-        "optim.zero=true", timeout_s=240,
+        runs.train_run,
+        4,
+        str(stdlib_dataset),
+        str(tmp_path),
+        *PIPELINED_MODEL,
+        "parallel.pp=2",
+        *layout,
+        "optim.zero=true",
+        timeout_s=240,
     )
     assert _relative(run[0]["losses"], reference["single"]["losses"]) < TOLERANCE
     for pipelined, alone in zip(run[0]["records"], reference["single"]["records"], strict=True):
@@ -168,27 +198,47 @@ def test_a_pipeline_with_zero1_on_4_ranks_trains_as_one_process(reference, stdli
         (("model.n_layers=3",), 2, "do not split model.n_layers (3) evenly; set parallel.pp to one of [1, 3]"),
         (("parallel.pp_split=[1,2]",), 2, "parallel.pp_split [1, 2] places 3 blocks; model.n_layers is 4"),
         (("train.micro_batch=8",), 2, "1f1b needs at least parallel.pp (2) micro-batches a step, this run has 1"),
-        (("train.micro_batch=4", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"), 4,
-         "interleaved_1f1b runs a step's micro-batches in rounds of about parallel.pp (2): at least 2 that split into "
-         "equal rounds (a multiple of 2 always does); this run has 1"),
-        (("parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2"), 2,
-         "zero_bubble runs each backward in two passes over one graph"),
-        (("parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2", "kernels.policy=portable",
-          "train.loss_chunk=0", "train.micro_batch=1", "train.global_batch=5"), 2,
-         "zero_bubble runs a step's micro-batches in rounds of about parallel.pp (2): at least 2 that split into "
-         "equal rounds (a multiple of 2 always does); this run has 5"),
+        (
+            ("train.micro_batch=4", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"),
+            4,
+            "interleaved_1f1b runs a step's micro-batches in rounds of about parallel.pp (2): at least 2 that split into "
+            "equal rounds (a multiple of 2 always does); this run has 1",
+        ),
+        (
+            ("parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2"),
+            2,
+            "zero_bubble runs each backward in two passes over one graph",
+        ),
+        (
+            (
+                "parallel.pp_schedule=zero_bubble",
+                "parallel.pp_virtual_stages=2",
+                "kernels.policy=portable",
+                "train.loss_chunk=0",
+                "train.micro_batch=1",
+                "train.global_batch=5",
+            ),
+            2,
+            "zero_bubble runs a step's micro-batches in rounds of about parallel.pp (2): at least 2 that split into "
+            "equal rounds (a multiple of 2 always does); this run has 5",
+        ),
         (("model.skip=farskip",), 2, "model.skip=farskip is not supported with pipeline parallelism"),
         ((), 3, "parallel.pp: 2 does not divide the world size 3"),
         (("parallel.ep=2",), 2, "parallel.ep: 2 does not divide the 1 ranks of each pipeline stage"),
     ],
     ids=[
-        "uneven-split", "split-sum", "1f1b-micro-batches", "interleaved-rounds", "zero-bubble-kernels",
-        "zero-bubble-rounds", "farskip", "world", "ep",
+        "uneven-split",
+        "split-sum",
+        "1f1b-micro-batches",
+        "interleaved-rounds",
+        "zero-bubble-kernels",
+        "zero-bubble-rounds",
+        "farskip",
+        "world",
+        "ep",
     ],
 )
-def test_a_pipeline_the_run_cannot_take_is_refused_before_any_rank_starts(
-    make_config, overrides, world_size, message
-):
+def test_a_pipeline_the_run_cannot_take_is_refused_before_any_rank_starts(make_config, overrides, world_size, message):
     config = make_config("model.n_layers=4", "parallel.pp=2", *overrides)
     with pytest.raises(UserError) as refused:
         config.check_world_size(world_size)
@@ -208,11 +258,23 @@ def test_a_pipeline_evaluates_held_out_data_as_one_process_does(stdlib_dataset, 
     """Held-out windows scored stage to stage while the run trains: within documents, the head and loss by chunks
     on the last stage as the run trains them, the sums counted once per pipeline; the single process's figures
     within the tolerance."""
-    held_out = (f"eval.sources=[{{name: held, path: {stdlib_dataset}}}]", "eval.interval=3", "train.steps=3",
-                "data.document_masking=true", "train.loss_chunk=16")
+    held_out = (
+        f"eval.sources=[{{name: held, path: {stdlib_dataset}}}]",
+        "eval.interval=3",
+        "train.steps=3",
+        "data.document_masking=true",
+        "train.loss_chunk=16",
+    )
     single = pipeline_runs.train_reporting(str(stdlib_dataset), str(tmp_path / "one"), *PIPELINED_MODEL, *held_out)
-    pp = run_on_ranks(pipeline_runs.train_reporting, 2, str(stdlib_dataset), str(tmp_path / "pp2"), *PIPELINED_MODEL,
-                      *held_out, "parallel.pp=2")
+    pp = run_on_ranks(
+        pipeline_runs.train_reporting,
+        2,
+        str(stdlib_dataset),
+        str(tmp_path / "pp2"),
+        *PIPELINED_MODEL,
+        *held_out,
+        "parallel.pp=2",
+    )
     evaluated = [(record, alone) for record, alone in zip(pp[0]["records"], single["records"]) if "eval.loss" in alone]
     assert len(evaluated) == 1 and "eval.loss" in evaluated[0][0]
     for pipelined, alone in evaluated:
@@ -226,8 +288,16 @@ def test_ferry_train_refuses_a_bad_pipeline_with_exit_2(stdlib_dataset, tmp_path
     from conftest import REPO
 
     code = main(
-        ["train", str(REPO / "configs" / "tiny.yaml"), "--nproc", "2", f"data.sources.0.path={stdlib_dataset}",
-         f"run.dir={tmp_path}", "parallel.pp=2", "model.n_layers=3"]
+        [
+            "train",
+            str(REPO / "configs" / "tiny.yaml"),
+            "--nproc",
+            "2",
+            f"data.sources.0.path={stdlib_dataset}",
+            f"run.dir={tmp_path}",
+            "parallel.pp=2",
+            "model.n_layers=3",
+        ]
     )
     assert code == 2
     assert "parallel.pp: 2 x pp_virtual_stages 1 = 2 stages do not split model.n_layers (3)" in capsys.readouterr().err
@@ -236,8 +306,9 @@ def test_ferry_train_refuses_a_bad_pipeline_with_exit_2(stdlib_dataset, tmp_path
 
 def test_a_pipeline_refused_inside_the_ranks_fails_on_every_rank(stdlib_dataset, tmp_path):
     with pytest.raises(RankFailure) as caught:
-        run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path), "parallel.pp=2", "model.n_layers=3",
-                     timeout_s=120)
+        run_on_ranks(
+            runs.train_run, 2, str(stdlib_dataset), str(tmp_path), "parallel.pp=2", "model.n_layers=3", timeout_s=120
+        )
     assert str(caught.value).count("stages do not split model.n_layers (3) evenly") == 2
 
 
@@ -259,13 +330,19 @@ def test_ferry_launch_explains_where_the_stages_fall():
     from conftest import REPO
 
     spec = build_launch_spec(
-        str(REPO / "configs" / "tiny.yaml"), ["train.micro_batch=1", "parallel.ep=8", "parallel.pp=2"],
-        platform="p5.48xlarge", nodes=2, master_addr="10.0.0.1",
+        str(REPO / "configs" / "tiny.yaml"),
+        ["train.micro_batch=1", "parallel.ep=8", "parallel.pp=2"],
+        platform="p5.48xlarge",
+        nodes=2,
+        master_addr="10.0.0.1",
     )
     assert "pipeline: 2 stages (1f1b) of 8 consecutive ranks, 1 whole node(s) each" in explain(spec)
     with pytest.raises(UserError, match="parallel.pp: 3 does not divide the world size 16"):
         build_launch_spec(
-            str(REPO / "configs" / "tiny.yaml"), ["parallel.pp=3"], platform="p5.48xlarge", nodes=2,
+            str(REPO / "configs" / "tiny.yaml"),
+            ["parallel.pp=3"],
+            platform="p5.48xlarge",
+            nodes=2,
             master_addr="10.0.0.1",
         )
 

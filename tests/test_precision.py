@@ -106,14 +106,22 @@ def test_emulated_low_precision_grouped_mm_tracks_fp32(kind, tolerance):
 def test_profiles_drive_defaults_and_the_config_overrides_them():
     policy = resolve_precision(PrecisionConfig(), load_profile("h100"))
     assert (policy.param_dtype, policy.compute_dtype) == ("fp32", "bf16")
-    overridden = resolve_precision(PrecisionConfig(compute_dtype="fp16", loss_scaling={"kind": "dynamic"}), load_profile("h100"))
+    overridden = resolve_precision(
+        PrecisionConfig(compute_dtype="fp16", loss_scaling={"kind": "dynamic"}), load_profile("h100")
+    )
     assert overridden.compute_dtype == "fp16" and overridden.loss_scaling == "dynamic"
     assert "compute_dtype=fp16 (config)" in overridden.decisions
 
 
 def test_fp8_formats_follow_the_vendor():
-    assert resolve_precision(PrecisionConfig(experts="fp8"), load_profile("mi300x")).recipe.forward_format.dtype == torch.float8_e4m3fnuz
-    assert resolve_precision(PrecisionConfig(experts="fp8"), load_profile("h100")).recipe.forward_format.dtype == torch.float8_e4m3fn
+    assert (
+        resolve_precision(PrecisionConfig(experts="fp8"), load_profile("mi300x")).recipe.forward_format.dtype
+        == torch.float8_e4m3fnuz
+    )
+    assert (
+        resolve_precision(PrecisionConfig(experts="fp8"), load_profile("h100")).recipe.forward_format.dtype
+        == torch.float8_e4m3fn
+    )
 
 
 def test_the_gradient_format_follows_the_kind_unless_the_config_names_one():
@@ -138,7 +146,9 @@ def test_unsupported_formats_emulate_or_fail_as_configured():
     emulated = resolve_precision(PrecisionConfig(experts="mxfp8"), load_profile("h100"))
     assert emulated.experts_mode == "emulated" and "emulated" in " ".join(emulated.decisions)
     assert resolve_precision(PrecisionConfig(experts="mxfp8"), load_profile("b200")).experts_mode == "native"
-    with pytest.raises(UserError, match="precision.experts: mxfp8 is not supported natively by hardware profile 'mi300x'"):
+    with pytest.raises(
+        UserError, match="precision.experts: mxfp8 is not supported natively by hardware profile 'mi300x'"
+    ):
         resolve_precision(PrecisionConfig(experts="mxfp8", on_unsupported="error"), load_profile("mi300x"))
 
 

@@ -33,8 +33,9 @@ def sm90(monkeypatch):
 def _start(profile: str, experts: str = "fp8", ledger: Ledger | None = None):
     """The precision policy and kernels of a run starting on `profile`'s hardware, as the run's assembly makes them."""
     precision = resolve_precision(PrecisionConfig(experts=experts), load_profile(profile))
-    kernels = select_kernels(KernelsConfig(policy="auto"), "cuda", precision.torch_compute_dtype, ledger=ledger,
-                             today=TODAY)
+    kernels = select_kernels(
+        KernelsConfig(policy="auto"), "cuda", precision.torch_compute_dtype, ledger=ledger, today=TODAY
+    )
     if precision.recipe is not None:
         kernels = with_low_precision_experts(kernels, precision.recipe)
         low = kernels.choices[low_precision_op(precision.recipe)].implementation
@@ -46,9 +47,11 @@ def test_fp8_on_an_h200_runs_native_and_says_at_start_it_is_for_numerics_not_spe
     precision, kernels = _start("h200")
     assert precision.experts_mode == "native" and precision.experts_kernel == "torch_scaled_grouped_mm@cuda"
     line = precision.decisions[-1]
-    assert line.startswith("warning: experts=fp8 on h200: the FP8 expert GEMMs (torch_scaled_grouped_mm@cuda) "
-                           "measured 0.19x the bf16 eager step on h200 at the OLMoE-1B-7B shape "
-                           "(benchmarks/accelerator_training.py")
+    assert line.startswith(
+        "warning: experts=fp8 on h200: the FP8 expert GEMMs (torch_scaled_grouped_mm@cuda) "
+        "measured 0.19x the bf16 eager step on h200 at the OLMoE-1B-7B shape "
+        "(benchmarks/accelerator_training.py"
+    )
     assert line.endswith("so fp8 is offered here for its numerics, not for speed")
     assert line in precision.as_dict()["decisions"]  # what run.json records
     reason = kernels.choices[FP8_OP].reason
@@ -70,8 +73,15 @@ def test_on_hardware_without_a_measurement_fp8_is_not_offered_for_speed_and_the_
 
 
 def test_a_measured_win_is_stated_without_the_numerics_only_warning(sm90):
-    won = StepMeasurement(profile="h200", ratio=1.25, baseline="the bf16 compiled step", shape="OLMoE-1B-7B",
-                          figures="test", date="2027-01", source="test")
+    won = StepMeasurement(
+        profile="h200",
+        ratio=1.25,
+        baseline="the bf16 compiled step",
+        shape="OLMoE-1B-7B",
+        figures="test",
+        date="2027-01",
+        source="test",
+    )
     native = "moe.fp8_grouped_mm torch_scaled_grouped_mm@cuda"
     entries = tuple(
         entry.model_copy(update={"step_vs_bf16": [won]}) if entry.key == native else entry

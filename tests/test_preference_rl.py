@@ -69,8 +69,11 @@ def task(tmp_path_factory, chat_tokenizer: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("largest")
     out = {}
     for split in ("largest", "largest-held-out"):
-        for view, flags in (("chat", {"chat": True, "seq_len": 64}), ("pairs", {"records": "preferences"}),
-                            ("prompts", {"records": "prompts"})):
+        for view, flags in (
+            ("chat", {"chat": True, "seq_len": 64}),
+            ("pairs", {"records": "preferences"}),
+            ("prompts", {"records": "prompts"}),
+        ):
             name = f"{view}{'-held-out' if split.endswith('held-out') else ''}"
             spec = PrepareSpec(embedded=split, tokenizer=str(chat_tokenizer), embedded_max_bytes=60_000, **flags)
             prepare_dataset(spec, root / name)
@@ -121,8 +124,13 @@ def test_a_record_file_that_changed_is_refused_before_it_is_read(tmp_path, task)
 def test_dpo_reuses_its_reference_cache_and_recomputes_it_for_new_data(tmp_path, task, sft, capsys):
     cache = tmp_path / "cache"
     common = [
-        "train.objective=dpo", "train.steps=2", f"init_from={sft}", f"dpo.reference_cache={cache}",
-        "optim.lr=1e-3", "run.overwrite=true", f"eval.sources=[{{name: held_out, path: {task['pairs-held-out']}}}]",
+        "train.objective=dpo",
+        "train.steps=2",
+        f"init_from={sft}",
+        f"dpo.reference_cache={cache}",
+        "optim.lr=1e-3",
+        "run.overwrite=true",
+        f"eval.sources=[{{name: held_out, path: {task['pairs-held-out']}}}]",
     ]
     first = _config(tmp_path, "dpo", [f"data.sources=[{{name: pairs, path: {task['pairs']}}}]", *common])
     train(first)
@@ -138,8 +146,15 @@ def test_dpo_reuses_its_reference_cache_and_recomputes_it_for_new_data(tmp_path,
     train(other)
     assert "(pairs) computed from" in capsys.readouterr().out
     assert len(list(cache.glob("*.safetensors"))) == 3
-    new_parent = _config(tmp_path, "dpo2", [f"data.sources=[{{name: pairs, path: {task['pairs-fewer']}}}]", *common,
-                                           f"init_from={tmp_path / 'dpo' / 'checkpoints'}"])
+    new_parent = _config(
+        tmp_path,
+        "dpo2",
+        [
+            f"data.sources=[{{name: pairs, path: {task['pairs-fewer']}}}]",
+            *common,
+            f"init_from={tmp_path / 'dpo' / 'checkpoints'}",
+        ],
+    )
     capsys.readouterr()
     train(new_parent)
     assert capsys.readouterr().out.count("computed from") == 2  # the same data, another parent: both recomputed
@@ -168,16 +183,26 @@ def test_scoring_the_reference_reports_its_progress(tmp_path, task, sft, monkeyp
     from ferry.metrics import progress as progress_module
 
     monkeypatch.setattr(progress_module, "LINE_EVERY_S", 0.0)
-    config = _config(tmp_path, "dpo", [
-        "train.objective=dpo", "train.steps=1", f"init_from={sft}", "dpo.score_batch=16", "optim.lr=1e-3",
-        f"data.sources=[{{name: pairs, path: {task['pairs']}}}]",
-    ])
+    config = _config(
+        tmp_path,
+        "dpo",
+        [
+            "train.objective=dpo",
+            "train.steps=1",
+            f"init_from={sft}",
+            "dpo.score_batch=16",
+            "optim.lr=1e-3",
+            f"data.sources=[{{name: pairs, path: {task['pairs']}}}]",
+        ],
+    )
     capsys.readouterr()
     train(config)
     batches = -(-len(RecordDataset(task["pairs"], "pairs", "preferences")) // 16)
     lines = [line.split(" after ")[0] for line in capsys.readouterr().out.splitlines() if "reference log-probs" in line]
-    expected = [f"ferry: reference log-probs of data.sources.0 (pairs): {n}/{batches} batches of 16 pairs"
-                for n in range(1, batches + 1)]
+    expected = [
+        f"ferry: reference log-probs of data.sources.0 (pairs): {n}/{batches} batches of 16 pairs"
+        for n in range(1, batches + 1)
+    ]
     assert lines[:batches] == expected
 
 
@@ -187,16 +212,29 @@ def test_a_grpo_held_out_evaluation_during_training_reports_its_progress(tmp_pat
     from ferry.metrics import progress as progress_module
 
     monkeypatch.setattr(progress_module, "LINE_EVERY_S", 0.0)
-    config = _config(tmp_path, "grpo", [
-        "train.objective=grpo", f"init_from={sft}", f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
-        f"eval.sources=[{{name: held_out, path: {task['prompts-held-out']}}}]", "train.global_batch=2",
-        "train.micro_batch=2", "grpo.group_size=2", "grpo.max_new_tokens=3", "grpo.verifier=numeric",
-        "train.steps=1",
-    ])
+    config = _config(
+        tmp_path,
+        "grpo",
+        [
+            "train.objective=grpo",
+            f"init_from={sft}",
+            f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
+            f"eval.sources=[{{name: held_out, path: {task['prompts-held-out']}}}]",
+            "train.global_batch=2",
+            "train.micro_batch=2",
+            "grpo.group_size=2",
+            "grpo.max_new_tokens=3",
+            "grpo.verifier=numeric",
+            "train.steps=1",
+        ],
+    )
     capsys.readouterr()
     train(config)
-    lines = [line.split(" after ")[0] for line in capsys.readouterr().out.splitlines()
-             if line.startswith("ferry: held-out evaluation at step 1:")]
+    lines = [
+        line.split(" after ")[0]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("ferry: held-out evaluation at step 1:")
+    ]
     # sampled, then greedy: a prefill and at least one more decoding step each
     assert len(lines) >= 4
     assert lines == [f"ferry: held-out evaluation at step 1: {n} forwards" for n in range(1, len(lines) + 1)]
@@ -212,10 +250,20 @@ def test_a_new_parent_invalidates_the_reference_cache(tmp_path, task, sft):
 
 def test_grpo_trains_from_rollouts_and_resumes_with_the_same_draws(tmp_path, task, sft, capsys):
     overrides = [
-        "train.objective=grpo", f"init_from={sft}", f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
-        f"eval.sources=[{{name: held_out, path: {task['prompts-held-out']}}}]", "eval.interval=0",
-        "train.global_batch=4", "train.micro_batch=2", "grpo.group_size=4", "grpo.max_new_tokens=3",
-        "grpo.verifier=numeric", "grpo.kl_coef=0.05", "grpo.iterations=2", "train.steps=4", "optim.lr=1e-3",
+        "train.objective=grpo",
+        f"init_from={sft}",
+        f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
+        f"eval.sources=[{{name: held_out, path: {task['prompts-held-out']}}}]",
+        "eval.interval=0",
+        "train.global_batch=4",
+        "train.micro_batch=2",
+        "grpo.group_size=4",
+        "grpo.max_new_tokens=3",
+        "grpo.verifier=numeric",
+        "grpo.kl_coef=0.05",
+        "grpo.iterations=2",
+        "train.steps=4",
+        "optim.lr=1e-3",
         "checkpoint.interval=2",
     ]
     whole = train(_config(tmp_path, "whole", overrides))
@@ -255,20 +303,45 @@ def test_a_grpo_move_is_judged_on_its_reward_against_the_spread_between_seeds(tm
     from ferry.portability.rehearsal.bundle import _file_digest
 
     grpo = [
-        "train.objective=grpo", f"init_from={sft}", f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
-        "eval.interval=0", "train.global_batch=32", "train.micro_batch=8", "grpo.group_size=16",
-        "grpo.max_new_tokens=3", "grpo.verifier=numeric", "optim.lr=1e-3", "train.steps=12",
+        "train.objective=grpo",
+        f"init_from={sft}",
+        f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
+        "eval.interval=0",
+        "train.global_batch=32",
+        "train.micro_batch=8",
+        "grpo.group_size=16",
+        "grpo.max_new_tokens=3",
+        "grpo.verifier=numeric",
+        "optim.lr=1e-3",
+        "train.steps=12",
     ]
     config = _config(tmp_path, "grpo", grpo)
     path = tmp_path / "grpo.yaml"
     path.write_text(dump_yaml(config))
     bundle, history = tmp_path / "bundle", str(tmp_path / "history")
-    assert main(["rehearse", "start", str(path), "--from", "cpu", "--out", str(bundle), "--steps", "12",
-                 "--switch-at", "10"]) == 0
+    assert (
+        main(
+            [
+                "rehearse",
+                "start",
+                str(path),
+                "--from",
+                "cpu",
+                "--out",
+                str(bundle),
+                "--steps",
+                "12",
+                "--switch-at",
+                "10",
+            ]
+        )
+        == 0
+    )
     described = json.loads((bundle / "bundle.json").read_text())["seed_runs"]
     assert described == [{"seed": 1, "dir": "seeds/seed-1"}, {"seed": 2, "dir": "seeds/seed-2"}]
-    seed_rewards = [[json.loads(line)["reward"] for line in (bundle / run["dir"] / "metrics.jsonl").open()]
-                    for run in described]
+    seed_rewards = [
+        [json.loads(line)["reward"] for line in (bundle / run["dir"] / "metrics.jsonl").open()] for run in described
+    ]
     assert len(seed_rewards[0]) == 12 and seed_rewards[0] != seed_rewards[1], "the seeds drew the same samples"
 
     def refused(name: str, change) -> str:
@@ -279,8 +352,19 @@ def test_a_grpo_move_is_judged_on_its_reward_against_the_spread_between_seeds(tm
         change(copy, description)
         (copy / "bundle.json").write_text(json.dumps(description))
         capsys.readouterr()
-        code = main(["rehearse", "finish", str(copy), "--to", "cpu", "--dir", str(tmp_path / f"work-{name}"),
-                     "--history", history])
+        code = main(
+            [
+                "rehearse",
+                "finish",
+                str(copy),
+                "--to",
+                "cpu",
+                "--dir",
+                str(tmp_path / f"work-{name}"),
+                "--history",
+                history,
+            ]
+        )
         assert code == 2 and not (tmp_path / f"work-{name}").exists(), name
         return capsys.readouterr().err
 
@@ -301,8 +385,10 @@ def test_a_grpo_move_is_judged_on_its_reward_against_the_spread_between_seeds(tm
         "lr", other_learning_rate
     )
 
-    assert main(["rehearse", "finish", str(bundle), "--to", "cpu", "--dir", str(tmp_path / "same"),
-                 "--history", history]) == 0
+    assert (
+        main(["rehearse", "finish", str(bundle), "--to", "cpu", "--dir", str(tmp_path / "same"), "--history", history])
+        == 0
+    )
     record = json.loads((tmp_path / "same" / "verdict.json").read_text())
     assert record["profile"] == "sampled" and "objective grpo" in record["profile_reason"] and record["conclusive"]
     for comparison in record["comparisons"].values():
@@ -331,9 +417,17 @@ def test_bad_preference_and_rl_input_exits_2_naming_it(tmp_path, task, sft, chat
     bad.write_text(json.dumps({"prompt": "hi", "chosen": 1, "rejected": "b"}) + "\n", encoding="utf-8")
     code, err = _exit_code([*args, str(tmp_path / "p3")], capsys)
     assert code == 2 and "'chosen' must be text or one assistant message, not int" in err
-    train_args = ["train", "configs/tiny.yaml", f"run.dir={tmp_path / 'r'}", "model.vocab_size=4160",
-                  "model.max_seq_len=64", "data.seq_len=64", "train.objective=grpo", f"init_from={sft}",
-                  f"data.sources=[{{name: prompts, path: {task['prompts']}}}]"]
+    train_args = [
+        "train",
+        "configs/tiny.yaml",
+        f"run.dir={tmp_path / 'r'}",
+        "model.vocab_size=4160",
+        "model.max_seq_len=64",
+        "data.seq_len=64",
+        "train.objective=grpo",
+        f"init_from={sft}",
+        f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
+    ]
     code, err = _exit_code([*train_args, "grpo.verifier=fuzzy"], capsys)
     assert code == 2 and "grpo.verifier" in err and "fuzzy" in err
     code, err = _exit_code([*train_args, "grpo.group_size=1"], capsys)
@@ -354,7 +448,9 @@ def test_bad_preference_and_rl_input_exits_2_naming_it(tmp_path, task, sft, chat
     code, err = _exit_code([*evaluate, str(task["pairs-held-out"]), "--reference", str(tmp_path / "nope")], capsys)
     assert code == 2 and "--reference" in err and "does not exist" in err
     Trainer(make_config("train.steps=1", run_dir=tmp_path / "other-model")).fit()
-    code, err = _exit_code([*evaluate, str(task["pairs-held-out"]), "--reference", str(tmp_path / "other-model")], capsys)
+    code, err = _exit_code(
+        [*evaluate, str(task["pairs-held-out"]), "--reference", str(tmp_path / "other-model")], capsys
+    )
     assert code == 2 and "--reference" in err and "has a vocabulary of 512 tokens, the model 576" in err
 
 
@@ -364,15 +460,32 @@ def test_dpo_and_grpo_steps_are_unchanged_by_how_a_step_runs(tmp_path, task, sft
     (bf16 compute: the same casts and sums as autocast's), give each objective the losses of its plain run; the
     rollouts, reference scores and evaluations run without a backward, and so without either."""
     if objective == "dpo":
-        overrides = ["train.objective=dpo", f"data.sources=[{{name: pairs, path: {task['pairs']}}}]",
-                     f"dpo.reference_cache={tmp_path / 'cache'}"]
+        overrides = [
+            "train.objective=dpo",
+            f"data.sources=[{{name: pairs, path: {task['pairs']}}}]",
+            f"dpo.reference_cache={tmp_path / 'cache'}",
+        ]
     else:
-        overrides = ["train.objective=grpo", f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
-                     "train.global_batch=4", "train.micro_batch=2", "grpo.group_size=4", "grpo.max_new_tokens=3",
-                     "grpo.verifier=numeric", "grpo.kl_coef=0.05"]
-    common = [*overrides, f"init_from={sft}", "train.steps=2", "optim.lr=1e-3", 'kernels.ops."moe.routed_experts"=portable']
+        overrides = [
+            "train.objective=grpo",
+            f"data.sources=[{{name: prompts, path: {task['prompts']}}}]",
+            "train.global_batch=4",
+            "train.micro_batch=2",
+            "grpo.group_size=4",
+            "grpo.max_new_tokens=3",
+            "grpo.verifier=numeric",
+            "grpo.kl_coef=0.05",
+        ]
+    common = [
+        *overrides,
+        f"init_from={sft}",
+        "train.steps=2",
+        "optim.lr=1e-3",
+        'kernels.ops."moe.routed_experts"=portable',
+    ]
     variants = {
-        "plain": [], "recomputed": ["train.activation_checkpointing=selective"],
+        "plain": [],
+        "recomputed": ["train.activation_checkpointing=selective"],
         "bf16-per-use": ["precision.compute_dtype=bf16", "precision.weight_casts=micro_batch"],
         "bf16-per-step": ["precision.compute_dtype=bf16", "precision.weight_casts=step"],
     }

@@ -18,9 +18,18 @@ def test_two_expert_parallel_ranks_train_as_one_process_does(tmp_path, task, sft
 
     data = task["pairs"] if objective == "dpo" else task["prompts"]
     overrides = [
-        f"train.objective={objective}", f"init_from={sft}", f"data.sources=[{{name: d, path: {data}}}]",
-        "model.vocab_size=576", "data.seq_len=64", "train.steps=3", "checkpoint.interval=0", "optim.lr=1e-3",
-        "train.global_batch=8", "train.micro_batch=2", "grpo.group_size=4", "grpo.max_new_tokens=3",
+        f"train.objective={objective}",
+        f"init_from={sft}",
+        f"data.sources=[{{name: d, path: {data}}}]",
+        "model.vocab_size=576",
+        "data.seq_len=64",
+        "train.steps=3",
+        "checkpoint.interval=0",
+        "optim.lr=1e-3",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        "grpo.group_size=4",
+        "grpo.max_new_tokens=3",
         "grpo.verifier=numeric",
     ]
     single = runs.train_run(str(data), str(tmp_path / "one"), *overrides)
@@ -64,10 +73,20 @@ def test_dpo_and_grpo_train_under_fsdp_as_one_process_does(tmp_path, task, sft, 
 
     data = task["pairs"] if objective == "dpo" else task["prompts"]
     overrides = [
-        f"train.objective={objective}", f"init_from={sft}", f"data.sources=[{{name: d, path: {data}}}]",
-        "model.vocab_size=576", "data.seq_len=64", "train.steps=2", "checkpoint.interval=0", "optim.lr=1e-3",
-        "train.global_batch=8", "train.micro_batch=2", "grpo.group_size=4", "grpo.max_new_tokens=3",
-        "grpo.verifier=numeric", "grpo.kl_coef=0.05",
+        f"train.objective={objective}",
+        f"init_from={sft}",
+        f"data.sources=[{{name: d, path: {data}}}]",
+        "model.vocab_size=576",
+        "data.seq_len=64",
+        "train.steps=2",
+        "checkpoint.interval=0",
+        "optim.lr=1e-3",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        "grpo.group_size=4",
+        "grpo.max_new_tokens=3",
+        "grpo.verifier=numeric",
+        "grpo.kl_coef=0.05",
     ]
     single = runs.train_run(str(data), str(tmp_path / "one"), *overrides)
     fsdp = run_on_ranks(runs.train_run, 2, str(data), str(tmp_path / "two"), *overrides, "parallel.mode=fsdp")[0]
@@ -77,7 +96,8 @@ def test_dpo_and_grpo_train_under_fsdp_as_one_process_does(tmp_path, task, sft, 
         assert fsdp["records"][-1]["kl"] > 0, "the reference scored the rollouts"
     else:
         assert [r["rewards/margin"] for r in fsdp["records"]] == pytest.approx(
-            [r["rewards/margin"] for r in single["records"]], rel=1e-4, abs=1e-6)
+            [r["rewards/margin"] for r in single["records"]], rel=1e-4, abs=1e-6
+        )
 
 
 @pytest.mark.parametrize("objective", ["dpo", "sft"])
@@ -90,9 +110,16 @@ def test_dpo_and_sft_train_under_context_parallelism_as_one_process_does(tmp_pat
 
     data = task["pairs"] if objective == "dpo" else task["chat"]
     overrides = [
-        f"train.objective={'lm' if objective == 'sft' else objective}", f"init_from={sft}",
-        f"data.sources=[{{name: d, path: {data}}}]", "model.vocab_size=576", "data.seq_len=64", "train.steps=3",
-        "checkpoint.interval=0", "optim.lr=1e-3", "train.global_batch=8", "train.micro_batch=2",
+        f"train.objective={'lm' if objective == 'sft' else objective}",
+        f"init_from={sft}",
+        f"data.sources=[{{name: d, path: {data}}}]",
+        "model.vocab_size=576",
+        "data.seq_len=64",
+        "train.steps=3",
+        "checkpoint.interval=0",
+        "optim.lr=1e-3",
+        "train.global_batch=8",
+        "train.micro_batch=2",
     ]
     single = runs.train_run(str(data), str(tmp_path / "one"), *overrides)
     ranks = run_on_ranks(runs.train_run, 2, str(data), str(tmp_path / "two"), *overrides, "parallel.cp=2")

@@ -10,8 +10,12 @@ from test_preference_rl import chat_tokenizer, sft, task  # noqa: F401 (fixtures
 
 @pytest.mark.parametrize(
     ("objective", "layout"),
-    [("dpo", ("parallel.pp=2",)), ("grpo", ("parallel.pp=2",)), ("dpo", ("parallel.pp=2", "parallel.ep=2")),
-     ("grpo", ("parallel.pp=2", "parallel.ep=2"))],
+    [
+        ("dpo", ("parallel.pp=2",)),
+        ("grpo", ("parallel.pp=2",)),
+        ("dpo", ("parallel.pp=2", "parallel.ep=2")),
+        ("grpo", ("parallel.pp=2", "parallel.ep=2")),
+    ],
     ids=["dpo-pp2", "grpo-pp2", "dpo-pp2xep2", "grpo-pp2xep2"],
 )
 def test_a_pipeline_trains_dpo_and_grpo_as_one_process_does(tmp_path, task, sft, objective, layout):
@@ -29,15 +33,34 @@ def test_a_pipeline_trains_dpo_and_grpo_as_one_process_does(tmp_path, task, sft,
     data = task["pairs"] if objective == "dpo" else task["prompts"]
     held_out = task["pairs-held-out"] if objective == "dpo" else task["prompts-held-out"]
     overrides = [
-        f"train.objective={objective}", f"init_from={sft}", f"data.sources=[{{name: d, path: {data}}}]",
-        f"eval.sources=[{{name: held, path: {held_out}}}]", "eval.interval=2", "grpo.eval_max_new_tokens=2",
-        "model.vocab_size=576", "data.seq_len=64", "train.steps=3", "checkpoint.interval=0", "optim.lr=1e-3",
-        "train.global_batch=8", "train.micro_batch=2", "grpo.group_size=4", "grpo.max_new_tokens=3",
-        "grpo.verifier=numeric", "grpo.kl_coef=0.05", "grpo.iterations=2",
+        f"train.objective={objective}",
+        f"init_from={sft}",
+        f"data.sources=[{{name: d, path: {data}}}]",
+        f"eval.sources=[{{name: held, path: {held_out}}}]",
+        "eval.interval=2",
+        "grpo.eval_max_new_tokens=2",
+        "model.vocab_size=576",
+        "data.seq_len=64",
+        "train.steps=3",
+        "checkpoint.interval=0",
+        "optim.lr=1e-3",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        "grpo.group_size=4",
+        "grpo.max_new_tokens=3",
+        "grpo.verifier=numeric",
+        "grpo.kl_coef=0.05",
+        "grpo.iterations=2",
     ]
     single = runs.train_run(str(data), str(tmp_path / "one"), *overrides)
-    ranks = run_on_ranks(runs.train_run, 2 * (2 if "parallel.ep=2" in layout else 1), str(data),
-                         str(tmp_path / "pipelined"), *overrides, *layout)
+    ranks = run_on_ranks(
+        runs.train_run,
+        2 * (2 if "parallel.ep=2" in layout else 1),
+        str(data),
+        str(tmp_path / "pipelined"),
+        *overrides,
+        *layout,
+    )
     assert all(rank["losses"] == ranks[0]["losses"] for rank in ranks)
     figures = ("loss", "z_loss", "grad_norm") + (
         ("rewards/margin", "logps/chosen") if objective == "dpo" else ("kl", "clip_fraction", "completion_length")

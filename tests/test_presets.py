@@ -21,10 +21,22 @@ def test_every_preset_has_a_tiny_variant_of_the_same_structure():
     for name in big:
         large, tiny = load_preset(name), load_preset(f"{name}-tiny")
         assert (tiny.attention, tiny.attention_gate, tiny.qk_norm, tiny.qk_norm_scope) == (
-            large.attention, large.attention_gate, large.qk_norm, large.qk_norm_scope), name
-        assert (tiny.moe.score_func, tiny.moe.renormalize, bool(tiny.moe.shared_expert_ffn_dim),
-                bool(tiny.dense_layers)) == (large.moe.score_func, large.moe.renormalize,
-                                             bool(large.moe.shared_expert_ffn_dim), bool(large.dense_layers)), name
+            large.attention,
+            large.attention_gate,
+            large.qk_norm,
+            large.qk_norm_scope,
+        ), name
+        assert (
+            tiny.moe.score_func,
+            tiny.moe.renormalize,
+            bool(tiny.moe.shared_expert_ffn_dim),
+            bool(tiny.dense_layers),
+        ) == (
+            large.moe.score_func,
+            large.moe.renormalize,
+            bool(large.moe.shared_expert_ffn_dim),
+            bool(large.dense_layers),
+        ), name
         parts = ("attention_bias", "attention_sinks", "sliding_window_pattern")
         assert [getattr(tiny, part) for part in parts] == [getattr(large, part) for part in parts], name
         assert bool(tiny.sliding_window) == bool(large.sliding_window), name
@@ -54,9 +66,20 @@ def test_ferry_models_prints_every_presets_counts(capsys):
 
 def test_ferry_train_takes_a_preset_and_overrides_after_it(stdlib_dataset, tmp_path):
     run = tmp_path / "run"
-    argv = ["train", "configs/tiny.yaml", "--model", "instella-moe-16b-a3b-tiny", "model.max_seq_len=32",
-            f"data.sources=[{{name: stdlib, path: {stdlib_dataset}}}]", "data.seq_len=32", f"run.dir={run}",
-            "train.steps=2", "train.global_batch=4", "train.micro_batch=4", "train.log_every=1"]
+    argv = [
+        "train",
+        "configs/tiny.yaml",
+        "--model",
+        "instella-moe-16b-a3b-tiny",
+        "model.max_seq_len=32",
+        f"data.sources=[{{name: stdlib, path: {stdlib_dataset}}}]",
+        "data.seq_len=32",
+        f"run.dir={run}",
+        "train.steps=2",
+        "train.global_batch=4",
+        "train.micro_batch=4",
+        "train.log_every=1",
+    ]
     assert main(argv) == 0
     resolved = yaml.safe_load((run / "config.yaml").read_text())["model"]
     assert resolved == {**load_preset("instella-moe-16b-a3b-tiny").model_dump(mode="json"), "max_seq_len": 32}
@@ -77,8 +100,16 @@ def test_each_tiny_preset_trains_on_the_demo_config_as_it_stands_and_the_run_nam
     name, demo_vocabulary_dataset, tmp_path, capsys
 ):
     run = tmp_path / "run"
-    argv = ["train", "configs/tiny.yaml", "--model", name, f"data.sources.0.path={demo_vocabulary_dataset}",
-            f"run.dir={run}", "train.steps=2", "train.log_every=1"]
+    argv = [
+        "train",
+        "configs/tiny.yaml",
+        "--model",
+        name,
+        f"data.sources.0.path={demo_vocabulary_dataset}",
+        f"run.dir={run}",
+        "train.steps=2",
+        "train.log_every=1",
+    ]
     assert main(argv) == 0, capsys.readouterr().err
     assert f"— model {name}, " in capsys.readouterr().out
     assert yaml.safe_load((run / "config.yaml").read_text())["run"]["model_preset"] == name
@@ -92,11 +123,19 @@ def test_a_model_yaml_that_ferry_import_writes_is_named_by_its_directory_in_the_
     another name keeps its stem."""
     imported = tmp_path / "qwen-imported"
     imported.mkdir()
-    (imported / "model.yaml").write_text(yaml.safe_dump({"model": load_preset("olmoe-1b-7b-tiny").model_dump(
-        mode="json")}))
+    (imported / "model.yaml").write_text(
+        yaml.safe_dump({"model": load_preset("olmoe-1b-7b-tiny").model_dump(mode="json")})
+    )
     run = tmp_path / "run"
-    argv = ["train", "configs/tiny.yaml", "--model", str(imported / "model.yaml"),
-            f"data.sources.0.path={demo_vocabulary_dataset}", f"run.dir={run}", "train.steps=1"]
+    argv = [
+        "train",
+        "configs/tiny.yaml",
+        "--model",
+        str(imported / "model.yaml"),
+        f"data.sources.0.path={demo_vocabulary_dataset}",
+        f"run.dir={run}",
+        "train.steps=1",
+    ]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "— model qwen-imported, " in out and "model model" not in out
@@ -105,10 +144,19 @@ def test_a_model_yaml_that_ferry_import_writes_is_named_by_its_directory_in_the_
     assert preset_name("olmoe-1b-7b-tiny") == "olmoe-1b-7b-tiny"
 
 
-def test_a_vocabulary_smaller_than_the_tokenizers_says_the_override_that_fits(demo_vocabulary_dataset, tmp_path,
-                                                                             capsys):
-    argv = ["train", "configs/tiny.yaml", "--model", "olmoe-1b-7b-tiny", "model.vocab_size=512",
-            f"data.sources.0.path={demo_vocabulary_dataset}", f"run.dir={tmp_path}", "train.steps=1"]
+def test_a_vocabulary_smaller_than_the_tokenizers_says_the_override_that_fits(
+    demo_vocabulary_dataset, tmp_path, capsys
+):
+    argv = [
+        "train",
+        "configs/tiny.yaml",
+        "--model",
+        "olmoe-1b-7b-tiny",
+        "model.vocab_size=512",
+        f"data.sources.0.path={demo_vocabulary_dataset}",
+        f"run.dir={tmp_path}",
+        "train.steps=1",
+    ]
     assert main(argv) == 2
     error = capsys.readouterr().err
     assert "model.vocab_size (512) is smaller than the tokenizer's vocabulary (4096)" in error

@@ -54,8 +54,24 @@ def test_ferry_eval_reports_its_progress_on_stderr_and_keeps_stdout_for_the_figu
     result = train(make_config("train.steps=1"))
     monkeypatch.setattr(progress_module, "LINE_EVERY_S", 0.0)
     capsys.readouterr()
-    assert main(["eval", str(result.run_dir), "--data", str(stdlib_dataset), "--batches", "2", "--batch-size", "4",
-                 "--micro-batch", "2", "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(result.run_dir),
+                "--data",
+                str(stdlib_dataset),
+                "--batches",
+                "2",
+                "--batch-size",
+                "4",
+                "--micro-batch",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     figures = json.loads(captured.out)["datasets"][str(stdlib_dataset)]
     assert figures["kind"] == "tokens" and figures["tokens"] > 0
@@ -66,8 +82,11 @@ def test_ferry_eval_reports_its_progress_on_stderr_and_keeps_stdout_for_the_figu
 def test_a_held_out_evaluation_during_training_reports_its_progress(make_config, stdlib_dataset, monkeypatch, capsys):
     monkeypatch.setattr(progress_module, "LINE_EVERY_S", 0.0)
     train(make_config("train.steps=2", f"eval.sources=[{{name: held_out, path: {stdlib_dataset}}}]", "eval.batches=2"))
-    lines = [line.split(" after ")[0] for line in capsys.readouterr().out.splitlines()
-             if line.startswith("ferry: held-out evaluation at step 2:")]
+    lines = [
+        line.split(" after ")[0]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("ferry: held-out evaluation at step 2:")
+    ]
     # 2 batches of train.global_batch 8 in micro-batches of 4: 4 forwards
     assert lines == [f"ferry: held-out evaluation at step 2: {n} forwards" for n in (1, 2, 3, 4)]
 
@@ -82,8 +101,9 @@ def test_a_leg_a_parent_command_starts_is_followed_in_lines_when_the_parent_writ
 
     monkeypatch.setattr(progress_module, "LINE_EVERY_S", 0.0)
     said: list[str] = []
-    result = run_leg("source", load_environment("cpu"), make_config("train.steps=3"), tmp_path / "work", said.append,
-                     steps=3)
+    result = run_leg(
+        "source", load_environment("cpu"), make_config("train.steps=3"), tmp_path / "work", said.append, steps=3
+    )
     assert result.ok
     follows = [line for line in said if line.startswith("ferry: source leg: ")]
     assert follows and all(line.split(" after ")[0].endswith("/3 steps") for line in follows)

@@ -13,8 +13,15 @@ from ferry.config import ConfigError
 from ferry.model import ModelConfig, Transformer
 from ferry.train import Trainer
 
-BASE = {"vocab_size": 64, "dim": 32, "n_layers": 2, "max_seq_len": 32, "dense_layers": 1, "dense_ffn_dim": 64,
-        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16}}
+BASE = {
+    "vocab_size": 64,
+    "dim": 32,
+    "n_layers": 2,
+    "max_seq_len": 32,
+    "dense_layers": 1,
+    "dense_ffn_dim": 64,
+    "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16},
+}
 KINDS = {
     "gqa": {"n_heads": 4, "n_kv_heads": 2},
     "gqa-own-head-dim": {"n_heads": 4, "n_kv_heads": 1, "head_dim": 16},
@@ -73,14 +80,24 @@ def test_qk_clip_scales_the_heads_past_its_threshold(make_config, tmp_path):
     """A threshold below every head's logit: every head of every layer clipped after each update; the logits
     of the next step start near the threshold rather than where they were."""
     tau = 0.01  # the tiny model's logits start near 0.06
-    run = make_config("optim.name=muon", f"optim.muon.qk_clip={tau}", "model.qk_norm=false", "train.steps=3",
-                      run_dir=tmp_path / "clipped")
+    run = make_config(
+        "optim.name=muon",
+        f"optim.muon.qk_clip={tau}",
+        "model.qk_norm=false",
+        "train.steps=3",
+        run_dir=tmp_path / "clipped",
+    )
     Trainer(run).fit()
     records = [json.loads(line) for line in (tmp_path / "clipped" / "metrics.jsonl").read_text().splitlines()]
     heads = run.model.n_layers * run.model.n_heads
     assert records[0]["attn.max_logit"] > tau and records[0]["attn.clipped_heads"] == heads
-    free = make_config("optim.name=muon", "model.qk_norm=false", "metrics.attn_max_logit=true", "train.steps=3",
-                       run_dir=tmp_path / "free")
+    free = make_config(
+        "optim.name=muon",
+        "model.qk_norm=false",
+        "metrics.attn_max_logit=true",
+        "train.steps=3",
+        run_dir=tmp_path / "free",
+    )
     Trainer(free).fit()
     unclipped = [json.loads(line) for line in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["attn.max_logit"] == pytest.approx(unclipped[0]["attn.max_logit"], rel=1e-6)
@@ -90,12 +107,18 @@ def test_qk_clip_scales_the_heads_past_its_threshold(make_config, tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (("optim.muon.qk_clip=10",), "muon.qk_clip rescales the query and key weights after Muon's update: set "
-                                     "name=muon"),
-        (("optim.name=muon", "optim.muon.qk_clip=10", "model.qk_norm=true"),
-         "model.qk_norm normalises back, and its gains are shared by the heads"),
-        (("optim.name=muon", "optim.muon.qk_clip=10", "model.qk_norm=false", "parallel.mode=fsdp"),
-         "optim.muon.qk_clip scales rows of the query and key weights by head, and FSDP holds a shard"),
+        (
+            ("optim.muon.qk_clip=10",),
+            "muon.qk_clip rescales the query and key weights after Muon's update: set name=muon",
+        ),
+        (
+            ("optim.name=muon", "optim.muon.qk_clip=10", "model.qk_norm=true"),
+            "model.qk_norm normalises back, and its gains are shared by the heads",
+        ),
+        (
+            ("optim.name=muon", "optim.muon.qk_clip=10", "model.qk_norm=false", "parallel.mode=fsdp"),
+            "optim.muon.qk_clip scales rows of the query and key weights by head, and FSDP holds a shard",
+        ),
     ],
     ids=["adamw", "qk-norm", "fsdp"],
 )
@@ -112,10 +135,16 @@ def test_replicas_clip_alike_and_train_as_one_process(stdlib_dataset, tmp_path):
 
     from ferry.comm.spawn import run_on_ranks
 
-    clipped = ("optim.name=muon", "optim.muon.ns_dtype=fp32", "optim.muon.qk_clip=0.01", "model.qk_norm=false",
-               "train.steps=4")
+    clipped = (
+        "optim.name=muon",
+        "optim.muon.ns_dtype=fp32",
+        "optim.muon.qk_clip=0.01",
+        "model.qk_norm=false",
+        "train.steps=4",
+    )
     alone = runs.train_run(str(stdlib_dataset), str(tmp_path / "one"), *clipped)
-    ranks = run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "two"), *clipped, "parallel.ep=2",
-                         "optim.zero=true")
+    ranks = run_on_ranks(
+        runs.train_run, 2, str(stdlib_dataset), str(tmp_path / "two"), *clipped, "parallel.ep=2", "optim.zero=true"
+    )
     assert max(abs(a - b) / abs(b) for a, b in zip(ranks[0]["losses"], alone["losses"], strict=True)) < 1e-5
     assert all(record["attn.clipped_heads"] > 0 for record in ranks[0]["records"])

@@ -367,11 +367,34 @@ def test_weights_drawn_on_each_device_are_refused_before_anything_trains(form, s
     scratch would not start where the source's did: both forms that train a source refuse it."""
     work = tmp_path / "work"
     if form == "rehearse":
-        argv = ["rehearse", space["config"], "run.init_device=run", "--from", "cpu", "--to", "cpu", *SHORT,
-                "--dir", str(work), "--history", str(space["history"])]
+        argv = [
+            "rehearse",
+            space["config"],
+            "run.init_device=run",
+            "--from",
+            "cpu",
+            "--to",
+            "cpu",
+            *SHORT,
+            "--dir",
+            str(work),
+            "--history",
+            str(space["history"]),
+        ]
     else:
-        argv = ["rehearse", "start", space["config"], "run.init_device=run", "--from", "cpu", "--out",
-                str(tmp_path / "bundle"), *SHORT, "--dir", str(work)]
+        argv = [
+            "rehearse",
+            "start",
+            space["config"],
+            "run.init_device=run",
+            "--from",
+            "cpu",
+            "--out",
+            str(tmp_path / "bundle"),
+            *SHORT,
+            "--dir",
+            str(work),
+        ]
     assert main(argv) == 2
     assert "run.init_device is run" in capsys.readouterr().err
     assert not work.exists() and not (tmp_path / "bundle").exists()

@@ -28,12 +28,30 @@ def _write_pipeline(root: Path, dataset: Path, stages: list[dict] | None = None)
     config["model"] = {**config["model"], "qk_norm": True, "qk_norm_scope": "head"}  # as qwen3_moe: exported
     config["metrics"] = {"sinks": {"console": False}}
     (root / "tiny.yaml").write_text(yaml.safe_dump(config))
-    pretrain = {"name": "pretrain", "config": "tiny.yaml",
-                "overrides": {"train.steps": PRETRAIN_STEPS, "checkpoint.interval": 20, "optim.schedule": "wsd",
-                              "eval.sources": [{"name": "held_out", "path": str(dataset)}], "eval.interval": 0}}
-    midtrain = {"name": "midtrain", "init_from": "previous", "carry": "weights+optimizer", "lr": "parent",
-                "overrides": {"train.steps": 4, "checkpoint.interval": 4, "optim.schedule": "linear",
-                              "optim.warmup_steps": 0, "run.seed": 1}}
+    pretrain = {
+        "name": "pretrain",
+        "config": "tiny.yaml",
+        "overrides": {
+            "train.steps": PRETRAIN_STEPS,
+            "checkpoint.interval": 20,
+            "optim.schedule": "wsd",
+            "eval.sources": [{"name": "held_out", "path": str(dataset)}],
+            "eval.interval": 0,
+        },
+    }
+    midtrain = {
+        "name": "midtrain",
+        "init_from": "previous",
+        "carry": "weights+optimizer",
+        "lr": "parent",
+        "overrides": {
+            "train.steps": 4,
+            "checkpoint.interval": 4,
+            "optim.schedule": "linear",
+            "optim.warmup_steps": 0,
+            "run.seed": 1,
+        },
+    }
     path = root / "pipeline.yaml"
     spec = {"name": "test" if stages is None else "branch", "stages": stages or [pretrain, midtrain]}
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -94,8 +112,12 @@ def test_a_release_holds_every_stage_and_verifies(released, capsys):
 
 @pytest.mark.parametrize(
     "file",
-    ["stages/pretrain/checkpoints/step-00000040/model-rank00000-part0000.safetensors",
-     "stages/midtrain/metrics.jsonl", "README.md", "data/stdlib/manifest.json"],
+    [
+        "stages/pretrain/checkpoints/step-00000040/model-rank00000-part0000.safetensors",
+        "stages/midtrain/metrics.jsonl",
+        "README.md",
+        "data/stdlib/manifest.json",
+    ],
 )
 def test_a_flipped_byte_fails_naming_the_file(released, tmp_path, file, capsys):
     release = _copy(released, tmp_path)
@@ -114,8 +136,10 @@ def test_a_chain_that_does_not_hold_fails_even_with_the_digests_rewritten(releas
     (release / "lineage.json").write_text(json.dumps(lineage))
     (release / "extra.txt").write_text("slipped in")
     content = json.loads((release / "release.json").read_text())
-    content["files"]["lineage.json"] = {"bytes": (release / "lineage.json").stat().st_size,
-                                        "sha256": sha256_file(release / "lineage.json")}
+    content["files"]["lineage.json"] = {
+        "bytes": (release / "lineage.json").stat().st_size,
+        "sha256": sha256_file(release / "lineage.json"),
+    }
     (release / "release.json").write_text(json.dumps(content))
     assert main(["release", "verify", str(release)]) == 1
     out = capsys.readouterr().out
@@ -137,8 +161,22 @@ def test_a_replay_of_a_token_stage_passes_and_one_with_lr_x1_2_fails_naming_the_
     dataset = released / "stdlib"
     aside = Path(shutil.move(dataset, tmp_path / "aside"))
     try:
-        assert main(["release", "replay", str(weights), "--stage", "pretrain", "--steps", "30",
-                     "--work", str(tmp_path / "same")]) == 0
+        assert (
+            main(
+                [
+                    "release",
+                    "replay",
+                    str(weights),
+                    "--stage",
+                    "pretrain",
+                    "--steps",
+                    "30",
+                    "--work",
+                    str(tmp_path / "same"),
+                ]
+            )
+            == 0
+        )
     finally:
         shutil.move(aside, dataset)
     out = capsys.readouterr().out
@@ -148,8 +186,24 @@ def test_a_replay_of_a_token_stage_passes_and_one_with_lr_x1_2_fails_naming_the_
     release = _copy(released, tmp_path)  # a copy elsewhere, which reads the data where the config names it
     lr = yaml.safe_load((release / "stages" / "pretrain" / "config.yaml").read_text())["optim"]["lr"]
     (tmp_path / "lr.yaml").write_text(yaml.safe_dump({"name": "lr-x1.2", "overrides": {"optim.lr": lr * 1.2}}))
-    assert main(["release", "replay", str(release), "--stage", "pretrain", "--steps", "30",
-                 "--env", str(tmp_path / "lr.yaml"), "--work", str(tmp_path / "lr")]) == 1
+    assert (
+        main(
+            [
+                "release",
+                "replay",
+                str(release),
+                "--stage",
+                "pretrain",
+                "--steps",
+                "30",
+                "--env",
+                str(tmp_path / "lr.yaml"),
+                "--work",
+                str(tmp_path / "lr"),
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "FAIL under profile cross-accelerator (the environments differ in optim.lr)" in out
     assert "FAIL (first outside tolerance at step" in out
@@ -159,15 +213,31 @@ def test_a_replay_refuses_data_that_is_not_the_recorded_data(released, tmp_path,
     dataset = released / "stdlib"
     aside = Path(shutil.move(dataset, tmp_path / "aside"))
     try:
-        assert main(["release", "replay", str(released / "full"), "--stage", "pretrain",
-                     "--work", str(tmp_path / "missing")]) == 2
+        assert (
+            main(
+                [
+                    "release",
+                    "replay",
+                    str(released / "full"),
+                    "--stage",
+                    "pretrain",
+                    "--work",
+                    str(tmp_path / "missing"),
+                ]
+            )
+            == 2
+        )
         assert "data source stdlib is not at" in capsys.readouterr().err
         shutil.copytree(aside, dataset)
         manifest = json.loads((dataset / "manifest.json").read_text())
         manifest["documents"] += 1
         (dataset / "manifest.json").write_text(json.dumps(manifest))
-        assert main(["release", "replay", str(released / "full"), "--stage", "pretrain",
-                     "--work", str(tmp_path / "other")]) == 2
+        assert (
+            main(
+                ["release", "replay", str(released / "full"), "--stage", "pretrain", "--work", str(tmp_path / "other")]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
         assert "data source stdlib at " in err and "is not the data the stage trained on" in err
     finally:
@@ -177,12 +247,17 @@ def test_a_replay_refuses_data_that_is_not_the_recorded_data(released, tmp_path,
 
 
 def test_a_stage_from_its_parent_replays_from_the_release(released, tmp_path, capsys):
-    assert main(["release", "replay", str(released / "full"), "--stage", "midtrain",
-                 "--work", str(tmp_path / "mid")]) == 0
+    assert (
+        main(["release", "replay", str(released / "full"), "--stage", "midtrain", "--work", str(tmp_path / "mid")]) == 0
+    )
     out = capsys.readouterr().out
     assert "replay of stage midtrain (4 steps" in out and "max |diff| 0 " in out
-    assert main(["release", "replay", str(released / "weights"), "--stage", "midtrain",
-                 "--work", str(tmp_path / "weights")]) == 2
+    assert (
+        main(
+            ["release", "replay", str(released / "weights"), "--stage", "midtrain", "--work", str(tmp_path / "weights")]
+        )
+        == 2
+    )
     assert "release the pipeline with --optimizer to replay it" in capsys.readouterr().err
 
 
@@ -197,9 +272,15 @@ def test_a_replay_of_a_tampered_release_or_of_no_stage_is_refused(released, tmp_
 
 def test_training_continues_from_any_stage_of_a_release(released, tmp_path):
     stage = released / "weights" / "stages" / "midtrain"  # as the model card says: its config, its checkpoints
-    config = load_run_config(str(stage / "config.yaml"), [
-        f"init_from={stage / 'checkpoints'}", "init_optimizer=false", f"run.dir={tmp_path / 'branch'}", "train.steps=2"
-    ])
+    config = load_run_config(
+        str(stage / "config.yaml"),
+        [
+            f"init_from={stage / 'checkpoints'}",
+            "init_optimizer=false",
+            f"run.dir={tmp_path / 'branch'}",
+            "train.steps=2",
+        ],
+    )
     Trainer(config).fit()
     run = json.loads((tmp_path / "branch" / "run.json").read_text())
     assert run["status"] == "completed" and list_checkpoints(tmp_path / "branch" / "checkpoints")
@@ -210,8 +291,12 @@ def test_a_pipeline_branches_from_a_released_stage_with_its_lineage_pointing_int
     released, tmp_path, capsys
 ):
     checkpoints = released / "weights" / "stages" / "midtrain" / "checkpoints"
-    branch = {"name": "sft", "config": "tiny.yaml", "init_from": str(checkpoints),
-              "overrides": {"train.steps": 2, "checkpoint.interval": 2}}
+    branch = {
+        "name": "sft",
+        "config": "tiny.yaml",
+        "init_from": str(checkpoints),
+        "overrides": {"train.steps": 2, "checkpoint.interval": 2},
+    }
     path = _write_pipeline(tmp_path, released / "stdlib", stages=[branch])
     lineage = run_pipeline(path, tmp_path / "branch", say=lambda line: None)
     parent = lineage.stages["sft"]["parent"]
@@ -231,20 +316,42 @@ def grpo_release(stdlib_dataset, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("grpo-release")
     tokenizer = str(stdlib_dataset / "tokenizer.json")
-    prepare_dataset(PrepareSpec(embedded="largest", tokenizer=tokenizer, embedded_max_bytes=60_000, chat=True,
-                                seq_len=64), root / "chat")
-    prepare_dataset(PrepareSpec(embedded="largest", tokenizer=tokenizer, embedded_max_bytes=60_000,
-                                records="prompts"), root / "prompts")
-    config = {**TINY_RUN, "model": {**TINY_RUN["model"], "vocab_size": 576},
-              "data": {"seq_len": 64, "sources": [{"name": "chat", "path": str(root / "chat")}]},
-              "metrics": {"sinks": {"console": False}}}
+    prepare_dataset(
+        PrepareSpec(embedded="largest", tokenizer=tokenizer, embedded_max_bytes=60_000, chat=True, seq_len=64),
+        root / "chat",
+    )
+    prepare_dataset(
+        PrepareSpec(embedded="largest", tokenizer=tokenizer, embedded_max_bytes=60_000, records="prompts"),
+        root / "prompts",
+    )
+    config = {
+        **TINY_RUN,
+        "model": {**TINY_RUN["model"], "vocab_size": 576},
+        "data": {"seq_len": 64, "sources": [{"name": "chat", "path": str(root / "chat")}]},
+        "metrics": {"sinks": {"console": False}},
+    }
     (root / "tiny.yaml").write_text(yaml.safe_dump(config))
-    sft = {"name": "sft", "config": "tiny.yaml",
-           "overrides": {"train.steps": 120, "optim.lr": 1e-2, "checkpoint.interval": 120}}
-    grpo = {"name": "grpo", "init_from": "previous", "overrides": {
-        "train.objective": "grpo", "data.sources": [{"name": "prompts", "path": str(root / "prompts")}],
-        "train.global_batch": 32, "train.micro_batch": 16, "grpo.group_size": 16, "grpo.max_new_tokens": 3,
-        "grpo.verifier": "numeric", "optim.lr": 1e-3, "train.steps": 6, "checkpoint.interval": 6}}
+    sft = {
+        "name": "sft",
+        "config": "tiny.yaml",
+        "overrides": {"train.steps": 120, "optim.lr": 1e-2, "checkpoint.interval": 120},
+    }
+    grpo = {
+        "name": "grpo",
+        "init_from": "previous",
+        "overrides": {
+            "train.objective": "grpo",
+            "data.sources": [{"name": "prompts", "path": str(root / "prompts")}],
+            "train.global_batch": 32,
+            "train.micro_batch": 16,
+            "grpo.group_size": 16,
+            "grpo.max_new_tokens": 3,
+            "grpo.verifier": "numeric",
+            "optim.lr": 1e-3,
+            "train.steps": 6,
+            "checkpoint.interval": 6,
+        },
+    }
     (root / "pipeline.yaml").write_text(yaml.safe_dump({"name": "rl", "stages": [sft, grpo]}, sort_keys=False))
     run_pipeline(root / "pipeline.yaml", root / "pipeline", say=lambda line: None)
     build_release(root / "pipeline", root / "release", data=True, say=lambda line: None)
@@ -264,23 +371,33 @@ def test_a_grpo_replay_trains_its_seed_runs_and_is_judged_by_sampled(grpo_releas
     assert capsys.readouterr().err.count("trained earlier with this config") == 2, "the seed runs are reused"
 
 
-def test_a_release_carries_seed_runs_and_a_replay_at_temperature_0_7_fails_against_them(
-    grpo_release, tmp_path, capsys
-):
+def test_a_release_carries_seed_runs_and_a_replay_at_temperature_0_7_fails_against_them(grpo_release, tmp_path, capsys):
     """`--seed-runs` trains the seed runs with the release, so a replay trains only itself. The recorded stage samples
     at temperature 1.0; rollouts at 0.7 score rewards that differ from the first step on by more than 4 seed spreads
     (measured: 0.055 against a band of 0.018 on AVX-512, 0.061 against 0.026 on AVX2)."""
     release = tmp_path / "release"
     assert main(["release", str(grpo_release.parent / "pipeline"), "--out", str(release), "--seed-runs"]) == 0
     assert "stage grpo: objective grpo samples its training data; training the seed runs" in capsys.readouterr().err
-    carried = next(stage for stage in json.loads((release / "release.json").read_text())["stages"]
-                   if stage["name"] == "grpo")["seed_runs"]
+    carried = next(
+        stage for stage in json.loads((release / "release.json").read_text())["stages"] if stage["name"] == "grpo"
+    )["seed_runs"]
     assert carried == ["stages/grpo/seed-runs/seed-1", "stages/grpo/seed-runs/seed-2"]
     assert main(["release", "verify", str(release)]) == 0
     temperature = {"name": "temperature-0.7", "overrides": {"grpo.temperature": 0.7}}
     (tmp_path / "t07.yaml").write_text(yaml.safe_dump(temperature))
-    code = main(["release", "replay", str(release), "--stage", "grpo", "--env", str(tmp_path / "t07.yaml"),
-                 "--work", str(tmp_path / "w")])
+    code = main(
+        [
+            "release",
+            "replay",
+            str(release),
+            "--stage",
+            "grpo",
+            "--env",
+            str(tmp_path / "t07.yaml"),
+            "--work",
+            str(tmp_path / "w"),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 1
     assert "FAIL under profile sampled (objective grpo draws its own training data" in captured.out
@@ -316,7 +433,9 @@ def test_every_command_of_the_card_runs_as_printed_inside_the_release_and_outsid
     beside = sorted(path.name for path in release.parent.iterdir())
     assert beside == ["weights", "weights-branches", "weights-replays"], beside
     assert sorted(path.name for path in (release.parent / "weights-branches").iterdir()) == [
-        "test-midtrain", "test-pretrain"]
+        "test-midtrain",
+        "test-pretrain",
+    ]
     branched = yaml.safe_load((release.parent / "weights-branches" / "test-midtrain" / "config.yaml").read_text())
     assert branched["data"]["sources"][0]["path"] == str(release / "data" / "stdlib"), "the release's own data"
     assert branched["init_from"] == str(release / "stages" / "midtrain" / "checkpoints" / "step-00000004")
@@ -344,8 +463,22 @@ def test_a_replay_or_branch_asked_to_write_inside_the_release_is_refused(release
 
 
 def test_a_replay_on_a_pipeline_evaluates_its_held_out_data_and_passes(released, tmp_path, capsys):
-    code = main(["release", "replay", str(released / "full"), "--stage", "pretrain", "--steps", "6", "--env",
-                 "cpu-pp2", "--work", str(tmp_path / "pp2"), "eval.interval=3"])
+    code = main(
+        [
+            "release",
+            "replay",
+            str(released / "full"),
+            "--stage",
+            "pretrain",
+            "--steps",
+            "6",
+            "--env",
+            "cpu-pp2",
+            "--work",
+            str(tmp_path / "pp2"),
+            "eval.interval=3",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err[-3000:]
     assert "PASS under profile same-hardware (only layout, kernels or collectives differ: parallel.pp" in captured.out
@@ -358,15 +491,57 @@ def test_a_replay_on_a_pipeline_evaluates_its_held_out_data_and_passes(released,
 
 def test_an_environments_settings_are_honoured_or_refused_never_ignored(released, tmp_path, capsys):
     (tmp_path / "no-eval.yaml").write_text(yaml.safe_dump({"name": "no-eval", "overrides": {"eval.sources": []}}))
-    assert main(["release", "replay", str(released / "full"), "--stage", "pretrain", "--steps", "2", "--env",
-                 str(tmp_path / "no-eval.yaml"), "--work", str(tmp_path / "no-eval")]) == 0
+    assert (
+        main(
+            [
+                "release",
+                "replay",
+                str(released / "full"),
+                "--stage",
+                "pretrain",
+                "--steps",
+                "2",
+                "--env",
+                str(tmp_path / "no-eval.yaml"),
+                "--work",
+                str(tmp_path / "no-eval"),
+            ]
+        )
+        == 0
+    )
     assert yaml.safe_load((tmp_path / "no-eval" / "replay" / "config.yaml").read_text())["eval"]["sources"] == []
     (tmp_path / "dir.yaml").write_text(yaml.safe_dump({"name": "dir", "overrides": {"run.dir": "elsewhere"}}))
-    assert main(["release", "replay", str(released / "full"), "--stage", "pretrain", "--env",
-                 str(tmp_path / "dir.yaml"), "--work", str(tmp_path / "dir")]) == 2
+    assert (
+        main(
+            [
+                "release",
+                "replay",
+                str(released / "full"),
+                "--stage",
+                "pretrain",
+                "--env",
+                str(tmp_path / "dir.yaml"),
+                "--work",
+                str(tmp_path / "dir"),
+            ]
+        )
+        == 2
+    )
     assert "it sets run.dir, which the replay sets itself (run.dir)" in capsys.readouterr().err
-    assert main(["release", "replay", str(released / "full"), "--stage", "pretrain", "--steps", "2",
-                 "--work", str(tmp_path / "lr"), "optim.lr=0.004"]) in (0, 1)
+    assert main(
+        [
+            "release",
+            "replay",
+            str(released / "full"),
+            "--stage",
+            "pretrain",
+            "--steps",
+            "2",
+            "--work",
+            str(tmp_path / "lr"),
+            "optim.lr=0.004",
+        ]
+    ) in (0, 1)
     assert "the command line's overrides): " in capsys.readouterr().out
     assert yaml.safe_load((tmp_path / "lr" / "replay" / "config.yaml").read_text())["optim"]["lr"] == 0.004
 

@@ -229,8 +229,13 @@ def test_the_tables_and_the_chart_show_the_share_of_the_bound_a_verdict_used(tmp
 
     older = rehearsal("cpu-ep2", "cpu", rel=5e-3)
     assert worst_bound_share(older) == pytest.approx(0.5)
-    sampled = {**older, "path": "cpu -> cpu-ep2", "source": older["target"], "target": older["source"],
-               "tolerance": {"rtol": 0.0, "seeds": 2, "spread_z": 4.0}}
+    sampled = {
+        **older,
+        "path": "cpu -> cpu-ep2",
+        "source": older["target"],
+        "target": older["source"],
+        "tolerance": {"rtol": 0.0, "seeds": 2, "spread_z": 4.0},
+    }
     assert worst_bound_share(sampled) is None
     sampled["worst"] = {**older["worst"], "max_rel_diff": 0.9, "max_bound_fraction": 0.37}
     assert worst_bound_share(sampled) == 0.37
@@ -304,12 +309,17 @@ def measured_under(record, source, target):
 
 def test_a_ratio_measured_under_load_is_called_unfair_in_the_summary():
     busy = "\n".join(summary_lines(measured_under(rehearsal("cpu-ep2", "cpu"), BUSY, AT_REST)))
-    assert "throughput: source 1,000 tok/s, target 800 tok/s (0.80x: not a fair ratio, the source was measured " \
+    assert (
+        "throughput: source 1,000 tok/s, target 800 tok/s (0.80x: not a fair ratio, the source was measured "
         "under load)" in busy
-    assert "    source: measured under load: other processes used 1.6 of 2 cores, load average up to 4.7 (AMD EPYC, " \
+    )
+    assert (
+        "    source: measured under load: other processes used 1.6 of 2 cores, load average up to 4.7 (AMD EPYC, "
         "1 rank x 2 threads): not a fair figure" in busy
-    assert "    target: other processes used 0.1 of 2 cores, load average up to 0.8 (AMD EPYC, 1 rank x 2 threads)" \
-        in busy
+    )
+    assert (
+        "    target: other processes used 0.1 of 2 cores, load average up to 0.8 (AMD EPYC, 1 rank x 2 threads)" in busy
+    )
     at_rest = "\n".join(summary_lines(measured_under(rehearsal("cpu-ep2", "cpu"), AT_REST, AT_REST)))
     assert "throughput: source 1,000 tok/s, target 800 tok/s (0.80x)\n" in at_rest and "fair" not in at_rest
     old = "\n".join(summary_lines(rehearsal("cpu-ep2", "cpu")))  # written before ferry measured the load
@@ -328,8 +338,9 @@ def test_the_report_marks_a_ratio_measured_under_load_and_reads_older_lines_as_u
     assert f"| cpu-ep2 -> cpu {lead} 1,000 † | 800 | 0.80 † | - | rehearsals.jsonl line 1 |" in text
     assert f"| cpu -> cpu-bf16-portable {lead} 1,000 | 800 | 0.80 | - | rehearsals.jsonl line 2 |" in text
     assert f"| cpu -> cuda {lead} 1,000 ? | 800 ? | 0.80 ? | - | rehearsals.jsonl line 3 |" in text
-    assert "| cpu-ep2 -> cpu | tiny | 20 (10) | **PASS** | cross-accelerator | 0.01 | 2.50 s | 6.00 s | 0.80 † |" \
-        in text
+    assert (
+        "| cpu-ep2 -> cpu | tiny | 20 (10) | **PASS** | cross-accelerator | 0.01 | 2.50 s | 6.00 s | 0.80 † |" in text
+    )
     assert "| cpu-ep2 -> cpu | source | 1,000 | AMD EPYC | 2 | 1 x 2 | 4.1 / 4.7 | 1.60 | **under load** † |" in text
     assert "| cpu-ep2 -> cpu | target | 800 | AMD EPYC | 2 | 1 x 2 | 0.7 / 0.8 | 0.05 | at rest |" in text
     assert "| cpu -> cuda | source | 1,000 | - | - | - | - | - | unknown ? |" in text

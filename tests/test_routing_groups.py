@@ -15,14 +15,27 @@ from ferry.model.config import MoEConfig
 from ferry.model.router import Router, count_assignments
 
 SHAPES = [  # (num_experts, n_group, topk_group, top_k)
-    (8, 4, 2, 2), (8, 4, 1, 2), (16, 4, 2, 6), (12, 3, 2, 5), (16, 8, 3, 4), (6, 2, 1, 3), (32, 8, 4, 8),
+    (8, 4, 2, 2),
+    (8, 4, 1, 2),
+    (16, 4, 2, 6),
+    (12, 3, 2, 5),
+    (16, 8, 3, 4),
+    (6, 2, 1, 3),
+    (32, 8, 4, 8),
 ]
 
 
 def sigmoid_router(num_experts: int, n_group: int, topk_group: int, top_k: int, seed: int, **extra) -> Router:
     config = MoEConfig(
-        num_experts=num_experts, top_k=top_k, n_group=n_group, topk_group=topk_group, score_func="sigmoid",
-        renormalize=True, bias_balancing={"enabled": True}, expert_ffn_dim=8, **extra,
+        num_experts=num_experts,
+        top_k=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        score_func="sigmoid",
+        renormalize=True,
+        bias_balancing={"enabled": True},
+        expert_ffn_dim=8,
+        **extra,
     )
     generator = torch.Generator().manual_seed(seed)
     router = Router(24, config)
@@ -74,8 +87,15 @@ def test_the_same_experts_and_weights_as_deepseek_v3s_router(shape):
 
     num_experts, n_group, topk_group, top_k = shape
     router = sigmoid_router(*shape, seed=3, routed_scaling_factor=1.8)
-    hf = DeepseekV3Config(hidden_size=24, n_routed_experts=num_experts, num_experts_per_tok=top_k, n_group=n_group,
-                          topk_group=topk_group, routed_scaling_factor=1.8, norm_topk_prob=True)
+    hf = DeepseekV3Config(
+        hidden_size=24,
+        n_routed_experts=num_experts,
+        num_experts_per_tok=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=1.8,
+        norm_topk_prob=True,
+    )
     theirs = reference.DeepseekV3TopkRouter(hf)
     with torch.no_grad():
         theirs.weight.copy_(router.weight_ED)

@@ -18,7 +18,14 @@ def _rates(total: int, **options) -> list[float]:
 
 
 def test_cosine_warms_up_then_reaches_the_floor_at_the_last_step():
-    expected = [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3)), 0.1 + 0.9 * 0.5 * (1 + math.cos(2 * math.pi / 3)), 0.1]
+    expected = [
+        0.5,
+        1.0,
+        1.0,
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3)),
+        0.1 + 0.9 * 0.5 * (1 + math.cos(2 * math.pi / 3)),
+        0.1,
+    ]
     assert _rates(6, warmup_steps=2, min_lr_ratio=0.1) == pytest.approx(expected)
 
 
@@ -49,9 +56,16 @@ def test_an_unknown_schedule_is_named(make_config):
 
 
 def test_the_trainer_records_the_configured_schedule(make_config):
-    config = make_config("train.steps=5", "optim.schedule=wsd", "optim.decay_fraction=0.4", "optim.warmup_steps=1",
-                         "optim.min_lr_ratio=0")
+    config = make_config(
+        "train.steps=5",
+        "optim.schedule=wsd",
+        "optim.decay_fraction=0.4",
+        "optim.warmup_steps=1",
+        "optim.min_lr_ratio=0",
+    )
     train(config)
     records = [json.loads(line) for line in (config.run.path / "metrics.jsonl").read_text().splitlines()]
-    assert [record["lr"] for record in records] == pytest.approx([learning_rate(config.optim, step, 5) for step in range(5)])
+    assert [record["lr"] for record in records] == pytest.approx(
+        [learning_rate(config.optim, step, 5) for step in range(5)]
+    )
     assert records[-1]["lr"] == 0.0 and records[1]["lr"] == config.optim.lr

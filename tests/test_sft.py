@@ -123,8 +123,11 @@ def test_packing_keeps_every_conversation_whole_in_one_row():
 def chat_dataset(stdlib_dataset, tmp_path_factory):
     directory = tmp_path_factory.mktemp("chat")
     source = directory / "talks.jsonl"
-    rows = [CONVERSATION[3:], CONVERSATION[1:3], [{"role": "user", "content": "Name a list method."},
-                                              {"role": "assistant", "content": "append"}]] * 40
+    rows = [
+        CONVERSATION[3:],
+        CONVERSATION[1:3],
+        [{"role": "user", "content": "Name a list method."}, {"role": "assistant", "content": "append"}],
+    ] * 40
     source.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in rows), encoding="utf-8")
     spec = PrepareSpec(inputs=[str(source)], chat=True, seq_len=64, tokenizer=str(stdlib_dataset / "tokenizer.json"))
     return prepare_dataset(spec, directory / "prepared").output
@@ -170,8 +173,9 @@ def test_the_loss_is_the_global_mean_over_trained_targets_whatever_the_split(cha
         PrepareSpec(embedded="stdlib", embedded_max_bytes=60_000, tokenizer=str(chat_dataset / "tokenizer.json")),
         tmp_path / "text",
     ).output
-    mix = DataConfig(sources=[{"name": "chat", "path": str(chat_dataset)}, {"name": "text", "path": str(text)}],
-                     seq_len=64)
+    mix = DataConfig(
+        sources=[{"name": "chat", "path": str(chat_dataset)}, {"name": "text", "path": str(text)}], seq_len=64
+    )
     loader = MixedLoader(mix, seed=3, global_batch=8)
     torch.manual_seed(0)
     logits_BSV = torch.randn(8, 64, 514)
@@ -198,8 +202,13 @@ def test_a_packed_dataset_is_refused_at_another_length(chat_dataset):
 
 def test_sft_trains_on_assistant_tokens_and_the_loss_is_their_mean(chat_dataset, make_config):
     config = make_config(
-        f"data.sources=[{{name: chat, path: {chat_dataset}}}]", "data.document_masking=true", "model.vocab_size=576",
-        "data.seq_len=64", "train.steps=3", "eval.interval=3", "eval.batches=1",
+        f"data.sources=[{{name: chat, path: {chat_dataset}}}]",
+        "data.document_masking=true",
+        "model.vocab_size=576",
+        "data.seq_len=64",
+        "train.steps=3",
+        "eval.interval=3",
+        "eval.batches=1",
         f"eval.sources=[{{name: chat, path: {chat_dataset}}}]",
     )
     trainer = Trainer(config)
@@ -225,15 +234,37 @@ def chat_run(chat_dataset, tmp_path_factory):
     from conftest import tiny_config
 
     config = tiny_config(
-        chat_dataset, tmp_path_factory.mktemp("sft") / "run", "model.vocab_size=576", "data.seq_len=64",
-        "model.qk_norm=true", "model.qk_norm_scope=head", "train.steps=1",
+        chat_dataset,
+        tmp_path_factory.mktemp("sft") / "run",
+        "model.vocab_size=576",
+        "data.seq_len=64",
+        "model.qk_norm=true",
+        "model.qk_norm_scope=head",
+        "train.steps=1",
     )
     return Trainer(config).fit().run_dir
 
 
 def test_generate_chat_prompts_in_the_template_and_stops_at_im_end(chat_run, chat_dataset, capsys):
-    assert main(["generate", str(chat_run), "--chat", "--system", "Be brief.", "--prompt", "What does len do?",
-                 "--max-new-tokens", "5", "--temperature", "0", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(chat_run),
+                "--chat",
+                "--system",
+                "Be brief.",
+                "--prompt",
+                "What does len do?",
+                "--max-new-tokens",
+                "5",
+                "--temperature",
+                "0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     record = json.loads(capsys.readouterr().out.splitlines()[0])
     tokenizer = load_tokenizer(chat_dataset / "tokenizer.json")
     expected = ChatEncoder(tokenizer).prompt([Message("system", "Be brief."), Message("user", "What does len do?")])

@@ -37,8 +37,15 @@ def test_weights_cast_once_a_step_train_bit_for_bit_as_autocast_does(make_config
 def _traffic(weight_casts: str, micro_batches: int) -> ParameterTraffic:
     """One step of 8 sequences in `micro_batches` forwards and backwards, bf16 compute on fp32 weights."""
     config = {
-        "vocab_size": 97, "dim": 40, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64,
-        "dense_layers": 1, "dense_ffn_dim": 56, "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 24},
+        "vocab_size": 97,
+        "dim": 40,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "max_seq_len": 64,
+        "dense_layers": 1,
+        "dense_ffn_dim": 56,
+        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 24},
     }
     torch.manual_seed(0)
     kernels = select_kernels(KernelsConfig(), "cpu", torch.float32)
@@ -72,11 +79,20 @@ def test_weight_and_gradient_casts_do_not_grow_with_the_micro_batches():
 
 
 def test_step_weights_leave_tied_weights_to_autocast_and_put_the_parameters_back():
-    config = ModelConfig.model_validate({
-        "vocab_size": 97, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32,
-        "dense_layers": 1, "dense_ffn_dim": 48, "tie_embeddings": True,
-        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16},
-    })
+    config = ModelConfig.model_validate(
+        {
+            "vocab_size": 97,
+            "dim": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "max_seq_len": 32,
+            "dense_layers": 1,
+            "dense_ffn_dim": 48,
+            "tie_embeddings": True,
+            "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 16},
+        }
+    )
     model = Transformer(config)
     originals = dict(model.named_parameters())
     step_weights = StepWeights(model, torch.bfloat16)
@@ -105,8 +121,11 @@ def test_micro_batch_auto_takes_the_largest_that_fits(make_config, monkeypatch, 
 
 def test_micro_batch_auto_with_nothing_fitting_is_refused_with_the_estimate(make_config, monkeypatch):
     monkeypatch.setattr(memory_model, "device_memory_bytes", lambda device, ranks=1: ("a tiny host", 2**20))
-    with pytest.raises(UserError, match=r"train.micro_batch: auto found no micro-batch that fits: one sequence a "
-                       r"forward needs about .* GiB per rank .* and a tiny host has 0.0 GiB"):
+    with pytest.raises(
+        UserError,
+        match=r"train.micro_batch: auto found no micro-batch that fits: one sequence a "
+        r"forward needs about .* GiB per rank .* and a tiny host has 0.0 GiB",
+    ):
         Trainer(make_config("train.micro_batch=auto"))
 
 

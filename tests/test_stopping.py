@@ -16,8 +16,15 @@ TINY = str(REPO / "configs" / "tiny.yaml")
 
 
 def _overrides(stdlib_dataset: Path, run_dir: Path, *extra: str) -> list[str]:
-    return ["model.vocab_size=512", f"data.sources.0.path={stdlib_dataset}", "eval.sources=[]", "train.steps=100000",
-            "train.log_every=1", f"run.dir={run_dir}", *extra]
+    return [
+        "model.vocab_size=512",
+        f"data.sources.0.path={stdlib_dataset}",
+        "eval.sources=[]",
+        "train.steps=100000",
+        "train.log_every=1",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def _start(stdlib_dataset: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
@@ -68,8 +75,10 @@ def test_a_launcher_told_to_stop_stops_its_ranks_and_records_the_stop(stdlib_dat
 def test_ranks_die_with_a_launcher_that_is_killed(stdlib_dataset, tmp_path):
     launcher = _start(stdlib_dataset, tmp_path / "run", "--nproc", "2")
     _wait_for_a_step(launcher)
-    ranks = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
-                                                 text=True).stdout.split()]
+    ranks = [
+        int(pid)
+        for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    ]
     assert len(ranks) == 2
     launcher.kill()
     launcher.wait(timeout=60)

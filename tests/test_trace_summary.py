@@ -36,8 +36,16 @@ SCATTER = "void at::native::_scatter_gather_elementwise_kernel<128, 8>(int)"
 
 
 def _kernel(name: str, ts: float, dur: float, stream: int = 7, cat: str = "kernel") -> dict:
-    return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
-            "args": {"stream": stream}}
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": name,
+        "pid": 0,
+        "tid": stream,
+        "ts": ts,
+        "dur": dur,
+        "args": {"stream": stream},
+    }
 
 
 # times in microseconds from 1,000: the window is [1000, 2000] (the host span), the GPU events:
@@ -95,10 +103,18 @@ def test_totals_count_overlapping_kernels_once_in_the_busy_share(trace_summary, 
 def test_classes_share_the_summed_gpu_time(trace_summary, trace):
     classes = trace_summary.summarise(trace)["classes"]
     shares = {name: figures["share"] for name, figures in classes.items()}
-    assert shares == pytest.approx({
-        "gemm": 600 / 900, "attention": 100 / 900, "elementwise": 60 / 900, "optimizer": 80 / 900,
-        "collectives": 40 / 900, "memcpy": 10 / 900, "memset": 0.0, "other": 10 / 900,
-    })
+    assert shares == pytest.approx(
+        {
+            "gemm": 600 / 900,
+            "attention": 100 / 900,
+            "elementwise": 60 / 900,
+            "optimizer": 80 / 900,
+            "collectives": 40 / 900,
+            "memcpy": 10 / 900,
+            "memset": 0.0,
+            "other": 10 / 900,
+        }
+    )
     assert classes["gemm"]["launches"] == 3 and classes["gemm"]["ms"] == pytest.approx(0.6)
 
 

@@ -24,8 +24,15 @@ def _clean_tracker_environment(monkeypatch):
     ferry run is a process of its own, which reads them afresh."""
     import wandb
 
-    for name in ("WANDB_MODE", "WANDB_PROJECT", "WANDB_DIR", "WANDB_ENTITY", "WANDB_BASE_URL",
-                 "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+    for name in (
+        "WANDB_MODE",
+        "WANDB_PROJECT",
+        "WANDB_DIR",
+        "WANDB_ENTITY",
+        "WANDB_BASE_URL",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
     wandb.teardown()
@@ -70,16 +77,25 @@ def test_wandb_takes_its_mode_project_and_dir_from_the_environment_when_the_conf
         "dir": {"value": str(wandb_dir), "from": "WANDB_DIR"},
     }
     said = capsys.readouterr()
-    assert (f"ferry: tracker wandb: project from-the-environment (WANDB_PROJECT), mode offline (WANDB_MODE), "
-            f"dir {wandb_dir} (WANDB_DIR)") in said.out + said.err
+    assert (
+        f"ferry: tracker wandb: project from-the-environment (WANDB_PROJECT), mode offline (WANDB_MODE), "
+        f"dir {wandb_dir} (WANDB_DIR)"
+    ) in said.out + said.err
 
 
 def test_the_config_wins_over_wandbs_variables_and_ferrys_defaults_fill_the_rest(make_config, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "online")  # the config's offline must win, or this run would try W&B's servers
     monkeypatch.setenv("WANDB_PROJECT", "from-the-environment")
     run_dir = tmp_path / "run"
-    Trainer(make_config("metrics.trackers=[wandb]", "metrics.wandb.mode=offline", "metrics.wandb.project=configured",
-                        "train.steps=2", run_dir=run_dir)).fit()
+    Trainer(
+        make_config(
+            "metrics.trackers=[wandb]",
+            "metrics.wandb.mode=offline",
+            "metrics.wandb.project=configured",
+            "train.steps=2",
+            run_dir=run_dir,
+        )
+    ).fit()
     assert _wandb_project(run_dir) == "configured"
     assert _settings(run_dir, "wandb")["settings"] == {
         "project": {"value": "configured", "from": "metrics.wandb.project"},
@@ -99,8 +115,10 @@ def test_wandb_mode_disabled_opens_no_run_and_counts_no_failure(make_config, tmp
     assert (outcome["run_id"], outcome["failures"], outcome["active"]) == (None, 0, False)
     assert outcome["settings"]["mode"] == {"value": "disabled", "from": "WANDB_MODE"}
     said = capsys.readouterr()
-    assert "ferry: tracker wandb: disabled by its mode, no run; project ferry (default), mode disabled (WANDB_MODE)" \
+    assert (
+        "ferry: tracker wandb: disabled by its mode, no run; project ferry (default), mode disabled (WANDB_MODE)"
         in said.out + said.err
+    )
     assert "warning: tracker" not in said.out + said.err
 
 
@@ -136,8 +154,15 @@ def test_mlflows_config_wins_over_its_variables(make_config, tmp_path, monkeypat
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "not-this")
     run_dir = tmp_path / "run"
     store = f"sqlite:///{tmp_path / 'configured.db'}"
-    Trainer(make_config("metrics.trackers=[mlflow]", f"metrics.mlflow.tracking_uri={store}",
-                        "metrics.mlflow.experiment=configured", "train.steps=2", run_dir=run_dir)).fit()
+    Trainer(
+        make_config(
+            "metrics.trackers=[mlflow]",
+            f"metrics.mlflow.tracking_uri={store}",
+            "metrics.mlflow.experiment=configured",
+            "train.steps=2",
+            run_dir=run_dir,
+        )
+    ).fit()
     assert not (tmp_path / "not-this.db").exists()
     run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
     client = MlflowClient(tracking_uri=store)
@@ -166,8 +191,9 @@ def test_the_wandb_read_back_code_docs_trackers_shows_reads_every_step_it_prints
     page = (Path(__file__).resolve().parent.parent / "docs" / "trackers.md").read_text()
     [code] = [block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "DataStore" in block]
     run_dir = tmp_path / "trk"
-    Trainer(make_config("metrics.trackers=[wandb]", "metrics.wandb.mode=offline", "train.steps=20",
-                        run_dir=run_dir)).fit()
+    Trainer(
+        make_config("metrics.trackers=[wandb]", "metrics.wandb.mode=offline", "train.steps=20", run_dir=run_dir)
+    ).fit()
     capsys.readouterr()
     exec(compile(code.replace("/tmp/trk", str(run_dir)), "docs/trackers.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()

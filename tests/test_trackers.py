@@ -19,6 +19,7 @@ def _no_reports_to_wandb(monkeypatch):
     """W&B sends its own errors to its crash reporter by default; the suite runs offline."""
     monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
 
+
 from ferry.metrics.jsonl import read_metrics
 from ferry.train import Trainer
 
@@ -38,8 +39,9 @@ def _wandb_records(run_dir: Path, run_id: str) -> tuple[dict[int, dict], list[di
             record.ParseFromString(data)
             kind = record.WhichOneof("record_type")
             if kind == "history":
-                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item}
+                items = {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+                }
                 history.setdefault(int(items["_step"]), items)
             elif kind == "run":
                 configs.append({item.key: json.loads(item.value_json) for item in record.run.config.update})
@@ -50,8 +52,13 @@ def _wandb_records(run_dir: Path, run_id: str) -> tuple[dict[int, dict], list[di
 
 def test_wandb_offline_gets_every_step_the_config_and_the_files_and_a_restart_continues_its_run(make_config, tmp_path):
     run_dir = tmp_path / "run"
-    first = make_config("metrics.trackers=[wandb]", "metrics.wandb.mode=offline", "train.steps=4",
-                        "checkpoint.interval=2", run_dir=run_dir)
+    first = make_config(
+        "metrics.trackers=[wandb]",
+        "metrics.wandb.mode=offline",
+        "train.steps=4",
+        "checkpoint.interval=2",
+        run_dir=run_dir,
+    )
     Trainer(first).fit()
     ids = json.loads((run_dir / "trackers.json").read_text())
     records = read_metrics(run_dir)
@@ -65,8 +72,9 @@ def test_wandb_offline_gets_every_step_the_config_and_the_files_and_a_restart_co
     # W&B names an offline attempt's directory by the second it started and the run id: an attempt that started in
     # the first one's second would write into its directory (a restart takes seconds; this test does not)
     time.sleep(1.0 - time.time() % 1.0)
-    resumed = make_config("metrics.trackers=[wandb]", "metrics.wandb.mode=offline", "train.steps=6", "resume=latest",
-                          run_dir=run_dir)
+    resumed = make_config(
+        "metrics.trackers=[wandb]", "metrics.wandb.mode=offline", "train.steps=6", "resume=latest", run_dir=run_dir
+    )
     Trainer(resumed).fit()
     assert json.loads((run_dir / "trackers.json").read_text()) == ids, "the resumed run continues the W&B run"
     history, _, _ = _wandb_records(run_dir, ids["wandb"])
@@ -104,16 +112,20 @@ def _closed_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_trackers_that_fail_leave_training_to_go_on_with_a_warning_and_a_counter(make_config, tmp_path, capsys,
-                                                                               monkeypatch):
+def test_trackers_that_fail_leave_training_to_go_on_with_a_warning_and_a_counter(
+    make_config, tmp_path, capsys, monkeypatch
+):
     """W&B online against a closed port on 127.0.0.1 (it gives up after its init timeout, on its own thread), and
     MLflow on a store under /proc, which not even root may write: the run trains every step as without them."""
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     run_dir = tmp_path / "run"
     config = make_config(
-        "metrics.trackers=[wandb, mlflow]", f"metrics.wandb.base_url=http://127.0.0.1:{_closed_port()}",
-        "metrics.wandb.init_timeout_s=2", "metrics.tracker_timeout_s=10",
-        "metrics.mlflow.tracking_uri=sqlite:////proc/ferry-cannot-write-here/mlflow.db", "train.steps=4",
+        "metrics.trackers=[wandb, mlflow]",
+        f"metrics.wandb.base_url=http://127.0.0.1:{_closed_port()}",
+        "metrics.wandb.init_timeout_s=2",
+        "metrics.tracker_timeout_s=10",
+        "metrics.mlflow.tracking_uri=sqlite:////proc/ferry-cannot-write-here/mlflow.db",
+        "train.steps=4",
         run_dir=run_dir,
     )
     result = Trainer(config).fit()
@@ -126,7 +138,9 @@ def test_trackers_that_fail_leave_training_to_go_on_with_a_warning_and_a_counter
     assert "training goes on" in said
     outcomes = json.loads((run_dir / "run.json").read_text())["trackers"]
     assert outcomes["wandb"]["failures"] >= 1 and outcomes["wandb"]["run_id"] is None
-    assert outcomes["mlflow"]["failures"] >= 1 and "/proc/ferry-cannot-write-here" in outcomes["mlflow"]["first_failure"]
+    assert (
+        outcomes["mlflow"]["failures"] >= 1 and "/proc/ferry-cannot-write-here" in outcomes["mlflow"]["first_failure"]
+    )
     assert all("tracker_failures" in record for record in read_metrics(run_dir))
     assert not (run_dir / "trackers.json").exists()
 
@@ -146,8 +160,15 @@ def test_a_fault_in_the_adapter_drops_that_tracker_only(make_config, tmp_path, c
     monkeypatch.setattr(WandbTracker, "log", failing)
     run_dir = tmp_path / "run"
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    Trainer(make_config("metrics.trackers=[wandb, mlflow]", "metrics.wandb.mode=offline",
-                        f"metrics.mlflow.tracking_uri={store}", "train.steps=4", run_dir=run_dir)).fit()
+    Trainer(
+        make_config(
+            "metrics.trackers=[wandb, mlflow]",
+            "metrics.wandb.mode=offline",
+            f"metrics.mlflow.tracking_uri={store}",
+            "train.steps=4",
+            run_dir=run_dir,
+        )
+    ).fit()
     said = capsys.readouterr()
     assert (said.out + said.err).count("ferry: warning: tracker wandb failed (OSError: [Errno 28]") == 1
     outcome = json.loads((run_dir / "run.json").read_text())["trackers"]["wandb"]
@@ -166,8 +187,16 @@ def test_only_rank_0_logs_on_two_ranks(stdlib_dataset, tmp_path):
     from ferry.comm.spawn import run_on_ranks
 
     run_dir = tmp_path / "run"
-    run_on_ranks(runs.train_run, 2, str(stdlib_dataset), str(run_dir), "parallel.ep=2", "train.steps=2",
-                 "metrics.trackers=[wandb]", "metrics.wandb.mode=offline")
+    run_on_ranks(
+        runs.train_run,
+        2,
+        str(stdlib_dataset),
+        str(run_dir),
+        "parallel.ep=2",
+        "train.steps=2",
+        "metrics.trackers=[wandb]",
+        "metrics.wandb.mode=offline",
+    )
     assert len(list(run_dir.glob("wandb/offline-run-*"))) == 1
 
 
@@ -178,7 +207,10 @@ def test_a_tracker_not_installed_is_refused_with_its_install_command(make_config
 
     for module in ("mlflow", "mlflow.tracking", "mlflow.entities"):  # as if never installed: importing it fails
         monkeypatch.setitem(sys.modules, module, None)
-    with pytest.raises(UserError, match=r"the mlflow package is not installed; install it with: pip install "
-                                        r"'ferry-moe\[mlflow\]'"):
+    with pytest.raises(
+        UserError,
+        match=r"the mlflow package is not installed; install it with: pip install "
+        r"'ferry-moe\[mlflow\]'",
+    ):
         Trainer(make_config("metrics.trackers=[mlflow]", run_dir=tmp_path / "run")).fit()
     assert not (tmp_path / "run" / "run.json").exists(), "refused before the run directory is touched"

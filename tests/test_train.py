@@ -94,8 +94,10 @@ def test_a_run_its_warm_up_does_not_fit_is_warned_before_it_trains(make_config, 
     settings; a schedule that runs its course says nothing."""
     train(make_config("train.steps=2", "optim.warmup_steps=2", run_dir=tmp_path / "short"))
     out = capsys.readouterr().out
-    assert ("ferry: warning: optim.warmup_steps (2) is not below train.steps (2): the whole run is warm-up, its last "
-            "step at learning rate 3.00e-03 (optim.lr 3.00e-03), and the cosine decay never starts") in out
+    assert (
+        "ferry: warning: optim.warmup_steps (2) is not below train.steps (2): the whole run is warm-up, its last "
+        "step at learning rate 3.00e-03 (optim.lr 3.00e-03), and the cosine decay never starts"
+    ) in out
     train(make_config("train.steps=3", "optim.warmup_steps=2", run_dir=tmp_path / "peak"))
     assert "optim.schedule cosine ends at 3.00e-03, not at its floor 3.00e-04" in capsys.readouterr().out
     train(make_config("train.steps=4", "optim.warmup_steps=2", run_dir=tmp_path / "whole"))

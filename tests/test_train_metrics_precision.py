@@ -21,7 +21,9 @@ def test_a_single_process_record_has_every_documented_key(make_config, stdlib_da
 
 
 def test_prometheus_is_scraped_over_loopback_during_a_run(make_config):
-    trainer = Trainer(make_config("train.steps=40", "metrics.sinks.prometheus.enabled=true", "metrics.sinks.prometheus.port=0"))
+    trainer = Trainer(
+        make_config("train.steps=40", "metrics.sinks.prometheus.enabled=true", "metrics.sinks.prometheus.port=0")
+    )
     runner = threading.Thread(target=trainer.fit)
     runner.start()
     try:
@@ -35,7 +37,13 @@ def test_prometheus_is_scraped_over_loopback_during_a_run(make_config):
             assert hub.prometheus.url.startswith("http://127.0.0.1:")
             with urllib.request.urlopen(hub.prometheus.url, timeout=5) as response:
                 page = response.read().decode()
-        for name in ("ferry_step{", "ferry_loss{", "ferry_tokens_per_second{", "ferry_mfu{", "ferry_moe_expert_tokens{"):
+        for name in (
+            "ferry_step{",
+            "ferry_loss{",
+            "ferry_tokens_per_second{",
+            "ferry_mfu{",
+            "ferry_moe_expert_tokens{",
+        ):
             assert name in page
     finally:
         runner.join(timeout=300)

@@ -38,14 +38,23 @@ class ExpertLoadSpread(Hook):
 
 def test_a_users_hook_sees_every_point_and_its_figure_reaches_the_record(make_config, stdlib_dataset):
     hook = ExpertLoadSpread()
-    config = make_config("train.steps=2", f"eval.sources=[{{name: held_out, path: {stdlib_dataset}}}]",
-                         "eval.interval=2", "eval.batches=1")
+    config = make_config(
+        "train.steps=2",
+        f"eval.sources=[{{name: held_out, path: {stdlib_dataset}}}]",
+        "eval.interval=2",
+        "eval.batches=1",
+    )
     result = train(config, hooks=[hook])
     assert hook.points == [
         ("before_training",),
-        ("before_step", 1), ("after_backward", 1, True), ("after_step", 1, False),
-        ("before_step", 2), ("after_backward", 2, True), ("after_step", 2, True),  # after the evaluation
-        ("after_training", 2), ("at_close", 2),
+        ("before_step", 1),
+        ("after_backward", 1, True),
+        ("after_step", 1, False),
+        ("before_step", 2),
+        ("after_backward", 2, True),
+        ("after_step", 2, True),  # after the evaluation
+        ("after_training", 2),
+        ("at_close", 2),
     ]
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     spreads = [record["custom.expert_load_spread"] for record in records]

@@ -92,7 +92,9 @@ def _names(checkpoint: Checkpoint, optimizer: OptimizerChoice) -> list[str]:
     if optimizer == "average":
         moments = checkpoint.names(OPTIM)
         if not moments or optimizer_kind(checkpoint.manifest.train_state) is None:
-            raise UserError(f"--optimizer average: {checkpoint.path} holds no optimizer state (a weights-only checkpoint)")
+            raise UserError(
+                f"--optimizer average: {checkpoint.path} holds no optimizer state (a weights-only checkpoint)"
+            )
         names += moments
     return names
 

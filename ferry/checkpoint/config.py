@@ -13,6 +13,7 @@ from ferry.config.section import Section
 
 RUN_CHECKPOINTS = "checkpoints"  # where a run directory keeps its checkpoints by default
 
+
 class CheckpointConfig(Section):
     """A checkpoint is saved every `interval` steps and at the end of the run (docs/checkpoint-format.md)."""
 

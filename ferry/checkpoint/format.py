@@ -41,6 +41,8 @@ def optimizer_kind(train_state: dict) -> str | None:
     optimizer = train_state.get("optimizer")
     kind = optimizer.get("kind") if isinstance(optimizer, dict) else None
     return kind if isinstance(kind, str) else None
+
+
 MANIFEST_DIGEST = "manifest_sha256"
 MANIFEST_NAME = "manifest.json"
 TENSOR_SUFFIX = ".safetensors"

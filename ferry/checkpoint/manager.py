@@ -106,7 +106,9 @@ class CheckpointManager:
         return isinstance(interval, int) and interval > 0 and step % interval == 0 and step != self.last_step
 
     def save(
-        self, pieces: dict[str, TensorPiece], meta: CheckpointMeta,
+        self,
+        pieces: dict[str, TensorPiece],
+        meta: CheckpointMeta,
         before_publish: Callable[[Path], None] | None = None,
     ) -> None:
         """Save now, or start a background save; `before_publish(staging)` runs once this rank's files are
@@ -117,12 +119,14 @@ class CheckpointManager:
             self.last_step = meta.step
             if self.asynchronous is None:
                 self._decide(pieces)
-            save = _Save({}, meta, self.root / staging_dir_name(meta.step), self.root / step_dir_name(meta.step),
-                         before_publish)
+            save = _Save(
+                {}, meta, self.root / staging_dir_name(meta.step), self.root / step_dir_name(meta.step), before_publish
+            )
             if self.asynchronous:
                 save.pieces, save.copied = self._snapshot(pieces)
-                save.thread = threading.Thread(target=self._write_in_background, args=(save,),
-                                               name="ferry-checkpoint-save")
+                save.thread = threading.Thread(
+                    target=self._write_in_background, args=(save,), name="ferry-checkpoint-save"
+                )
                 self._in_flight = save
                 save.thread.start()
             else:
@@ -178,12 +182,16 @@ class CheckpointManager:
         if self.world_size == 1:
             self.async_rule = "auto: off, one process (it trains on the cores a writer would take)"
         elif all_fit:
-            self.async_rule = (f"auto: on, {self.world_size} ranks, every rank's snapshot within "
-                               f"{SNAPSHOT_SHARE_OF_HOST:.0%} of its free host memory (rank {self.rank}: "
-                               f"{snapshot / 2**30:.2f} of {free / 2**30:.1f} GiB)")
+            self.async_rule = (
+                f"auto: on, {self.world_size} ranks, every rank's snapshot within "
+                f"{SNAPSHOT_SHARE_OF_HOST:.0%} of its free host memory (rank {self.rank}: "
+                f"{snapshot / 2**30:.2f} of {free / 2**30:.1f} GiB)"
+            )
         else:
-            self.async_rule = (f"auto: off, a rank's snapshot exceeds {SNAPSHOT_SHARE_OF_HOST:.0%} of its free host "
-                               f"memory (rank {self.rank}: {snapshot / 2**30:.2f} of {free / 2**30:.1f} GiB)")
+            self.async_rule = (
+                f"auto: off, a rank's snapshot exceeds {SNAPSHOT_SHARE_OF_HOST:.0%} of its free host "
+                f"memory (rank {self.rank}: {snapshot / 2**30:.2f} of {free / 2**30:.1f} GiB)"
+            )
 
     def _snapshot(self, pieces: dict[str, TensorPiece]) -> tuple[dict[str, TensorPiece], torch.cuda.Event | None]:
         """The pieces copied to host memory: into one arena kept from one save to the next while the pieces keep

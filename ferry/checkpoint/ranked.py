@@ -71,7 +71,11 @@ def write_share(
 
 
 def publish_when_complete(
-    staging: Path, final: Path, world_size: int, meta: CheckpointMeta, abandon: threading.Event | None = None,
+    staging: Path,
+    final: Path,
+    world_size: int,
+    meta: CheckpointMeta,
+    abandon: threading.Event | None = None,
     poll_s: float = 0.005,
 ) -> Path:
     """Once every rank's done marker is in `staging`, write the manifest and publish it as `final`. Raises
@@ -127,7 +131,9 @@ def _record_json(record: RankRecord) -> str:
     return json.dumps(
         {
             "files": {name: file.model_dump() for name, file in record.files.items()},
-            "tensors": {name: [dtype, shape, piece.model_dump()] for name, (dtype, shape, piece) in record.tensors.items()},
+            "tensors": {
+                name: [dtype, shape, piece.model_dump()] for name, (dtype, shape, piece) in record.tensors.items()
+            },
         }
     )
 
@@ -136,5 +142,7 @@ def _record_from_json(text: str) -> RankRecord:
     data = json.loads(text)
     record = RankRecord()
     record.files = {name: FileRecord(**file) for name, file in data["files"].items()}
-    record.tensors = {name: (dtype, shape, PieceRecord(**piece)) for name, (dtype, shape, piece) in data["tensors"].items()}
+    record.tensors = {
+        name: (dtype, shape, PieceRecord(**piece)) for name, (dtype, shape, piece) in data["tensors"].items()
+    }
     return record

@@ -23,7 +23,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     average.add_argument("--out", required=True, help="directory to write the averaged checkpoint into (step-N/)")
     average.add_argument("--weights", default=None, help="comma-separated weights, one per checkpoint (default equal)")
     average.add_argument(
-        "--optimizer", choices=["drop", "average"], default="drop",
+        "--optimizer",
+        choices=["drop", "average"],
+        default="drop",
         help="drop the optimizer's state (default) or average it too (AdamW's moments, Muon's momentum; step counts: the largest)",
     )
     average.set_defaults(handler=_average)

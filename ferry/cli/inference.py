@@ -18,24 +18,28 @@ def add_inference_commands(commands) -> None:
     generate.add_argument("source", help=SOURCE_HELP)
     generate.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
     generate.add_argument("--prompts-file", default=None, help="one prompt per line (added after the --prompt ones)")
-    generate.add_argument(
-        "--max-new-tokens", type=int, default=64, help="tokens generated after each prompt at most"
-    )
+    generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated after each prompt at most")
     generate.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     generate.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     generate.add_argument("--top-p", type=float, default=1.0, help="sample within this probability mass")
     generate.add_argument(
-        "--seed", type=int, default=0, help="the same seed gives a prompt the same tokens, whatever prompts run beside it"
+        "--seed",
+        type=int,
+        default=0,
+        help="the same seed gives a prompt the same tokens, whatever prompts run beside it",
     )
     generate.add_argument("--stop", action="append", default=[], help="a string that ends a completion; repeatable")
     generate.add_argument(
-        "--latent-decoding", choices=["auto", "absorbed", "expanded"], default="auto",
+        "--latent-decoding",
+        choices=["auto", "absorbed", "expanded"],
+        default="auto",
         help="MLA models: attend over the cached latents with the up-projections absorbed, over keys and values "
         "expanded from them, or whichever takes fewer multiply-adds for each step (default auto)",
     )
     _add_model_options(generate)
     generate.add_argument(
-        "--chat", action="store_true",
+        "--chat",
+        action="store_true",
         help="each prompt is a user message in the chat template; the answer ends at <|im_end|>",
     )
     generate.add_argument("--system", default=None, help="with --chat: a system message before each prompt")
@@ -62,7 +66,9 @@ def add_inference_commands(commands) -> None:
     )
     evaluate.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (default: the batch)")
     evaluate.add_argument(
-        "--document-masking", choices=["run", "on", "off"], default="run",
+        "--document-masking",
+        choices=["run", "on", "off"],
+        default="run",
         help="token datasets: attend within each document of a window (default: as the run that saved the "
         "checkpoint trained; off for an export or import, which record no run)",
     )
@@ -70,7 +76,8 @@ def add_inference_commands(commands) -> None:
         "--verifier", default=None, help="prompts: how a completion is scored (default: the run's grpo.verifier)"
     )
     evaluate.add_argument(
-        "--reference", default=None,
+        "--reference",
+        default=None,
         help="preferences: the reference checkpoint of the DPO rewards (default: a DPO run's init_from; none: skip)",
     )
     _add_model_options(evaluate)
@@ -174,14 +181,22 @@ def _prompts_file(path: str | None) -> list[str]:
     return lines
 
 
-
-
 def run_eval(args: argparse.Namespace) -> int:
     from ferry.train.evaluation import EvalRequest, evaluate_checkpoint
 
     request = EvalRequest(
-        args.source, list(args.data), args.device, args.dtype, args.tokenizer, args.seq_len, args.batches,
-        args.batch_size, args.micro_batch, args.document_masking, args.verifier, args.reference,
+        args.source,
+        list(args.data),
+        args.device,
+        args.dtype,
+        args.tokenizer,
+        args.seq_len,
+        args.batches,
+        args.batch_size,
+        args.micro_batch,
+        args.document_masking,
+        args.verifier,
+        args.reference,
     )
     report = evaluate_checkpoint(request, say=_to_stderr)
     if args.json:

@@ -15,11 +15,15 @@ def add_interop_commands(commands) -> None:
     )
     export.add_argument("out", help="the model directory to write")
     export.add_argument(
-        "--arch", choices=["olmoe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_oss"], default=None,
+        "--arch",
+        choices=["olmoe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_oss"],
+        default=None,
         help="target architecture (default: deepseek_v3 for MLA, else the one whose query/key norm and dense layers "
         "the model has)",
     )
-    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights dtype (default fp32)")
+    export.add_argument(
+        "--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights dtype (default fp32)"
+    )
     export.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's first dataset's)")
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     export.set_defaults(handler=run_export)

@@ -14,7 +14,9 @@ def add_kernels_commands(subparsers: argparse._SubParsersAction) -> None:
     actions = kernels.add_subparsers(dest="kernels_command", required=True, metavar="ACTION")
 
     listing = actions.add_parser("list", help="every op's implementations, availability here and ledger status")
-    listing.add_argument("--device", default="auto", type=device_option, help="judge availability on this device (default: auto)")
+    listing.add_argument(
+        "--device", default="auto", type=device_option, help="judge availability on this device (default: auto)"
+    )
     listing.set_defaults(handler=list_kernels)
 
     boundary = actions.add_parser("boundary", help="write the boundary document (abstracted, vendor-specific, cost)")
@@ -32,8 +34,9 @@ def add_kernels_commands(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--top-k", type=int, default=8, help="experts each token is routed to")
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="inputs and weights")
     bench.add_argument(
-        "--history", default="runs/portability", help="portability directory the figures are appended to, for "
-        "`ferry report` (default runs/portability)"
+        "--history",
+        default="runs/portability",
+        help="portability directory the figures are appended to, for `ferry report` (default runs/portability)",
     )
     bench.add_argument(
         "--host-allocator",
@@ -83,7 +86,13 @@ def bench_kernels(args: argparse.Namespace) -> int:
         raise UserError(f"--budget must lie in [0, 1), got {budget}")
     if args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
-    sizes = {"--tokens": args.tokens, "--dim": args.dim, "--ffn": args.ffn, "--experts": args.experts, "--top-k": args.top_k}
+    sizes = {
+        "--tokens": args.tokens,
+        "--dim": args.dim,
+        "--ffn": args.ffn,
+        "--experts": args.experts,
+        "--top-k": args.top_k,
+    }
     for flag, value in sizes.items():
         if value < 1:
             raise UserError(f"{flag} must be at least 1, got {value}")

@@ -24,27 +24,34 @@ def add_launch_command(commands) -> None:
     launch.add_argument("--explain", action="store_true", help="print every environment variable and its origin")
     launch.add_argument("--job-name", default=None, help="default: run.name")
     launch.add_argument(
-        "--rendezvous", choices=["c10d", "static"], default=None,
+        "--rendezvous",
+        choices=["c10d", "static"],
+        default=None,
         help="torchrun form: c10d (the same command on every node; the default) or static (master address and node "
         "rank)",
     )
     launch.add_argument("--master-addr", default=None, help="torchrun form: address of the first node")
     launch.add_argument("--port", type=int, default=29500, help="rendezvous port (default 29500)")
     launch.add_argument(
-        "--max-restarts", type=int, default=3, metavar="K",
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="K",
         help="torchrun restarts a node's workers up to K times, resuming from the newest checkpoint (default 3)",
     )
     launch.add_argument(
         "--image", default=None, help="Kubernetes: container image with ferry installed (default ferry:latest)"
     )
     launch.add_argument(
-        "--runs-claim", default=None,
+        "--runs-claim",
+        default=None,
         help="Kubernetes: ReadWriteMany PersistentVolumeClaim mounted as the runs directory (default ferry-runs)",
     )
     launch.add_argument("--partition", default=None, help="Slurm partition")
     launch.add_argument("--time", default=None, help="Slurm time limit, e.g. 48:00:00")
     launch.add_argument(
-        "--overwrite", action="store_true",
+        "--overwrite",
+        action="store_true",
         help="replace the files of an earlier render, and remove those this render does not write",
     )
     launch.set_defaults(handler=run_launch)

@@ -75,11 +75,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "--nproc", type=int, default=None, metavar="N", help="start N local ranks (as torchrun --nproc-per-node N)"
     )
     train.add_argument(
-        "--model", default=None, metavar="PRESET",
+        "--model",
+        default=None,
+        metavar="PRESET",
         help="replace the config's model section with a named shape (`ferry models` lists them); overrides follow",
     )
     train.add_argument(
-        "--max-restarts", type=int, default=None, metavar="K",
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="K",
         help="supervise: after a failure restart every rank from the newest valid checkpoint, up to K times",
     )
     train.set_defaults(handler=_train)
@@ -88,12 +93,14 @@ def _build_parser() -> argparse.ArgumentParser:
     data_commands = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     prepare = data_commands.add_parser("prepare", help="tokenize text into memory-mapped shards with a manifest")
     prepare.add_argument(
-        "inputs", nargs="*",
+        "inputs",
+        nargs="*",
         help=".txt, .jsonl, .jsonl.gz/.json.gz, .jsonl.zst/.json.zst, .parquet or .arrow files, directories of them, "
         "or a Hugging Face datasets save_to_disk directory",
     )
     prepare.add_argument(
-        "--embedded", choices=["stdlib", "stdlib-chat", "largest", "largest-held-out"],
+        "--embedded",
+        choices=["stdlib", "stdlib-chat", "largest", "largest-held-out"],
         help="use an embedded offline set instead: stdlib (text), stdlib-chat (conversations, with --chat), or the "
         "largest-digit task (with --chat, --preferences or --prompts; -held-out: problems none of the others holds)",
     )
@@ -108,70 +115,99 @@ def _build_parser() -> argparse.ArgumentParser:
         "--max-bytes", type=int, default=None, help="text budget of the embedded corpus (default 6,000,000)"
     )
     prepare.add_argument(
-        "--skip-bytes", type=int, default=0,
+        "--skip-bytes",
+        type=int,
+        default=0,
         help="pass over the documents this budget of the embedded corpus holds first (a held-out set)",
     )
     prepare.add_argument(
-        "--chat", action="store_true",
+        "--chat",
+        action="store_true",
         help="the inputs are conversations (rows with messages): chat template, loss on assistant tokens, packing",
     )
     prepare.add_argument("--seq-len", type=int, default=None, help="with --chat: the row length (data.seq_len)")
     prepare.add_argument(
-        "--chat-template", default=None, metavar="PATH|chatml",
+        "--chat-template",
+        default=None,
+        metavar="PATH|chatml",
         help="with --chat, --preferences or --prompts: the model's Jinja chat template (a .jinja file, a "
         "tokenizer_config.json, or a directory holding one); default: chat_template.jinja beside --tokenizer (what "
         "ferry import writes), else ferry's ChatML",
     )
     records = prepare.add_mutually_exclusive_group()
     records.add_argument(
-        "--preferences", action="store_const", const="preferences", dest="records",
+        "--preferences",
+        action="store_const",
+        const="preferences",
+        dest="records",
         help="preference pairs for DPO (rows with prompt, chosen, rejected), kept whole",
     )
     records.add_argument(
-        "--prompts", action="store_const", const="prompts", dest="records",
+        "--prompts",
+        action="store_const",
+        const="prompts",
+        dest="records",
         help="prompts with verifiable answers for GRPO (rows with prompt, answer)",
     )
     prepare.add_argument(
-        "--workers", type=int, default=None, metavar="N",
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
         help="tokenise the input files (Parquet: row groups) in N processes, one core each; the dataset is the "
         "same for any N",
     )
     prepare.add_argument(
-        "--engine", choices=["local", "ray"], default="local",
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
         help="where the parts are tokenised: local (this process, or --workers N processes) or ray (Ray tasks: a "
         "local Ray on this machine's CPUs, or --workers N of them, or the cluster at --address); the same dataset",
     )
     prepare.add_argument(
-        "--address", default=None,
+        "--address",
+        default=None,
         help="with --engine ray: the running Ray cluster to join (its head's host:port, e.g. head:6379, or auto on a "
         "node of the cluster)",
     )
     prepare.add_argument(
-        "--retries", type=int, default=None, metavar="R",
+        "--retries",
+        type=int,
+        default=None,
+        metavar="R",
         help="with --engine ray: run a part's task again up to R times after its worker or node died or its read "
         "failed (default 3)",
     )
     prepare.add_argument(
-        "--task", type=int, default=None, metavar="I",
+        "--task",
+        type=int,
+        default=None,
+        metavar="I",
         help="with --tasks N: prepare only the I-th of N slices of the inputs, as a partial dataset for "
         "`ferry data merge` (needs --tokenizer PATH or byte)",
     )
     prepare.add_argument("--tasks", type=int, default=None, metavar="N", help="the number of tasks (with --task)")
     prepare.add_argument(
-        "--render", default=None, metavar="DIR",
+        "--render",
+        default=None,
+        metavar="DIR",
         help="with --tasks N (no --task): write a Slurm array job (or a Kubernetes Indexed Job, --render-for) running "
         "the N tasks, and their merge into --output, to DIR instead of preparing",
     )
     prepare.add_argument(
-        "--render-for", choices=["slurm", "kubernetes"], default=None,
+        "--render-for",
+        choices=["slurm", "kubernetes"],
+        default=None,
         help="with --render: the scheduler the job is written for (default slurm)",
     )
     prepare.add_argument(
-        "--image", default=None,
+        "--image",
+        default=None,
         help="with --render-for kubernetes: the container image with ferry (default: ferry launch's, ferry:latest)",
     )
     prepare.add_argument(
-        "--claim", default=None,
+        "--claim",
+        default=None,
         help="with --render-for kubernetes: the ReadWriteMany volume claim every pod mounts at the directory the "
         "render runs in (default ferry-data)",
     )
@@ -185,12 +221,14 @@ def _build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--overwrite", action="store_true", help="replace a dataset prepared from other inputs")
     merge.set_defaults(handler=_data_merge)
     verify = data_commands.add_parser(
-        "verify", help="check every file of prepared datasets against every digest its manifest records; "
-        "exit 0 valid, 1 invalid",
+        "verify",
+        help="check every file of prepared datasets against every digest its manifest records; exit 0 valid, 1 invalid",
     )
     verify.add_argument("datasets", nargs="+", metavar="DIR", help="prepared dataset directories")
     verify.add_argument(
-        "--sample", metavar="K", default=None,
+        "--sample",
+        metavar="K",
+        default=None,
         help="check K data files chosen at random (or a fraction of them, 0.01), the tokenizer, and every file's "
         "presence and size: a quick check of a huge set",
     )
@@ -254,9 +292,17 @@ def _data_prepare(args: argparse.Namespace) -> int:
     stop_on_sigterm()  # a Slurm time limit or preemption: the staging directory is removed, the workers stopped
 
     spec = PrepareSpec.from_flags(
-        inputs=list(args.inputs), embedded=args.embedded, max_bytes=args.max_bytes, skip_bytes=args.skip_bytes,
-        tokenizer=args.tokenizer, vocab_size=args.vocab_size, text_field=args.text_field,
-        shard_tokens=args.shard_tokens, chat=args.chat, seq_len=args.seq_len, records=args.records,
+        inputs=list(args.inputs),
+        embedded=args.embedded,
+        max_bytes=args.max_bytes,
+        skip_bytes=args.skip_bytes,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        text_field=args.text_field,
+        shard_tokens=args.shard_tokens,
+        chat=args.chat,
+        seq_len=args.seq_len,
+        records=args.records,
         chat_template=args.chat_template,
     )
     check_task_flags(args.task, args.tasks, args.render)
@@ -386,8 +432,10 @@ def _print_dataset(result) -> int:
         )
         template = chat["template"]
         if template.startswith("jinja:"):
-            print(f"ferry: rendered in the model's chat template ({result.output / 'chat_template.jinja'}, "
-                  f"sha256 {template.removeprefix('jinja:')[:12]})")
+            print(
+                f"ferry: rendered in the model's chat template ({result.output / 'chat_template.jinja'}, "
+                f"sha256 {template.removeprefix('jinja:')[:12]})"
+            )
         else:
             print("ferry: rendered in ferry's ChatML template")
     return 0

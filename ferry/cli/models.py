@@ -13,7 +13,9 @@ def add_models_commands(commands) -> None:
     )
     models.add_argument("names", nargs="*", help="presets to show (default: every one); a name or a YAML path")
     models.add_argument(
-        "--seq-len", type=int, default=None,
+        "--seq-len",
+        type=int,
+        default=None,
         help="the sequence length of the attention FLOPs (default: 4,096 for every preset, or its context if shorter)",
     )
     models.add_argument("--show", action="store_true", help="print each preset's model section as YAML too")
@@ -33,8 +35,10 @@ def run_models(args: argparse.Namespace) -> int:
     )
     labels = [_attention_label(row.config) for row in rows]
     column = max(9, *(len(label) for label in labels))
-    print(f"{'preset':<{width}}  {'attention':<{column}}  {'total':>9}  {'active':>9}  {'train GFLOP/token':>17}  "
-          f"{'cache B/token (bf16)':>20}")
+    print(
+        f"{'preset':<{width}}  {'attention':<{column}}  {'total':>9}  {'active':>9}  {'train GFLOP/token':>17}  "
+        f"{'cache B/token (bf16)':>20}"
+    )
     for row, attention in zip(rows, labels):
         config = row.config
         print(
@@ -49,8 +53,11 @@ def run_models(args: argparse.Namespace) -> int:
 
 def _attention_label(config) -> str:
     """The attention kind and its parts: an output gate, sinks, a sliding window (`gqa+sinks+window128`)."""
-    parts = (("+gate", config.attention_gate != "none"), ("+sinks", config.attention_sinks),
-             (f"+window{config.sliding_window}", bool(config.sliding_window)))
+    parts = (
+        ("+gate", config.attention_gate != "none"),
+        ("+sinks", config.attention_sinks),
+        (f"+window{config.sliding_window}", bool(config.sliding_window)),
+    )
     return config.attention + "".join(label for label, present in parts if present)
 
 

@@ -8,7 +8,9 @@ import argparse
 def add_pipeline_commands(commands) -> None:
     pipeline = commands.add_parser("pipeline", help="run a chain of training stages and show its lineage")
     actions = pipeline.add_subparsers(dest="pipeline_command", required=True, metavar="ACTION")
-    run = actions.add_parser("run", help="run the stages in order; finished ones are skipped, an interrupted one resumes")
+    run = actions.add_parser(
+        "run", help="run the stages in order; finished ones are skipped, an interrupted one resumes"
+    )
     run.add_argument("file", help="a pipeline file, e.g. configs/pipelines/tiny.yaml")
     run.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config keys for every stage")
     run.add_argument("--dir", default=None, help="where the stages go (default runs/pipelines/<name>)")

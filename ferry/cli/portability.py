@@ -76,7 +76,8 @@ def add_portability_commands(subparsers: argparse._SubParsersAction) -> None:
     cost.set_defaults(handler=_cost)
 
     drill = subparsers.add_parser(
-        "drill", help="a failure drill: the job uninterrupted and under random faults, whose final states must match",
+        "drill",
+        help="a failure drill: the job uninterrupted and under random faults, whose final states must match",
         description="Exit code 0 when the drilled run ends bitwise equal to the uninterrupted one, 1 when not, "
         "2 on bad input.",
     )
@@ -216,8 +217,15 @@ def _drill(args: argparse.Namespace) -> int:
     unknown = [item for item in args.overrides if "=" not in item]
     if unknown:
         raise UserError(f"ferry drill: unrecognized arguments: {' '.join(unknown)}")
-    result = run_drill(args.config, args.overrides, nproc=args.nproc, faults=args.faults, seed=args.seed,
-                       max_restarts=args.max_restarts, work_dir=args.dir)
+    result = run_drill(
+        args.config,
+        args.overrides,
+        nproc=args.nproc,
+        faults=args.faults,
+        seed=args.seed,
+        max_restarts=args.max_restarts,
+        work_dir=args.dir,
+    )
     return 0 if result.passed else 1
 
 

@@ -33,8 +33,11 @@ _FORMS = """usage: ferry release PIPELINE_DIR --out DIR [--optimizer] [--data] [
 
 def add_release_commands(commands) -> None:
     release = commands.add_parser(
-        "release", help="package a finished pipeline as a verifiable release; verify or replay one",
-        description=_FORMS, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False,
+        "release",
+        help="package a finished pipeline as a verifiable release; verify or replay one",
+        description=_FORMS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
     )
     release.add_argument("argv", nargs=argparse.REMAINDER)
     release.set_defaults(handler=_release, forms=parse_release)
@@ -46,11 +49,16 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
         "pipeline_dir", help="a pipeline directory (ferry pipeline run --dir), or a run directory (ferry train)"
     )
     build.add_argument("--out", required=True, help="the release directory to write (new or empty)")
-    build.add_argument("--optimizer", action="store_true", help="keep each checkpoint's optimizer state (AdamW's moments or Muon's momentum, as it was trained)")
+    build.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="keep each checkpoint's optimizer state (AdamW's moments or Muon's momentum, as it was trained)",
+    )
     build.add_argument("--data", action="store_true", help="include the data files, not only their manifests")
     build.add_argument("--no-export", action="store_true", help="leave out the transformers exports")
     build.add_argument(
-        "--seed-runs", action="store_true",
+        "--seed-runs",
+        action="store_true",
         help="train and carry the seed runs a replay of a sampling stage (GRPO) is judged against",
     )
     verify = argparse.ArgumentParser(prog="ferry release verify", description="verify a release")
@@ -61,19 +69,23 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     replay.add_argument("--steps", type=int, default=None, help="how many of its first steps (default: all recorded)")
     replay.add_argument("--env", default=None, help="an environment file or name (default: the recorded config)")
     replay.add_argument(
-        "--work", default=None,
+        "--work",
+        default=None,
         help="where the replay runs, outside the release (default runs/release-replay/<pipeline>-<stage>, or "
         "<release>-replays/<pipeline>-<stage> when run from inside the release)",
     )
     replay.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE",
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
         help="dotted config keys laid over the environment's, judged as part of it",
     )
     branch = argparse.ArgumentParser(prog="ferry release branch", description="train a new run from a released stage")
     branch.add_argument("dir", help="a release directory")
     branch.add_argument("--stage", required=True, help="the stage to start from")
     branch.add_argument(
-        "--out", default=None,
+        "--out",
+        default=None,
         help="the new run's directory (run.dir), outside the release (default runs/release-branch/<pipeline>-<stage>, "
         "or <release>-branches/<pipeline>-<stage> when run from inside the release)",
     )
@@ -83,8 +95,10 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     branch.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="dotted config keys laid over the stage's config"
     )
-    return {name: complete_help(parser) for name, parser in
-            {"build": build, "verify": verify, "replay": replay, "branch": branch}.items()}
+    return {
+        name: complete_help(parser)
+        for name, parser in {"build": build, "verify": verify, "replay": replay, "branch": branch}.items()
+    }
 
 
 def parse_release(argv: list[str]) -> tuple[str, argparse.Namespace | None]:
@@ -105,7 +119,10 @@ def _build(options: argparse.Namespace) -> int:
     from ferry.portability.release.seeds import carry_seed_runs
 
     content = build_release(
-        options.pipeline_dir, options.out, optimizer=options.optimizer, data=options.data,
+        options.pipeline_dir,
+        options.out,
+        optimizer=options.optimizer,
+        data=options.data,
         export=not options.no_export,
     )
     if options.seed_runs and carry_seed_runs(Path(options.out), say=lambda line: print(line, file=sys.stderr)):
@@ -131,8 +148,15 @@ def _verify(options: argparse.Namespace) -> int:
 def _replay(options: argparse.Namespace) -> int:
     from ferry.portability.release.replay import replay_stage, write_summary
 
-    replay = replay_stage(options.dir, options.stage, options.steps, options.env, options.work,
-                          say=lambda line: print(line, file=sys.stderr), overrides=options.overrides)
+    replay = replay_stage(
+        options.dir,
+        options.stage,
+        options.steps,
+        options.env,
+        options.work,
+        say=lambda line: print(line, file=sys.stderr),
+        overrides=options.overrides,
+    )
     write_summary(replay, replay.run_dir.parent / "replay.json")
     print("\n".join(replay.lines()))
     return 0 if replay.passed else 1

@@ -10,7 +10,10 @@ from ferry.platform.process import Stopped, die_with_parent, stop_on_sigterm
 
 
 def run_training(
-    config_path: str, overrides: list[str], nproc: int | None = None, model: str | None = None,
+    config_path: str,
+    overrides: list[str],
+    nproc: int | None = None,
+    model: str | None = None,
     max_restarts: int | None = None,
 ) -> int:
     """`ferry train CONFIG [KEY=VALUE ...] [--nproc N] [--model PRESET] [--max-restarts K]`, as `ferry train` and
@@ -53,7 +56,11 @@ def _launch(
 
             checkpoints = config.checkpoint.path(config.run.path)
             return supervise(
-                nproc or 1, argv, config.run.path, checkpoints, max_restarts,
+                nproc or 1,
+                argv,
+                config.run.path,
+                checkpoints,
+                max_restarts,
                 config.fault.max_no_progress_restarts,
             )
         from ferry.launch import launch_local

@@ -115,8 +115,9 @@ class Collectives:
             dist.gather(tensor.contiguous(), gathered, dst=self.group_rank_to_global(group_dst), group=self.group)
         return gathered
 
-    def scatter(self, output: torch.Tensor, pieces: list[torch.Tensor] | None, group_src: int,
-                op: str = "scatter") -> torch.Tensor:
+    def scatter(
+        self, output: torch.Tensor, pieces: list[torch.Tensor] | None, group_src: int, op: str = "scatter"
+    ) -> torch.Tensor:
         """Rank `group_src`'s `pieces[r]` into rank r's `output` (all of `output`'s shape)."""
         with self.timed(op, output.numel() * output.element_size() * self.size):
             dist.scatter(output, pieces, src=self.group_rank_to_global(group_src), group=self.group)

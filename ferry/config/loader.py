@@ -174,9 +174,7 @@ def _assign(node: Any, key: str, value: Any, path: list[str], original: str) -> 
 
 def _list_index(node: list, key: str, path: list[str], original: str) -> int:
     if not key.isdigit() or int(key) >= len(node):
-        raise ConfigError(
-            f"override {original!r}: {'.'.join(path)} needs a list index below {len(node)}, got {key!r}"
-        )
+        raise ConfigError(f"override {original!r}: {'.'.join(path)} needs a list index below {len(node)}, got {key!r}")
     return int(key)
 
 

@@ -244,8 +244,10 @@ class TemplateChat:
         ]
         try:
             return self._template.render(
-                messages=payload, add_generation_prompt=add_generation_prompt,
-                bos_token="", eos_token=self.tokenizer.decode([self.tokenizer.eos_id]),
+                messages=payload,
+                add_generation_prompt=add_generation_prompt,
+                bos_token="",
+                eos_token=self.tokenizer.decode([self.tokenizer.eos_id]),
             )
         except TemplateError as exc:
             raise UserError(f"chat template {self.origin}: {exc}") from None

@@ -49,9 +49,7 @@ class TokenDataset:
         except (OSError, json.JSONDecodeError) as exc:
             raise UserError(f"{label}: {str(manifest_path)!r} is unreadable: {exc}") from None
         if self.manifest.get("format") != DATASET_FORMAT or self.manifest.get("version") != DATASET_VERSION:
-            raise UserError(
-                f"{label}: {str(manifest_path)!r} is not a {DATASET_FORMAT} v{DATASET_VERSION} manifest"
-            )
+            raise UserError(f"{label}: {str(manifest_path)!r} is not a {DATASET_FORMAT} v{DATASET_VERSION} manifest")
         refuse_records(self.manifest, label, "a token-window reader (train.objective: lm, eval.loss)")
         self.tokenizer = self.manifest["tokenizer"]
         self._verify = verify

@@ -114,8 +114,14 @@ class TokenPartsWriter(_base.PipelineStep):
             tokens, count, text_bytes, sha256 = encode_texts(texts(), tokenizer, dtype, out.write)
         self.stat_update("tokens", value=tokens, unit="part")
         return {
-            "sequence": sequence, "source": source, "file": path.name, "tokens": tokens, "documents": count,
-            "bytes": text_bytes, "sha256": sha256, "texts_sha256": texts_sha256.hexdigest(),
+            "sequence": sequence,
+            "source": source,
+            "file": path.name,
+            "tokens": tokens,
+            "documents": count,
+            "bytes": text_bytes,
+            "sha256": sha256,
+            "texts_sha256": texts_sha256.hexdigest(),
         }
 
 
@@ -158,8 +164,11 @@ def join_ranked_parts(parts_dir: Path, output: Path, overwrite: bool = False) ->
             "the tokenising executor has not finished every task"
         )
     parts = sorted(
-        ((record["source"], rank_record["rank"], record["sequence"], directory, record)
-         for directory, rank_record in ranked for record in rank_record["part_files"]),
+        (
+            (record["source"], rank_record["rank"], record["sequence"], directory, record)
+            for directory, rank_record in ranked
+            for record in rank_record["part_files"]
+        ),
         key=lambda item: item[:3],
     )
     ranks_of: dict[str, set[int]] = {}
@@ -171,8 +180,14 @@ def join_ranked_parts(parts_dir: Path, output: Path, overwrite: bool = False) ->
         raise UserError(f"{shared[0]} reached ranks {ranks}: each source must be read by one rank")
     results = [
         PartTokens(
-            index, source, None, directory / record["file"], record["tokens"], record["documents"],
-            record["bytes"], record["sha256"],
+            index,
+            source,
+            None,
+            directory / record["file"],
+            record["tokens"],
+            record["documents"],
+            record["bytes"],
+            record["sha256"],
         )
         for index, (source, _, _, directory, record) in enumerate(parts)
     ]
@@ -180,8 +195,14 @@ def join_ranked_parts(parts_dir: Path, output: Path, overwrite: bool = False) ->
     if not source_hashes:
         raise UserError(f"no document reached the TokenPartsWriter of any rank in {parts_dir}")
     return write_joined(
-        output, results, source_hashes, first["settings"], first_dir / TOKENIZER_NAME, first["dtype"],
-        overwrite, [str(parts_dir)],
+        output,
+        results,
+        source_hashes,
+        first["settings"],
+        first_dir / TOKENIZER_NAME,
+        first["dtype"],
+        overwrite,
+        [str(parts_dir)],
     )
 
 

@@ -112,8 +112,7 @@ def prepare_task(
 
     def build(staging: Path) -> dict:
         results = [
-            result.as_record()
-            for result in tokenize_parts(mine, tokenizer, spec.text_field, dtype, staging, workers)
+            result.as_record() for result in tokenize_parts(mine, tokenizer, spec.text_field, dtype, staging, workers)
         ]
         (staging / TOKENIZER_NAME).write_text(tokenizer.to_json(), encoding="utf-8")
         partial = {
@@ -181,8 +180,14 @@ def merge_partials(directories: list[str | Path], output: str | Path, overwrite:
     tokenizer_path = first_dir / TOKENIZER_NAME
     inputs = [str(path) for path, _ in partials]
     return write_joined(
-        output, results, source_entries(results, file_sha256), first["settings"], tokenizer_path, first["dtype"],
-        overwrite, inputs,
+        output,
+        results,
+        source_entries(results, file_sha256),
+        first["settings"],
+        tokenizer_path,
+        first["dtype"],
+        overwrite,
+        inputs,
     )
 
 
@@ -236,8 +241,14 @@ def _part_results(partials: list[tuple[Path, dict]]) -> tuple[list[PartTokens], 
         for record in partial["part_files"]:
             results.append(
                 PartTokens(
-                    record["index"], record["source"], record["row_group"], directory / record["file"],
-                    record["tokens"], record["documents"], record["bytes"], record["sha256"],
+                    record["index"],
+                    record["source"],
+                    record["row_group"],
+                    directory / record["file"],
+                    record["tokens"],
+                    record["documents"],
+                    record["bytes"],
+                    record["sha256"],
                 )
             )
     results.sort(key=lambda result: result.index)

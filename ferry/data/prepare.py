@@ -73,9 +73,20 @@ class PrepareSpec:
 
     @classmethod
     def from_flags(
-        cls, *, inputs: list[str], embedded: str | None, max_bytes: int | None, skip_bytes: int, tokenizer: str,
-        vocab_size: int | None, text_field: str | None, shard_tokens: int | None, chat: bool, seq_len: int | None,
-        records: str | None, chat_template: str | None = None,
+        cls,
+        *,
+        inputs: list[str],
+        embedded: str | None,
+        max_bytes: int | None,
+        skip_bytes: int,
+        tokenizer: str,
+        vocab_size: int | None,
+        text_field: str | None,
+        shard_tokens: int | None,
+        chat: bool,
+        seq_len: int | None,
+        records: str | None,
+        chat_template: str | None = None,
     ) -> PrepareSpec:
         """The spec `ferry data prepare`'s flags describe (None: the flag was not given, its default holds); a
         flag the kind of dataset does not read is refused, naming it, rather than ignored."""
@@ -86,8 +97,11 @@ class PrepareSpec:
         if shard_tokens is not None and records:
             raise UserError(f"--shard-tokens: --{records} writes its records whole, in one file; leave it out")
         if chat or records:
-            ignored = [flag for flag, value in (("--vocab-size", vocab_size), ("--text-field", text_field))
-                       if value is not None]
+            ignored = [
+                flag
+                for flag, value in (("--vocab-size", vocab_size), ("--text-field", text_field))
+                if value is not None
+            ]
             if ignored:
                 flag = "--chat" if chat else f"--{records}"
                 raise UserError(

@@ -87,8 +87,11 @@ def _on_ray(
             raise UserError(f"the Ray cluster at {engine.address or 'this machine'} has no CPUs to run tasks on")
         cpus = min(engine.cpus or cluster_cpus, cluster_cpus)
         where.update(
-            engine="ray", ray=ray.__version__, address=engine.address or "local",
-            nodes=sum(1 for node in ray.nodes() if node.get("Alive")), cpus=cpus,
+            engine="ray",
+            ray=ray.__version__,
+            address=engine.address or "local",
+            nodes=sum(1 for node in ray.nodes() if node.get("Alive")),
+            cpus=cpus,
         )
         yield from _run_tasks(ray, parts, tokenizer, text_field, dtype, directory, engine, cpus)
     finally:
@@ -104,8 +107,10 @@ def _start(ray, engine: RayEngine) -> None:
     try:
         if engine.address is None:
             ray.init(
-                num_cpus=engine.cpus or os.cpu_count(), include_dashboard=False,
-                log_to_driver=False, configure_logging=False,
+                num_cpus=engine.cpus or os.cpu_count(),
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
             )
         else:
             ray.init(address=engine.address, log_to_driver=False, configure_logging=False)
@@ -136,9 +141,7 @@ def _run_tasks(
     ray, parts, tokenizer: Tokenizer, text_field: str, dtype: np.dtype, directory: Path, engine: RayEngine, cpus: int
 ) -> Iterator[PartTokens]:
     tokenizer_ref = ray.put(tokenizer.to_json())
-    task = ray.remote(_tokenize_part_task).options(
-        num_cpus=1, max_retries=engine.retries, retry_exceptions=[OSError]
-    )
+    task = ray.remote(_tokenize_part_task).options(num_cpus=1, max_retries=engine.retries, retry_exceptions=[OSError])
     waiting = iter(parts)
     pending: deque[tuple[int, Part, object]] = deque()
 

@@ -31,9 +31,7 @@ def read_record_rows(part: Part, kind: str) -> Iterator[Document]:
         yield Document(str(part.path), json.dumps(record), line=line, row=row)
 
 
-def write_records(
-    documents: Iterator[Document], kind: str, encoder: ChatEncoder | TemplateChat, staging: Path
-) -> dict:
+def write_records(documents: Iterator[Document], kind: str, encoder: ChatEncoder | TemplateChat, staging: Path) -> dict:
     """Encode every row and write the record files into `staging`; the manifest's `records` entry."""
     fields = RECORD_FIELDS[kind]
     pieces: list[np.ndarray] = []

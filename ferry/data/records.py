@@ -29,6 +29,8 @@ RECORD_FIELDS = {"preferences": ("prompt", "chosen", "rejected"), "prompts": ("p
 TOKENS_NAME = "tokens.npy"
 SPANS_NAME = "spans.npy"
 ANSWERS_NAME = "answers.json"
+
+
 class RecordDataset:
     """The records of one prepared dataset of `kind`, memory-mapped, its files checked against the manifest's
     `verify` digest first."""

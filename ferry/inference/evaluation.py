@@ -174,7 +174,6 @@ class HeldOutEvaluation:
             for index, source in enumerate(self.sources)
         }
 
-
     def _scoring(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> ScoringPass:
         """One micro-batch, reduced to its summed token loss."""
         head = HeadTargets(targets_BS, self.loss_chunk) if self.loss_chunk else None

@@ -101,9 +101,7 @@ def generate(
     for row, prompt in enumerate(prompts):
         tokens_BS[row, int(pad_B[row]) :] = torch.tensor(list(prompt), dtype=torch.long)
     capacity = min(longest + config.max_new_tokens - 1, max_len)
-    cache = KVCache(
-        model.config, pad_B, capacity, parameter.dtype, device, model.held_blocks(), config.latent_decoding
-    )
+    cache = KVCache(model.config, pad_B, capacity, parameter.dtype, device, model.held_blocks(), config.latent_decoding)
     if row_seeds is not None and len(row_seeds) != len(prompts):
         raise ValueError(f"generate: {len(row_seeds)} row seeds for {len(prompts)} prompts")
     generator: torch.Generator | list[torch.Generator] = (

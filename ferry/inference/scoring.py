@@ -41,7 +41,9 @@ def score_with(model: torch.nn.Module, autocast: AbstractContextManager | None =
     def score(scoring: ScoringPass) -> torch.Tensor:
         with autocast or nullcontext():
             output = model(
-                scoring.tokens_BS, document_ids_BS=scoring.document_ids_BS, padding_BS=scoring.padding_BS,
+                scoring.tokens_BS,
+                document_ids_BS=scoring.document_ids_BS,
+                padding_BS=scoring.padding_BS,
                 targets=scoring.head,
             )
             return scoring.reduce(output)

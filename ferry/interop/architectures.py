@@ -67,12 +67,16 @@ def refusals(config: ModelConfig, arch: str, expert_bias_nonzero: bool = False) 
     if moe.shared_expert_ffn_dim:
         problems.append(f"model.moe.shared_expert_ffn_dim: {arch} has no shared expert")
     if expert_bias_nonzero:
-        problems.append(f"model.moe.bias_balancing: {arch} has no expert-choice bias, and this model's bias is not zero")
+        problems.append(
+            f"model.moe.bias_balancing: {arch} has no expert-choice bias, and this model's bias is not zero"
+        )
     if not config.qk_norm:
         problems.append(f"model.qk_norm: {arch} always normalises queries and keys; the model does not")
     wanted_scope = "projection" if arch == "olmoe" else "head"
     if config.qk_norm and config.qk_norm_scope != wanted_scope:
-        problems.append(f"model.qk_norm_scope: {arch} normalises per {wanted_scope}, the model per {config.qk_norm_scope}")
+        problems.append(
+            f"model.qk_norm_scope: {arch} normalises per {wanted_scope}, the model per {config.qk_norm_scope}"
+        )
     if arch == "olmoe" and config.dense_layers:
         problems.append("model.dense_layers: OLMoE has no dense layers (qwen3_moe has, as mlp_only_layers)")
     return problems
@@ -152,9 +156,14 @@ def _rope_parameters(config: ModelConfig) -> dict:
         key: value for key, value in (("mscale", scaling.mscale), ("mscale_all_dim", scaling.mscale_all_dim)) if value
     }
     return {
-        "rope_type": "yarn", "rope_theta": config.rope_theta, "factor": scaling.factor,
-        "original_max_position_embeddings": scaling.original_max_seq_len, "beta_fast": scaling.beta_fast,
-        "beta_slow": scaling.beta_slow, "truncate": scaling.truncate, **deepseek_magnitudes,
+        "rope_type": "yarn",
+        "rope_theta": config.rope_theta,
+        "factor": scaling.factor,
+        "original_max_position_embeddings": scaling.original_max_seq_len,
+        "beta_fast": scaling.beta_fast,
+        "beta_slow": scaling.beta_slow,
+        "truncate": scaling.truncate,
+        **deepseek_magnitudes,
     }
 
 
@@ -173,10 +182,13 @@ def _rope_scaling(rope: dict, problems: list[str], arch: str) -> dict:
             problems.append(f"rope_parameters {custom}: ferry's YaRN has the paper's attention factor")
         magnitudes = {key: float(rope[key]) for key in ("mscale", "mscale_all_dim") if rope.get(key)}
         return {
-            "kind": "yarn", "factor": float(rope["factor"]),
+            "kind": "yarn",
+            "factor": float(rope["factor"]),
             "original_max_seq_len": int(rope["original_max_position_embeddings"]),
-            "beta_fast": float(rope.get("beta_fast") or 32.0), "beta_slow": float(rope.get("beta_slow") or 1.0),
-            "truncate": rope.get("truncate") is not False, **magnitudes,
+            "beta_fast": float(rope.get("beta_fast") or 32.0),
+            "beta_slow": float(rope.get("beta_slow") or 1.0),
+            "truncate": rope.get("truncate") is not False,
+            **magnitudes,
         }
     problems.append(f"rope_parameters.rope_type {kind!r}: ferry has default, linear and yarn RoPE")
     return {"kind": "none"}
@@ -188,7 +200,10 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
     arch = hf.model_type
     if arch not in ARCHITECTURES:
         raise UserError(f"model_type {arch!r}: ferry imports {', '.join(ARCHITECTURES)}")
-    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0)}
+    rope = getattr(hf, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": getattr(hf, "rope_theta", 10000.0),
+    }
     problems = []
     rope_scaling = _rope_scaling(rope, problems, arch)
     if getattr(hf, "attention_bias", False) and arch != "gpt_oss":
@@ -269,7 +284,9 @@ def to_hf_state(
             continue
         experts = ours + "ffn.experts."
         hf[theirs + "mlp.gate.weight"] = state[ours + "ffn.router.weight_ED"]
-        hf[theirs + "mlp.experts.gate_up_proj"] = torch.cat([state[experts + "w_gate_EFD"], state[experts + "w_up_EFD"]], dim=1)
+        hf[theirs + "mlp.experts.gate_up_proj"] = torch.cat(
+            [state[experts + "w_gate_EFD"], state[experts + "w_up_EFD"]], dim=1
+        )
         hf[theirs + "mlp.experts.down_proj"] = state[experts + "w_down_EDF"]
     return hf
 

@@ -117,8 +117,11 @@ def deepseek_model_fields(hf) -> dict:
             moe.update(n_group=hf.n_group, topk_group=hf.topk_group, group_score="max")
     else:
         moe.update(
-            score_func="sigmoid", renormalize=bool(hf.norm_topk_prob), n_group=hf.n_group or 1,
-            topk_group=hf.topk_group or 1, bias_balancing={"enabled": True},
+            score_func="sigmoid",
+            renormalize=bool(hf.norm_topk_prob),
+            n_group=hf.n_group or 1,
+            topk_group=hf.topk_group or 1,
+            bias_balancing={"enabled": True},
         )
     return {
         "dense_layers": min(hf.first_k_dense_replace or 0, hf.num_hidden_layers),
@@ -269,8 +272,12 @@ def _layer_names(dense: bool, arch: str = "deepseek_v3") -> dict[str, str]:
         **MultiHeadLatentAttention.hf_layer_names,
     }
     if dense:
-        return {**names, "ffn.w_gate.weight": "mlp.gate_proj.weight", "ffn.w_up.weight": "mlp.up_proj.weight",
-                "ffn.w_down.weight": "mlp.down_proj.weight"}
+        return {
+            **names,
+            "ffn.w_gate.weight": "mlp.gate_proj.weight",
+            "ffn.w_up.weight": "mlp.up_proj.weight",
+            "ffn.w_down.weight": "mlp.down_proj.weight",
+        }
     bias = {"ffn.router.expert_bias_E": "mlp.gate.e_score_correction_bias"} if arch == "deepseek_v3" else {}
     return {
         **names,

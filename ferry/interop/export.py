@@ -25,7 +25,11 @@ from ferry.interop.architectures import hf_config, natural_architecture, refusal
 from ferry.interop.deepseek import mtp_layer_prefixes
 from ferry.interop.quiet import no_progress_bars
 from ferry.interop.weights import (
-    append_safetensors, checkpoint_model_config, checkpoint_tokenizer_path, read_model_state, weight_count,
+    append_safetensors,
+    checkpoint_model_config,
+    checkpoint_tokenizer_path,
+    read_model_state,
+    weight_count,
 )
 from ferry.platform.file_modes import give_ordinary_mode
 
@@ -133,7 +137,9 @@ def _fast_tokenizer(path: Path):
 
     loaded = load_tokenizer(path)
     if not isinstance(loaded, BPETokenizer):
-        raise UserError(f"--tokenizer {str(path)!r}: the byte tokenizer has no transformers form; export needs a BPE one")
+        raise UserError(
+            f"--tokenizer {str(path)!r}: the byte tokenizer has no transformers form; export needs a BPE one"
+        )
     template = template_beside(path)
     if template is not None:
         chat_template = read_chat_template(template)
@@ -141,6 +147,11 @@ def _fast_tokenizer(path: Path):
         chatml = all(loaded.token_id(token) is not None for token in CHAT_TOKENS)
         chat_template = CHAT_TEMPLATE_JINJA if chatml else None
     return PreTrainedTokenizerFast(
-        tokenizer_file=str(path), eos_token=END_OF_TEXT, pad_token=END_OF_TEXT, unk_token=None, bos_token=None,
-        clean_up_tokenization_spaces=False, chat_template=chat_template,
+        tokenizer_file=str(path),
+        eos_token=END_OF_TEXT,
+        pad_token=END_OF_TEXT,
+        unk_token=None,
+        bos_token=None,
+        clean_up_tokenization_spaces=False,
+        chat_template=chat_template,
     )

@@ -54,7 +54,9 @@ def read_hf_dir(hf_dir: Path) -> tuple[ModelConfig, str, dict[str, torch.Tensor]
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise UserError(f"{hf_dir} is a transformers directory; reading it needs: pip install 'ferry-moe[hf]'") from None
+        raise UserError(
+            f"{hf_dir} is a transformers directory; reading it needs: pip install 'ferry-moe[hf]'"
+        ) from None
     if not is_hf_dir(hf_dir):
         raise UserError(f"{hf_dir} is not a transformers model directory (no config.json)")
     try:
@@ -119,7 +121,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, tokenizer: str | Path | None 
         layout=Layout(world_size=1, ep_degree=1, mode="ep"),
         model_config=model_config,
         run_config={"model": model_config},
-        environment={**environment_fingerprint(torch.device("cpu")), "imported_from": str(hf_dir.resolve()), "arch": arch},
+        environment={
+            **environment_fingerprint(torch.device("cpu")),
+            "imported_from": str(hf_dir.resolve()),
+            "arch": arch,
+        },
         train_state={
             "imported": True,
             "optimizer": "none: training starts its optimizer afresh",

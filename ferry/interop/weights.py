@@ -24,7 +24,9 @@ def checkpoint_model_config(checkpoint: Checkpoint) -> ModelConfig:
     try:
         return ModelConfig.model_validate(checkpoint.manifest.model)
     except ValidationError as exc:
-        raise UserError(f"{checkpoint.path}: its model config is not one this ferry reads: {exc.errors()[0]['msg']}") from None
+        raise UserError(
+            f"{checkpoint.path}: its model config is not one this ferry reads: {exc.errors()[0]['msg']}"
+        ) from None
 
 
 def read_model_state(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
@@ -37,7 +39,9 @@ def weight_count(state: dict[str, torch.Tensor], config: ModelConfig) -> int:
     balancing bias (a buffer moved by the loads, not by gradients; a `e_score_correction_bias` on the other side
     where it is kept at all) is no weight, and a tied head is the embedding's matrix under a second name."""
     tied = {"output.weight"} if config.tie_embeddings else set()
-    return sum(tensor.numel() for name, tensor in state.items() if not name.endswith("expert_bias_E") and name not in tied)
+    return sum(
+        tensor.numel() for name, tensor in state.items() if not name.endswith("expert_bias_E") and name not in tied
+    )
 
 
 def checkpoint_tokenizer_path(checkpoint: Checkpoint, given: str | Path | None = None) -> Path | None:

@@ -104,16 +104,23 @@ class BenchReport:
         ops = []
         for report in self.ops:
             fastest = report.fastest_vendor
-            ops.append({
-                "op": report.op,
-                "timings": [asdict(timing) for timing in report.timings],
-                "portable_seconds": report.portable_seconds,
-                "fastest_vendor": None if fastest is None else fastest.implementation,
-                "portable_loss": report.portable_loss(),
-                "verdict": report.verdict(self.budget),
-            })
-        return {"device": self.device, "shape": asdict(self.shape), "budget": self.budget, "ops": ops,
-                "dispatch_fraction": self.dispatch_fraction}
+            ops.append(
+                {
+                    "op": report.op,
+                    "timings": [asdict(timing) for timing in report.timings],
+                    "portable_seconds": report.portable_seconds,
+                    "fastest_vendor": None if fastest is None else fastest.implementation,
+                    "portable_loss": report.portable_loss(),
+                    "verdict": report.verdict(self.budget),
+                }
+            )
+        return {
+            "device": self.device,
+            "shape": asdict(self.shape),
+            "budget": self.budget,
+            "ops": ops,
+            "dispatch_fraction": self.dispatch_fraction,
+        }
 
     def lines(self) -> list[str]:
         shape = self.shape

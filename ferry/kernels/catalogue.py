@@ -66,8 +66,9 @@ REGISTRY = Registry(
                 "more logit sinks_H[h] of zero value when given"
             ),
             portable=_portable(
-                "attention.masked", attention.masked_attention,
-                "torch scaled_dot_product_attention with a boolean mask; with sinks, the softmax written out"
+                "attention.masked",
+                attention.masked_attention,
+                "torch scaled_dot_product_attention with a boolean mask; with sinks, the softmax written out",
             ),
         ),
         Op(
@@ -205,7 +206,8 @@ REGISTRY = Registry(
                 "activation (GPT-OSS's clamped SwiGLU) on its group of expert-sorted rows"
             ),
             portable=_portable(
-                "moe.biased_expert_mlp", moe.biased_expert_mlp,
+                "moe.biased_expert_mlp",
+                moe.biased_expert_mlp,
                 "moe.grouped_mm x3 as selected, biases gathered per row",
                 uses=("moe.grouped_mm",),
             ),

@@ -54,8 +54,17 @@ def render_kubernetes_data_job(
         _inside(Path(path), workdir)
     partials = task_directory(output)
     prepare_args = [
-        "data", "prepare", *prepare_argv, "--output", f"{partials}/task-$(TASK)",
-        "--task", "$(TASK)", "--tasks", str(tasks), "--workers", str(workers),
+        "data",
+        "prepare",
+        *prepare_argv,
+        "--output",
+        f"{partials}/task-$(TASK)",
+        "--task",
+        "$(TASK)",
+        "--tasks",
+        str(tasks),
+        "--workers",
+        str(workers),
     ]
     merge_args = ["data", "merge", *(f"{partials}/task-{task}" for task in range(tasks)), "--output", output]
     prepare = _job(name, "prepare", image, claim, workdir, prepare_args, workers, indexed=tasks)
@@ -86,7 +95,13 @@ def render_kubernetes_data_job(
 
 
 def _job(
-    name: str, container_name: str, image: str, claim: str, workdir: Path, args: list[str], cpus: int,
+    name: str,
+    container_name: str,
+    image: str,
+    claim: str,
+    workdir: Path,
+    args: list[str],
+    cpus: int,
     indexed: int | None,
 ) -> dict[str, Any]:
     """A batch/v1 Job of one container running `ferry *args` in `workdir` (the claim mounted there); an Indexed
@@ -114,8 +129,11 @@ def _job(
     }
     if indexed is not None:
         spec = {
-            "completionMode": "Indexed", "completions": indexed, "parallelism": indexed,
-            "backoffLimitPerIndex": _BACKOFF_PER_INDEX, **spec,
+            "completionMode": "Indexed",
+            "completions": indexed,
+            "parallelism": indexed,
+            "backoffLimitPerIndex": _BACKOFF_PER_INDEX,
+            **spec,
         }
     else:
         spec = {"backoffLimit": _BACKOFF_PER_INDEX, **spec}

@@ -58,8 +58,14 @@ def explain(spec: LaunchSpec, width: int = 100) -> str:
         "",
         "set by ferry for torchrun:",
         *(f"  {name}={value}" for name, value in LAUNCHER_ENV.items()),
-        *textwrap.wrap(LAUNCHER_ENV_SOURCE, width, initial_indent="      ", subsequent_indent="      ",
-                       break_on_hyphens=False, break_long_words=False),
+        *textwrap.wrap(
+            LAUNCHER_ENV_SOURCE,
+            width,
+            initial_indent="      ",
+            subsequent_indent="      ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        ),
         "",
         f"set by ferry from the platform preset ({PLATFORM_DIR.name}/{platform.name}.yaml):",
     ]
@@ -67,14 +73,30 @@ def explain(spec: LaunchSpec, width: int = 100) -> str:
         lines.append("  (none: the defaults of torch and the collective library are right on this platform)")
     for variable in platform.env:
         lines.append(f"  {variable.name}={variable.value}")
-        lines.extend(textwrap.wrap(variable.source, width, initial_indent="      ", subsequent_indent="      ",
-                                   break_on_hyphens=False, break_long_words=False))
+        lines.extend(
+            textwrap.wrap(
+                variable.source,
+                width,
+                initial_indent="      ",
+                subsequent_indent="      ",
+                break_on_hyphens=False,
+                break_long_words=False,
+            )
+        )
     if platform.left_to_plugin:
         lines += ["", "left unset on purpose (a vendor plugin or runtime sets them):"]
         for variable in platform.left_to_plugin:
             lines.append(f"  {variable.name}")
-            lines.extend(textwrap.wrap(variable.reason, width, initial_indent="      ", subsequent_indent="      ",
-                                   break_on_hyphens=False, break_long_words=False))
+            lines.extend(
+                textwrap.wrap(
+                    variable.reason,
+                    width,
+                    initial_indent="      ",
+                    subsequent_indent="      ",
+                    break_on_hyphens=False,
+                    break_long_words=False,
+                )
+            )
     lines += ["", "set per worker by torchrun:"]
     lines += [f"  {name:<28} {meaning}" for name, meaning in TORCHRUN_SETS.items()]
     for scheduler in spec.schedulers:

@@ -68,7 +68,11 @@ def scrape_annotations(spec: LaunchSpec) -> dict[str, str]:
     """The `prometheus.io/*` annotations Prometheus's Kubernetes pod discovery is commonly configured to follow."""
     if spec.metrics_port is None:
         return {}
-    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.metrics_port), "prometheus.io/path": "/metrics"}
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(spec.metrics_port),
+        "prometheus.io/path": "/metrics",
+    }
 
 
 def node_resources(spec: LaunchSpec) -> dict[str, dict[str, Any]]:
@@ -117,12 +121,18 @@ def train_job(spec: LaunchSpec) -> dict[str, Any]:
         },
     }
     args = [
-        "--nnodes", str(spec.nodes),
-        "--nproc-per-node", str(spec.nproc_per_node),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
-        "--rdzv-id", spec.job_name,
-        "--max-restarts", str(spec.max_restarts),
+        "--nnodes",
+        str(spec.nodes),
+        "--nproc-per-node",
+        str(spec.nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
+        "--rdzv-id",
+        spec.job_name,
+        "--max-restarts",
+        str(spec.max_restarts),
         *ferry_train_argv(f"{CONFIG_MOUNT}/{CONFIG_NAME}"),
     ]
     trainer: dict[str, Any] = {
@@ -163,12 +173,18 @@ def pytorch_job(spec: LaunchSpec) -> dict[str, Any]:
     """A training-operator PyTorchJob: a Master and nodes-1 Workers meeting by c10d at the master's service,
     whose MASTER_ADDR and MASTER_PORT the operator sets and Kubernetes substitutes into the arguments."""
     args = [
-        "--nnodes", str(spec.nodes),
-        "--nproc-per-node", str(spec.nproc_per_node),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "$(MASTER_ADDR):$(MASTER_PORT)",
-        "--rdzv-id", spec.job_name,
-        "--max-restarts", str(spec.max_restarts),
+        "--nnodes",
+        str(spec.nodes),
+        "--nproc-per-node",
+        str(spec.nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "$(MASTER_ADDR):$(MASTER_PORT)",
+        "--rdzv-id",
+        spec.job_name,
+        "--max-restarts",
+        str(spec.max_restarts),
         *ferry_train_argv(f"{CONFIG_MOUNT}/{CONFIG_NAME}"),
     ]
     container: dict[str, Any] = {
@@ -181,12 +197,19 @@ def pytorch_job(spec: LaunchSpec) -> dict[str, Any]:
     }
     container["env"] = env_list(spec)
     template: dict[str, Any] = {
-        "metadata": {"labels": labels(spec), **({"annotations": scrape_annotations(spec)} if spec.metrics_port else {})},
+        "metadata": {
+            "labels": labels(spec),
+            **({"annotations": scrape_annotations(spec)} if spec.metrics_port else {}),
+        },
         "spec": {"containers": [container], "volumes": volumes(spec)},
     }
     replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
     if spec.nodes > 1:
-        replicas["Worker"] = {"replicas": spec.nodes - 1, "restartPolicy": "OnFailure", "template": copy.deepcopy(template)}
+        replicas["Worker"] = {
+            "replicas": spec.nodes - 1,
+            "restartPolicy": "OnFailure",
+            "template": copy.deepcopy(template),
+        }
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",

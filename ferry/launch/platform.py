@@ -43,7 +43,9 @@ class Network(Section):
 
     fabric: Literal["efa", "infiniband", "roce", "ethernet"]
     devices: int = Field(ge=0, description="network devices per node (EFA interfaces, HCAs); 0 when none is requested")
-    resource: str | None = Field(None, description="Kubernetes extended resource for the devices, e.g. vpc.amazonaws.com/efa")
+    resource: str | None = Field(
+        None, description="Kubernetes extended resource for the devices, e.g. vpc.amazonaws.com/efa"
+    )
     bandwidth_gbps: float = Field(gt=0, description="inter-node bandwidth of one node")
 
     @model_validator(mode="after")
@@ -67,7 +69,9 @@ class Platform(Section):
     comm_backend: Literal["gloo", "nccl"]
     cpus_per_node: int = Field(ge=1)
     memory_gib_per_node: float = Field(gt=0)
-    shm_gib: float = Field(gt=0, description="size of the memory-backed /dev/shm volume (NCCL and data loaders need it)")
+    shm_gib: float = Field(
+        gt=0, description="size of the memory-backed /dev/shm volume (NCCL and data loaders need it)"
+    )
     network: Network
     env: list[PresetVariable] = Field(default_factory=list)
     left_to_plugin: list[PluginVariable] = Field(default_factory=list)

@@ -21,8 +21,12 @@ DEFAULT_IMAGE = "ferry:latest"
 DEFAULT_RUNS_CLAIM = "ferry-runs"
 # the options that only one form reads
 FORM_OF_OPTION = {
-    "--rendezvous": "torchrun", "--master-addr": "torchrun", "--image": "k8s", "--runs-claim": "k8s",
-    "--partition": "slurm", "--time": "slurm",
+    "--rendezvous": "torchrun",
+    "--master-addr": "torchrun",
+    "--image": "k8s",
+    "--runs-claim": "k8s",
+    "--partition": "slurm",
+    "--time": "slurm",
 }
 Rendezvous = Literal["c10d", "static"]
 
@@ -123,8 +127,12 @@ def build_launch_spec(
         raise UserError(f"--max-restarts must be 0 or more, got {max_restarts}")
     schedulers = SCHEDULERS if scheduler is None else (scheduler,)
     given = {
-        "--rendezvous": rendezvous, "--master-addr": master_addr, "--image": image, "--runs-claim": runs_claim,
-        "--partition": slurm_partition, "--time": slurm_time,
+        "--rendezvous": rendezvous,
+        "--master-addr": master_addr,
+        "--image": image,
+        "--runs-claim": runs_claim,
+        "--partition": slurm_partition,
+        "--time": slurm_time,
     }
     for option, value in given.items():
         if value is not None and FORM_OF_OPTION[option] not in schedulers:
@@ -144,7 +152,9 @@ def build_launch_spec(
             "--rendezvous static cannot re-form the job after torchrun restarts a node's workers; "
             "use --rendezvous c10d, or --max-restarts 0"
         )
-    _check_words(master_addr=master_addr, image=image, runs_claim=runs_claim, partition=slurm_partition, time=slurm_time)
+    _check_words(
+        master_addr=master_addr, image=image, runs_claim=runs_claim, partition=slurm_partition, time=slurm_time
+    )
     config = load_run_config(config_file, [*platform_defaults(chosen), *overrides])
     wanted_device = "cpu" if chosen.accelerator_resource is None else "cuda"
     if config.run.device != wanted_device:

@@ -36,15 +36,21 @@ def rendezvous_argv(spec: LaunchSpec, node_rank: int) -> list[str]:
     shape = ["--nnodes", str(spec.nodes), "--nproc-per-node", str(spec.nproc_per_node)]
     if spec.rendezvous == "c10d":
         meet = [
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{spec.master_addr}:{spec.port}",
-            "--rdzv-id", spec.job_name,
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{spec.master_addr}:{spec.port}",
+            "--rdzv-id",
+            spec.job_name,
         ]
     else:
         meet = [
-            "--node-rank", str(node_rank),
-            "--master-addr", str(spec.master_addr),
-            "--master-port", str(spec.port),
+            "--node-rank",
+            str(node_rank),
+            "--master-addr",
+            str(spec.master_addr),
+            "--master-port",
+            str(spec.port),
         ]
     return [*shape, *meet, "--max-restarts", str(spec.max_restarts)]
 

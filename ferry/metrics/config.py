@@ -43,10 +43,13 @@ class WandbConfig(Section):
     default where that is unset too (ferry/metrics/tracker_settings.py)."""
 
     project: str | None = Field(None, min_length=1, description="default: WANDB_PROJECT, else ferry")
-    entity: str | None = Field(None, min_length=1, description="team or user (default: WANDB_ENTITY, else the API key's)")
+    entity: str | None = Field(
+        None, min_length=1, description="team or user (default: WANDB_ENTITY, else the API key's)"
+    )
     mode: Literal["online", "offline", "disabled"] | None = Field(
-        None, description="offline: the run is written under dir only, for `wandb sync` later; disabled: no W&B run "
-        "(as W&B means it: nothing logged, nothing counted as a failure); default: WANDB_MODE, else online"
+        None,
+        description="offline: the run is written under dir only, for `wandb sync` later; disabled: no W&B run "
+        "(as W&B means it: nothing logged, nothing counted as a failure); default: WANDB_MODE, else online",
     )
     dir: str | None = Field(
         None, min_length=1, description="where W&B writes its files (default: WANDB_DIR, else the run directory)"
@@ -63,7 +66,8 @@ class MlflowConfig(Section):
     variable in force (`MLFLOW_TRACKING_URI`, `MLFLOW_EXPERIMENT_NAME`), and ferry's default where that is unset too."""
 
     tracking_uri: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="an MLflow server (http://...) or a database (sqlite:///...); default: MLFLOW_TRACKING_URI, else "
         "sqlite:///<run.dir>/mlflow.db",
     )
@@ -87,10 +91,10 @@ class MetricsConfig(Section):
         60.0, gt=0.0, description="the most a run's end waits for its trackers to take the last records and files"
     )
     attn_max_logit: bool = Field(
-        False, description="record each step's largest attention logit (`attn.max_logit`): a product of queries and "
-        "keys per layer beside the attention, which never forms the logits (on whenever optim.muon.qk_clip is)"
+        False,
+        description="record each step's largest attention logit (`attn.max_logit`): a product of queries and "
+        "keys per layer beside the attention, which never forms the logits (on whenever optim.muon.qk_clip is)",
     )
-
 
     @field_validator("trackers")
     @classmethod

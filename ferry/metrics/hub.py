@@ -123,8 +123,10 @@ def check_trackers(config: MetricsConfig, run_dir: Path, rank: int, run_name: st
     from ferry.metrics.mlflow_tracker import MlflowTracker
     from ferry.metrics.wandb_tracker import WandbTracker
 
-    adapters = {"wandb": lambda: WandbTracker(config.wandb, run_dir, run_name),
-                "mlflow": lambda: MlflowTracker(config.mlflow, run_dir, run_name)}
+    adapters = {
+        "wandb": lambda: WandbTracker(config.wandb, run_dir, run_name),
+        "mlflow": lambda: MlflowTracker(config.mlflow, run_dir, run_name),
+    }
     return [adapters[name]() for name in config.trackers if name in adapters]
 
 

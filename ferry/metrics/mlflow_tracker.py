@@ -33,10 +33,12 @@ class MlflowTracker:
         self._client_type = tracking.MlflowClient
         store = f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
         self.settings: dict[str, TrackerSetting] = {
-            "tracking_uri": resolve_setting(config.tracking_uri, "metrics.mlflow.tracking_uri", "MLFLOW_TRACKING_URI",
-                                            store),
-            "experiment": resolve_setting(config.experiment, "metrics.mlflow.experiment", "MLFLOW_EXPERIMENT_NAME",
-                                          "ferry"),
+            "tracking_uri": resolve_setting(
+                config.tracking_uri, "metrics.mlflow.tracking_uri", "MLFLOW_TRACKING_URI", store
+            ),
+            "experiment": resolve_setting(
+                config.experiment, "metrics.mlflow.experiment", "MLFLOW_EXPERIMENT_NAME", "ferry"
+            ),
         }
         self.active = True
         self.uri = self.settings["tracking_uri"].value
@@ -54,8 +56,10 @@ class MlflowTracker:
             self._run_id = run_id
         else:
             found = client.get_experiment_by_name(self.experiment)
-            experiment = found.experiment_id if found is not None else client.create_experiment(
-                self.experiment, artifact_location=self._artifacts()
+            experiment = (
+                found.experiment_id
+                if found is not None
+                else client.create_experiment(self.experiment, artifact_location=self._artifacts())
             )
             self._run_id = client.create_run(experiment, run_name=self.run_name).info.run_id
             params = [Param(key, value) for key, value in flattened(config).items()]

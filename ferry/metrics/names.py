@@ -73,7 +73,9 @@ METRICS: tuple[Metric, ...] = (
     _step("lm_loss", "lm_loss", "next-token cross-entropy, mean over the step's trained tokens", objective="lm"),
     _step("token_accuracy", "token_accuracy", "share of trained tokens the model ranks first", objective="lm"),
     _step(
-        "trained_share", "trained_share", "trained tokens / tokens of the step (below 1 with a loss mask: SFT)",
+        "trained_share",
+        "trained_share",
+        "trained tokens / tokens of the step (below 1 with a loss mask: SFT)",
         objective="lm",
     ),
     _step("aux_loss", "aux_loss", "load-balancing loss as optimised (1.0 at perfect balance)"),
@@ -93,11 +95,13 @@ METRICS: tuple[Metric, ...] = (
         "ep_comm_s", "ep_comm_seconds", "time the forward's MoE exchanges (counts, dispatch, combine) were in flight"
     ),
     _step(
-        "ep_exchanges", "ep_exchanges",
+        "ep_exchanges",
+        "ep_exchanges",
         "MoE exchanges (counts, dispatch, combine) the step's forwards issued: more when chunked or rowwise",
     ),
     _step(
-        "ep_overlap_share", "ep_overlap_share",
+        "ep_overlap_share",
+        "ep_overlap_share",
         "share of ep_comm_s the rank computed through: 1 - ep_wait_s / ep_comm_s (0 with ep_overlap: none)",
     ),
     _step("tokens_per_s", "tokens_per_second", "tokens of the step over all devices / step_s"),
@@ -108,10 +112,16 @@ METRICS: tuple[Metric, ...] = (
     _step("optimizer_state_mib", "optimizer_state_bytes", "optimizer state held by rank 0 (ZeRO-1 shrinks it)", 2**20),
     _step("loss_scale", "loss_scale", "current loss scale (1 without loss scaling)"),
     _step("skipped_steps", "skipped_steps", "steps skipped so far because gradients overflowed"),
-    _step("checkpoint.blocked_s", "checkpoint_blocked_seconds",
-          "time training waited for checkpoint saves in the step (the snapshot, a synchronous write, a save in flight)"),
-    _step("checkpoint.write_s", "checkpoint_write_seconds",
-          "time this rank took to write the saves that ended in the step (in the background when asynchronous)"),
+    _step(
+        "checkpoint.blocked_s",
+        "checkpoint_blocked_seconds",
+        "time training waited for checkpoint saves in the step (the snapshot, a synchronous write, a save in flight)",
+    ),
+    _step(
+        "checkpoint.write_s",
+        "checkpoint_write_seconds",
+        "time this rank took to write the saves that ended in the step (in the background when asynchronous)",
+    ),
     _step("checkpoint.failed_saves", "checkpoint_failed_saves", "saves the storage refused so far in this attempt"),
     _step("checkpoint_interval_steps", "checkpoint_interval_steps", "steps between checkpoints (Young/Daly when auto)"),
     _step("goodput", "goodput", "productive step time over the job's wall time so far, restarts included"),
@@ -119,50 +129,79 @@ METRICS: tuple[Metric, ...] = (
     _step("loading_s", "loading_seconds", "time verifying and restoring checkpoints since the job began (rank 0)"),
     _step("restarting_s", "restarting_seconds", "time from failures to restored restarts since the job began"),
     Metric(
-        "pp.bubble", "ferry_pipeline_bubble", "step",
+        "pp.bubble",
+        "ferry_pipeline_bubble",
+        "step",
         "share of the pipeline schedule's time a rank was not computing, mean over the pipeline's ranks",
         pipeline=True,
     ),
     Metric(
-        "pp.schedule_s", "ferry_pipeline_schedule_seconds", "step", "time rank 0 spent in the pipeline schedule",
+        "pp.schedule_s",
+        "ferry_pipeline_schedule_seconds",
+        "step",
+        "time rank 0 spent in the pipeline schedule",
         pipeline=True,
     ),
     Metric(
-        "pp.stage_busy_s", "ferry_pipeline_stage_busy_seconds", "stage",
-        "forward and backward compute time of each pipeline stage in the step", pipeline=True,
+        "pp.stage_busy_s",
+        "ferry_pipeline_stage_busy_seconds",
+        "stage",
+        "forward and backward compute time of each pipeline stage in the step",
+        pipeline=True,
     ),
     Metric(
-        "pp.stage_mem_peak_mib", "ferry_pipeline_stage_memory_peak_bytes", "stage",
-        "peak memory of the process running each pipeline stage (bytes)", 2**20, pipeline=True,
+        "pp.stage_mem_peak_mib",
+        "ferry_pipeline_stage_memory_peak_bytes",
+        "stage",
+        "peak memory of the process running each pipeline stage (bytes)",
+        2**20,
+        pipeline=True,
     ),
     Metric(
-        "tracker_failures", "ferry_tracker_failures", "step",
+        "tracker_failures",
+        "ferry_tracker_failures",
+        "step",
         "records and files the run's trackers (metrics.trackers) failed to take so far, each dropped while training "
-        "went on", opt_in=True,
+        "went on",
+        opt_in=True,
     ),
     Metric(
-        "mtp.loss", "ferry_mtp_loss", "depth",
+        "mtp.loss",
+        "ferry_mtp_loss",
+        "depth",
         "multi-token prediction: each module's cross-entropy on the tokens it predicts, {depth: value}",
-        objective="lm", opt_in=True,
+        objective="lm",
+        opt_in=True,
     ),
     Metric(
-        "cp.comm_s", "ferry_context_parallel_comm_seconds", "step",
+        "cp.comm_s",
+        "ferry_context_parallel_comm_seconds",
+        "step",
         "time this rank spent in the context-parallel exchanges of the step (the keys' gathers and their gradients' "
-        "reduce-scatters, the routers' sums)", opt_in=True,
+        "reduce-scatters, the routers' sums)",
+        opt_in=True,
     ),
     Metric(
-        "cp.bytes", "ferry_context_parallel_bytes", "step",
+        "cp.bytes",
+        "ferry_context_parallel_bytes",
+        "step",
         "bytes of the step's context-parallel exchanges on this rank (each gather counted at its output's size)",
         opt_in=True,
     ),
     Metric(
-        "attn.max_logit", "ferry_attention_max_logit", "step",
+        "attn.max_logit",
+        "ferry_attention_max_logit",
+        "step",
         "largest attention logit of the step's training forwards, over every layer and head (metrics.attn_max_logit, "
-        "or optim.muon.qk_clip)", opt_in=True,
+        "or optim.muon.qk_clip)",
+        opt_in=True,
     ),
     Metric(
-        "attn.clipped_heads", "ferry_attention_clipped_heads", "step",
-        "heads (over every layer) whose query and key weights QK-clip scaled after the step's update", opt_in=True,
+        "attn.clipped_heads",
+        "ferry_attention_clipped_heads",
+        "step",
+        "heads (over every layer) whose query and key weights QK-clip scaled after the step's update",
+        opt_in=True,
     ),
     Metric("moe.tokens_per_expert", "ferry_moe_expert_tokens", "expert", "assignments per expert in the step"),
     *_moe("imbalance", "busiest expert's load / mean expert load", "mean"),
@@ -186,20 +225,31 @@ METRICS: tuple[Metric, ...] = (
     _grpo("completion_length", "completion_length", "tokens per sampled completion, mean"),
     _grpo("filtered_groups", "filtered_groups", "share of groups left out because every reward was equal"),
     Metric(
-        "eval/rewards/accuracy", "ferry_eval_dpo_rewards_accuracy", "source", "DPO: rewards/accuracy on held-out pairs",
+        "eval/rewards/accuracy",
+        "ferry_eval_dpo_rewards_accuracy",
+        "source",
+        "DPO: rewards/accuracy on held-out pairs",
         objective="dpo",
     ),
     Metric(
-        "eval/rewards/margin", "ferry_eval_dpo_rewards_margin", "source", "DPO: rewards/margin on held-out pairs",
+        "eval/rewards/margin",
+        "ferry_eval_dpo_rewards_margin",
+        "source",
+        "DPO: rewards/margin on held-out pairs",
         objective="dpo",
     ),
     Metric(
-        "eval/solve_rate", "ferry_eval_solve_rate", "source",
+        "eval/solve_rate",
+        "ferry_eval_solve_rate",
+        "source",
         "GRPO: share of held-out completions solved, 4 sampled a prompt at the rollout temperature (fixed seeds)",
         objective="grpo",
     ),
     Metric(
-        "eval/greedy_solve_rate", "ferry_eval_greedy_solve_rate", "source", "GRPO: held-out solve rate, greedy",
+        "eval/greedy_solve_rate",
+        "ferry_eval_greedy_solve_rate",
+        "source",
+        "GRPO: held-out solve rate, greedy",
         objective="grpo",
     ),
     Metric(
@@ -213,7 +263,8 @@ def objective_keys(objective: str, pipelined: bool = False) -> set[str]:
     """The record keys a run of `objective` reports (its own and every objective's; with `pipelined`, the
     pipeline's too)."""
     return {
-        metric.key for metric in METRICS
+        metric.key
+        for metric in METRICS
         if metric.objective in (None, objective) and (pipelined or not metric.pipeline) and not metric.opt_in
     }
 
@@ -240,4 +291,3 @@ def scalars(record: dict) -> dict[str, float]:
         else:  # per layer or per stage
             named.update({f"{metric.key}/{metric.shape}{index}": float(number) for index, number in enumerate(value)})
     return named
-

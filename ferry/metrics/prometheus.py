@@ -15,8 +15,12 @@ from ferry.metrics.config import PrometheusConfig
 from ferry.metrics.names import METRICS
 
 _LABELS = {
-    "step": ("run",), "layer": ("run", "layer"), "expert": ("run", "layer", "expert"), "source": ("run", "source"),
-    "stage": ("run", "stage"), "depth": ("run", "depth"),
+    "step": ("run",),
+    "layer": ("run", "layer"),
+    "expert": ("run", "layer", "expert"),
+    "source": ("run", "source"),
+    "stage": ("run", "stage"),
+    "depth": ("run", "depth"),
 }
 
 

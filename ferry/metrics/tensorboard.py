@@ -15,8 +15,10 @@ from ferry.metrics.names import TENSORBOARD_DIR, scalars
 class TensorBoardSink:
     def __init__(self, run_dir: Path):
         tensorboard = import_extra(
-            "torch.utils.tensorboard", "tensorboard",
-            "metrics.sinks.tensorboard.enabled (or metrics.trackers: [tensorboard])", "TensorBoard",
+            "torch.utils.tensorboard",
+            "tensorboard",
+            "metrics.sinks.tensorboard.enabled (or metrics.trackers: [tensorboard])",
+            "TensorBoard",
         )
         self._writer = tensorboard.SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR))
 

@@ -31,8 +31,18 @@ _IDS = threading.Lock()  # the trackers of a run keep their ids in one file, eac
 _QUEUED_RECORDS = 1024
 # the sections of run.json a tracker shows beside the config, as `run.<section>.<key>`
 SUMMARY_SECTIONS = (
-    "name", "status", "model_size", "layout", "hardware", "precision", "environment", "micro_batch",
-    "activation_checkpointing", "checkpoint_async", "goodput", "last_step",
+    "name",
+    "status",
+    "model_size",
+    "layout",
+    "hardware",
+    "precision",
+    "environment",
+    "micro_batch",
+    "activation_checkpointing",
+    "checkpoint_async",
+    "goodput",
+    "last_step",
 )
 
 
@@ -160,8 +170,13 @@ class TrackerSink:
         """What run.json records of the tracker once the run has ended: its run, and what it failed to take."""
         settings = {name: setting.as_record() for name, setting in self.tracker.settings.items()}
         with self._lock:
-            return {"run_id": self.run_id, "failures": self.failures, "first_failure": self.first_failure,
-                    "active": self.tracker.active, "settings": settings}
+            return {
+                "run_id": self.run_id,
+                "failures": self.failures,
+                "first_failure": self.first_failure,
+                "active": self.tracker.active,
+                "settings": settings,
+            }
 
     def _fail(self, reason: str) -> None:
         with self._lock:

@@ -46,14 +46,22 @@ class WandbTracker:
         passed = {name: setting.value for name, setting in self.settings.items() if not setting.from_environment}
         server = {"base_url": passed.pop("base_url")} if "base_url" in passed else {}
         settings = wandb.Settings(
-            init_timeout=self.config.init_timeout_s, console="off", save_code=False, x_disable_stats=True,
-            silent=True, **server,
+            init_timeout=self.config.init_timeout_s,
+            console="off",
+            save_code=False,
+            x_disable_stats=True,
+            silent=True,
+            **server,
         )
         # an offline run cannot be resumed (W&B says so on the console and starts a new one under the same id)
         offline = self.settings["mode"].value in ("offline", "dryrun")
         self._run = wandb.init(
-            name=self.run_name, id=run_id or uuid.uuid4().hex[:12], resume=None if offline else "allow",
-            config=config, settings=settings, **passed,
+            name=self.run_name,
+            id=run_id or uuid.uuid4().hex[:12],
+            resume=None if offline else "allow",
+            config=config,
+            settings=settings,
+            **passed,
         )
         self._run.summary.update(summary)
         return self._run.id

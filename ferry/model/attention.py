@@ -54,8 +54,12 @@ class Attention(nn.Module):
         self.sinks_H = nn.Parameter(torch.zeros(config.n_heads)) if config.attention_sinks else None
         self.window = window
         per_head = config.qk_norm_scope == "head"
-        self.q_norm = RMSNorm(self.head_dim if per_head else q_width, config.norm_eps, kernels) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim if per_head else kv_width, config.norm_eps, kernels) if config.qk_norm else None
+        self.q_norm = (
+            RMSNorm(self.head_dim if per_head else q_width, config.norm_eps, kernels) if config.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(self.head_dim if per_head else kv_width, config.norm_eps, kernels) if config.qk_norm else None
+        )
         self.per_head_norm = per_head
         self.gate = build_output_gate(config, config.n_heads, self.head_dim, kernels)
         self.rope = rope

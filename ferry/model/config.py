@@ -149,11 +149,13 @@ class ModelConfig(Section):
         False, description="gqa: a learned logit per head that joins every row's softmax and takes no value (GPT-OSS)"
     )
     sliding_window: int = Field(
-        0, ge=0,
+        0,
+        ge=0,
         description="gqa: windowed layers attend to the last this-many positions (themselves included); 0 = none",
     )
     sliding_window_pattern: int = Field(
-        2, ge=1,
+        2,
+        ge=1,
         description="with sliding_window: of every N layers the first N - 1 are windowed and the last attends to "
         "every earlier position (GPT-OSS: 2, from layer 0); 1 = every layer windowed",
     )

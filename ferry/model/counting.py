@@ -45,8 +45,12 @@ def count_model(config: ModelConfig, seq_len: int) -> ModelSize:
     depth = config.mtp.depth  # each MTP module: two input norms, the projection, a block, its output norm
     mtp_dense = depth * dense_ffn if layers == config.dense_layers else 0  # dense blocks where the model's are
     common = (
-        (layers + depth) * (attention + norms) + config.dense_layers * dense_ffn + mtp_dense
-        + moe_layers * (router + shared) + dim + depth * (3 * dim + 2 * dim * dim)
+        (layers + depth) * (attention + norms)
+        + config.dense_layers * dense_ffn
+        + mtp_dense
+        + moe_layers * (router + shared)
+        + dim
+        + depth * (3 * dim + 2 * dim * dim)
     )
     total = embedding + head + common + moe_layers * moe.num_experts * expert
     active = embedding + head + common + moe_layers * moe.top_k * expert

@@ -13,7 +13,6 @@ if TYPE_CHECKING:
     from ferry.model.variants.base import ModelShape
 
 
-
 @dataclass(frozen=True)
 class CacheStep:
     """Where the `S` tokens of one forward go: their slots, RoPE positions and the keys each may see."""

@@ -60,7 +60,9 @@ def summarise(spec: str, seq_len: int | None = None) -> PresetSummary:
         raise UserError(f"--seq-len must be at least 1, got {seq_len}")
     config = load_preset(spec)
     length = min(seq_len or COMPARED_SEQ_LEN, config.max_seq_len)
-    return PresetSummary(preset_name(spec), config, count_model(config, length), length, cache_bytes_per_token(config, 2))
+    return PresetSummary(
+        preset_name(spec), config, count_model(config, length), length, cache_bytes_per_token(config, 2)
+    )
 
 
 def preset_overrides(spec: str) -> list[str]:

@@ -32,6 +32,7 @@ from ferry.kernels.recompute_policy import KEEP_POLICIES
 
 Recompute = Literal["none", "full", "selective"]
 
+
 def recomputed(fn: Callable, mode: Recompute, *args):
     """`fn(*args)`, its activations kept as `mode` says and the rest recomputed in the backward.
 

@@ -77,7 +77,11 @@ class SequenceSplit:
         return self._positions[key]
 
     def own_masks(
-        self, rows: int, seq_len: int, device: torch.device, document_ids_BS: torch.Tensor | None,
+        self,
+        rows: int,
+        seq_len: int,
+        device: torch.device,
+        document_ids_BS: torch.Tensor | None,
         padding_BS: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """This rank's part of the padding mask, and which gathered keys each of its positions sees, for inputs of

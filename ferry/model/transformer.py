@@ -73,7 +73,9 @@ class Block(nn.Module):
         self.attn = config.attention_kind.module(config, rope, kernels, track_max_logits, window)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, kernels)
         dense = not use_moe
-        self.ffn = SwiGLU(config.dim, config.dense_ffn_dim, kernels) if dense else MoELayer(config.dim, config.moe, kernels)
+        self.ffn = (
+            SwiGLU(config.dim, config.dense_ffn_dim, kernels) if dense else MoELayer(config.dim, config.moe, kernels)
+        )
         self.recompute = recompute
 
     def forward(
@@ -153,7 +155,12 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
             Block(
-                config, rope, index >= config.dense_layers, self.kernels, recompute, track_max_logits,
+                config,
+                rope,
+                index >= config.dense_layers,
+                self.kernels,
+                recompute,
+                track_max_logits,
                 config.attention_window(index),
             )
             for index in range(config.n_layers)
@@ -207,8 +214,13 @@ class Transformer(nn.Module):
         first = self.config.dense_layers
         held = {index - first: block.ffn for index, block in enumerate(self.layers) if isinstance(block.ffn, MoELayer)}
         main = self.config.n_layers - first
-        held.update({main + depth: module.block.ffn for depth, module in enumerate(self.mtp)
-                     if isinstance(module.block.ffn, MoELayer)})
+        held.update(
+            {
+                main + depth: module.block.ffn
+                for depth, module in enumerate(self.mtp)
+                if isinstance(module.block.ffn, MoELayer)
+            }
+        )
         return held
 
     def held_blocks(self) -> list[int]:

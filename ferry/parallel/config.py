@@ -39,14 +39,20 @@ class ParallelConfig(Section):
     )
 
     cp: int = Field(
-        1, ge=1, le=64,
+        1,
+        ge=1,
+        le=64,
         description="context-parallel degree: each of cp consecutive ranks computes 1/cp of every sequence (chunks i "
         "and 2cp-1-i of 2cp, for causal balance) and attention gathers the keys and values of the whole "
         "(ferry/parallel/context_parallel.py); they read the same rows, so the data is split over world / (pp x cp) "
         "ranks; experts may be split over them (ep)",
     )
-    pp: int = Field(1, ge=1, description="pipeline-parallel degree: stages of consecutive blocks, one per rank of a "
-                    "pipeline (ferry/parallel/pipeline_stage.py); divides the world size")
+    pp: int = Field(
+        1,
+        ge=1,
+        description="pipeline-parallel degree: stages of consecutive blocks, one per rank of a "
+        "pipeline (ferry/parallel/pipeline_stage.py); divides the world size",
+    )
     pp_schedule: PipelineScheduleName = Field(
         "1f1b",
         description="torch.distributed.pipelining's schedule: gpipe (all forwards, then all backwards), 1f1b (one "
@@ -107,4 +113,5 @@ class ParallelConfig(Section):
                 "candidates)"
             )
         return self
+
     ep_chunks: int = Field(2, ge=2, le=64, description="parts of a chunked exchange (ep_overlap: chunked)")

@@ -116,7 +116,10 @@ class AllToAllDispatcher:
         for part in range(chunks):
             if part + 1 < chunks:
                 dispatches[part + 1] = start_all_to_all(
-                    self.collectives, x_ND.index_select(0, rows_K[part + 1]), receive_KP[part + 1], send_KP[part + 1],
+                    self.collectives,
+                    x_ND.index_select(0, rows_K[part + 1]),
+                    receive_KP[part + 1],
+                    send_KP[part + 1],
                     "ep_dispatch",
                 )
             y_RD = self._run_local_experts(dispatches[part].wait(), received_KPL[part], experts)

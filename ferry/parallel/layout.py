@@ -102,8 +102,10 @@ def _check_context(parallel: ParallelConfig, layout: JobLayout) -> None:
 
 def _check_experts(parallel: ParallelConfig, model: ModelConfig, layout: JobLayout) -> None:
     ranks = layout.replicas
-    where = f"the world size {ranks}" if layout.pp == 1 else (
-        f"the {ranks} ranks of each pipeline stage (world size / parallel.pp)"
+    where = (
+        f"the world size {ranks}"
+        if layout.pp == 1
+        else (f"the {ranks} ranks of each pipeline stage (world size / parallel.pp)")
     )
     num_experts = model.moe.num_experts
     if ranks % parallel.ep:

@@ -60,7 +60,9 @@ def muon_parameter_names(model: nn.Module) -> set[str]:
     return {
         name
         for name, param in model.named_parameters()
-        if param.ndim >= 2 and not name.startswith(("tok_embeddings.", "output.")) and ".router." not in name
+        if param.ndim >= 2
+        and not name.startswith(("tok_embeddings.", "output."))
+        and ".router." not in name
         and not is_bias(name)
     }
 
@@ -88,8 +90,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         ]
         self._adamw = torch.optim.AdamW(adamw_groups, **adamw, **fused_where_available([p for _, p in others]))
         muon = {
-            "optimizer": "muon", "momentum": settings.momentum, "nesterov": settings.nesterov,
-            "ns_steps": settings.ns_steps, "ns_dtype": settings.ns_dtype, "update_scale": settings.update_scale,
+            "optimizer": "muon",
+            "momentum": settings.momentum,
+            "nesterov": settings.nesterov,
+            "ns_steps": settings.ns_steps,
+            "ns_dtype": settings.ns_dtype,
+            "update_scale": settings.update_scale,
         }
         muon_groups = [
             {"params": [p for n, p in matrices if n in decayed], "weight_decay": weight_decay, **muon},
@@ -123,8 +129,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if sharded:
                 shards = orthogonalised_shards([update for _, update in sharded], steps, dtype, self._shard_owners)
                 for (param, _), local in zip(sharded, shards, strict=True):
-                    orthogonal = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                                    shape=param.shape, stride=param.stride())
+                    orthogonal = DTensor.from_local(
+                        local,
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
                     self._apply(param, orthogonal, group)
 
     def _momentum_update(self, param: nn.Parameter, group: dict) -> torch.Tensor:

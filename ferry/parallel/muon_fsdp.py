@@ -45,8 +45,7 @@ def orthogonalised_shards(
         local = updates[index].to_local()
         rows = rows_per_rank[index]
         pieces = list(_padded(wholes[index], rows * owners.size).split(rows)) if index in wholes else None
-        received = owners.scatter(local.new_empty((rows, *local.shape[1:]), dtype=dtype), pieces, owner,
-                                  "muon_scatter")
+        received = owners.scatter(local.new_empty((rows, *local.shape[1:]), dtype=dtype), pieces, owner, "muon_scatter")
         results[index] = received[: local.shape[0]]
     return results
 

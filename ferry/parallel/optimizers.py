@@ -11,8 +11,12 @@ from ferry.parallel.muon import MuonSettings, MuonWithAdamW
 
 
 def optimizer_over(
-    params: list[tuple[str, nn.Parameter]], decayed: set[str], weight_decay: float, muon: MuonSettings | None,
-    shard_owners: Collectives | None = None, **adamw,
+    params: list[tuple[str, nn.Parameter]],
+    decayed: set[str],
+    weight_decay: float,
+    muon: MuonSettings | None,
+    shard_owners: Collectives | None = None,
+    **adamw,
 ):
     """torch's AdamW (its fused kernel wherever the device has one), decaying only the `decayed` names; with
     `muon`, Muon for the matrices it names (those FSDP shards orthogonalised by owners among `shard_owners`) and

@@ -51,9 +51,7 @@ def slices_by_owner(params: list[tuple[str, nn.Parameter]], ranks: int) -> list[
     """Each rank's slices of `params`: a stack of matrices (three or more dimensions) is split by matrix, anything
     else kept whole."""
     pieces = [
-        (name, param, row)
-        for name, param in params
-        for row in (range(param.shape[0]) if param.ndim >= 3 else [None])
+        (name, param, row) for name, param in params for row in (range(param.shape[0]) if param.ndim >= 3 else [None])
     ]
     sizes = [param.numel() if row is None else param[0].numel() for _, param, row in pieces]
     runs: list[list[list]] = [[] for _ in range(ranks)]
@@ -70,4 +68,3 @@ def _slice(name: str, param: nn.Parameter, start: int, stop: int) -> ParamSlice:
     if param.ndim < 3 or (start, stop) == (0, param.shape[0]):
         return ParamSlice(name, param, start, stop, param)
     return ParamSlice(name, param, start, stop, nn.Parameter(param.data[start:stop], requires_grad=param.requires_grad))
-

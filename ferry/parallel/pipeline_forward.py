@@ -80,9 +80,7 @@ class StagedForward:
             cache.commit(step)
         return self._broadcast(result, self._owner(last))
 
-    def _output(
-        self, h_BSD: torch.Tensor, head: HeadTargets | None, sequences: SequenceSplit | None
-    ) -> ModelOutput:
+    def _output(self, h_BSD: torch.Tensor, head: HeadTargets | None, sequences: SequenceSplit | None) -> ModelOutput:
         if head is not None:
             return ModelOutput(None, [], chunked_head_loss(h_BSD, self.model.output.weight, head), sequences)
         return ModelOutput(self.model.output(h_BSD), [], split=sequences)

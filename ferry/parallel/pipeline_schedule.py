@@ -129,8 +129,12 @@ def build_pipeline(
     for stage_index in split.stages_of(pp_rank):
         module = StageModule(model, stage_index, split.num_stages, split.blocks[stage_index], shapes.loss_chunk)
         stage = TimedStage(
-            module, stage_index, split.num_stages, device,
-            input_args=_stage_input(module, shapes), output_args=_stage_output(module, shapes),
+            module,
+            stage_index,
+            split.num_stages,
+            device,
+            input_args=_stage_input(module, shapes),
+            output_args=_stage_output(module, shapes),
             group=group,
         )
         stage.times = StageTimes()
@@ -139,9 +143,7 @@ def build_pipeline(
         times.append(stage.times)
     schedule_class = SCHEDULES[schedule_name]
     single = schedule_class in (ScheduleGPipe, Schedule1F1B)
-    schedule = schedule_class(
-        stages[0] if single else stages, micro_batches, loss_fn=loss_fn, scale_grads=False
-    )
+    schedule = schedule_class(stages[0] if single else stages, micro_batches, loss_fn=loss_fn, scale_grads=False)
     return Pipeline(modules, stages, schedule, micro_batches, times)
 
 

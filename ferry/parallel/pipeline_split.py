@@ -61,9 +61,7 @@ def split_stages(parallel: ParallelConfig, model: ModelConfig) -> StageSplit:
     else:
         counts = list(parallel.pp_split)
         if sum(counts) != n_layers:
-            raise UserError(
-                f"parallel.pp_split {counts} places {sum(counts)} blocks; model.n_layers is {n_layers}"
-            )
+            raise UserError(f"parallel.pp_split {counts} places {sum(counts)} blocks; model.n_layers is {n_layers}")
     starts = [sum(counts[:stage]) for stage in range(stages)]
     blocks = tuple(tuple(range(start, start + count)) for start, count in zip(starts, counts))
     return StageSplit(blocks, parallel.pp)

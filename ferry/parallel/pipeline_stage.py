@@ -116,6 +116,9 @@ class _RouterLossGradient(torch.autograd.Function):
 
 def _detached(stats: MoEStats) -> MoEStats:
     return MoEStats(
-        stats.tokens_per_expert_E.detach(), stats.aux_loss.detach(), stats.z_loss.detach(),
-        stats.mean_prob_E.detach(), stats.entropy.detach(),
+        stats.tokens_per_expert_E.detach(),
+        stats.aux_loss.detach(),
+        stats.z_loss.detach(),
+        stats.mean_prob_E.detach(),
+        stats.entropy.detach(),
     )

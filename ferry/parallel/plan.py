@@ -200,7 +200,16 @@ def build_plan(
             dense.append((name, param))
     overlap = {"mode": config.ep_overlap, "chunks": exchange_chunks(config), "dispatch": config.ep_dispatch}
     return ParallelPlan(
-        layout, context, stats, groups, stages, placement, PlacedParams(dense, experts), slices, reduce_dtype, overlap,
+        layout,
+        context,
+        stats,
+        groups,
+        stages,
+        placement,
+        PlacedParams(dense, experts),
+        slices,
+        reduce_dtype,
+        overlap,
         logical_names,
     )
 
@@ -214,13 +223,19 @@ def rank_groups(layout: JobLayout, context: DistContext, device: torch.device, s
     if layout.split is not None:
         groups = build_pipeline_mesh(context, layout.pp, layout.ep, device)
         return RankGroups(
-            world=Collectives(None, stats, device), replicas=Collectives(groups.replicas, stats, device),
-            ep=Collectives(groups.ep, stats, device), dp=Collectives(groups.dp, stats, device),
-            pp=Collectives(groups.pp, stats, device), cp=cp,
+            world=Collectives(None, stats, device),
+            replicas=Collectives(groups.replicas, stats, device),
+            ep=Collectives(groups.ep, stats, device),
+            dp=Collectives(groups.dp, stats, device),
+            pp=Collectives(groups.pp, stats, device),
+            cp=cp,
         )
     mesh = build_mesh(context, layout.ep, device)
     world = Collectives(None, stats, device)
     return RankGroups(
-        world=world, replicas=world, ep=Collectives(mesh["ep"].get_group(), stats, device),
-        dp=Collectives(mesh["dp"].get_group(), stats, device), cp=cp,
+        world=world,
+        replicas=world,
+        ep=Collectives(mesh["ep"].get_group(), stats, device),
+        dp=Collectives(mesh["dp"].get_group(), stats, device),
+        cp=cp,
     )

@@ -105,12 +105,17 @@ class Placement(Protocol):
 
     def sync_gradients(self, placed: PlacedParams, groups: RankGroups, reduce_dtype: torch.dtype) -> None: ...
 
-    def clip_gradients(self, placed: PlacedParams, groups: RankGroups, model: nn.Module, max_norm: float) -> float:
-        ...
+    def clip_gradients(self, placed: PlacedParams, groups: RankGroups, model: nn.Module, max_norm: float) -> float: ...
 
     def build_optimizer(
-        self, placed: PlacedParams, groups: RankGroups, decayed: set[str], weight_decay: float, zero: bool,
-        muon: MuonSettings | None, **adamw,
+        self,
+        placed: PlacedParams,
+        groups: RankGroups,
+        decayed: set[str],
+        weight_decay: float,
+        zero: bool,
+        muon: MuonSettings | None,
+        **adamw,
     ): ...
 
     def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None: ...
@@ -136,8 +141,9 @@ class ExpertResident:
         num_experts = model.config.moe.num_experts
         for layer in model.moe_layers():
             shard_experts(layer.experts, groups.ep.rank, self.config.ep)
-            layer.dispatcher = AllToAllDispatcher(groups.ep, num_experts, exchange_chunks(self.config),
-                                                  self.config.ep_dispatch == "rowwise")
+            layer.dispatcher = AllToAllDispatcher(
+                groups.ep, num_experts, exchange_chunks(self.config), self.config.ep_dispatch == "rowwise"
+            )
 
     def sync_gradients(self, placed: PlacedParams, groups: RankGroups, reduce_dtype: torch.dtype) -> None:
         bucket = int(self.config.bucket_mib * 2**20)
@@ -151,8 +157,14 @@ class ExpertResident:
         )
 
     def build_optimizer(
-        self, placed: PlacedParams, groups: RankGroups, decayed: set[str], weight_decay: float, zero: bool,
-        muon: MuonSettings | None, **adamw,
+        self,
+        placed: PlacedParams,
+        groups: RankGroups,
+        decayed: set[str],
+        weight_decay: float,
+        zero: bool,
+        muon: MuonSettings | None,
+        **adamw,
     ):
         """Every rank holds whole matrices (its experts whole, its stages' blocks whole), so Muon's iteration runs
         where the parameter lives; under ZeRO-1 on the rank that owns it, which then sends the update."""
@@ -185,8 +197,14 @@ class FullySharded:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def build_optimizer(
-        self, placed: PlacedParams, groups: RankGroups, decayed: set[str], weight_decay: float, zero: bool,
-        muon: MuonSettings | None, **adamw,
+        self,
+        placed: PlacedParams,
+        groups: RankGroups,
+        decayed: set[str],
+        weight_decay: float,
+        zero: bool,
+        muon: MuonSettings | None,
+        **adamw,
     ):
         if zero:
             raise UserError(

@@ -104,7 +104,9 @@ def injections(schedule: list[dict], nproc: int) -> list[dict]:
     follow_ups = [fault["followed_by"] for fault in schedule if "followed_by" in fault]
     others = [
         {"step": fault["step"], "rank": rank, "kind": fault["kind"]}
-        for fault in schedule if fault["rank"] == "all" for rank in range(1, nproc)
+        for fault in schedule
+        if fault["rank"] == "all"
+        for rank in range(1, nproc)
     ]
     return drawn + follow_ups + others
 
@@ -163,7 +165,9 @@ def run_drill(
     say(f"ferry: drill: {steps} steps on {nproc} rank(s), checkpoint every {interval}; the uninterrupted run first")
     straight = run_leg("uninterrupted", layout, reference, work, say, steps=steps)
     if not straight.ok:
-        raise UserError(f"the uninterrupted run failed, so there is nothing to drill against:\n    {straight.failure()}")
+        raise UserError(
+            f"the uninterrupted run failed, so there is nothing to drill against:\n    {straight.failure()}"
+        )
     step_s = statistics.median(record["step_s"] for record in read_metrics(straight.run_dir)[1:] or [{"step_s": 1}])
     schedule = draw_faults(seed, faults, steps, nproc, interval)
     inject = injections(schedule, nproc)
@@ -172,26 +176,29 @@ def run_drill(
     drilled_config = _config(raw, work / "drilled", saving, common, fault=fault)
     budget = len(inject) + 2 if max_restarts is None else max_restarts
     say("ferry: drill: faults " + ", ".join(_fault_name(f) for f in schedule))
-    drilled = run_leg("drilled", layout, drilled_config, work, say, steps=steps,
-                      options=["--max-restarts", str(budget)])
+    drilled = run_leg(
+        "drilled", layout, drilled_config, work, say, steps=steps, options=["--max-restarts", str(budget)]
+    )
     record = _judge(straight.run_dir, drilled.run_dir, drilled.ok)
     run = drilled.record
     judged = fault_outcomes(drilled.run_dir, schedule)
-    record.update({
-        "seed": seed,
-        "nproc": nproc,
-        "steps": steps,
-        "checkpoint_interval": interval,
-        "hang_timeout_s": hang_timeout,
-        "faults": judged,
-        "faults_exercised": sum(fault["exercised"] for fault in judged),
-        "max_restarts": budget,
-        "restarts": run.get("restarts", []),
-        "goodput": run.get("goodput"),
-        "uninterrupted_wall_s": straight.wall_s,
-        "drilled_wall_s": drilled.wall_s,
-        "dir": str(work),
-    })
+    record.update(
+        {
+            "seed": seed,
+            "nproc": nproc,
+            "steps": steps,
+            "checkpoint_interval": interval,
+            "hang_timeout_s": hang_timeout,
+            "faults": judged,
+            "faults_exercised": sum(fault["exercised"] for fault in judged),
+            "max_restarts": budget,
+            "restarts": run.get("restarts", []),
+            "goodput": run.get("goodput"),
+            "uninterrupted_wall_s": straight.wall_s,
+            "drilled_wall_s": drilled.wall_s,
+            "dir": str(work),
+        }
+    )
     (work / "drill.json").write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
     lines = summary_lines(record) + [f"  details in {work / 'drill.json'}"]
     for line in lines:

@@ -43,8 +43,9 @@ def with_low_precision_experts(selection: KernelSelection, recipe: LowPrecisionR
     if reason is not None:
         portable = REGISTRY[op].portable
         functions = {name: choice.fn for name, choice in selection.choices.items()}
-        low = Choice(portable, f"auto: {low.implementation.key} refuses the recipe: {reason}",
-                     bind(portable, functions))
+        low = Choice(
+            portable, f"auto: {low.implementation.key} refuses the recipe: {reason}", bind(portable, functions)
+        )
         selection = KernelSelection(
             selection.policy, selection.device, selection.platform, {**selection.choices, op: low}
         )

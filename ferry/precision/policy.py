@@ -159,14 +159,20 @@ def resolve_precision(config: PrecisionConfig, profile: HardwareProfile) -> Prec
             + (f", {_EMULATION_IS_SLOWER}" if experts_mode == "emulated" else "")
         )
     return PrecisionPolicy(
-        param_dtype, compute_dtype, reduce_dtype, loss_scaling, config.experts, experts_mode, recipe, decisions,
+        param_dtype,
+        compute_dtype,
+        reduce_dtype,
+        loss_scaling,
+        config.experts,
+        experts_mode,
+        recipe,
+        decisions,
         hardware=profile.name,
     )
 
 
 _EMULATION_IS_SLOWER = (
-    "for its numerics only: the emulation rounds the operands around the same GEMMs and is slower than a run "
-    "without it"
+    "for its numerics only: the emulation rounds the operands around the same GEMMs and is slower than a run without it"
 )
 
 

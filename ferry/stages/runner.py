@@ -61,7 +61,10 @@ class Parent:
 
     def as_record(self) -> dict[str, Any]:
         return {
-            "stage": self.stage, "checkpoint": str(self.checkpoint), "digest": self.digest, "step": self.step,
+            "stage": self.stage,
+            "checkpoint": str(self.checkpoint),
+            "digest": self.digest,
+            "step": self.step,
             "last_lr": self.last_lr,
         }
 

@@ -10,30 +10,39 @@ from ferry.stages.lineage import Lineage
 def lineage_lines(directory: str | Path) -> list[str]:
     data = Lineage.read(Path(directory))
     pipeline = data["pipeline"]
-    lines = [f"pipeline {pipeline['name']} ({pipeline['file']}, sha256 {pipeline['sha256'][:12]}), {len(data['stages'])} stage(s)"]
+    lines = [
+        f"pipeline {pipeline['name']} ({pipeline['file']}, sha256 {pipeline['sha256'][:12]}), {len(data['stages'])} stage(s)"
+    ]
     rows = [("stage", "status", "starts from", "steps", "loss", "held-out", "checkpoint")]
     for stage in data["stages"]:
         result = stage.get("result") or {}
         held_out = _held_out(result)
-        rows.append((
-            stage["name"],
-            stage["status"],
-            _start(stage),
-            str(result.get("step", "-")),
-            f"{result['loss']:.4f}" if result.get("loss") is not None else "-",
-            held_out or "-",
-            f"{result['checkpoint']} ({result['digest'][:12]})" if result else "-",
-        ))
+        rows.append(
+            (
+                stage["name"],
+                stage["status"],
+                _start(stage),
+                str(result.get("step", "-")),
+                f"{result['loss']:.4f}" if result.get("loss") is not None else "-",
+                held_out or "-",
+                f"{result['checkpoint']} ({result['digest'][:12]})" if result else "-",
+            )
+        )
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     for stage in data["stages"]:
         code = stage["code"]
         data_mix = ", ".join(
-            f"{source['name']} x{source['weight']:g} ({(source['manifest_sha256'] or '?')[:12]})" for source in stage["data"]
+            f"{source['name']} x{source['weight']:g} ({(source['manifest_sha256'] or '?')[:12]})"
+            for source in stage["data"]
         )
         lines.append(
             f"  {stage['name']}: seed {stage['seed']}, data {data_mix}, ferry {code['ferry']}"
-            + (f" @ {code['git_commit'][:12]}{'+dirty' if code.get('git_dirty') else ''}" if code.get("git_commit") else "")
+            + (
+                f" @ {code['git_commit'][:12]}{'+dirty' if code.get('git_dirty') else ''}"
+                if code.get("git_commit")
+                else ""
+            )
         )
     return lines
 
@@ -42,8 +51,11 @@ def _held_out(result: dict) -> str:
     """The stage's last held-out figures: loss per source, or DPO's reward accuracy, or GRPO's solve rates."""
     figures = result.get("eval") or {"eval.loss": result.get("eval_loss") or {}}
     parts = [f"{name} {loss:.4f}" for name, loss in figures.get("eval.loss", {}).items()]
-    for key, label in (("eval/rewards/accuracy", "reward acc"), ("eval/solve_rate", "solved"),
-                       ("eval/greedy_solve_rate", "greedy")):
+    for key, label in (
+        ("eval/rewards/accuracy", "reward acc"),
+        ("eval/solve_rate", "solved"),
+        ("eval/greedy_solve_rate", "greedy"),
+    ):
         parts += [f"{name} {label} {value:.1%}" for name, value in figures.get(key, {}).items()]
     return ", ".join(parts)
 

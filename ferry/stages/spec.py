@@ -49,7 +49,9 @@ class StageSpec(Section):
     steps: Literal["reset", "continue"] = Field(
         "reset", description="continue: the parent's step counter, schedule and data position (needs weights+optimizer)"
     )
-    lr: Literal["parent"] | None = Field(None, description="parent: optim.lr is the learning rate the parent ended with")
+    lr: Literal["parent"] | None = Field(
+        None, description="parent: optim.lr is the learning rate the parent ended with"
+    )
     nproc: int | None = Field(None, ge=1, description="local ranks for this stage (default: the pipeline's)")
 
     @model_validator(mode="after")

@@ -223,14 +223,17 @@ def open_data(job: Job, kind: ObjectiveKind) -> RunData:
         fix = (
             f"the init_from model has {config.model.vocab_size} rows, and a model that will learn added tokens (the "
             "chat tokens of SFT) needs them from pre-training on: pre-train with a model.vocab_size that covers them"
-            if config.init_from is not None else f"set model.vocab_size={tokenizer_vocab} (or more)"
+            if config.init_from is not None
+            else f"set model.vocab_size={tokenizer_vocab} (or more)"
         )
         raise UserError(
             f"model.vocab_size ({config.model.vocab_size}) is smaller than the tokenizer's "
             f"vocabulary ({tokenizer_vocab}) of {loader.datasets[0].label}; {fix}"
         )
     evaluation = HeldOutEvaluation(
-        kind.token_evaluation(config), config.data.seq_len, config.eval.batch_size or train.global_batch,
+        kind.token_evaluation(config),
+        config.data.seq_len,
+        config.eval.batch_size or train.global_batch,
         train.micro_batch,
         document_eos=loader.tokenizer["eos_id"] if config.data.document_masking else None,
         loss_chunk=train.loss_chunk,
@@ -259,7 +262,10 @@ def build_model(job: Job, numerics: Numerics, start: Start) -> ModelParts:
     drawn_now = drawn and on_host and not draw_deferred
     recompute_mode = config.train.activation_checkpointing
     model = Transformer(
-        config.model, numerics.kernels, initialise=drawn_now, recompute=recompute_mode,
+        config.model,
+        numerics.kernels,
+        initialise=drawn_now,
+        recompute=recompute_mode,
         track_max_logits=config.tracks_attention_logits,
     )
     initial_weights = weights_digest(model) if drawn_now and job.is_main else None
@@ -328,8 +334,12 @@ def build_objective(job: Job, numerics: Numerics, data: RunData, model: ModelPar
         return frozen
 
     references = ReferenceSource(
-        config.init_from, config.train.objective, config.checkpoint.verify, shared_verification(job.context),
-        frozen_model, lambda checkpoint, frozen: restore_model(checkpoint, frozen, model.plan),
+        config.init_from,
+        config.train.objective,
+        config.checkpoint.verify,
+        shared_verification(job.context),
+        frozen_model,
+        lambda checkpoint, frozen: restore_model(checkpoint, frozen, model.plan),
     )
     identity = {"model": config.model.model_dump(mode="json"), "precision": numerics.precision.as_dict()}
     return data.kind.build(ObjectiveInputs(config, data.loader, references, identity))

@@ -161,7 +161,8 @@ class CheckpointHook(Hook):
             return {}
         return {
             "checkpoint_async": {
-                "setting": self.config.async_save, "on": self.checkpoints.asynchronous,
+                "setting": self.config.async_save,
+                "on": self.checkpoints.asynchronous,
                 "rule": self.checkpoints.async_rule,
             },
             "checkpoint_interval": None
@@ -172,5 +173,5 @@ class CheckpointHook(Hook):
                 "last_save_cost_s": self.auto.last_cost_s,
                 "interval_s": self.auto.interval_s,
                 "interval_steps": self.auto.interval_steps,
-            }
+            },
         }

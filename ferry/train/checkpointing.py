@@ -53,9 +53,7 @@ RNG = "rng."
 _BOOKKEEPING = ("run.name", "run.dir", "run.overwrite", "resume", "checkpoint.", "train.stop_at")
 
 
-def train_state_pieces(
-    model: nn.Module, optimizer, plan: ParallelPlan, device: torch.device
-) -> dict[str, TensorPiece]:
+def train_state_pieces(model: nn.Module, optimizer, plan: ParallelPlan, device: torch.device) -> dict[str, TensorPiece]:
     """This rank's share of the train state, each piece placed in its global tensor."""
     rank, world_size = plan.context.rank, plan.context.world_size
     pieces = {}
@@ -90,7 +88,8 @@ def optimizer_record(model: nn.Module, optimizer) -> dict:
         hyperparameters = {key: value for key, value in group.items() if key != "params"}
         groups.append({**hyperparameters, "params": [names[param] for param in group["params"]]})
     return {
-        "kind": optimizer_kind(optimizer), "decayed": sorted(decayed_parameter_names(model)),
+        "kind": optimizer_kind(optimizer),
+        "decayed": sorted(decayed_parameter_names(model)),
         "param_groups_on_rank_0": groups,
     }
 
@@ -318,7 +317,9 @@ def _box(checkpoint: Checkpoint, name: str, piece: TensorPiece) -> tuple[str, to
     """What `Checkpoint.read_many` reads for `piece` of `name`, once the stored shape is known to fit."""
     stored = checkpoint.record(name).shape
     if stored != list(piece.global_shape):
-        raise CheckpointError(f"{checkpoint.path}: {name} is stored as {stored}, this model has {list(piece.global_shape)}")
+        raise CheckpointError(
+            f"{checkpoint.path}: {name} is stored as {stored}, this model has {list(piece.global_shape)}"
+        )
     return name, piece.local, piece.offset
 
 

@@ -69,18 +69,22 @@ class MuonSection(Section):
     nesterov: bool = True
     ns_steps: int = Field(5, ge=1, le=20, description="Newton-Schulz iterations")
     ns_dtype: Literal["bf16", "fp32"] = Field(
-        "bf16", description="the dtype Newton-Schulz runs in: bf16 (the usual; its result moves ~0.5% with a "
-        "last-bit change of its input) or fp32 (layouts then agree within the suite's tolerance)"
+        "bf16",
+        description="the dtype Newton-Schulz runs in: bf16 (the usual; its result moves ~0.5% with a "
+        "last-bit change of its input) or fp32 (layouts then agree within the suite's tolerance)",
     )
     qk_clip: float | None = Field(
-        None, gt=0.0, description="QK-clip (Kimi K2's MuonClip): after each update, the query and key weights of a "
+        None,
+        gt=0.0,
+        description="QK-clip (Kimi K2's MuonClip): after each update, the query and key weights of a "
         "head whose largest attention logit in the step passed this threshold are scaled so that it would not "
         "have (GQA: a group's shared keys by the root of its smallest factor, each query by the rest; MLA: the "
-        "head's own query and key parts, not the shared rotary key); off when unset; refused with model.qk_norm"
+        "head's own query and key parts, not the shared rotary key); off when unset; refused with model.qk_norm",
     )
     update_scale: Literal["match_rms_adamw", "original"] = Field(
-        "match_rms_adamw", description="match_rms_adamw: 0.2 x sqrt(max(A, B)) per [A, B] matrix, the update's RMS "
-        "AdamW's, so optim.lr and optim.weight_decay carry over (Moonlight); original: sqrt(max(1, A / B))"
+        "match_rms_adamw",
+        description="match_rms_adamw: 0.2 x sqrt(max(A, B)) per [A, B] matrix, the update's RMS "
+        "AdamW's, so optim.lr and optim.weight_decay carry over (Moonlight); original: sqrt(max(1, A / B))",
     )
 
 
@@ -91,8 +95,9 @@ class OptimConfig(Section):
     of the steps), or `constant`. `min_lr_ratio: 0` decays to zero."""
 
     name: Literal["adamw", "muon"] = Field(
-        "adamw", description="adamw; muon: the matrices of attention, dense FFN and experts (each expert's on its "
-        "own) by Muon, the embedding, head, norms and routers by AdamW; one lr and weight decay for both"
+        "adamw",
+        description="adamw; muon: the matrices of attention, dense FFN and experts (each expert's on its "
+        "own) by Muon, the embedding, head, norms and routers by AdamW; one lr and weight decay for both",
     )
     muon: MuonSection = MuonSection()
     lr: float = Field(3e-3, gt=0.0)
@@ -104,7 +109,10 @@ class OptimConfig(Section):
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     decay_fraction: float = Field(0.2, gt=0.0, le=1.0, description="wsd: the share of the steps spent decaying")
-    zero: bool = Field(False, description="ZeRO-1: shard the optimizer state (AdamW's moments, Muon's momentum) over the ranks replicating each parameter")
+    zero: bool = Field(
+        False,
+        description="ZeRO-1: shard the optimizer state (AdamW's moments, Muon's momentum) over the ranks replicating each parameter",
+    )
 
     @field_validator("betas")
     @classmethod
@@ -212,7 +220,8 @@ class RunConfig(Section):
         "0, e.g. one `ferry import` wrote; a run that resumes takes its own checkpoint instead",
     )
     init_optimizer: bool = Field(
-        False, description="with init_from, start from that checkpoint's optimizer state too (AdamW's moments and step counts, or Muon's momentum besides them)"
+        False,
+        description="with init_from, start from that checkpoint's optimizer state too (AdamW's moments and step counts, or Muon's momentum besides them)",
     )
 
     @property
@@ -415,13 +424,13 @@ def _batch_fixes(key: str, batch: int, batches: dict[str, int], micro_batch: int
     `key` always fits, at the cost of more sequences a step."""
     larger = -(-batch // (micro_batch * world_size)) * micro_batch * world_size
     smaller_micro = [
-        micro for micro in range(micro_batch - 1, 0, -1)
+        micro
+        for micro in range(micro_batch - 1, 0, -1)
         if all(each % (micro * world_size) == 0 for each in batches.values())
     ]
     if smaller_micro:
         return (
-            f"set train.micro_batch={smaller_micro[0]} (the same {batch} sequences in smaller passes) "
-            f"or {key}={larger}"
+            f"set train.micro_batch={smaller_micro[0]} (the same {batch} sequences in smaller passes) or {key}={larger}"
         )
     return f"set {key}={larger} (no train.micro_batch splits {batch} over {world_size} ranks)"
 

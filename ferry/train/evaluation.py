@@ -132,9 +132,7 @@ def _check_record_tokenizer(loaded, dataset) -> None:
     check_dataset_tokenizer(dataset, digest, loaded.model.config.vocab_size, expected_from)
 
 
-def _token_figures(
-    request: EvalRequest, loaded, paths: list[str], say: Say
-) -> tuple[dict[str, dict], dict[str, int]]:
+def _token_figures(request: EvalRequest, loaded, paths: list[str], say: Say) -> tuple[dict[str, dict], dict[str, int]]:
     """Loss and perplexity of every token dataset, with the run's evaluation settings unless the request says
     otherwise; and those settings (window length, batches and their size)."""
     from ferry.data.tokenizer import encoding_digest
@@ -156,8 +154,10 @@ def _token_figures(
     if not 1 <= seq_len <= model.config.max_seq_len:
         raise UserError(f"--seq-len {seq_len}: choose 1 to model.max_seq_len ({model.config.max_seq_len})")
     batches = request.batches if request.batches is not None else recorded.get("batches", 4)
-    batch_size = request.batch_size if request.batch_size is not None else (
-        recorded.get("batch_size") or (run.get("train") or {}).get("global_batch") or 16
+    batch_size = (
+        request.batch_size
+        if request.batch_size is not None
+        else (recorded.get("batch_size") or (run.get("train") or {}).get("global_batch") or 16)
     )
     config = validate_named(
         EvalConfig,
@@ -175,7 +175,10 @@ def _token_figures(
     else:
         masking = request.document_masking == "on"
     evaluation = HeldOutEvaluation(
-        config, seq_len, batch_size, micro_batch,
+        config,
+        seq_len,
+        batch_size,
+        micro_batch,
         document_eos=loaded.tokenizer.eos_id if masking else None,
         labels=[f"--data {path}" for path in paths],
         count_names=f"--batches {batches} x --batch-size {batch_size}",

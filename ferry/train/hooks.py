@@ -114,13 +114,15 @@ class RecordsHook(Hook):
         if isinstance(exc, (KeyboardInterrupt, Stopped)):  # stopped from outside: no failure of the run
             stopped_by = exc.args[0] if isinstance(exc, Stopped) else "SIGINT"
             self.record.finish(
-                "interrupted", signal=stopped_by, last_step=last, data_realised=self.data_realised(),
-                **self.outcome()
+                "interrupted", signal=stopped_by, last_step=last, data_realised=self.data_realised(), **self.outcome()
             )
         else:
             self.record.finish(
-                "failed", error=f"{type(exc).__name__}: {exc}", last_step=last, data_realised=self.data_realised(),
-                **self.outcome()
+                "failed",
+                error=f"{type(exc).__name__}: {exc}",
+                last_step=last,
+                data_realised=self.data_realised(),
+                **self.outcome(),
             )
 
     def at_close(self, end: RunEnd | None) -> None:
@@ -135,8 +137,12 @@ class RecordsHook(Hook):
         outcome = self.outcome()
         if self.record is not None:
             self.record.finish(
-                status, last_step=end.last, checkpoints=[str(path) for path in self.checkpoints.saved],
-                hardware=self.describe_hardware(), data_realised=self.data_realised(), **outcome
+                status,
+                last_step=end.last,
+                checkpoints=[str(path) for path in self.checkpoints.saved],
+                hardware=self.describe_hardware(),
+                data_realised=self.data_realised(),
+                **outcome,
             )
         if outcome.get("restarts"):
             good = outcome["goodput"]

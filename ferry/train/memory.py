@@ -41,8 +41,11 @@ class MemoryEstimate:
             f"parameters, gradients and {self.optimizer_state} {gib(self.state_bytes)} GiB; activations and "
             f"compute-dtype weight copies kept for the backward {gib(self.backward_bytes)} GiB; the optimizer step's "
             f"temporaries {gib(self.optimizer_bytes)} GiB; estimated"
-            + (f"; and in host memory an asynchronous checkpoint's snapshot {gib(self.snapshot_bytes)} GiB"
-               if self.snapshot_bytes else "")
+            + (
+                f"; and in host memory an asynchronous checkpoint's snapshot {gib(self.snapshot_bytes)} GiB"
+                if self.snapshot_bytes
+                else ""
+            )
         )
 
 

@@ -27,7 +27,11 @@ def muon_settings(config: OptimConfig, model: nn.Module) -> MuonSettings | None:
         return None
     muon = config.muon
     return MuonSettings(
-        frozenset(muon_parameter_names(model)), muon.momentum, muon.nesterov, muon.ns_steps, muon.ns_dtype,
+        frozenset(muon_parameter_names(model)),
+        muon.momentum,
+        muon.nesterov,
+        muon.ns_steps,
+        muon.ns_dtype,
         muon.update_scale,
     )
 

@@ -28,6 +28,7 @@ class Trainer(Protocol):
 
     def train_step(self) -> dict: ...
 
+
 CANDIDATES = {"none": (1, False), "chunked2": (2, False), "chunked4": (4, False), "rowwise": (1, True)}
 
 
@@ -47,7 +48,8 @@ def choose_overlap(trainer: Trainer, steps: int) -> dict:
         step_s = statistics.median(record["step_s"] for record in records)
         shares = [record["ep_overlap_share"] or 0.0 for record in records]
         figures[name] = {
-            "step_s": step_s, "ep_overlap_share": statistics.median(shares),
+            "step_s": step_s,
+            "ep_overlap_share": statistics.median(shares),
             "ep_exchanges": statistics.median(record["ep_exchanges"] for record in records),
         }
     slowest = model.reductions.largest([figure["step_s"] for figure in figures.values()])
@@ -58,8 +60,12 @@ def choose_overlap(trainer: Trainer, steps: int) -> dict:
     for dispatcher in dispatchers:
         dispatcher.chunks, dispatcher.rowwise = chunks, rowwise
     return {
-        "mode": "auto", "chosen": chosen, "chunks": chunks, "dispatch": "rowwise" if rowwise else "permuted",
-        "trial_steps": steps, "candidates": figures,
+        "mode": "auto",
+        "chosen": chosen,
+        "chunks": chunks,
+        "dispatch": "rowwise" if rowwise else "permuted",
+        "trial_steps": steps,
+        "candidates": figures,
     }
 
 

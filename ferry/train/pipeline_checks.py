@@ -29,14 +29,30 @@ def check_pipeline(config: PipelinedRun, layout: JobLayout) -> None:
     parallel, train = config.parallel, config.train
     pp = parallel.pp
     refused = (
-        (parallel.ep_overlap == "auto", "parallel.ep_overlap=auto", "its trial steps run the whole model",
-         "parallel.ep_overlap to none or chunked"),
-        (config.model.tie_embeddings, "model.tie_embeddings", "the tied head lives on another stage than its embedding",
-         "model.tie_embeddings=false"),
-        (train.micro_batch == "auto", "train.micro_batch=auto", "the memory model does not choose a pipeline's "
-         "micro-batch", "train.micro_batch to a number"),
-        (bool(config.model.skip_kind.pipeline_refusal), f"model.skip={config.model.skip}",
-         config.model.skip_kind.pipeline_refusal, "model.skip=standard"),
+        (
+            parallel.ep_overlap == "auto",
+            "parallel.ep_overlap=auto",
+            "its trial steps run the whole model",
+            "parallel.ep_overlap to none or chunked",
+        ),
+        (
+            config.model.tie_embeddings,
+            "model.tie_embeddings",
+            "the tied head lives on another stage than its embedding",
+            "model.tie_embeddings=false",
+        ),
+        (
+            train.micro_batch == "auto",
+            "train.micro_batch=auto",
+            "the memory model does not choose a pipeline's micro-batch",
+            "train.micro_batch to a number",
+        ),
+        (
+            bool(config.model.skip_kind.pipeline_refusal),
+            f"model.skip={config.model.skip}",
+            config.model.skip_kind.pipeline_refusal,
+            "model.skip=standard",
+        ),
     )
     for asked, setting, reason, fix in refused:
         if asked:

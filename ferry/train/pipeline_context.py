@@ -49,8 +49,15 @@ class PipelineContext(TrainingContext):
     rank's place among the ranks a step's rows are split over (one per pipeline replica)."""
 
     def __init__(
-        self, *args, pipeline: Callable[[Callable], Pipeline], plan: ParallelPlan, moe: MoEConfig, moe_layers: int,
-        shape: PassShape, stream_dtype: torch.dtype, **kwargs,
+        self,
+        *args,
+        pipeline: Callable[[Callable], Pipeline],
+        plan: ParallelPlan,
+        moe: MoEConfig,
+        moe_layers: int,
+        shape: PassShape,
+        stream_dtype: torch.dtype,
+        **kwargs,
     ):
         """`pipeline(loss)`: the schedule and stages, built with this context's loss of a micro-batch, exchanging
         micro-batches of `shape`; the residual stream passes between stages in `stream_dtype`."""
@@ -63,7 +70,8 @@ class PipelineContext(TrainingContext):
         self.counts_whole = self.last_stage and plan.cp_rank == 0  # one rank of each context-parallel group
         whole = self.reductions
         self.reductions = RankReductions(
-            whole.context, whole.device,
+            whole.context,
+            whole.device,
             lambda tensor: whole.sum_tensor(tensor if self.counts_whole else tensor.zero_()),
         )
         self._moe = moe
@@ -102,7 +110,9 @@ class PipelineContext(TrainingContext):
         try:
             with self.autocast():
                 self.pipeline.schedule.step(
-                    tokens_BS, target=micro_batch_of_row, return_outputs=False,
+                    tokens_BS,
+                    target=micro_batch_of_row,
+                    return_outputs=False,
                     **{name: value for name, value in inputs.items() if value is not None},
                 )
             schedule_s = time.perf_counter() - started
@@ -132,8 +142,11 @@ class PipelineContext(TrainingContext):
         model = model or self.model
         with evaluating(model), self.autocast():
             return self._staged(model)(
-                scoring.tokens_BS, scoring.reduce, padding_BS=scoring.padding_BS,
-                document_ids_BS=scoring.document_ids_BS, head=scoring.head,
+                scoring.tokens_BS,
+                scoring.reduce,
+                padding_BS=scoring.padding_BS,
+                document_ids_BS=scoring.document_ids_BS,
+                head=scoring.head,
             )
 
     def keep_replica_sums(self, statistics: StepStatistics) -> None:
@@ -165,7 +178,10 @@ class PipelineContext(TrainingContext):
             head = HeadTargets(F.pad(head.targets_BS, grow, value=IGNORE_INDEX), head.chunk_tokens)
         documents = forward.document_ids_BS
         return replace(
-            forward, tokens_BS=F.pad(forward.tokens_BS, grow), padding_BS=padding_BS, head=head,
+            forward,
+            tokens_BS=F.pad(forward.tokens_BS, grow),
+            padding_BS=padding_BS,
+            head=head,
             document_ids_BS=None if documents is None else F.pad(documents, grow, value=-1),
         )
 
@@ -260,20 +276,37 @@ def step_context(
     if cp > 1:  # whole chunks of every row: each stage's share of the positions is the same
         shape = replace(shape, seq_len=-(-shape.seq_len // (2 * cp)) * 2 * cp)
     shapes = ExchangedShapes(
-        rows=shape.rows, seq_len=shape.seq_len,
-        dim=model.dim, vocab_size=model.vocab_size, activation_dtype=precision.torch_param_dtype,
+        rows=shape.rows,
+        seq_len=shape.seq_len,
+        dim=model.dim,
+        vocab_size=model.vocab_size,
+        activation_dtype=precision.torch_param_dtype,
         logits_dtype=precision.torch_compute_dtype if precision.autocast else precision.torch_param_dtype,
-        loss_chunk=shape.loss_chunk, cp=cp,
+        loss_chunk=shape.loss_chunk,
+        cp=cp,
     )
     micro_batches = config.train.global_batch // (plan.data_world_size * config.train.micro_batch)
 
     def pipeline(loss) -> Pipeline:
         return build_pipeline(
-            parts.model, plan.split, plan.pp.rank, plan.pp.group, job.device, config.parallel.pp_schedule,
-            micro_batches, shapes, loss,
+            parts.model,
+            plan.split,
+            plan.pp.rank,
+            plan.pp.group,
+            job.device,
+            config.parallel.pp_schedule,
+            micro_batches,
+            shapes,
+            loss,
         )
 
     return PipelineContext(
-        *context_args, step_weights=step_weights, pipeline=pipeline, plan=plan, moe=model.moe,
-        moe_layers=model.n_layers - model.dense_layers, shape=shape, stream_dtype=precision.torch_param_dtype,
+        *context_args,
+        step_weights=step_weights,
+        pipeline=pipeline,
+        plan=plan,
+        moe=model.moe,
+        moe_layers=model.n_layers - model.dense_layers,
+        shape=shape,
+        stream_dtype=precision.torch_param_dtype,
     )

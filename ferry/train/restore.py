@@ -54,7 +54,12 @@ if TYPE_CHECKING:
 
 
 def checkpoint_state(
-    job: Job, numerics: Numerics, model: ModelParts, data: RunData, objective: Objective, environment: dict,
+    job: Job,
+    numerics: Numerics,
+    model: ModelParts,
+    data: RunData,
+    objective: Objective,
+    environment: dict,
     state: TrainState,
 ) -> tuple[dict[str, TensorPiece], CheckpointMeta]:
     """This rank's share of the train state under logical names, and the manifest's metadata."""
@@ -92,8 +97,14 @@ def checkpoint_state(
 
 
 def restore(
-    job: Job, numerics: Numerics, model: ModelParts, data: RunData, objective: Objective, tokens_per_step: int,
-    checkpoint: Checkpoint, state: TrainState,
+    job: Job,
+    numerics: Numerics,
+    model: ModelParts,
+    data: RunData,
+    objective: Objective,
+    tokens_per_step: int,
+    checkpoint: Checkpoint,
+    state: TrainState,
 ) -> tuple[TrainState, list[str]]:
     """Continue from `checkpoint` in this run's layout: weights, optimizer state, scaler, RNG, data position.
 

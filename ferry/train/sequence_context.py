@@ -30,7 +30,8 @@ class SequenceSplitContext(TrainingContext):
         self.counts_whole = plan.cp_rank == 0
         whole = self.reductions
         self.reductions = RankReductions(
-            whole.context, whole.device,
+            whole.context,
+            whole.device,
             lambda tensor: whole.sum_tensor(tensor if self.counts_whole else tensor.zero_()),
         )
 

@@ -171,7 +171,9 @@ class TrainingContext:
         for forward in passes:
             with self.phase("forward"), self.autocast():
                 output = self.model(
-                    forward.tokens_BS, document_ids_BS=forward.document_ids_BS, padding_BS=forward.padding_BS,
+                    forward.tokens_BS,
+                    document_ids_BS=forward.document_ids_BS,
+                    padding_BS=forward.padding_BS,
                     targets=forward.head,
                 )
                 parts = forward.loss(output)
@@ -194,7 +196,12 @@ class TrainingContext:
         progress: Callable[[], None] | None = None,
     ) -> GenerationResult:
         return generate(
-            self._decoder(), prompts, config, end_ids=end_ids, row_seeds=row_seeds, sync=self._generation_sync(),
+            self._decoder(),
+            prompts,
+            config,
+            end_ids=end_ids,
+            row_seeds=row_seeds,
+            sync=self._generation_sync(),
             progress=progress,
         )
 

@@ -68,9 +68,7 @@ class StepStatistics:
 
     def __init__(self, num_layers: int, num_experts: int, device: torch.device, objective: tuple[str, ...] = ()):
         per_layer = num_layers * num_experts
-        self.totals = torch.zeros(
-            4 + 2 * per_layer + num_layers + len(objective), dtype=torch.float64, device=device
-        )
+        self.totals = torch.zeros(4 + 2 * per_layer + num_layers + len(objective), dtype=torch.float64, device=device)
         self.sums_4 = self.totals[:4]
         self.counts_LE = self.totals[4 : 4 + per_layer].view(num_layers, num_experts)
         self.mean_prob_LE = self.totals[4 + per_layer : 4 + 2 * per_layer].view(num_layers, num_experts)

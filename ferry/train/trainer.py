@@ -73,7 +73,8 @@ class Trainer:
         self.resilience = Resilience(config, job.rank, job.world_size, job.started_unix, model.reductions.largest)
         self.attention_logits = (
             AttentionLogits(model.model, model.reductions, config.optim.muon.qk_clip)
-            if config.tracks_attention_logits else None
+            if config.tracks_attention_logits
+            else None
         )
         self.hooks = Hooks([self.resilience])
         self.user_hooks = list(hooks)
@@ -83,10 +84,21 @@ class Trainer:
         self._run_lock: RunDirLock | None = None
         shape = self.parts.data.kind.pass_shape(config, self.parts.data.loader)
         self.context: TrainingContext = step_context(
-            job, model, self.parts.numerics.precision, shape, model.model, job.device, model.reductions,
-            partial(self.parts.numerics.autocast, job.device), self.parts.instruments.metrics.timer,
-            self.parts.numerics.scaler, model.optimizer,
-            self.resilience.phase, self.resilience.watchdog.touch, self._after_backward, self._apply_gradients,
+            job,
+            model,
+            self.parts.numerics.precision,
+            shape,
+            model.model,
+            job.device,
+            model.reductions,
+            partial(self.parts.numerics.autocast, job.device),
+            self.parts.instruments.metrics.timer,
+            self.parts.numerics.scaler,
+            model.optimizer,
+            self.resilience.phase,
+            self.resilience.watchdog.touch,
+            self._after_backward,
+            self._apply_gradients,
             step_weights=model.step_weights,
         )
 
@@ -148,7 +160,12 @@ class Trainer:
         resilience.watch_loading()
         resilience.note_agent_restart(list(parts.start.restart_counts))
         restore_found = partial(
-            restore, parts.job, parts.numerics, parts.model, parts.data, parts.objective,
+            restore,
+            parts.job,
+            parts.numerics,
+            parts.model,
+            parts.data,
+            parts.objective,
             parts.instruments.tokens_per_step,
         )
         found, self.state, notes, resume_times = resume_from(parts.job, parts.model, resume, self.state, restore_found)
@@ -204,15 +221,24 @@ class Trainer:
         """What a save of the run as it stands holds: this rank's pieces and the manifest's metadata."""
         parts = self.parts
         return checkpoint_state(
-            parts.job, parts.numerics, parts.model, parts.data, parts.objective, parts.instruments.environment,
+            parts.job,
+            parts.numerics,
+            parts.model,
+            parts.data,
+            parts.objective,
+            parts.instruments.environment,
             self.state,
         )
 
     def _checkpoints(self, resumed_step: int | None) -> CheckpointManager:
         config, parts = self.config, self.parts
         return CheckpointManager(
-            config.checkpoint, config.checkpoint.path(config.run.path), last_step=resumed_step,
-            rank=parts.job.rank, world_size=parts.job.world_size, agree=self.resilience.agree,
+            config.checkpoint,
+            config.checkpoint.path(config.run.path),
+            last_step=resumed_step,
+            rank=parts.job.rank,
+            world_size=parts.job.world_size,
+            agree=self.resilience.agree,
         )
 
     def _hooks(self, hub: MetricsHub, record, checkpoints: CheckpointManager, resumed_step: int | None) -> list:
@@ -220,13 +246,26 @@ class Trainer:
         config, parts, resilience = self.config, self.parts, self.resilience
         trace = TorchTrace(config.profile, config.run.path, parts.job.device, parts.job.rank)
         saves = CheckpointHook(
-            config.checkpoint, resilience.job_mtbf_s, checkpoints, self._checkpoint_state,
-            resilience.watchdog, resilience.injector, resilience.agree, hub.message, parts.job.is_main,
+            config.checkpoint,
+            resilience.job_mtbf_s,
+            checkpoints,
+            self._checkpoint_state,
+            resilience.watchdog,
+            resilience.injector,
+            resilience.agree,
+            hub.message,
+            parts.job.is_main,
             resumed_step or 0,
         )
         records = RecordsHook(
-            hub, record, parts.instruments.metrics, lambda: {**resilience.finish(), **saves.summary()}, checkpoints,
-            config.run.path, config.train.steps, config.train.stop_at,
+            hub,
+            record,
+            parts.instruments.metrics,
+            lambda: {**resilience.finish(), **saves.summary()},
+            checkpoints,
+            config.run.path,
+            config.train.steps,
+            config.train.stop_at,
             lambda: describe_hardware(parts.numerics, parts.instruments.metrics.peak),
             data_realised=lambda: realised_counts(parts.data.loader, self.state.cursor),
         )
@@ -245,7 +284,9 @@ class Trainer:
             group["lr"] = lr
         model.model.train()
         statistics = StepStatistics(
-            config.model.moe_layer_count, config.model.moe.num_experts, parts.job.device,
+            config.model.moe_layer_count,
+            config.model.moe.num_experts,
+            parts.job.device,
             objective=objective.statistics,
         )
         compiled_before = compile_seconds() if model.compiled["mode"] != "none" else 0.0
@@ -309,8 +350,14 @@ class Trainer:
         model = parts.model
         raise_on_nonfinite = config.fault.on_nonfinite == "raise"
         grad_norm, stepped = apply_gradients(
-            model.plan, parts.numerics.scaler, model.optimizer, model.model, parts.job.device, config.optim.grad_clip,
-            raise_on_nonfinite, step,
+            model.plan,
+            parts.numerics.scaler,
+            model.optimizer,
+            model.model,
+            parts.job.device,
+            config.optim.grad_clip,
+            raise_on_nonfinite,
+            step,
         )
         if self.attention_logits is not None:
             self.attention_logits.after_update(stepped)
@@ -325,7 +372,11 @@ class Trainer:
         record = {}
         if evaluation.sources:
             losses = evaluation.run(
-                context.score, context.device, context.rank, context.world_size, context.reductions.sum_tensor,
+                context.score,
+                context.device,
+                context.rank,
+                context.world_size,
+                context.reductions.sum_tensor,
                 progress,
             )
             record = eval_record(losses)

@@ -12,7 +12,11 @@ def causal_attention(
     """Softmax(q k^T * scale + causal mask) v, scale 1/sqrt(C) unless given (MLA's YaRN sharpens it); G
     key/value heads each serve H/G query heads; the value width E may differ from C."""
     out_BHSC = F.scaled_dot_product_attention(
-        q_BHSC, k_BGSC, _as_wide_as(v_BGSE, q_BHSC), is_causal=True, scale=scale,
+        q_BHSC,
+        k_BGSC,
+        _as_wide_as(v_BGSE, q_BHSC),
+        is_causal=True,
+        scale=scale,
         enable_gqa=k_BGSC.shape[1] != q_BHSC.shape[1],
     )
     return _narrowed_to(out_BHSC, v_BGSE)
@@ -33,7 +37,11 @@ def masked_attention(
     if sinks_H is not None:
         return _attention_with_sinks(q_BHSC, k_BGTC, v_BGTE, visible_BST, sinks_H, scale)
     out_BHSC = F.scaled_dot_product_attention(
-        q_BHSC, k_BGTC, _as_wide_as(v_BGTE, q_BHSC), attn_mask=visible_BST[:, None], scale=scale,
+        q_BHSC,
+        k_BGTC,
+        _as_wide_as(v_BGTE, q_BHSC),
+        attn_mask=visible_BST[:, None],
+        scale=scale,
         enable_gqa=k_BGTC.shape[1] != q_BHSC.shape[1],
     )
     return _narrowed_to(out_BHSC, v_BGTE)

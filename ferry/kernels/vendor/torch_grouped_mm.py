@@ -84,5 +84,5 @@ def _check_alignment(x_NI: torch.Tensor, w_EOI: torch.Tensor) -> None:
         raise UserError(
             f"moe.grouped_mm torch_grouped_mm needs widths that are multiples of {values} {x_NI.dtype} values "
             f"(16 bytes), got in {in_width} and out {out_width} (model.dim, model.moe.expert_ffn_dim): make them "
-            f"multiples of {values}, or pin kernels.ops.\"moe.grouped_mm\" to portable"
+            f'multiples of {values}, or pin kernels.ops."moe.grouped_mm" to portable'
         )

@@ -113,8 +113,10 @@ class GroupedQueryAttention:
         if arch not in self.hf_architectures:
             return [f"model.attention: {arch} is multi-head latent attention (mla), the model uses gqa"]
         if arch == "olmoe" and config.head_dim * config.n_heads != config.dim:
-            return [f"model.head_dim {config.head_dim}: olmoe's heads split hidden_size ({config.dim}); "
-                    "qwen3_moe has a head_dim of its own"]
+            return [
+                f"model.head_dim {config.head_dim}: olmoe's heads split hidden_size ({config.dim}); "
+                "qwen3_moe has a head_dim of its own"
+            ]
         return []
 
     def hf_config_fields(self, config: ModelShape, arch: str) -> dict[str, Any]:

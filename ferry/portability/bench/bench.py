@@ -74,8 +74,9 @@ def run_bench(
     if out.is_dir() or (out.parent.exists() and not out.parent.is_dir()):
         raise UserError(f"--out {str(out)!r} cannot be written: name a JSON file in a directory")
     if out.exists():
-        raise UserError(f"--out {str(out)!r} already holds a record, which a new measurement does not replace; "
-                        "name another file")
+        raise UserError(
+            f"--out {str(out)!r} already holds a record, which a new measurement does not replace; name another file"
+        )
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     work = Path(work_dir) if work_dir is not None else Path("runs") / "bench" / f"{suite.name}-{stamp}"
     if work.exists() and (not work.is_dir() or any(work.iterdir())):

@@ -158,8 +158,12 @@ def workload_digest(config: RunConfig) -> str:
     """sha256 of what a step computes: the model, the sequence length, the global batch and the optimizer
     (not the layout, kernels, precision or micro-batching, which are what a comparison may vary)."""
     optim = config.optim.model_dump(mode="json", exclude={"zero"})
-    fields = {"model": config.model.model_dump(mode="json"), "seq_len": config.data.seq_len,
-              "global_batch": config.train.global_batch, "optim": optim}
+    fields = {
+        "model": config.model.model_dump(mode="json"),
+        "seq_len": config.data.seq_len,
+        "global_batch": config.train.global_batch,
+        "optim": optim,
+    }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
@@ -167,5 +171,3 @@ def _auto_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-

@@ -307,7 +307,11 @@ def _draw(
     figure, (curves, difference) = new_figure(rows=2)
     for index, seed_S in enumerate(seeds_RS):
         curves.plot(
-            steps_S, _trailing_mean(seed_S, tolerance.window), color="tab:gray", alpha=0.6, linewidth=0.8,
+            steps_S,
+            _trailing_mean(seed_S, tolerance.window),
+            color="tab:gray",
+            alpha=0.6,
+            linewidth=0.8,
             label="A with other seeds" if index == 0 else None,
         )
     curves.plot(steps_S, a_S, color="tab:blue", alpha=0.35, linewidth=0.8)

@@ -35,8 +35,11 @@ def prepare_fuzz_data(work: Path, text: Path | None = None) -> FuzzData:
         text = root / "stdlib"
         prepare_dataset(PrepareSpec(embedded="stdlib", embedded_max_bytes=400_000, vocab_size=512), text)
     tokenizer = str(text / "tokenizer.json")
-    views = {"chat": {"chat": True, "seq_len": 64}, "pairs": {"records": "preferences"},
-             "prompts": {"records": "prompts"}}
+    views = {
+        "chat": {"chat": True, "seq_len": 64},
+        "pairs": {"records": "preferences"},
+        "prompts": {"records": "prompts"},
+    }
     for view, flags in views.items():
         spec = PrepareSpec(embedded="largest", tokenizer=tokenizer, embedded_max_bytes=60_000, **flags)
         prepare_dataset(spec, root / view)

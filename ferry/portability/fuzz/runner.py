@@ -35,14 +35,27 @@ TIMEOUT_S = 300
 REFUSED = 2  # `ferry train`'s exit code for a setting it refuses, with a message naming it
 SEED_RUNS = (1, 2)  # the oracle's other seeds, for a profile judged against the spread between seeds
 # the parent of DPO and GRPO: SFT on the task's chat view until some answers come out right, so rollouts score
-PARENT = ("data.sources=[{name: chat, path: CHAT}]", "data.seq_len=64", "train.steps=30", "train.global_batch=8",
-          "optim.lr=1e-2", "checkpoint.interval=30")
+PARENT = (
+    "data.sources=[{name: chat, path: CHAT}]",
+    "data.seq_len=64",
+    "train.steps=30",
+    "train.global_batch=8",
+    "optim.lr=1e-2",
+    "checkpoint.interval=30",
+)
 
 BASE_RUN = {  # the suite's tiny model and batch (tests/conftest.py), checkpoints kept for the resume leg
     "run": {"name": "fuzz", "seed": 0, "device": "cpu"},
     "model": {
-        "vocab_size": VOCAB_SIZE, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64,
-        "dense_layers": 1, "dense_ffn_dim": 64, "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32},
+        "vocab_size": VOCAB_SIZE,
+        "dim": 32,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "max_seq_len": 64,
+        "dense_layers": 1,
+        "dense_ffn_dim": 64,
+        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32},
     },
     "data": {"seq_len": 32},
     "train": {"steps": STEPS, "global_batch": 32, "micro_batch": 4, "log_every": 1},  # 32: 4 ranks of 8
@@ -65,8 +78,12 @@ class Outcome:
 
     def as_record(self) -> dict:
         return {
-            "digest": self.combination.digest(), "combination": self.combination.describe(), "verdict": self.verdict,
-            "detail": self.detail, "worst_relative": self.worst, "commands": self.commands,
+            "digest": self.combination.digest(),
+            "combination": self.combination.describe(),
+            "verdict": self.verdict,
+            "detail": self.detail,
+            "worst_relative": self.worst,
+            "commands": self.commands,
             **({"resumed_in": self.resumed_in.describe()} if self.resumed_in is not None else {}),
         }
 
@@ -132,8 +149,9 @@ class Fuzzer:
             return Outcome(combination, "crashed", f"resumed: {failed}", commands, resumed)
         resumed_worst, parted = self._judged(combination, oracle, resume_dir)
         if parted:
-            return Outcome(combination, "diverged", f"resumed in another layout, {parted}", commands, resumed,
-                           resumed_worst)
+            return Outcome(
+                combination, "diverged", f"resumed in another layout, {parted}", commands, resumed, resumed_worst
+            )
         return Outcome(combination, "equal", "", commands, resumed, max(worst, resumed_worst))
 
     def _judged(self, combination: Combination, oracle: Path, run_dir: Path) -> tuple[float, str]:
@@ -152,8 +170,10 @@ class Fuzzer:
         worst = verdict.max_rel_diff if verdict.max_rel_diff is not None else float("inf")
         if verdict.passed:
             return worst, ""
-        return worst, (f"step {verdict.first_failing_step}: outside the {profile} bound, relative difference "
-                       f"{worst:.2e} at most (step {verdict.worst_step}, {verdict.metric})")
+        return worst, (
+            f"step {verdict.first_failing_step}: outside the {profile} bound, relative difference "
+            f"{worst:.2e} at most (step {verdict.worst_step}, {verdict.metric})"
+        )
 
     def _resume(
         self, resumed: Combination, combination: Combination, checkpoint: Path
@@ -192,12 +212,21 @@ class Fuzzer:
         run_dir = self._parent_dir(combination)
         key = run_dir.name
         if key not in self._parents:
-            command = [self.python, "-m", "ferry", "train", str(self.config), *_model_shape(combination),
-                       *(self.data.substitute(override) for override in PARENT), f"run.dir={run_dir}",
-                       "run.overwrite=true"]
+            command = [
+                self.python,
+                "-m",
+                "ferry",
+                "train",
+                str(self.config),
+                *_model_shape(combination),
+                *(self.data.substitute(override) for override in PARENT),
+                f"run.dir={run_dir}",
+                "run.overwrite=true",
+            ]
             failed = self._failure(command)
-            self._parents[key] = run_dir if failed is None else Outcome(
-                combination, "crashed", failed, [shlex.join(command)])
+            self._parents[key] = (
+                run_dir if failed is None else Outcome(combination, "crashed", failed, [shlex.join(command)])
+            )
         return self._parents[key]
 
     def _parent_dir(self, combination: Combination) -> Path:
@@ -211,8 +240,18 @@ class Fuzzer:
 
     def _command(self, combination: Combination, run_dir: Path, *extra: str) -> list[str]:
         ranks = ["--nproc", str(combination.world)] if combination.world > 1 else []
-        return [self.python, "-m", "ferry", "train", str(self.config), *ranks, *self._overrides(combination),
-                f"run.dir={run_dir}", "run.overwrite=true", *extra]
+        return [
+            self.python,
+            "-m",
+            "ferry",
+            "train",
+            str(self.config),
+            *ranks,
+            *self._overrides(combination),
+            f"run.dir={run_dir}",
+            "run.overwrite=true",
+            *extra,
+        ]
 
     def _failure(self, command: list[str]) -> str | None:
         """Why the run failed (its last error lines), or None where it trained."""

@@ -22,28 +22,58 @@ COMPUTATION: dict[str, dict[str, tuple[str, ...]]] = {
     "objective": {
         "lm": ("data.sources=[{name: text, path: TEXT}]",),
         "sft": ("data.sources=[{name: chat, path: CHAT}]", "data.seq_len=64"),
-        "dpo": ("train.objective=dpo", "data.sources=[{name: pairs, path: PAIRS}]", "data.seq_len=64",
-                "init_from=PARENT"),
-        "grpo": ("train.objective=grpo", "data.sources=[{name: prompts, path: PROMPTS}]", "data.seq_len=64",
-                 "grpo.group_size=4", "grpo.max_new_tokens=3", "grpo.verifier=numeric", "init_from=PARENT"),
+        "dpo": (
+            "train.objective=dpo",
+            "data.sources=[{name: pairs, path: PAIRS}]",
+            "data.seq_len=64",
+            "init_from=PARENT",
+        ),
+        "grpo": (
+            "train.objective=grpo",
+            "data.sources=[{name: prompts, path: PROMPTS}]",
+            "data.seq_len=64",
+            "grpo.group_size=4",
+            "grpo.max_new_tokens=3",
+            "grpo.verifier=numeric",
+            "init_from=PARENT",
+        ),
     },
     "precision": {"fp32": (), "bf16": ("precision.compute_dtype=bf16",)},
     "layers": {"2": (), "4": ("model.n_layers=4",)},
     "attention": {
         "gqa": (),
-        "mla": ("model.attention=mla", "model.n_kv_heads=4",
-                "model.mla={q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, "
-                "v_head_dim: 8}"),
+        "mla": (
+            "model.attention=mla",
+            "model.n_kv_heads=4",
+            "model.mla={q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 8}",
+        ),
         # GPT-OSS's: biased projections, a sink logit a head, every other layer windowed
-        "gqa-sinks-window": ("model.attention_bias=true", "model.attention_sinks=true", "model.sliding_window=16",
-                             "model.sliding_window_pattern=2"),
+        "gqa-sinks-window": (
+            "model.attention_bias=true",
+            "model.attention_sinks=true",
+            "model.sliding_window=16",
+            "model.sliding_window_pattern=2",
+        ),
     },
-    "experts": {"plain": (), "biased-clamped": ("model.moe.router_bias=true", "model.moe.expert_biases=true",
-                                                "model.moe.activation=clamped_swiglu")},
+    "experts": {
+        "plain": (),
+        "biased-clamped": (
+            "model.moe.router_bias=true",
+            "model.moe.expert_biases=true",
+            "model.moe.activation=clamped_swiglu",
+        ),
+    },
     "dense_layers": {"1": ("model.dense_layers=1",), "0": ("model.dense_layers=0",)},
     "shared_expert": {"none": (), "32": ("model.moe.shared_expert_ffn_dim=32",)},
-    "routing": {"softmax": (), "sigmoid-groups": ("model.moe.score_func=sigmoid", "model.moe.n_group=2",
-                                                  "model.moe.topk_group=1", "model.moe.renormalize=true")},
+    "routing": {
+        "softmax": (),
+        "sigmoid-groups": (
+            "model.moe.score_func=sigmoid",
+            "model.moe.n_group=2",
+            "model.moe.topk_group=1",
+            "model.moe.renormalize=true",
+        ),
+    },
     "skip": {"standard": (), "farskip": ("model.skip=farskip",)},
     "optimizer": {"adamw": (), "muon": ("optim.name=muon",)},
     "kernels": {"auto": (), "portable": ("kernels.policy=portable",)},
@@ -71,10 +101,16 @@ LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
         "interleaved": ("parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"),
         "looped": ("parallel.pp_schedule=looped_bfs", "parallel.pp_virtual_stages=2"),
     },
-    "recompute": {"none": (), "selective": ("train.activation_checkpointing=selective",),
-                  "full": ("train.activation_checkpointing=full",)},
-    "ep_exchange": {"single": (), "chunked": ("parallel.ep_overlap=chunked",),
-                    "rowwise": ("parallel.ep_dispatch=rowwise",)},
+    "recompute": {
+        "none": (),
+        "selective": ("train.activation_checkpointing=selective",),
+        "full": ("train.activation_checkpointing=full",),
+    },
+    "ep_exchange": {
+        "single": (),
+        "chunked": ("parallel.ep_overlap=chunked",),
+        "rowwise": ("parallel.ep_dispatch=rowwise",),
+    },
 }
 
 
@@ -96,8 +132,10 @@ class Combination:
         chosen = dict(self.values)
         found = []
         for axis, values in (*COMPUTATION.items(), *LAYOUT.items()):
-            found += [override.replace("WORLD", str(self.world)).replace("HALF", str(max(self.world // 2, 1)))
-                      for override in values[chosen[axis]]]
+            found += [
+                override.replace("WORLD", str(self.world)).replace("HALF", str(max(self.world // 2, 1)))
+                for override in values[chosen[axis]]
+            ]
         return found
 
     def profile(self) -> str:
@@ -110,8 +148,9 @@ class Combination:
     def computation(self) -> Combination:
         """The oracle's combination: this computation, on one process with the default layout."""
         chosen = dict(self.values)
-        return Combination(tuple((axis, chosen[axis] if axis in COMPUTATION else next(iter(LAYOUT[axis])))
-                                 for axis, _ in self.values))
+        return Combination(
+            tuple((axis, chosen[axis] if axis in COMPUTATION else next(iter(LAYOUT[axis]))) for axis, _ in self.values)
+        )
 
     def digest(self) -> str:
         """The combination's identity in a report: sha256 of its values (12 hex digits)."""

@@ -149,8 +149,10 @@ def describe_conditions(conditions: dict | None) -> str:
     peak = conditions.get("load_1m_max")
     load = "no load average" if peak is None else f"load average up to {peak:.1f}"
     others = conditions.get("others_busy_cores")
-    busy = f"other processes' CPU use unknown on {cores} cores" if others is None else (
-        f"other processes used {others:.1f} of {cores} cores"
+    busy = (
+        f"other processes' CPU use unknown on {cores} cores"
+        if others is None
+        else (f"other processes used {others:.1f} of {cores} cores")
     )
     ranks, threads = conditions.get("ranks"), conditions.get("torch_threads")
     machine = f"{conditions.get('cpu_model') or 'unknown CPU'}, {_count(ranks, 'rank')} x {_count(threads, 'thread')}"

@@ -109,7 +109,14 @@ def run_leg(
         returncode = _follow(process, name, config.run.path / METRICS_NAME, steps, say)
     finished = time.time()
     result = LegResult(
-        name, environment.name, config.run.path, log, returncode, launched, finished, _run_record(config.run.path),
+        name,
+        environment.name,
+        config.run.path,
+        log,
+        returncode,
+        launched,
+        finished,
+        _run_record(config.run.path),
         load=sampler.measured,
     )
     if returncode == 2:
@@ -119,9 +126,7 @@ def run_leg(
     return result
 
 
-def _follow(
-    process: subprocess.Popen, name: str, metrics: Path, steps: int | None, say: Callable[[str], None]
-) -> int:
+def _follow(process: subprocess.Popen, name: str, metrics: Path, steps: int | None, say: Callable[[str], None]) -> int:
     """Wait for the leg, following its steps as they land in its metrics file: a bar on a terminal, a line at
     least every 30 s elsewhere (a leg of minutes must not leave the parent's log silent)."""
     with WorkProgress(f"{name} leg", steps, say=say, unit="steps") as progress:

@@ -27,9 +27,7 @@ from ferry.portability.release.verify import read_release
 from ferry.train.config import RunConfig
 
 
-def branch_config(
-    directory: str | Path, stage: str, out: str | Path | None, overrides: list[str]
-) -> dict[str, Any]:
+def branch_config(directory: str | Path, stage: str, out: str | Path | None, overrides: list[str]) -> dict[str, Any]:
     """The run config (plain data, validated) of a branch from `stage` of the release in `directory` (verified
     first) into `out` (default: `outside_release`'s place for it); bad input is a `UserError`."""
     directory = Path(directory).resolve()

@@ -103,7 +103,13 @@ def build_release(
 
 
 def _write(
-    lineage: dict[str, Any], pipeline_dir: Path, out: Path, optimizer: bool, data: bool, export: bool, say: Say,
+    lineage: dict[str, Any],
+    pipeline_dir: Path,
+    out: Path,
+    optimizer: bool,
+    data: bool,
+    export: bool,
+    say: Say,
     final: Path,
 ) -> dict[str, Any]:
     pipeline = dict(lineage["pipeline"])
@@ -118,9 +124,7 @@ def _write(
         pipeline["released_file"] = "pipeline.yaml"
     sources = _data(lineage, out, data, say)
     by_path = {source["path"]: source["key"] for source in sources}
-    stages = [
-        _stage(record, pipeline_dir, out, optimizer, export, by_path, say, final) for record in lineage["stages"]
-    ]
+    stages = [_stage(record, pipeline_dir, out, optimizer, export, by_path, say, final) for record in lineage["stages"]]
     extras = [] if is_run else _extras(pipeline_dir, lineage, out)
     content: dict[str, Any] = {
         "format": RELEASE_FORMAT,
@@ -159,8 +163,14 @@ def _located(recorded: str, pipeline_dir: Path, *tail: str) -> Path:
 
 
 def _stage(
-    record: dict[str, Any], pipeline_dir: Path, out: Path, optimizer: bool, export: bool, by_path: dict[str, str],
-    say: Say, final: Path,
+    record: dict[str, Any],
+    pipeline_dir: Path,
+    out: Path,
+    optimizer: bool,
+    export: bool,
+    by_path: dict[str, str],
+    say: Say,
+    final: Path,
 ) -> dict[str, Any]:
     name = record["name"]
     result = record["result"]
@@ -180,8 +190,9 @@ def _stage(
             f"{result['digest'][:12]}); the pipeline directory changed after the stage finished"
         )
     checkpoint = target / "checkpoints" / source.name
-    trained_with = optimizer_kind(json.loads((source / MANIFEST_NAME).read_text(encoding="utf-8"))
-                                  .get("train_state", {}))
+    trained_with = optimizer_kind(
+        json.loads((source / MANIFEST_NAME).read_text(encoding="utf-8")).get("train_state", {})
+    )
     with_optimizer = _copy_checkpoint(source, checkpoint, optimizer, target / SOURCE_MANIFEST)
     tokenizer = _tokenizer(record, target)
     entry: dict[str, Any] = {
@@ -208,12 +219,14 @@ def _stage(
         "eval_data": [_data_use(source, by_path) for source in record.get("eval_data", [])],
         "world_size": _world_size(run_dir),
     }
-    entry["export"] = _export(checkpoint, target / "transformers", out, final) if export else {
-        "skipped": "not asked (--no-export)"
-    }
-    say(f"ferry: release: stage {name}: step {result['step']} checkpoint"
+    entry["export"] = (
+        _export(checkpoint, target / "transformers", out, final) if export else {"skipped": "not asked (--no-export)"}
+    )
+    say(
+        f"ferry: release: stage {name}: step {result['step']} checkpoint"
         f"{f' with {trained_with} state' if with_optimizer else ' (weights)'}; export: "
-        f"{entry['export'].get('arch') or entry['export'].get('skipped')}")
+        f"{entry['export'].get('arch') or entry['export'].get('skipped')}"
+    )
     return entry
 
 
@@ -232,7 +245,8 @@ def _copy_checkpoint(source: Path, target: Path, optimizer: bool, source_manifes
     shutil.copy2(source / MANIFEST_NAME, source_manifest)
     manifest["files"] = {file: record for file, record in manifest["files"].items() if file not in dropped}
     manifest["tensors"] = {
-        name: tensor for name, tensor in manifest["tensors"].items()
+        name: tensor
+        for name, tensor in manifest["tensors"].items()
         if not any(piece["file"] in dropped for piece in tensor["pieces"])
     }
     manifest.get("train_state", {}).pop("optimizer", None)

@@ -9,16 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
-_FIGURES = (("eval/rewards/accuracy", "reward accuracy"), ("eval/solve_rate", "solve rate"),
-            ("eval/greedy_solve_rate", "greedy solve rate"))
+_FIGURES = (
+    ("eval/rewards/accuracy", "reward accuracy"),
+    ("eval/solve_rate", "solve rate"),
+    ("eval/greedy_solve_rate", "greedy solve rate"),
+)
 
 
 def model_card(release: dict[str, Any]) -> str:
     pipeline = release["pipeline"]
     stages = release["stages"]
     code = release["code"]
-    commit = f" at commit `{code['git_commit']}`" + (" (with uncommitted changes)" if code.get("git_dirty") else "") \
-        if code.get("git_commit") else ""
+    commit = (
+        f" at commit `{code['git_commit']}`" + (" (with uncommitted changes)" if code.get("git_dirty") else "")
+        if code.get("git_commit")
+        else ""
+    )
     lines = [
         f"# {pipeline['name']}: a ferry {'run' if pipeline.get('kind') == 'run' else 'pipeline'} release",
         "",
@@ -93,8 +99,9 @@ def model_card(release: dict[str, Any]) -> str:
             "```",
         ]
     data = (
-        "with the release's own copy of its data" if release["data_files"] else
-        "with its data read where the stage's config names it, checked against the manifest the release records "
+        "with the release's own copy of its data"
+        if release["data_files"]
+        else "with its data read where the stage's config names it, checked against the manifest the release records "
         "(this release carries the manifests only; `ferry release --data` carries the data too)"
     )
     lines += [
@@ -181,4 +188,6 @@ def _optimizer_words(stages: list[dict[str, Any]]) -> str:
         return " (this release carries no optimizer state)"
     if len(by_kind) == 1:
         return f" and {next(iter(by_kind))} state"
-    return " and optimizer state (" + "; ".join(f"{kind} for {', '.join(names)}" for kind, names in by_kind.items()) + ")"
+    return (
+        " and optimizer state (" + "; ".join(f"{kind} for {', '.join(names)}" for kind, names in by_kind.items()) + ")"
+    )

@@ -92,8 +92,9 @@ def replay_stage(
     # the replay's own settings (where it starts, runs and stops) on both sides: only the environment differs
     recorded_config = _validated(base, procedure, f"stage {stage}'s config")
     environment = (
-        load_environment(env) if env is not None else
-        Environment(name="this machine (the recorded config)", nproc=entry.get("world_size") or 1)
+        load_environment(env)
+        if env is not None
+        else Environment(name="this machine (the recorded config)", nproc=entry.get("world_size") or 1)
     ).with_overrides(_parsed(overrides), "the command line's overrides")
     config = environment.run_config(base, procedure, by="the replay")
     profile, reason = judging_profile(recorded_config, entry.get("world_size") or 1, config, environment.nproc)
@@ -116,10 +117,22 @@ def replay_stage(
             return Replay(stage, count, environment.name, profile, reason, None, failure, run_dir)
     leg = run_leg("replay", environment, config, work, say, steps=count)
     if not leg.ok:
-        return Replay(stage, count, environment.name, profile, reason, None,
-                      f"the replay failed (exit {leg.returncode}): {leg.failure()}", run_dir)
+        return Replay(
+            stage,
+            count,
+            environment.name,
+            profile,
+            reason,
+            None,
+            f"the replay failed (exit {leg.returncode}): {leg.failure()}",
+            run_dir,
+        )
     verdict = compare_runs(
-        directory / entry["dir"], run_dir, profile=profile, steps=count, output_dir=work / "compare",
+        directory / entry["dir"],
+        run_dir,
+        profile=profile,
+        steps=count,
+        output_dir=work / "compare",
         seed_runs=seed_runs,
     )
     return Replay(stage, count, environment.name, profile, reason, verdict, None, run_dir, seed_runs)
@@ -248,8 +261,10 @@ def _as_recorded(base: dict[str, Any], run_record: Path) -> dict[str, Any]:
     resolved = {
         ("run", "device"): (record.get("environment") or {}).get("device_type"),
         ("hardware",): (record.get("hardware") or {}).get("profile"),
-        **{("precision", key): (record.get("precision") or {}).get(key)
-           for key in ("param_dtype", "compute_dtype", "reduce_dtype")},
+        **{
+            ("precision", key): (record.get("precision") or {}).get(key)
+            for key in ("param_dtype", "compute_dtype", "reduce_dtype")
+        },
     }
     for keys, value in resolved.items():
         section = raw
@@ -348,8 +363,13 @@ def _data(directory: Path, release: dict[str, Any], entry: dict[str, Any], base:
 
 def replay_summary(replay: Replay) -> dict[str, Any]:
     return {
-        "stage": replay.stage, "steps": replay.steps, "environment": replay.environment, "profile": replay.profile,
-        "reason": replay.reason, "passed": replay.passed, "failure": replay.failure,
+        "stage": replay.stage,
+        "steps": replay.steps,
+        "environment": replay.environment,
+        "profile": replay.profile,
+        "reason": replay.reason,
+        "passed": replay.passed,
+        "failure": replay.failure,
         "seed_runs": [str(run) for run in replay.seed_runs],
         "verdict": replay.verdict.as_dict() if replay.verdict is not None else None,
     }

@@ -96,9 +96,9 @@ def _check_files(directory: Path, files: dict[str, dict[str, Any]], check: Relea
             check.problems.append(f"{relative}: {size} bytes, recorded {record.get('bytes')}")
         elif sha256_file(path) != record.get("sha256"):
             check.problems.append(f"{relative}: sha256 differs from the recorded {str(record.get('sha256'))[:12]}")
-    present = {
-        path.relative_to(directory).as_posix() for path in directory.rglob("*") if path.is_file()
-    } - {RELEASE_FILE}
+    present = {path.relative_to(directory).as_posix() for path in directory.rglob("*") if path.is_file()} - {
+        RELEASE_FILE
+    }
     for extra in sorted(present - set(files)):
         check.problems.append(f"{extra}: not listed in {RELEASE_FILE}")
 

@@ -21,7 +21,8 @@ class DPOConfig(Section):
     loss: Literal["sigmoid", "length_normalized", "ipo"] = "sigmoid"
     beta: float = Field(0.1, gt=0.0, description="how far the policy may move from the reference")
     nll_weight: float = Field(
-        0.0, ge=0.0,
+        0.0,
+        ge=0.0,
         description="add this times the chosen answer's per-token negative log-likelihood (RPO): keeps DPO from "
         "lowering the chosen answers along with the rejected ones",
     )

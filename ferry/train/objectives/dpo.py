@@ -111,7 +111,12 @@ class DPOObjective:
         return StepOutcome(stepped, grad_norm, tokens=0)
 
     def _pairs_loss(
-        self, batch: Batch, indices: np.ndarray, pairs: int, share: float, own: NamedSums,
+        self,
+        batch: Batch,
+        indices: np.ndarray,
+        pairs: int,
+        share: float,
+        own: NamedSums,
         output: ModelOutput,
     ) -> LossParts:
         """A micro-batch's pair losses over the step's `pairs`, with its routers' share; its pairs' sums (and the

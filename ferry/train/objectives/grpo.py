@@ -61,8 +61,18 @@ Generation = Callable[..., GenerationResult]
 # trained tokens, clipped tokens, the KL, the tokens trained on (prompts and completions of the kept groups, once
 # per update; the rollouts' decoding is timed but not counted), the loss, completions accepted
 GRPO_STATISTICS = (
-    "reward", "reward_spread", "groups", "completions", "completion_tokens", "kept_groups", "trained_tokens",
-    "clipped_tokens", "kl", "tokens", "loss", "accepted",
+    "reward",
+    "reward_spread",
+    "groups",
+    "completions",
+    "completion_tokens",
+    "kept_groups",
+    "trained_tokens",
+    "clipped_tokens",
+    "kl",
+    "tokens",
+    "loss",
+    "accepted",
 )
 _SEED_STREAM = 0x6E90
 _EVAL_STREAM = 0xE7A1
@@ -191,8 +201,16 @@ class GRPOObjective:
         for name, dataset in self.held_out.items():
             for rates, temperature, samples in ((sampled, self.config.temperature, EVAL_SAMPLES), (greedy, 0.0, 1)):
                 solved = solved_prompts(
-                    context.generate, dataset, self.verify, max_new_tokens, context.rank, context.world_size,
-                    temperature=temperature, samples=samples, seed=self.seed, progress=context.progress,
+                    context.generate,
+                    dataset,
+                    self.verify,
+                    max_new_tokens,
+                    context.rank,
+                    context.world_size,
+                    temperature=temperature,
+                    samples=samples,
+                    seed=self.seed,
+                    progress=context.progress,
                 )
                 rates[name] = context.reductions.sum(solved) / len(dataset)
         return {"eval/solve_rate": sampled, "eval/greedy_solve_rate": greedy}

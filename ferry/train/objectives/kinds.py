@@ -85,9 +85,14 @@ class LanguageModelling:
         config = inputs.config
         train = config.train
         return LanguageModelObjective(
-            inputs.loader, train.micro_batch, train.global_batch, train.loss_chunk, config.model.moe,
+            inputs.loader,
+            train.micro_batch,
+            train.global_batch,
+            train.loss_chunk,
+            config.model.moe,
             inputs.loader.tokenizer["eos_id"] if config.data.document_masking else None,
-            train.global_batch * config.data.seq_len, config.model.mtp,
+            train.global_batch * config.data.seq_len,
+            config.model.mtp,
         )
 
 
@@ -98,8 +103,9 @@ class _RecordObjective:
     record_kind: ClassVar[str]
 
     def loader(self, config: ObjectiveRun) -> RecordLoader:
-        return RecordLoader(config.data, seed=config.run.seed, global_batch=config.train.global_batch,
-                            kind=self.record_kind)
+        return RecordLoader(
+            config.data, seed=config.run.seed, global_batch=config.train.global_batch, kind=self.record_kind
+        )
 
     def token_evaluation(self, config: ObjectiveRun) -> EvalConfig:
         """No token windows: the `eval` sources are record sets, which the objective evaluates itself."""
@@ -114,8 +120,13 @@ class _RecordObjective:
     def record_training(self, inputs: ObjectiveInputs) -> RecordTraining:
         config = inputs.config
         return RecordTraining(
-            inputs.loader, self.held_out(config), config.train.micro_batch, config.model.moe,
-            config.model.max_seq_len, config.eval.interval, inputs.references,
+            inputs.loader,
+            self.held_out(config),
+            config.train.micro_batch,
+            config.model.moe,
+            config.model.max_seq_len,
+            config.eval.interval,
+            inputs.references,
         )
 
 
@@ -184,6 +195,7 @@ def objective_kind(config: ObjectiveRun) -> ObjectiveKind:
 # Objectives that draw their own training data: two runs of one of them part for good at the first sampled token
 # that falls on the other side of a probability boundary, so no per-step bound compares them.
 SAMPLING_OBJECTIVES = frozenset(
-    variant.kind for variant in (LanguageModelling, PreferenceOptimisation, GroupRelativePolicyOptimisation)
+    variant.kind
+    for variant in (LanguageModelling, PreferenceOptimisation, GroupRelativePolicyOptimisation)
     if variant.samples_its_data
 )

@@ -58,8 +58,13 @@ class LanguageModelObjective:
             batch = batch.to(context.device)
             head = self._head(batch.targets_BS)
             loss = partial(
-                compute_loss, targets_BS=batch.targets_BS, moe=self.moe, trained_in_step=batches.trained_targets,
-                share_of_step=share, mtp=self.mtp, own=statistics.own,
+                compute_loss,
+                targets_BS=batch.targets_BS,
+                moe=self.moe,
+                trained_in_step=batches.trained_targets,
+                share_of_step=share,
+                mtp=self.mtp,
+                own=statistics.own,
             )
             passes.append(
                 ForwardPass(batch.inputs_BS, self._documents(batch.inputs_BS), batch.padding_BS, head, share, loss)

@@ -64,7 +64,9 @@ class ReferenceSource:
     def pointer(checkpoint: Checkpoint) -> dict:
         """The pointer a checkpoint of a DPO or GRPO run keeps to its reference."""
         return {
-            "checkpoint": str(checkpoint.path), "digest": checkpoint_digest(checkpoint.path), "step": checkpoint.step
+            "checkpoint": str(checkpoint.path),
+            "digest": checkpoint_digest(checkpoint.path),
+            "step": checkpoint.step,
         }
 
     def model(self, checkpoint: Checkpoint) -> Transformer:

@@ -10,8 +10,15 @@ from pydantic import Field, field_validator
 from ferry.config.section import Section
 
 FaultKind = Literal[
-    "kill", "hang", "raise", "nan", "corrupt_checkpoint", "kill_during_save", "disk_full_during_save",
-    "permission_denied_during_save", "io_error_during_save",
+    "kill",
+    "hang",
+    "raise",
+    "nan",
+    "corrupt_checkpoint",
+    "kill_during_save",
+    "disk_full_during_save",
+    "permission_denied_during_save",
+    "io_error_during_save",
 ]
 
 # Meta's Llama 3 run: 419 unexpected interruptions in 54 days on 16,384 H100s (Llama 3 paper, 2024):

@@ -54,6 +54,7 @@ class ResilientRun(Protocol):
     run: Any
     fault: FaultConfig
 
+
 Agree = Callable[[list[float]], list[float]]  # each value's maximum over the ranks, on every rank
 
 _agreed: dict = {}  # the process group and environment the restart counts were agreed for, and the counts

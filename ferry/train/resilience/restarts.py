@@ -108,7 +108,7 @@ def restart_is_pending(events: list[dict]) -> bool:
 def job_events(events: list[dict]) -> list[dict]:
     """The events of the current job: from its last `start` on."""
     starts = [index for index, event in enumerate(events) if event["event"] == "start"]
-    return events[starts[-1]:] if starts else events
+    return events[starts[-1] :] if starts else events
 
 
 def _restored_after(job: list[dict], index: int) -> dict | None:
@@ -153,9 +153,7 @@ def restarts_after(events: list[dict], at_unix: float) -> list[dict]:
     something that happened then (a fault that fired: the first row is the failure it caused, if any)."""
     failures = [event for event in job_events(events) if event["event"] == "failure"]
     return [
-        row
-        for event, row in zip(failures, restarts(events))
-        if event.get("detected_unix", event["at_unix"]) >= at_unix
+        row for event, row in zip(failures, restarts(events)) if event.get("detected_unix", event["at_unix"]) >= at_unix
     ]
 
 

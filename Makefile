@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo pipeline test setup clean
+.PHONY: demo pipeline test check setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,5 +57,11 @@ pipeline: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# The formatter, the linter and the type checker, as CI runs them before the suite (their settings: pyproject.toml).
+check: $(STAMP)
+	$(BIN)/ruff format --check ferry tests benchmarks
+	$(BIN)/ruff check ferry tests benchmarks
+	$(BIN)/mypy ferry
+
 clean:
-	rm -rf $(VENV) runs data .pytest_cache
+	rm -rf $(VENV) runs data .pytest_cache .mypy_cache .ruff_cache

@@ -22,10 +22,11 @@ import statistics
 import time
 from pathlib import Path
 
+from scratch import DIR_HELP, scratch_dir
+
 from ferry.checkpoint import list_checkpoints
 from ferry.comm.spawn import run_on_ranks
 from ferry.data import PrepareSpec, prepare_dataset
-from scratch import DIR_HELP, scratch_dir
 
 MODEL = {
     "vocab_size": 4096,

@@ -44,12 +44,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scratch import DIR_HELP, scratch_dir
 
 from ferry.checkpoint import CheckpointMeta, Layout, save_checkpoint, verify_checkpoint
 from ferry.checkpoint.digests import FAST
-from ferry.model import ModelConfig, MoEConfig, Transformer
 from ferry.comm import DistContext
+from ferry.model import ModelConfig, MoEConfig, Transformer
 from ferry.parallel import ParallelConfig, build_plan
+from ferry.parallel.optimizers import AdamWKind, adamw_recipe
 from ferry.train.checkpointing import (
     optimizer_record,
     restore_model,
@@ -58,7 +60,6 @@ from ferry.train.checkpointing import (
     train_state_pieces,
 )
 from ferry.train.optimizer import decayed_parameter_names
-from scratch import DIR_HELP, scratch_dir
 
 CPU = torch.device("cpu")
 
@@ -91,7 +92,7 @@ def run(work: Path, repeats: int) -> dict:
 
     def fresh():
         """An optimizer without state, as a resuming process has before it loads."""
-        return plan.build_optimizer(decayed_parameter_names(model), 0.1, zero=False, lr=3e-3)
+        return plan.build_optimizer(adamw_recipe(decayed_parameter_names(model), 0.1, lr=3e-3))
 
     optimizer = fresh()
     generator = torch.Generator().manual_seed(1)
@@ -109,7 +110,7 @@ def run(work: Path, repeats: int) -> dict:
         model_config=MODEL.model_dump(mode="json"),
         run_config={},
         environment={},
-        train_state={"optimizer": optimizer_record(model, optimizer)},
+        train_state={"optimizer": optimizer_record(model, optimizer, AdamWKind())},
     )
     print(f"train state: {len(pieces)} tensors, {nbytes / 1e9:.3f} GB, in {work}")
 
@@ -210,7 +211,7 @@ def _load(
     with verify_checkpoint(path, resume_prefetch(model, optimizer, plan), digests=(digest,)) as checkpoint:
         split.append(time.perf_counter() - started)
         restore_model(checkpoint, model, plan)
-        restore_optimizer(checkpoint, model, optimizer, plan)
+        restore_optimizer(checkpoint, model, optimizer, plan, AdamWKind())
 
 
 def _evict(paths: list[Path]) -> None:

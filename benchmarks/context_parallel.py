@@ -25,9 +25,10 @@ import json
 import statistics
 from pathlib import Path
 
+from scratch import DIR_HELP, scratch_dir
+
 from ferry.comm.spawn import run_on_ranks
 from ferry.data import PrepareSpec, prepare_dataset
-from scratch import DIR_HELP, scratch_dir
 
 MODEL = {
     "vocab_size": 4096,

@@ -20,6 +20,7 @@ from ferry.comm import CommConfig, init_distributed
 from ferry.comm.spawn import run_on_ranks
 from ferry.model import ModelConfig, Transformer
 from ferry.parallel import ParallelConfig, build_plan
+from ferry.parallel.optimizers import adamw_recipe
 
 WORLD = 2
 SEQ_LEN = 128
@@ -46,7 +47,7 @@ def run_mode(mode: str, experts: int, steps: int, warmup: int) -> dict:
     torch.manual_seed(0)
     model = Transformer(model_config(experts))
     plan = build_plan(ParallelConfig(mode=mode, ep=WORLD if mode == "ep" else 1), context, model, device)
-    optimizer = plan.build_optimizer(set(), 0.0, zero=False, lr=1e-3)
+    optimizer = plan.build_optimizer(adamw_recipe(set(), 0.0, lr=1e-3))
     rows = GLOBAL_BATCH // WORLD
     tokens_per_step = GLOBAL_BATCH * SEQ_LEN
     step_bytes, elapsed = [], 0.0

@@ -4,9 +4,9 @@ and against recomputing the whole prefix at every step (what decoding without a 
     python benchmarks/generation.py [--batch 8] [--prompt-tokens 64] [--new-tokens 64] [--repeats 3]
 
 The model is a Qwen3-MoE-shaped ferry model (dim 256, 6 layers, the first dense, 16 experts,
-top-2, per-head q/k norm) with random weights and the kernels `ferry generate` selects (`auto`); transformers gets the same weights through
-ferry's export mapping. Every side decodes greedily from the same prompts for the same number
-of tokens (transformers with EOS off), and the tokens are checked equal before any time is
+top-2, per-head q/k norm) with random weights and the kernels `ferry generate` selects (`auto`); transformers
+gets the same weights through ferry's export mapping. Every side decodes greedily from the same prompts for the
+same number of tokens (transformers with EOS off), and the tokens are checked equal before any time is
 reported. Times are medians of the repeats, after one warm-up run each, with one thread count
 for all. The last line printed is one JSON object: decode tokens/s of each side (new tokens of
 the whole batch over the decode time; transformers' time includes its prefill, so its prefill

@@ -19,11 +19,12 @@ import argparse
 import time
 from pathlib import Path
 
+from scratch import DIR_HELP, scratch_dir
+
 from ferry.portability.fuzz.data import prepare_fuzz_data
 from ferry.portability.fuzz.report import append, summary
 from ferry.portability.fuzz.runner import Fuzzer
 from ferry.portability.fuzz.space import draw, named
-from scratch import DIR_HELP, scratch_dir
 
 
 def budget_seconds(text: str) -> float:

@@ -31,8 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ferry.data.synthetic import write_synthetic_dataset  # noqa: E402
 from ferry_runs import train_records  # noqa: E402
+
+from ferry.data.synthetic import write_synthetic_dataset  # noqa: E402
 
 WARMUP_STEPS = 3
 VOCAB, SEQ_LEN = 512, 256

@@ -29,8 +29,8 @@ from ferry.inference.generate import generate
 from ferry.inference.loading import load_model
 from ferry.train.config import load_run_config
 from ferry.train.objectives.grpo import EVAL_SAMPLES, solved_prompts
-from ferry.train.trainer import train
 from ferry.train.objectives.verifiers import VERIFIERS
+from ferry.train.trainer import train
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = ["model.vocab_size=4160", "model.max_seq_len=64", "data.seq_len=64", "metrics.sinks.console=false"]

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from ferry.comm import Collectives, CommConfig, CommStats, build_mesh, init_distributed
 from ferry.model.experts import Experts
 from ferry.parallel.expert_parallel import AllToAllDispatcher, shard_experts
+from ferry.parallel.optimizers import adamw_recipe
 from ferry.parallel.zero import ReplicaGroup, ShardedOptimizer
 
 CPU = torch.device("cpu")
@@ -45,7 +46,7 @@ def dispatcher_matches_local_experts(ep: int):
 
 
 def zero_equals_adamw(steps: int):
-    context = init_distributed(CommConfig(backend="gloo"), CPU)
+    init_distributed(CommConfig(backend="gloo"), CPU)
     world = Collectives(None, CommStats(), CPU)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -53,7 +54,7 @@ def zero_equals_adamw(steps: int):
     twin.load_state_dict(model.state_dict())
     named = list(model.named_parameters())
     decayed = {name for name, p in named if p.ndim == 2}
-    sharded = ShardedOptimizer([ReplicaGroup(named, world)], decayed, 0.1, lr=1e-2)
+    sharded = ShardedOptimizer([ReplicaGroup(named, world)], adamw_recipe(decayed, 0.1, lr=1e-2))
     plain = torch.optim.AdamW(
         [
             {"params": [p for n, p in twin.named_parameters() if n in decayed], "weight_decay": 0.1},

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from conftest import TINY_RUN
+
 from ferry.config.loader import apply_overrides, validate
 from ferry.train import RunConfig, Trainer
-
-from conftest import TINY_RUN
 
 
 def tiny_config(dataset: str, run_dir: str, *overrides: str) -> RunConfig:
@@ -80,7 +80,8 @@ def train_counting_orthogonalised(dataset: str, run_dir: str, *overrides: str) -
     """`train_run`, counting the matrices this rank's Muon orthogonalises (a stack of experts counts each)."""
     import math
 
-    from ferry.parallel import muon, muon_fsdp
+    from ferry.parallel import muon_fsdp
+    from ferry.parallel.optimizers import muon
 
     counted = {"matrices": 0}
     original = muon.orthogonalise

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ferry.train import Trainer
-
 from distributed_training import tiny_config
+
+from ferry.train import Trainer
 
 
 def train_reporting(dataset: str, run_dir: str, *overrides: str) -> dict:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 
+import distributed_training as runs
 import pytest
 import torch
 
@@ -23,8 +24,6 @@ from ferry.checkpoint.manager import CheckpointManager
 from ferry.cli.main import main
 from ferry.comm.spawn import run_on_ranks
 from ferry.train import Trainer
-
-import distributed_training as runs
 
 
 @pytest.mark.parametrize(

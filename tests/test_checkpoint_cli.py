@@ -3,12 +3,11 @@
 import shutil
 
 import pytest
+from conftest import REPO, tiny_config
 
 from ferry.cli.main import main
 from ferry.config import dump_yaml
 from ferry.train import Trainer
-
-from conftest import REPO, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import xxhash
+from conftest import rewrite_manifest
 
 from ferry.checkpoint import (
     CheckpointError,
@@ -20,8 +21,6 @@ from ferry.checkpoint import (
 from ferry.checkpoint.digests import RECORDED
 from ferry.checkpoint.report import verify_lines
 from ferry.train import Trainer
-
-from conftest import rewrite_manifest
 
 
 def _save(tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from conftest import REPO, rewrite_manifest
 
 import ferry.checkpoint.writer as writer
 from ferry.checkpoint import (
@@ -23,8 +24,6 @@ from ferry.checkpoint import (
     write_manifest,
     write_rank_files,
 )
-
-from conftest import REPO, rewrite_manifest
 
 
 def _meta(step: int, world_size: int = 1, ep_degree: int = 1) -> CheckpointMeta:

@@ -5,9 +5,11 @@ import json
 import os
 import struct
 
+import distributed_cases
 import pytest
 import torch
 import xxhash
+from conftest import rewrite_manifest
 
 from ferry.checkpoint import (
     CheckpointError,
@@ -16,27 +18,25 @@ from ferry.checkpoint import (
     SharedVerification,
     TensorPiece,
     newest_valid,
+    reader,
     save_checkpoint,
     verify_checkpoint,
 )
-from ferry.checkpoint import reader
 from ferry.checkpoint.byte_reads import HASHED_READ_BYTES, hash_and_fill
 from ferry.comm import DistContext
 from ferry.comm.spawn import run_on_ranks
 from ferry.model import ModelConfig, MoEConfig, Transformer
 from ferry.parallel import ParallelConfig, build_plan
+from ferry.parallel.optimizers import AdamWKind, adamw_recipe
 from ferry.train.checkpointing import (
     optimizer_prefetch,
-    resume_prefetch,
     optimizer_record,
     restore_model,
     restore_optimizer,
+    resume_prefetch,
     train_state_pieces,
 )
 from ferry.train.optimizer import decayed_parameter_names
-
-import distributed_cases
-from conftest import rewrite_manifest
 
 
 def _meta(step: int = 1, train_state: dict | None = None) -> CheckpointMeta:
@@ -224,7 +224,7 @@ def _trained_and_saved(tmp_path):
     plan = build_plan(ParallelConfig(), DistContext(rank=0, world_size=1, local_rank=0, backend=None), model, "cpu")
 
     def fresh():
-        return plan.build_optimizer(decayed_parameter_names(model), 0.1, zero=False, lr=1e-2)
+        return plan.build_optimizer(adamw_recipe(decayed_parameter_names(model), 0.1, lr=1e-2))
 
     optimizer = fresh()
     for param in model.parameters():
@@ -232,7 +232,9 @@ def _trained_and_saved(tmp_path):
     optimizer.step()
     saved = {name: value.clone() for name, value in model.state_dict().items()}
     pieces = train_state_pieces(model, optimizer, plan, torch.device("cpu"))
-    path = save_checkpoint(tmp_path, pieces, _meta(train_state={"optimizer": optimizer_record(model, optimizer)}))
+    path = save_checkpoint(
+        tmp_path, pieces, _meta(train_state={"optimizer": optimizer_record(model, optimizer, AdamWKind())})
+    )
     with torch.no_grad():
         for param in model.parameters():
             param.zero_()
@@ -244,7 +246,7 @@ def test_a_resume_adopts_the_prefetched_moments_and_restores_exactly(tmp_path):
     resumed = fresh()
     with verify_checkpoint(path, optimizer_prefetch(model, resumed, plan)) as checkpoint:
         restore_model(checkpoint, model, plan)
-        restore_optimizer(checkpoint, model, resumed, plan)
+        restore_optimizer(checkpoint, model, resumed, plan, AdamWKind())
         names = {param: name for name, param in model.named_parameters()}
         adopted = 0
         for param, state in resumed.state.items():
@@ -311,7 +313,10 @@ def test_an_unexpected_failure_on_one_rank_stops_every_rank_at_the_same_exchange
 def test_ranks_that_see_different_checkpoints_all_stop_at_the_first_exchange(tmp_path):
     save_checkpoint(tmp_path, _pieces(), _meta(1))
     heard = []
-    sees_another = lambda subject, details: (("list", subject[1], "step-00000002", "step-00000001"), details)
+
+    def sees_another(subject, details):
+        return ("list", subject[1], "step-00000002", "step-00000001"), details
+
     with pytest.raises(RuntimeError, match="disagree on the checkpoints"):
         newest_valid(tmp_path, share=_shared(0, heard, other=sees_another))
     assert len(heard) == 1
@@ -351,7 +356,7 @@ def test_a_resume_reads_the_models_weights_in_place_while_it_verifies(tmp_path):
         marker = live["norm.weight"]
         marker.add_(1.0)  # restore_model reads no weight again: the mark stays
         restore_model(checkpoint, model, plan)
-        restore_optimizer(checkpoint, model, resumed, plan)
+        restore_optimizer(checkpoint, model, resumed, plan, AdamWKind())
         assert torch.equal(marker, saved["norm.weight"] + 1.0)
         marker.sub_(1.0)
     for name, value in model.state_dict().items():

@@ -10,13 +10,12 @@ import time
 
 import pytest
 import torch
+from conftest import REPO
 
 from ferry.checkpoint import list_checkpoints, verify_checkpoint
 from ferry.cli.main import main
 from ferry.config import ConfigError, UserError, dump_yaml
 from ferry.train import Trainer
-
-from conftest import REPO
 
 EXACT = ("train.steps=20", "model.moe.bias_balancing.enabled=true")
 

@@ -4,10 +4,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 
 from ferry.cli.main import main
-
-from conftest import REPO
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import distributed_cases as cases
 import pytest
 import torch.distributed as dist
 
-import distributed_cases as cases
 from ferry.comm.collectives import newest_collective
 from ferry.comm.spawn import run_on_ranks
 

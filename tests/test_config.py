@@ -3,11 +3,10 @@
 import re
 
 import pytest
+from conftest import REPO
 
 from ferry.config import ConfigError, UserError, dump_yaml, load_config, parse_override
 from ferry.train import RunConfig, load_run_config
-
-from conftest import REPO
 
 
 def test_override_values_are_typed_yaml():

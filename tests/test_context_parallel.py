@@ -13,15 +13,14 @@ import inspect
 import json
 import textwrap
 
+import distributed_training as runs
 import pytest
 
-import distributed_training as runs
 from ferry.cli.main import main
 from ferry.comm.spawn import run_on_ranks
 from ferry.config import UserError
 from ferry.data import prepare_dataset
 from ferry.data.prepare import PrepareSpec
-from ferry.train import Trainer
 
 LAYOUT_TOLERANCE = 1e-5
 LONG = (
@@ -40,7 +39,14 @@ def _relative(a: list[float], b: list[float]) -> float:
 @pytest.fixture(scope="module")
 def packed_documents(tmp_path_factory):
     """Short documents (a few hundred bytes each), byte-tokenised: a 1,024-token window packs several."""
-    import bisect, calendar, fnmatch, heapq, json.decoder, json.encoder, shlex, string  # noqa: E401
+    import bisect  # noqa: E401
+    import calendar
+    import fnmatch
+    import heapq
+    import json.decoder
+    import json.encoder
+    import shlex
+    import string
 
     modules = (textwrap, json.decoder, json.encoder, string, shlex, fnmatch, heapq, bisect, calendar, inspect)
     documents = [part for module in modules for part in inspect.getsource(module).split("\n\n") if part.strip()]

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import TINY_RUN
 
 from ferry.cli.main import main
 from ferry.config import UserError
@@ -19,8 +20,6 @@ from ferry.data.manifest import MANIFEST_NAME
 from ferry.data.synthetic import write_synthetic_dataset
 from ferry.data.verification import DatasetMismatch, named_files, sampled, verify_files
 from ferry.train import RunConfig, train
-
-from conftest import TINY_RUN
 
 VOCAB = 512
 SHARED_TOKENIZER = "0" * 64  # synthetic sources of one vocabulary, mixed as if tokenized alike

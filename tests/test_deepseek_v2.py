@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_oracle import exported, greedy_tokens_agree, relative
+from test_interop import _random_model
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
 from ferry.interop.architectures import from_hf_state, hf_config, model_config_from_hf, refusals, to_hf_state
 from ferry.interop.importing import read_hf_dir
 from ferry.model import ModelConfig, Transformer
-
-from hf_oracle import exported, greedy_tokens_agree, relative
-from test_interop import _random_model
 
 TOLERANCE = 1e-5  # relative: fp32 kernels in another order, never more
 

@@ -7,12 +7,11 @@ agree to 1e-5 relative over 10 steps (observed: below 1e-6).
 
 import json
 
+import distributed_training as runs
 import pytest
 
 from ferry.comm.spawn import RankFailure, run_on_ranks
 from ferry.train import Trainer
-
-import distributed_training as runs
 
 LAYOUT_TOLERANCE = 1e-5
 

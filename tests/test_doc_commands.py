@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from doc_commands import PAGES, REPO, problems, quoted_commands, unprinted
+
 from ferry.cli.main import main
 
 QUOTED = quoted_commands()

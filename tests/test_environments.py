@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from conftest import REPO, TINY_RUN
 
 from ferry.cli.main import main
 from ferry.platform.hardware import load_profile
 from ferry.portability.comparison.environment import judging_profile, known_environments, load_environment
 from ferry.precision import PrecisionConfig, resolve_precision
-
-from conftest import REPO, TINY_RUN
 
 SHIPPED = ["cpu", "cpu-bf16-portable", "cpu-ep2", "cpu-pp2", "cuda", "h100-numerics", "mi300x-numerics"]
 

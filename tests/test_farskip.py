@@ -8,17 +8,16 @@ process only in the order of floating-point sums).
 
 from __future__ import annotations
 
+import distributed_training as runs
 import pytest
 import torch
+from conftest import TINY_RUN, rehearse_ep2_to_one, tiny_config
 
 from ferry.cli.main import main
 from ferry.comm.spawn import run_on_ranks
 from ferry.config import ConfigError
 from ferry.model import KVCache, ModelConfig, Transformer
 from ferry.train import Trainer
-
-import distributed_training as runs
-from conftest import TINY_RUN, rehearse_ep2_to_one, tiny_config
 
 LAYOUT_TOLERANCE = 1e-5
 THREE_LAYERS = ("model.n_layers=3", "train.steps=4")  # two MoE layers: the first one's combine meets an attention

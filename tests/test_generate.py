@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_interop import BASE, CASES, _random_model
 from transformers import AutoModelForCausalLM
 
 from ferry.cli.main import main
@@ -19,8 +20,6 @@ from ferry.inference.sampling import filter_scores, next_tokens
 from ferry.interop.architectures import hf_config, to_hf_state
 from ferry.model import KVCache, ModelConfig
 from ferry.train import Trainer
-
-from test_interop import BASE, CASES, _random_model
 
 GREEDY = GenerationConfig(max_new_tokens=12, temperature=0.0)
 
@@ -239,9 +238,9 @@ def test_a_tokenizer_that_encodes_otherwise_than_the_runs_is_refused_wherever_it
     checkpoint's encoding digest decides, for a given `--tokenizer` as for the found one, in generate and export."""
     import shutil
 
-    from ferry.data.tokenizer import BPETokenizer
-
     from conftest import rewrite_manifest
+
+    from ferry.data.tokenizer import BPETokenizer
 
     checkpoint = trained_run / "checkpoints" / "step-00000002"
     other = tmp_path / "other" / "tokenizer.json"

@@ -9,20 +9,19 @@ from __future__ import annotations
 import json
 import re
 
+import distributed_training as runs
 import pytest
 import torch
+from hf_offline import load_offline
 
 from ferry.cli.main import main
 from ferry.comm.spawn import run_on_ranks
 from ferry.config import ConfigError
 from ferry.inference import GenerationConfig, generate, load_model
 from ferry.model import ModelConfig, Transformer
-from ferry.parallel.muon import muon_parameter_names
+from ferry.parallel.optimizers.muon import muon_parameter_names
 from ferry.train import Trainer
 from ferry.train.optimizer import decayed_parameter_names
-
-import distributed_training as runs
-from hf_offline import load_offline
 
 LAYOUT_TOLERANCE = 1e-5  # as tests/test_distributed_training.py: sums in another order over 2 ranks
 

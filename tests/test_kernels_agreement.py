@@ -5,8 +5,8 @@ floating-point sums (grouped vs per-expert matmuls, index_add vs gather-sum), wh
 moves results by a few ulps (observed: below 1e-6).
 
 Accelerator implementations (CUDA, ROCm) run where such a device is present, in
-bfloat16 as their kernels require (as do CPU implementations made for bfloat16), against the portable implementation in fp32 on the
-same bfloat16-rounded inputs: tolerance 2e-2 relative, a few bfloat16 roundings
+bfloat16 as their kernels require (as do CPU implementations made for bfloat16), against the portable implementation
+in fp32 on the same bfloat16-rounded inputs: tolerance 2e-2 relative, a few bfloat16 roundings
 (2^-8 each) of the outputs and gradients. Their widths are multiples of 16, as FP8
 GEMMs need.
 """
@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ferry.config import UserError
 from ferry.kernels import REGISTRY, portable_kernels
 from ferry.kernels.activation import GatedActivation
 from ferry.kernels.selection import bind
 from ferry.kernels.vendor import cpu_fused_experts, torch_grouped_mm
-from ferry.config import UserError
 from ferry.platform.hardware import resolve_profile
 from ferry.precision import PrecisionConfig, resolve_precision
 from ferry.precision.formats import float_format

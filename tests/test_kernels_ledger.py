@@ -8,13 +8,12 @@ import re
 
 import pytest
 import torch
+from conftest import REPO
 
 from ferry.cli.kernels import add_kernels_commands
 from ferry.kernels import REGISTRY, load_ledger
 from ferry.kernels.boundary import code_lines, render_boundary
 from ferry.portability.report.history import KERNEL_BENCH, read_records
-
-from conftest import REPO
 
 
 def test_every_vendor_implementation_has_a_current_ledger_entry():

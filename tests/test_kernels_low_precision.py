@@ -23,11 +23,11 @@ from ferry.kernels.vendor.torch_scaled_grouped_mm import (
     ROCM_ELEMENTS,
     scaled_grouped_mm_with,
 )
+from ferry.platform.hardware import load_profile
+from ferry.precision import PrecisionConfig
 from ferry.precision.formats import float_format
 from ferry.precision.kernels import low_precision_op, with_low_precision_experts
 from ferry.precision.policy import resolve_precision
-from ferry.precision import PrecisionConfig
-from ferry.platform.hardware import load_profile
 from ferry.precision.recipe import LowPrecisionRecipe
 
 TOLERANCE = 1e-5

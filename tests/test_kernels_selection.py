@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import datetime
 import re
 import sys
@@ -11,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_model import LocalDispatcher
 
 import ferry.kernels.vendor
 from ferry.config import ConfigError, UserError
 from ferry.config.loader import validate
 from ferry.kernels import KernelsConfig, Ledger, LedgerEntry, load_ledger, select_kernels
 from ferry.model import ModelConfig, MoEConfig, MoELayer, Transformer
-
-from test_model import LocalDispatcher
 
 VENDOR_DIR = Path(ferry.kernels.vendor.__file__).parent
 MODEL_DIR = Path(ferry.kernels.__file__).parent.parent / "model"

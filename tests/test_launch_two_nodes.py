@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import TINY_RUN
 
 from ferry.cli.main import main
 from ferry.comm.spawn import free_port
 from ferry.metrics import read_metrics
 from ferry.train.resilience.restarts import CAUSES_DIR, read_events
-
-from conftest import TINY_RUN
 
 TIMEOUT_S = 240
 

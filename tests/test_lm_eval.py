@@ -14,12 +14,11 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, tiny_config
 
 from ferry.cli.main import main
 from ferry.inference import load_model
 from ferry.train import Trainer
-
-from conftest import REPO, tiny_config
 
 pytest.importorskip("lm_eval", reason="the lm-eval extra is not installed: pip install 'ferry-moe[lm-eval]'")
 

@@ -10,9 +10,11 @@ import urllib.request
 
 import pytest
 import torch
+from conftest import REPO
 
 from ferry.cli.metrics import add_metrics_commands
 from ferry.config import UserError
+from ferry.inference import SourceLoss, eval_record
 from ferry.metrics import (
     METRICS,
     METRICS_FILE,
@@ -25,11 +27,8 @@ from ferry.metrics import (
     prometheus_names,
     read_metrics,
 )
-from ferry.inference import SourceLoss, eval_record
 from ferry.metrics.plots import plot_run
 from ferry.metrics.prometheus import PrometheusSink
-
-from conftest import REPO
 
 LAYERS, EXPERTS = 2, 4
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_interop import _random_model
 from transformers import AutoModelForCausalLM
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as reference
 
@@ -20,8 +21,6 @@ from ferry.model import KVCache, ModelConfig, Transformer
 from ferry.model.kv_cache import cache_bytes_per_token
 from ferry.model.latent_attention import LatentAttention
 from ferry.model.rope import RotaryEmbedding
-
-from test_interop import _random_model
 
 TOLERANCE = 1e-5  # relative (norm of the difference over the norm): fp32 kernels in another order, never more
 

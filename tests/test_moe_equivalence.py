@@ -3,12 +3,11 @@ with the portable kernels and with what `kernels.policy: auto` takes on a CPU.""
 
 import pytest
 import torch
+from transformers.models.olmoe.configuration_olmoe import OlmoeConfig
+from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 
 from ferry.kernels import KernelsConfig, select_kernels
 from ferry.model import MoEConfig, MoELayer
-
-from transformers.models.olmoe.configuration_olmoe import OlmoeConfig
-from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 
 DIM, FFN, EXPERTS, TOP_K = 64, 48, 8, 2
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import re
 
+import distributed_training as runs
 import pytest
 import torch
+from test_mla import mla_config
 
 from ferry.cli.main import main
 from ferry.comm.spawn import run_on_ranks
@@ -20,9 +22,6 @@ from ferry.data.targets import IGNORE_INDEX
 from ferry.model import ModelConfig, Transformer
 from ferry.model.mtp import ahead, targets_ahead
 from ferry.train import Trainer
-
-import distributed_training as runs
-from test_mla import mla_config
 
 LAYOUT_TOLERANCE = 1e-5  # as tests/test_distributed_training.py
 MTP_RUN = ("model.mtp.depth=2", "model.mtp.loss_weight=0.5", "train.steps=4")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 
+import distributed_training as runs
 import pytest
 import torch
 
@@ -16,13 +17,11 @@ from ferry.cli.main import main
 from ferry.comm.spawn import run_on_ranks
 from ferry.config import UserError
 from ferry.model import ModelConfig, Transformer
-from ferry.parallel.muon import MuonSettings, MuonWithAdamW, muon_parameter_names
 from ferry.parallel.newton_schulz import orthogonalise
+from ferry.parallel.optimizers.muon import MuonSettings, MuonWithAdamW, muon_parameter_names
 from ferry.parallel.ownership import slices_by_owner
 from ferry.train import Trainer
 from ferry.train.memory import memory_estimate
-
-import distributed_training as runs
 
 MODEL = ModelConfig(
     vocab_size=64,

@@ -16,12 +16,12 @@ from ferry.data import PrepareSpec, prepare_dataset
 from ferry.data.config import DataConfig
 from ferry.data.records import RecordLoader
 from ferry.inference.generate import generate
+from ferry.inference.scoring import ScoringPass
 from ferry.model import ModelConfig, Transformer
 from ferry.train.objectives.base import RecordTraining
 from ferry.train.objectives.config import DPOConfig, GRPOConfig
 from ferry.train.objectives.dpo import DPO_STATISTICS, DPOObjective
 from ferry.train.objectives.grpo import GRPO_STATISTICS, GRPOObjective
-from ferry.inference.scoring import ScoringPass
 from ferry.train.step_context import ForwardPass
 from ferry.train.step_statistics import StepStatistics
 

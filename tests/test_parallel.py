@@ -1,11 +1,10 @@
 """Expert parallelism, ZeRO-1 and failure handling on 2 CPU processes with gloo."""
 
+import distributed_cases as cases
 import pytest
 import torch
 
 from ferry.comm.spawn import RankFailure, run_on_ranks
-
-import distributed_cases as cases
 
 
 def test_ep2_dispatch_equals_local_experts_forward_and_backward():

@@ -10,15 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import TINY_RUN, tiny_config
 
 from ferry.checkpoint import list_checkpoints, verify_checkpoint
+from ferry.checkpoint.digests import checkpoint_digest
 from ferry.cli.main import main
 from ferry.config import UserError
 from ferry.stages import run_pipeline
-from ferry.checkpoint.digests import checkpoint_digest
 from ferry.train import Trainer
-
-from conftest import TINY_RUN, tiny_config
 
 
 def _write_pipeline(tmp_path, dataset, midtrain_overrides: dict | None = None, pretrain_from: str | None = None):

@@ -11,14 +11,13 @@ looped BFS within 5.9e-8, zero bubble (portable kernels, logits then loss) withi
 
 import json
 
+import distributed_training as runs
+import pipeline_runs
 import pytest
 
 from ferry.comm.spawn import RankFailure, run_on_ranks
 from ferry.config import UserError
 from ferry.train import Trainer
-
-import distributed_training as runs
-import pipeline_runs
 
 TOLERANCE = 1e-6
 # 4 blocks (the first dense): stage 0 holds one MoE layer, stage 1 two, so the routers' losses and loads of a
@@ -201,8 +200,8 @@ def test_a_pipeline_with_zero1_on_4_ranks_trains_as_one_process(reference, stdli
         (
             ("train.micro_batch=4", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"),
             4,
-            "interleaved_1f1b runs a step's micro-batches in rounds of about parallel.pp (2): at least 2 that split into "
-            "equal rounds (a multiple of 2 always does); this run has 1",
+            "interleaved_1f1b runs a step's micro-batches in rounds of about parallel.pp (2): at least 2 that split "
+            "into equal rounds (a multiple of 2 always does); this run has 1",
         ),
         (
             ("parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2"),
@@ -283,9 +282,9 @@ def test_a_pipeline_evaluates_held_out_data_as_one_process_does(stdlib_dataset, 
 
 
 def test_ferry_train_refuses_a_bad_pipeline_with_exit_2(stdlib_dataset, tmp_path, capsys):
-    from ferry.cli.main import main
-
     from conftest import REPO
+
+    from ferry.cli.main import main
 
     code = main(
         [
@@ -324,10 +323,10 @@ def test_the_memory_model_counts_the_largest_stage_and_the_schedules_micro_batch
 
 
 def test_ferry_launch_explains_where_the_stages_fall():
+    from conftest import REPO
+
     from ferry.launch import build_launch_spec
     from ferry.launch.environment import explain
-
-    from conftest import REPO
 
     spec = build_launch_spec(
         str(REPO / "configs" / "tiny.yaml"),

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from ferry.config import UserError
-from ferry.platform.hardware import load_profile, profile_names
 from ferry.kernels.portable.low_precision import EmulatedLowPrecisionGroupedMM
+from ferry.platform.hardware import load_profile, profile_names
 from ferry.precision import LossScaler, PrecisionConfig, resolve_precision
 from ferry.precision.config import LossScalingConfig
-from ferry.precision.formats import float_format, fake_quantize_mx, fake_quantize_rowwise, mx_scale_exponents
+from ferry.precision.formats import fake_quantize_mx, fake_quantize_rowwise, float_format, mx_scale_exponents
 
 E4M3 = float_format("float8_e4m3fn")
 E5M2 = float_format("float8_e5m2")

@@ -4,7 +4,6 @@ process does, from the SFT parent and task views of tests/test_preference_rl.py.
 from __future__ import annotations
 
 import pytest
-
 from test_preference_rl import chat_tokenizer, sft, task  # noqa: F401  (the module's fixtures, shared)
 
 

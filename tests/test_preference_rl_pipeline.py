@@ -4,7 +4,6 @@ objectives on one process and on expert-parallel ranks)."""
 from __future__ import annotations
 
 import pytest
-
 from test_preference_rl import chat_tokenizer, sft, task  # noqa: F401 (fixtures)
 
 

@@ -13,11 +13,10 @@ import shutil
 
 import pytest
 import yaml
+from conftest import REPO, TINY_RUN
 
 from ferry.cli.main import main
 from ferry.portability.report.history import REHEARSALS, read_records
-
-from conftest import REPO, TINY_RUN
 
 # windows long enough to prove a move under each profile (tolerances.yaml min_steps: same-hardware 25,
 # cross-accelerator 50), and a short one that can only be inconclusive

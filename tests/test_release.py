@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import TINY_RUN
 
 from ferry.checkpoint import list_checkpoints
 from ferry.cli.main import main
 from ferry.data.manifest import sha256_file
-from ferry.stages import run_pipeline
 from ferry.portability.release.build import build_release
+from ferry.stages import run_pipeline
 from ferry.train import Trainer, load_run_config, train
-
-from conftest import TINY_RUN
 
 PRETRAIN_STEPS = 40  # long enough for a 20% learning-rate change to leave the cross-accelerator band (step ~22)
 

@@ -11,8 +11,8 @@ import pytest
 
 from ferry.cli.main import main
 from ferry.portability.comparison.environment import load_environment
-from ferry.portability.report.history import KERNEL_BENCH, REHEARSALS, append_record
 from ferry.portability.rehearsal.record import summary_lines
+from ferry.portability.report.history import KERNEL_BENCH, REHEARSALS, append_record
 from ferry.portability.report.report import write_report
 
 TODAY = datetime.date(2026, 12, 1)
@@ -21,7 +21,7 @@ TODAY = datetime.date(2026, 12, 1)
 def rehearsal(
     source, target, passed=True, days_ago=1, source_digest=None, target_digest=None, rel=1e-4, conclusive=True
 ):
-    date = datetime.datetime(2026, 12, 1, 12, tzinfo=datetime.timezone.utc) - datetime.timedelta(days=days_ago)
+    date = datetime.datetime(2026, 12, 1, 12, tzinfo=datetime.UTC) - datetime.timedelta(days=days_ago)
     comparison = {
         "passed": passed,
         "steps_compared": 10,

@@ -9,12 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
+from wandb.proto import wandb_internal_pb2
+from wandb.sdk.internal.datastore import DataStore
 
 from ferry.metrics.jsonl import read_metrics
 from ferry.train import Trainer
-
-from wandb.proto import wandb_internal_pb2
-from wandb.sdk.internal.datastore import DataStore
 
 
 @pytest.fixture(autouse=True)

@@ -12,19 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
+from wandb.proto import wandb_internal_pb2
+from wandb.sdk.internal.datastore import DataStore
+
+from ferry.metrics.jsonl import read_metrics
+from ferry.train import Trainer
 
 
 @pytest.fixture(autouse=True)
 def _no_reports_to_wandb(monkeypatch):
     """W&B sends its own errors to its crash reporter by default; the suite runs offline."""
     monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
-
-
-from ferry.metrics.jsonl import read_metrics
-from ferry.train import Trainer
-
-from wandb.proto import wandb_internal_pb2
-from wandb.sdk.internal.datastore import DataStore
 
 
 def _wandb_records(run_dir: Path, run_id: str) -> tuple[dict[int, dict], list[dict], list]:

@@ -4,11 +4,10 @@ import json
 
 import pytest
 import yaml
+from conftest import REPO
 
 from ferry.config import UserError
 from ferry.train import Trainer, load_run_config, train
-
-from conftest import REPO
 
 METRIC_KEYS = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_s"}
 

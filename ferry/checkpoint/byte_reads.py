@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ferry.platform.digests import Digests, digest_file
 from ferry.checkpoint.format import CheckpointError
+from ferry.platform.digests import Digests, digest_file
 
 HASHED_READ_BYTES = 8 << 20  # a piece read and hashed at once: small enough to stay in cache between the two
 

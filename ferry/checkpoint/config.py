@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from ferry.config.section import Section
-
 
 RUN_CHECKPOINTS = "checkpoints"  # where a run directory keeps its checkpoints by default
 
@@ -73,10 +71,18 @@ class CheckpointConfig(Section):
         return interval
 
     @model_validator(mode="after")
-    def _nothing_saved_without_checkpoints(self) -> "CheckpointConfig":
+    def _nothing_saved_without_checkpoints(self) -> CheckpointConfig:
         if not self.enabled and self.interval:
             raise ValueError("interval must be 0 when enabled is false: a run that saves nothing has no interval")
         return self
 
     def path(self, run_dir: Path) -> Path:
         return Path(self.dir) if self.dir else run_dir / RUN_CHECKPOINTS
+
+    def saves_in_background(self, world_size: int, snapshot_fits: bool = True) -> bool:
+        """`async_save`, read in one place for the manager and the memory model: true or false as set; `auto` in
+        the background on a multi-rank run whose every rank's snapshot fits its share of the free host memory (the
+        memory model, which plans before any save, counts the snapshot as held)."""
+        if self.async_save == "auto":
+            return world_size > 1 and snapshot_fits
+        return self.async_save

@@ -24,15 +24,18 @@ from ferry.config.errors import UserError, first_problem
 CHECKPOINT_FORMAT = "ferry-checkpoint"
 # 2: every file also records its xxh3-128 (ferry/checkpoint/digests.py); version 1 manifests still load.
 # 3: the manifest records the sha256 of its own content (`manifest_sha256`); versions 1 and 2 still load.
-# 4: the optimizer state may be Muon's (`train_state.optimizer.kind`, `optim.momentum_buffer.<param>`), which a
-#    reader of version 3 would take for AdamW's: only such checkpoints are written as 4, AdamW's stay 3.
+# 4: optimizer state under other keys than the moments and step counts version 3 knows (Muon's
+#    `optim.momentum_buffer.<param>`), its optimizer named in `train_state.optimizer.kind`, which a reader of version 3
+#    would take for AdamW's: only such checkpoints are written as 4, the others stay 3.
 FORMAT_VERSION = 4
-ADAMW_FORMAT_VERSION = 3
+MOMENTS_FORMAT_VERSION = 3
+MOMENTS_STATE_KEYS = frozenset({"exp_avg", "exp_avg_sq", "step"})  # the optimizer state keys version 3 reads
 
 
-def format_version_of(train_state: dict) -> int:
-    """The version a checkpoint of `train_state` is written as: the oldest that describes it."""
-    return FORMAT_VERSION if optimizer_kind(train_state) == "Muon" else ADAMW_FORMAT_VERSION
+def format_version_of(tensor_names) -> int:
+    """The version a checkpoint of these tensors is written as: the oldest that describes it."""
+    keys = {name.split(".")[1] for name in tensor_names if name.startswith("optim.")}
+    return FORMAT_VERSION if keys - MOMENTS_STATE_KEYS else MOMENTS_FORMAT_VERSION
 
 
 def optimizer_kind(train_state: dict) -> str | None:
@@ -126,7 +129,7 @@ class TensorPiece:
     global_shape: tuple[int, ...]
 
     @classmethod
-    def whole(cls, tensor: torch.Tensor) -> "TensorPiece":
+    def whole(cls, tensor: torch.Tensor) -> TensorPiece:
         return cls(tensor, (0,) * tensor.ndim, tuple(tensor.shape))
 
     def check(self, name: str) -> None:
@@ -197,7 +200,7 @@ class Manifest(_Record):
         return json.dumps(seal_manifest(content), indent=1)
 
     @classmethod
-    def parse(cls, text: str, source: Path) -> "Manifest":
+    def parse(cls, text: str, source: Path) -> Manifest:
         """Parse and check a manifest; any problem is a `CheckpointError` naming the field."""
         try:
             manifest = cls.model_validate_json(text)

@@ -178,7 +178,7 @@ class CheckpointManager:
         free = available_host_bytes()
         fits = snapshot <= SNAPSHOT_SHARE_OF_HOST * free
         all_fit = self._agree([0.0 if fits else 1.0])[0] == 0.0
-        self.asynchronous = self.world_size > 1 and all_fit
+        self.asynchronous = self.config.saves_in_background(self.world_size, all_fit)
         if self.world_size == 1:
             self.async_rule = "auto: off, one process (it trains on the cores a writer would take)"
         elif all_fit:

@@ -119,7 +119,8 @@ class Checkpoint:
         long to serve as two. The others (casts, other devices) take a whole host copy
         each and go one at a time.
         """
-        direct, copied = [], []
+        direct: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
+        copied: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
         for box in boxes:
             if box[1].numel():
                 (direct if is_plain_cpu(box[1], self.record(box[0]).dtype) else copied).append(box)
@@ -160,7 +161,7 @@ class Checkpoint:
         self._prefetched = {}
         self._files.clear()
 
-    def __enter__(self) -> "Checkpoint":
+    def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -172,7 +173,7 @@ class Checkpoint:
                 self._handles[file] = safe_open(str(self.path / file), framework="pt")
             return self._handles[file]
 
-    def _tensor_file(self, file: str) -> "TensorFile":
+    def _tensor_file(self, file: str) -> TensorFile:
         with self._lock:
             if file not in self._files:
                 self._files[file] = TensorFile(self.path / file)
@@ -324,7 +325,7 @@ def newest_valid(
     digests: tuple[str, ...] = (FAST,),
 ) -> Found:
     """The newest checkpoint under `root` that verifies; each newer invalid one is skipped with its reason."""
-    skipped = []
+    skipped: list[tuple[Path, str]] = []
     candidates = list(reversed(list_checkpoints(root)))
     if share is not None:
         share.same_everywhere(("list", str(root), *(path.name for path in candidates)))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ferry.checkpoint.format import Manifest, TensorRecord, optimizer_kind
 from ferry.checkpoint.digests import RECORDED
+from ferry.checkpoint.format import Manifest, TensorRecord, optimizer_kind
 from ferry.checkpoint.reader import read_manifest, recorded_digests, verify_checkpoint
 
 

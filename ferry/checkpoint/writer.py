@@ -10,11 +10,10 @@ leaves at most a dot-prefixed staging directory, never a half-written `step-*`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,7 +172,7 @@ def build_manifest(records: list[RankRecord], meta: CheckpointMeta) -> Manifest:
             raise ValueError(f"{name}: {problem}")
     return Manifest(
         format=CHECKPOINT_FORMAT,
-        format_version=format_version_of(meta.train_state),
+        format_version=format_version_of(tensors),
         step=meta.step,
         tokens_seen=meta.tokens_seen,
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),

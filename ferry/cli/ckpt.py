@@ -26,7 +26,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--optimizer",
         choices=["drop", "average"],
         default="drop",
-        help="drop the optimizer's state (default) or average it too (AdamW's moments, Muon's momentum; step counts: the largest)",
+        help="drop the optimizer's state (default) or average it too (AdamW's moments, Muon's momentum; step "
+        "counts: the largest)",
     )
     average.set_defaults(handler=_average)
 

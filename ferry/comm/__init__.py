@@ -6,8 +6,8 @@ from ferry.comm.config import CommConfig
 from ferry.comm.process_group import (
     DistContext,
     PipelineGroups,
-    build_mesh,
     build_context_group,
+    build_mesh,
     build_pipeline_mesh,
     init_distributed,
     launcher_ranks,

@@ -7,10 +7,10 @@ The ranks are forked from a server process started once per calling process, whi
 its distributed package and ferry's trainer, what the jobs run here need (named, not imported: this layer
 depends on none above it): a fresh interpreter spends ~5 s on them, torch's compiler stack included (every
 optimizer imports it), far more than a tiny job's work; anything else a job's function needs its ranks
-import when they unpickle it. No process group or device exists in the server to be inherited. A rank gets its caller's environment as it is at the call (the server's is
-the one of its start), with the job's variables on top. Its output goes where the server's went when it
-started, which under a test runner's capture is not the calling test's: what a rank has to say comes
-back as its result or, when it raises, as its traceback in `RankFailure`.
+import when they unpickle it. No process group or device exists in the server to be inherited. A rank gets its
+caller's environment as it is at the call (the server's is the one of its start), with the job's variables on top. Its
+output goes where the server's went when it started, which under a test runner's capture is not the calling test's:
+what a rank has to say comes back as its result or, when it raises, as its traceback in `RankFailure`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
-
 
 PRELOADED = ["torch", "torch.distributed", "ferry.train"]
 

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ferry.config.errors import ConfigError, UserError
+from ferry.config.refusals import REFUSAL
 
 SectionT = TypeVar("SectionT", bound=BaseModel)
 
@@ -191,6 +192,8 @@ def _describe(schema: type[BaseModel], err: dict[str, Any]) -> str:
         message = message[len("Value error, ") :]
     if err["type"] == "missing":
         return f"{key}: required key is missing"
+    if err["type"] == REFUSAL:  # a combination refused at its key: the message names the values
+        return f"{key}: {message}"
     return f"{key}: {message} (got {err.get('input')!r})"
 
 

@@ -28,7 +28,7 @@ class SourceConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _one_budget(self) -> "SourceConfig":
+    def _one_budget(self) -> SourceConfig:
         if self.tokens is not None and self.epochs is not None:
             raise ValueError(
                 f"source {self.name!r} sets both tokens ({self.tokens}) and epochs ({self.epochs}): each is a budget "

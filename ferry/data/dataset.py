@@ -10,8 +10,8 @@ import numpy as np
 from ferry.config.errors import UserError
 from ferry.data.manifest import DATASET_FORMAT, DATASET_VERSION, MANIFEST_NAME, refuse_records
 from ferry.data.verification import (
-    DataVerification,
     DatasetMismatch,
+    DataVerification,
     digests_checked,
     verify_entry,
     verify_files,

@@ -59,7 +59,7 @@ def datatrove_settings(tokenizer: str, shard_tokens: int) -> dict:
     return settings
 
 
-class TokenPartsWriter(_base.PipelineStep):
+class TokenPartsWriter(_base.PipelineStep):  # type: ignore[name-defined]  # datatrove, imported as an extra
     """The last step of the tokenising executor: this rank's documents into part files (module docstring)."""
 
     name = "ferry token parts"
@@ -125,7 +125,7 @@ class TokenPartsWriter(_base.PipelineStep):
         }
 
 
-class DatasetJoiner(_base.PipelineStep):
+class DatasetJoiner(_base.PipelineStep):  # type: ignore[name-defined]  # datatrove, imported as an extra
     """The one task of the joining executor: every rank's parts into the dataset at `output`."""
 
     name = "ferry dataset join"

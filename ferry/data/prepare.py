@@ -3,8 +3,8 @@
 The inputs are text files, JSON lines (plain, gzip or zstd), Parquet, Arrow, or a `datasets`
 `save_to_disk` directory (`ferry.data.formats`), each read as a stream. The output directory
 holds `tokenizer.json`, `shard-NNNNN.npy` files (one token stream, every document followed by
-end-of-text) and `manifest.json` with token counts and the sha256 of every source and shard. Conversations (`--chat`) are
-rendered with the chat template, packed into rows of `seq_len` tokens, and get a
+end-of-text) and `manifest.json` with token counts and the sha256 of every source and shard. Conversations
+(`--chat`) are rendered with the chat template, packed into rows of `seq_len` tokens, and get a
 parallel `mask-NNNNN.npy` stream: 1 where a token is trained (assistant text). Preference pairs
 (`--preferences`) and prompts with answers (`--prompts`) are kept as whole records
 (`ferry.data.records`). With `workers`, text is tokenised by several processes into the same dataset
@@ -42,10 +42,10 @@ from ferry.data.manifest import (
 )
 from ferry.data.packing import RowPacker
 from ferry.data.ray_engine import RayEngine, tokenize_parts_on_ray
-from ferry.data.shards import ShardWriter, token_dtype, token_manifest, tokenizer_record
-from ferry.data.splitting import SPLIT_BYTES
 from ferry.data.record_sources import read_record_rows, write_records
 from ferry.data.records import RECORD_FIELDS
+from ferry.data.shards import ShardWriter, token_dtype, token_manifest, tokenizer_record
+from ferry.data.splitting import SPLIT_BYTES
 from ferry.data.staging import claim_output, write_json, write_staged
 from ferry.data.tasks import EMBEDDED_TASKS, task_documents
 from ferry.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, encode_documents, load_tokenizer

@@ -59,7 +59,7 @@ class BPETokenizer:
         self.vocab_size = tokenizer.get_vocab_size()
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
         tokenizer = HFTokenizer(models.BPE())
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
@@ -72,7 +72,7 @@ class BPETokenizer:
         tokenizer.train_from_iterator(texts, trainer=trainer)
         return cls(tokenizer)
 
-    def with_special_tokens(self, tokens: Iterable[str]) -> "BPETokenizer":
+    def with_special_tokens(self, tokens: Iterable[str]) -> BPETokenizer:
         """A copy holding `tokens` as special tokens; those it lacks take the next free ids."""
         copy = HFTokenizer.from_str(self._tokenizer.to_str())
         copy.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in tokens])

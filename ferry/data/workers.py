@@ -141,7 +141,7 @@ def encode_texts(
     while batch := list(islice(texts, ENCODE_BATCH)):
         if stop is not None and stop.is_set():
             raise _Stopped
-        pieces = []
+        pieces: list[np.ndarray] = []
         for ids in encode_documents(tokenizer, batch):
             pieces += (ids, eos)
         data = np.concatenate(pieces).astype(dtype).tobytes()

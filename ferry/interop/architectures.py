@@ -204,7 +204,7 @@ def model_config_from_hf(hf) -> tuple[ModelConfig, str]:
         "rope_type": "default",
         "rope_theta": getattr(hf, "rope_theta", 10000.0),
     }
-    problems = []
+    problems: list[str] = []
     rope_scaling = _rope_scaling(rope, problems, arch)
     if getattr(hf, "attention_bias", False) and arch != "gpt_oss":
         problems.append("attention_bias: ferry's attention projections have no bias")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from ferry.config import UserError
 from ferry.interop.weights import read_safetensors
 

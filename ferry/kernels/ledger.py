@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 from pathlib import Path
+
 import yaml
 from pydantic import Field, field_validator
 

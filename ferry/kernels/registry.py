@@ -61,7 +61,7 @@ class Implementation:
     platform: str | None = None
     probe: Probe = always_available
     uses: tuple[str, ...] = ()
-    recipe_refusal: Callable[[object], "str | None"] | None = None
+    recipe_refusal: Callable[[object], str | None] | None = None
     replay_refusal: str | None = None
 
     @property

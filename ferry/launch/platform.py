@@ -9,7 +9,7 @@ so nobody adds them back by hand.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Literal
 
@@ -95,7 +95,7 @@ def platform_names() -> list[str]:
     return sorted(path.stem for path in PLATFORM_DIR.glob("*.yaml"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_platform(name: str) -> Platform:
     """The platform called `name`; an unknown name or a bad file is a `UserError` naming it."""
     path = PLATFORM_DIR / f"{name}.yaml"

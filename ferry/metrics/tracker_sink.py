@@ -122,7 +122,8 @@ class TrackerSink:
             self._thread.join(self.timeout_s)
             if self._thread.is_alive():
                 self._fail(
-                    f"it did not finish within metrics.tracker_timeout_s ({self.timeout_s:g} s); the run ends without it"
+                    f"it did not finish within metrics.tracker_timeout_s ({self.timeout_s:g} s); the run ends "
+                    "without it"
                 )
 
     def _work(self) -> None:

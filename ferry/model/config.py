@@ -60,7 +60,7 @@ class MoEConfig(Section):
         return top_k
 
     @model_validator(mode="after")
-    def _groups_fit(self) -> "MoEConfig":
+    def _groups_fit(self) -> MoEConfig:
         """DeepSeek-V3's group-limited routing: every group the same size, and enough experts in the chosen
         groups for top_k."""
         if self.num_experts % self.n_group:
@@ -131,7 +131,8 @@ class ModelConfig(Section):
     qk_norm: bool = Field(False, description="RMSNorm on queries and keys")
     qk_norm_scope: Literal["projection", "head"] = Field(
         "projection",
-        description="projection: one norm over all heads' queries (keys) together, as OLMoE; head: per head, as Qwen3-MoE",
+        description="projection: one norm over all heads' queries (keys) together, as OLMoE; head: per head, as "
+        "Qwen3-MoE",
     )
     dense_layers: int = Field(0, ge=0, description="the first N layers use a dense SwiGLU instead of MoE")
     dense_ffn_dim: int = Field(1024, ge=1)
@@ -192,7 +193,7 @@ class ModelConfig(Section):
         return kind.with_defaults(data, cls.model_fields) if kind is not None else data
 
     @model_validator(mode="after")
-    def _attention_fields_agree(self) -> "ModelConfig":
+    def _attention_fields_agree(self) -> ModelConfig:
         """The attention kind checks its fields; an unset `head_dim` then takes the kind's width, so that
         `head_dim` always says how wide a head is (GQA: `dim // n_heads`; MLA: its query/key width), while a dump
         leaves it out unless set otherwise (`_unset_head_dim_left_out`)."""

@@ -36,7 +36,7 @@ class RopeScalingConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _yarn_knows_its_origin(self) -> "RopeScalingConfig":
+    def _yarn_knows_its_origin(self) -> RopeScalingConfig:
         if self.kind == "yarn" and self.original_max_seq_len is None:
             raise ValueError("yarn needs original_max_seq_len (the length the model was trained at)")
         if self.kind != "yarn" and not self.truncate:

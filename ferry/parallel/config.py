@@ -93,8 +93,6 @@ class ParallelConfig(Section):
                 f"pp_schedule {self.pp_schedule} runs one stage per rank (pp_virtual_stages {self.pp_virtual_stages}); "
                 f"set pp_virtual_stages 1, or one of {', '.join(INTERLEAVED_SCHEDULES)}"
             )
-        if self.pp > 1 and self.mode == "fsdp":
-            raise ValueError("pp composes with mode ep (expert-resident); the FSDP baseline runs with pp 1")
         if isinstance(self.pp_split, list):
             stages = self.pp * self.pp_virtual_stages
             if len(self.pp_split) != stages or min(self.pp_split) < 1:

@@ -19,6 +19,7 @@ from ferry.config import UserError
 from ferry.model import ModelConfig
 from ferry.parallel.config import ParallelConfig
 from ferry.parallel.pipeline_split import StageSplit, split_stages
+from ferry.parallel.strategies import PLACEMENTS
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class JobLayout:
 
     @property
     def ep_degree(self) -> int:
-        """The ranks each MoE layer's experts are split over (1 under the FSDP baseline, which replicates them)."""
-        return self.ep if self.mode == "ep" else 1
+        """The ranks each MoE layer's experts are split over (1 under a placement that replicates them: FSDP)."""
+        return self.ep if PLACEMENTS[self.mode].splits_experts else 1
 
     def record(self) -> dict:
         """What a checkpoint's manifest and run.json record of it."""
@@ -117,5 +118,7 @@ def _check_experts(parallel: ParallelConfig, model: ModelConfig, layout: JobLayo
         )
     if num_experts % parallel.ep:
         raise UserError(f"parallel.ep: {parallel.ep} does not divide model.moe.num_experts ({num_experts})")
-    if parallel.mode == "fsdp" and parallel.ep != 1:
-        raise UserError(f"parallel.ep: FSDP mode replicates experts; use parallel.ep=1 (got {parallel.ep})")
+    if not PLACEMENTS[parallel.mode].splits_experts and parallel.ep != 1:
+        raise UserError(
+            f"parallel.ep: {parallel.mode.upper()} mode replicates experts; use parallel.ep=1 (got {parallel.ep})"
+        )

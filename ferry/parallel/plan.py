@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ferry.checkpoint import TensorPiece
 from ferry.comm import Collectives, CommStats, DistContext, build_context_group, build_mesh, build_pipeline_mesh
 from ferry.model import Transformer
 from ferry.model.experts import Experts
 from ferry.parallel.config import ParallelConfig
 from ferry.parallel.context_parallel import sequence_split
-from ferry.parallel.muon import MuonSettings
 from ferry.parallel.layout import JobLayout, lay_out_job
+from ferry.parallel.optimizers import OptimizerRecipe
 from ferry.parallel.pipeline_split import StageSplit
 from ferry.parallel.strategies import (
     PLACEMENTS,
@@ -33,6 +34,7 @@ from ferry.parallel.strategies import (
     WholeModel,
     exchange_chunks,
 )
+from ferry.parallel.zero import StateHolder, state_holders
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,36 @@ class ParallelPlan:
         for collectives in self.collectives:
             collectives.timer = timer
 
+    def piece(self, name: str, tensor: torch.Tensor) -> TensorPiece:
+        """Where this rank's `tensor` (of parameter or buffer `name`) sits in the logical global tensor, whatever the
+        layout: a shard the placement made (FSDP), an EP rank's experts, or all of it."""
+        sharded = self.placement.shard_piece(tensor)
+        if sharded is not None:
+            return sharded
+        expert_slice = self.expert_slices.get(name)
+        if expert_slice is None:
+            return TensorPiece.whole(tensor)
+        offset = (expert_slice.start,) + (0,) * (tensor.ndim - 1)
+        return TensorPiece(tensor, offset, (expert_slice.num_experts, *tensor.shape[1:]))
+
+    def writes(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether this rank writes its piece of `name` into a checkpoint: a shard by the rank holding it, a slice
+        or a replicated tensor by the first of the ranks holding it (`is_replica_writer`)."""
+        return self.placement.shards(tensor) or self.is_replica_writer(name)
+
+    def held_whole(self, tensor: torch.Tensor, piece: TensorPiece) -> bool:
+        """Whether this rank holds `tensor`, at `piece` of its logical tensor, whole and as a plain tensor: a read
+        may fill it in place."""
+        return not self.placement.shards(tensor) and piece.global_shape == tuple(tensor.shape)
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of `tensor` (a parameter, its gradient or its optimizer state) as a plain tensor."""
+        return self.placement.local(tensor)
+
+    def state_holders(self, model: nn.Module, optimizer) -> list[StateHolder]:
+        """Each tensor this rank's `optimizer` keeps state for, placed in its parameter's whole tensor."""
+        return state_holders(optimizer, model, self.piece, self.writes)
+
     def is_replica_writer(self, name: str) -> bool:
         """Whether this rank writes parameter `name` (and its optimizer state) into a checkpoint: each logical
         tensor exactly once, an expert slice by the first of the ranks holding it, a dense tensor by the first of
@@ -156,14 +188,9 @@ class ParallelPlan:
             self.world.all_reduce(tensor)
         return tensor
 
-    def build_optimizer(
-        self, decayed: set[str], weight_decay: float, zero: bool, muon: MuonSettings | None = None, **adamw_kwargs
-    ):
-        """AdamW over this rank's parameters (sharded over their replicas with `zero`), or with `muon` Muon for
-        the matrices it names and AdamW for the rest."""
-        return self.placement.build_optimizer(
-            self.placed, self.groups, decayed, weight_decay, zero, muon, **adamw_kwargs
-        )
+    def build_optimizer(self, recipe: OptimizerRecipe, zero: bool = False):
+        """The recipe's optimizer over this rank's parameters (its state sharded over their replicas with `zero`)."""
+        return self.placement.build_optimizer(self.placed, self.groups, recipe, zero)
 
 
 def build_plan(

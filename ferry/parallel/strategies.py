@@ -22,17 +22,18 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ferry.checkpoint import TensorPiece
 from ferry.comm import Collectives
-from ferry.config import UserError
 from ferry.model import Transformer
 from ferry.parallel.config import ParallelConfig
 from ferry.parallel.expert_parallel import AllToAllDispatcher, shard_experts
 from ferry.parallel.fsdp import apply_fsdp
 from ferry.parallel.gradients import clip_grad_norm, reduce_gradients
+from ferry.parallel.optimizers import OptimizerRecipe
 from ferry.parallel.pipeline_split import StageSplit
-from ferry.parallel.muon import MuonSettings
-from ferry.parallel.optimizers import optimizer_over
 from ferry.parallel.zero import ReplicaGroup, ShardedOptimizer
 
 Params = list[tuple[str, nn.Parameter]]
@@ -107,18 +108,19 @@ class Placement(Protocol):
 
     def clip_gradients(self, placed: PlacedParams, groups: RankGroups, model: nn.Module, max_norm: float) -> float: ...
 
-    def build_optimizer(
-        self,
-        placed: PlacedParams,
-        groups: RankGroups,
-        decayed: set[str],
-        weight_decay: float,
-        zero: bool,
-        muon: MuonSettings | None,
-        **adamw,
-    ): ...
+    def build_optimizer(self, placed: PlacedParams, groups: RankGroups, recipe: OptimizerRecipe, zero: bool): ...
 
     def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None: ...
+
+    def shards(self, tensor: torch.Tensor) -> bool:
+        """Whether this placement shards `tensor` over the ranks (each of which then writes its own piece of a
+        checkpoint), rather than holding it whole or replicated."""
+
+    def shard_piece(self, tensor: torch.Tensor) -> TensorPiece | None:
+        """Where this rank's shard of `tensor` sits in the whole; None for a tensor it does not shard."""
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of `tensor` as a plain tensor (the tensor itself where the placement holds it so)."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,15 @@ class ExpertResident:
                 groups.ep, num_experts, exchange_chunks(self.config), self.config.ep_dispatch == "rowwise"
             )
 
+    def shards(self, tensor: torch.Tensor) -> bool:
+        return False  # experts are split by the plan's slices, the rest replicated
+
+    def shard_piece(self, tensor: torch.Tensor) -> TensorPiece | None:
+        return None
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
     def sync_gradients(self, placed: PlacedParams, groups: RankGroups, reduce_dtype: torch.dtype) -> None:
         bucket = int(self.config.bucket_mib * 2**20)
         reduce_gradients([p for _, p in placed.dense], groups.replicas, reduce_dtype, bucket)
@@ -156,22 +167,13 @@ class ExpertResident:
             [p for _, p in placed.dense], [p for _, p in placed.experts], groups.ep, max_norm, groups.pp
         )
 
-    def build_optimizer(
-        self,
-        placed: PlacedParams,
-        groups: RankGroups,
-        decayed: set[str],
-        weight_decay: float,
-        zero: bool,
-        muon: MuonSettings | None,
-        **adamw,
-    ):
+    def build_optimizer(self, placed: PlacedParams, groups: RankGroups, recipe: OptimizerRecipe, zero: bool):
         """Every rank holds whole matrices (its experts whole, its stages' blocks whole), so Muon's iteration runs
         where the parameter lives; under ZeRO-1 on the rank that owns it, which then sends the update."""
         if zero and groups.world is not None:
             sharded = [ReplicaGroup(placed.dense, groups.replicas), ReplicaGroup(placed.experts, groups.dp)]
-            return ShardedOptimizer(sharded, decayed, weight_decay, muon, **adamw)
-        return optimizer_over(placed.dense + placed.experts, decayed, weight_decay, muon, **adamw)
+            return ShardedOptimizer(sharded, recipe)
+        return recipe.over(placed.dense + placed.experts)
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,19 @@ class FullySharded:
         if groups.world is not None:
             apply_fsdp(model, device, groups.world)
 
+    def shards(self, tensor: torch.Tensor) -> bool:
+        """FSDP2's parameters (and their optimizer state) are DTensors sharded over the ranks."""
+        return isinstance(tensor, DTensor)
+
+    def shard_piece(self, tensor: torch.Tensor) -> TensorPiece | None:
+        if not self.shards(tensor):
+            return None
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return TensorPiece(tensor.to_local(), tuple(offset), tuple(tensor.shape))
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
     def sync_gradients(self, placed: PlacedParams, groups: RankGroups, reduce_dtype: torch.dtype) -> None:
         return None  # FSDP reduced them inside the backward
 
@@ -196,21 +211,10 @@ class FullySharded:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def build_optimizer(
-        self,
-        placed: PlacedParams,
-        groups: RankGroups,
-        decayed: set[str],
-        weight_decay: float,
-        zero: bool,
-        muon: MuonSettings | None,
-        **adamw,
-    ):
-        if zero:
-            raise UserError(
-                "optim.zero: FSDP already shards optimizer state; set optim.zero=false with parallel.mode=fsdp"
-            )
-        return optimizer_over(placed.dense + placed.experts, decayed, weight_decay, muon, groups.world, **adamw)
+    def build_optimizer(self, placed: PlacedParams, groups: RankGroups, recipe: OptimizerRecipe, zero: bool):
+        """FSDP shards the optimizer state with the weights (`optim.zero` is refused with it before any rank
+        starts); Muon's whole-matrix work is shared among the ranks."""
+        return recipe.over(placed.dense + placed.experts, groups.world)
 
     def lay_out_frozen(self, model: Transformer, groups: RankGroups) -> None:
         """A frozen reference sharded as the trained model is, so checkpoint pieces land in it alike and each of

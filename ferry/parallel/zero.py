@@ -16,9 +16,9 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ferry.checkpoint import TensorPiece
 from ferry.comm import Collectives
-from ferry.parallel.muon import MuonSettings
-from ferry.parallel.optimizers import optimizer_over
+from ferry.parallel.optimizers import OptimizerRecipe
 from ferry.parallel.ownership import ParamSlice, slices_by_owner
 
 
@@ -33,14 +33,7 @@ class ReplicaGroup:
 class ShardedOptimizer:
     """The `torch.optim.Optimizer` surface the trainer uses, over owner-partitioned parameter slices."""
 
-    def __init__(
-        self,
-        groups: list[ReplicaGroup],
-        decayed: set[str],
-        weight_decay: float,
-        muon: MuonSettings | None = None,
-        **adamw_kwargs,
-    ):
+    def __init__(self, groups: list[ReplicaGroup], recipe: OptimizerRecipe):
         self.groups = groups
         self.slices: list[list[list[ParamSlice]]] = []  # per group, per rank of the group
         self.owned: list[ParamSlice] = []
@@ -50,9 +43,7 @@ class ShardedOptimizer:
             by_owner = slices_by_owner(group.params, size)
             self.slices.append(by_owner)
             self.owned += by_owner[rank]
-        self.local = optimizer_over(
-            [(piece.name, piece.tensor) for piece in self.owned], decayed, weight_decay, muon, **adamw_kwargs
-        )
+        self.local = recipe.over([(piece.name, piece.tensor) for piece in self.owned])
 
     @property
     def param_groups(self):
@@ -100,3 +91,40 @@ def optimizer_state_bytes(optimizer) -> int:
         for value in state.values()
         if torch.is_tensor(value)
     )
+
+
+@dataclass(frozen=True)
+class StateHolder:
+    """A tensor a rank's optimizer keeps state for: of parameter `name`, placed at `piece` in the parameter's whole
+    tensor; `writes` whether this rank writes that state into a checkpoint."""
+
+    name: str
+    tensor: torch.Tensor
+    piece: TensorPiece
+    writes: bool
+
+
+def state_holders(optimizer, model: nn.Module, piece_of, writes) -> list[StateHolder]:
+    """Each tensor `optimizer` keeps state for on this rank: the parameters it steps, or under ZeRO-1 the slices
+    this rank owns (each owner writes what it holds). `piece_of(name, tensor)` places a parameter in its whole
+    tensor, `writes(name, tensor)` says whether this rank writes a parameter it holds."""
+    if isinstance(optimizer, ShardedOptimizer):
+        holders = []
+        for owned in optimizer.owned:
+            parent = piece_of(owned.name, owned.param)
+            offset = (parent.offset[0] + owned.start, *parent.offset[1:])
+            holders.append(
+                StateHolder(owned.name, owned.tensor, TensorPiece(owned.tensor, offset, parent.global_shape), True)
+            )
+        return holders
+    names = {param: name for name, param in model.named_parameters()}
+    held = [param for group in optimizer.param_groups for param in group["params"]]
+    return [StateHolder(names[p], p, piece_of(names[p], p), writes(names[p], p)) for p in held]
+
+
+def stepped_names(optimizer, model: nn.Module) -> dict[torch.Tensor, str]:
+    """The parameter name of every tensor `optimizer` steps: the model's parameters, and ZeRO-1's slices."""
+    names: dict[torch.Tensor, str] = {param: name for name, param in model.named_parameters()}
+    if isinstance(optimizer, ShardedOptimizer):
+        names.update({owned.tensor: owned.name for owned in optimizer.owned})
+    return names

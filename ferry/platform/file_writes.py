@@ -92,7 +92,7 @@ class HashedFileWriter:
             self._views = self._buffers = []
         os.close(self._descriptor)
 
-    def __enter__(self) -> "HashedFileWriter":
+    def __enter__(self) -> HashedFileWriter:
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -12,7 +12,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Literal
 
@@ -80,7 +80,7 @@ def profile_names() -> list[str]:
     return sorted(path.stem for path in PROFILE_DIR.glob("*.yaml"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_profile(name: str) -> HardwareProfile:
     path = PROFILE_DIR / f"{name}.yaml"
     if not path.is_file():

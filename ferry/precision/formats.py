@@ -107,7 +107,7 @@ def fake_quantize_rowwise(x: torch.Tensor, fmt: FloatFormat, dim: int, block_ids
     return dequantize(q, scale_XB, dim, block_ids, x.dtype)
 
 
-def _scaled_elements(moved_XL, scale_XB, blocks: "_Blocks", fmt: FloatFormat, dim: int) -> torch.Tensor:
+def _scaled_elements(moved_XL, scale_XB, blocks: _Blocks, fmt: FloatFormat, dim: int) -> torch.Tensor:
     """The elements `x / scale` rounded to `fmt` (NaN for non-finite input), back in `x`'s layout."""
     rounded = round_to_format(blocks.divide(moved_XL, scale_XB), fmt)
     return rounded.to(fmt.dtype).movedim(-1, dim)
@@ -126,7 +126,7 @@ class _Blocks:
     count: int | None = None  # blocks of `ids_L`, when known without reading the ids
 
     @staticmethod
-    def of(length: int, size: int, block_ids_L: torch.Tensor | None, count: int | None = None) -> "_Blocks":
+    def of(length: int, size: int, block_ids_L: torch.Tensor | None, count: int | None = None) -> _Blocks:
         if block_ids_L is not None:
             return _Blocks(None, block_ids_L, count)
         if length and length % size == 0:

@@ -42,10 +42,8 @@ def with_low_precision_experts(selection: KernelSelection, recipe: LowPrecisionR
         raise UserError(f'kernels.ops."{op}": {low.implementation.key} cannot run this recipe: {reason}')
     if reason is not None:
         portable = REGISTRY[op].portable
-        functions = {name: choice.fn for name, choice in selection.choices.items()}
-        low = Choice(
-            portable, f"auto: {low.implementation.key} refuses the recipe: {reason}", bind(portable, functions)
-        )
+        chosen = {name: choice.fn for name, choice in selection.choices.items()}
+        low = Choice(portable, f"auto: {low.implementation.key} refuses the recipe: {reason}", bind(portable, chosen))
         selection = KernelSelection(
             selection.policy, selection.device, selection.platform, {**selection.choices, op: low}
         )

@@ -26,6 +26,7 @@ from ferry.checkpoint.digests import checkpoint_digest
 from ferry.config import UserError, dump_yaml
 from ferry.config.loader import validate
 from ferry.data.manifest import sha256_file
+from ferry.platform.fingerprint import code_version
 from ferry.stages.lineage import Lineage, dataset_record
 from ferry.stages.rerun import IMPORTS_DIR, SetAside
 from ferry.stages.spec import (
@@ -37,7 +38,6 @@ from ferry.stages.spec import (
     load_pipeline,
     stage_configs,
 )
-from ferry.platform.fingerprint import code_version
 from ferry.train.config import RunConfig
 from ferry.train.run_dir.record import RUN_RECORD_NAME
 

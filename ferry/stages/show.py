@@ -11,7 +11,8 @@ def lineage_lines(directory: str | Path) -> list[str]:
     data = Lineage.read(Path(directory))
     pipeline = data["pipeline"]
     lines = [
-        f"pipeline {pipeline['name']} ({pipeline['file']}, sha256 {pipeline['sha256'][:12]}), {len(data['stages'])} stage(s)"
+        f"pipeline {pipeline['name']} ({pipeline['file']}, sha256 {pipeline['sha256'][:12]}), "
+        f"{len(data['stages'])} stage(s)"
     ]
     rows = [("stage", "status", "starts from", "steps", "loss", "held-out", "checkpoint")]
     for stage in data["stages"]:

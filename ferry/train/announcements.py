@@ -68,22 +68,15 @@ def announce(
         steps = overlap["trial_steps"]
         say(f"ferry: ep_overlap auto: {overlap['chosen']}, the fastest of {measured} ({steps} steps each)")
     layout = job.layout.record()
-    pipeline = f"pp {layout['pp_degree']}, " if "pp_degree" in layout else ""
-    context = f", cp {layout['cp_degree']}" if "cp_degree" in layout else ""
     preset = f"model {config.run.model_preset}, " if config.run.model_preset else ""
     say(
         f"ferry: training {config.run.name} on {job.device} x {job.world_size} "
-        f"({layout['mode']}, {pipeline}ep {layout['ep_degree']}{context}, {job.context.backend or 'no'} collectives, "
+        f"({layout['mode']}, {job.kinds.banner(job.layout)}, {job.context.backend or 'no'} collectives, "
         f"profile {numerics.profile.name}) — {preset}{size.total_params / 1e6:.2f}M params "
         f"({size.active_params / 1e6:.2f}M active), {config.train.steps} steps of {step_size}, writing to {run_dir}"
     )
-    if "pp_degree" in layout:
-        stages = layout["pp_stages"]
-        micro_batches = config.train.global_batch // (config.train.micro_batch * job.world_size // layout["pp_degree"])
-        say(
-            f"ferry: pipeline: {layout['pp_degree']} ranks a pipeline, {layout['pp_schedule']}, blocks per stage "
-            f"{stages['blocks_per_stage']}, {micro_batches} micro-batches of {config.train.micro_batch} a step"
-        )
+    for line in job.kinds.announcements(config, job.layout):
+        say(line)
     if hub.prometheus is not None:
         say(f"ferry: Prometheus metrics at {hub.prometheus.url}")
     for tracker in hub.trackers:

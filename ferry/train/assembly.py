@@ -36,6 +36,7 @@ from ferry.model.digest import weights_digest
 from ferry.model.recompute import activation_checkpointing_record
 from ferry.parallel import build_plan
 from ferry.parallel.layout import JobLayout
+from ferry.parallel.optimizers import OptimizerRecipe, optimizer_recipe
 from ferry.parallel.plan import ParallelPlan
 from ferry.platform import environment_fingerprint, resolve_device
 from ferry.platform.allocator import apply_host_allocator
@@ -45,11 +46,12 @@ from ferry.precision.kernels import low_precision_op, with_low_precision_experts
 from ferry.precision.step_weights import StepWeights
 from ferry.train.checkpointing import restore_model, shared_verification
 from ferry.train.config import RunConfig
+from ferry.train.layouts import RunLayout
 from ferry.train.memory import choose_micro_batch
 from ferry.train.objectives.base import Objective
 from ferry.train.objectives.kinds import ObjectiveInputs, ObjectiveKind, objective_kind
 from ferry.train.objectives.reference import ReferenceSource
-from ferry.train.optimizer import decayed_parameter_names, muon_settings
+from ferry.train.optimizer import decayed_parameter_names
 from ferry.train.resilience.core import torchrun_restart_counts
 
 
@@ -61,6 +63,7 @@ class Job:
     device: torch.device
     context: DistContext
     layout: JobLayout  # laid out and checked once, by `open_job`
+    kinds: RunLayout  # the layout kinds the config composes (`ferry/train/layouts/`)
     started_unix: float
     micro_batch: dict  # how train.micro_batch was decided (`auto`: by the memory model)
 
@@ -105,13 +108,15 @@ class RunData:
 
 @dataclass(frozen=True)
 class ModelParts:
-    """The model laid out over the ranks, its optimizer, and the reductions over the ranks its plan times.
+    """The model laid out over the ranks, its optimizer (and the recipe every rank built it from), and the
+    reductions over the ranks its plan times.
     `draw_deferred`: a run asked to resume left its weights undrawn (drawn only if it finds nothing to resume);
     `initial_weights`: the digest of the weights it drew (main rank; None when it drew none yet)."""
 
     model: Transformer
     plan: ParallelPlan
     optimizer: torch.optim.Optimizer
+    recipe: OptimizerRecipe
     compiled: dict
     recompute: dict
     step_weights: StepWeights | None
@@ -163,7 +168,7 @@ def open_job(config: RunConfig, started_unix: float) -> Job:
         config = config.model_copy(update={"train": config.train.model_copy(update={"micro_batch": micro_batch})})
     else:
         choice = {"requested": config.train.micro_batch, "chosen": config.train.micro_batch}
-    return Job(config, device, context, layout, started_unix, choice)
+    return Job(config, device, context, layout, RunLayout.of(config), started_unix, choice)
 
 
 @dataclass(frozen=True)
@@ -256,9 +261,9 @@ def build_model(job: Job, numerics: Numerics, start: Start) -> ModelParts:
     torch.manual_seed(config.run.seed)
     drawn = config.init_from is None
     on_host = config.run.init_device == "host"
-    # a pipeline stage keeps part of a whole model's draw: drawn at once, since a later draw sees only that part
-    pipelined = config.parallel.pp > 1
-    draw_deferred = drawn and on_host and not pipelined and start.resume is not None
+    # a rank that keeps part of a whole model's draw (a pipeline's stages) draws at once: a later draw sees only
+    # that part
+    draw_deferred = drawn and on_host and not job.kinds.keeps_part_of_model and start.resume is not None
     drawn_now = drawn and on_host and not draw_deferred
     recompute_mode = config.train.activation_checkpointing
     model = Transformer(
@@ -273,23 +278,27 @@ def build_model(job: Job, numerics: Numerics, start: Start) -> ModelParts:
     if drawn and not on_host:
         model.reset_parameters()
         initial_weights = weights_digest(model) if job.is_main else None
-    decayed = decayed_parameter_names(model)
-    muon = muon_settings(config.optim, model)
-    expert_parallel = config.parallel.mode == "ep" and config.parallel.ep > 1
+    recipe = optimizer_recipe(config.optim, model, decayed_parameter_names(model))
     recompute = activation_checkpointing_record(recompute_mode, len(model.layers))
-    compiled = compile_blocks(model, resolve_compile(config.train.compile, job.device), expert_parallel)
+    compiled = compile_blocks(model, resolve_compile(config.train.compile, job.device), job.layout.ep_degree > 1)
     compiled["requested"] = config.train.compile
     plan = build_plan(
         config.parallel, job.context, model, job.device, numerics.precision.torch_reduce_dtype, layout=job.layout
     )
-    step_weights = _step_weights(config, model, numerics.precision)
-    optim = config.optim
-    optimizer = plan.build_optimizer(
-        decayed, optim.weight_decay, optim.zero, muon, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps
-    )
+    step_weights = _step_weights(job, model, numerics.precision)
+    optimizer = plan.build_optimizer(recipe, config.optim.zero)
     reductions = RankReductions(job.context, job.device, plan.sum_over_ranks)
     return ModelParts(
-        model, plan, optimizer, compiled, recompute, step_weights, reductions, draw_deferred, initial_weights
+        model,
+        plan,
+        optimizer,
+        recipe,
+        compiled,
+        recompute,
+        step_weights,
+        reductions,
+        draw_deferred,
+        initial_weights,
     )
 
 
@@ -302,10 +311,11 @@ def resolve_compile(mode: Compile, device: torch.device) -> Compile:
     return "blocks" if device.type == "cuda" else "none"
 
 
-def _step_weights(config: RunConfig, model: Transformer, precision: PrecisionPolicy) -> StepWeights | None:
+def _step_weights(job: Job, model: Transformer, precision: PrecisionPolicy) -> StepWeights | None:
     """The weights cast once a step (`precision.weight_casts: step`) where autocast would cast them at every use:
-    a compute dtype below the parameters'. Not under FSDP, which gathers and casts each block's weights itself."""
-    if config.precision.weight_casts != "step" or not precision.autocast or config.parallel.mode == "fsdp":
+    a compute dtype below the parameters'. Not under a layout that gathers and casts each block's weights itself
+    (FSDP)."""
+    if job.config.precision.weight_casts != "step" or not precision.autocast or job.kinds.casts_weights_itself:
         return None
     return StepWeights(model, precision.torch_compute_dtype)
 

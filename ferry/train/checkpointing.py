@@ -22,8 +22,6 @@ from functools import partial
 import torch
 from pydantic import ValidationError
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ferry.checkpoint import (
     Checkpoint,
@@ -40,8 +38,8 @@ from ferry.config import ConfigError
 from ferry.model import ModelConfig
 from ferry.model.variants import SKIP_KINDS
 from ferry.parallel import ParallelPlan
-from ferry.parallel.muon import MuonWithAdamW
-from ferry.parallel.zero import ShardedOptimizer
+from ferry.parallel.optimizers import OptimizerKind
+from ferry.parallel.zero import stepped_names
 from ferry.train.config import RunConfig
 from ferry.train.optimizer import decayed_parameter_names
 
@@ -58,19 +56,18 @@ def train_state_pieces(model: nn.Module, optimizer, plan: ParallelPlan, device: 
     rank, world_size = plan.context.rank, plan.context.world_size
     pieces = {}
     for name, tensor in model.state_dict().items():
-        if isinstance(tensor, DTensor) or plan.is_replica_writer(name):
-            pieces[MODEL + name] = _piece(name, tensor, plan)
-    sharded_state = isinstance(optimizer, ShardedOptimizer)  # each owner writes what it holds
-    for name, tensor, piece in _state_holders(model, optimizer, plan):
-        state = optimizer.state.get(tensor)
-        if not state or not (sharded_state or isinstance(tensor, DTensor) or plan.is_replica_writer(name)):
+        if plan.writes(name, tensor):
+            pieces[MODEL + name] = plan.piece(name, tensor)
+    for holder in plan.state_holders(model, optimizer):
+        state = optimizer.state.get(holder.tensor)
+        if not state or not holder.writes:
             continue
         for key, value in state.items():
             if value.ndim == 0:
-                if not any(piece.offset):  # a step count is the same everywhere: the holder of element 0 writes it
-                    pieces[f"{OPTIM}{key}.{name}"] = TensorPiece.whole(value)
+                if not any(holder.piece.offset):  # a step count is the same everywhere: element 0's holder writes it
+                    pieces[f"{OPTIM}{key}.{holder.name}"] = TensorPiece.whole(value)
             else:
-                pieces[f"{OPTIM}{key}.{name}"] = _placed_like(value, piece)
+                pieces[f"{OPTIM}{key}.{holder.name}"] = _placed_like(value, holder.piece, plan)
     pieces[RNG + "cpu"] = _rank_row(torch.get_rng_state(), rank, world_size)
     if device.type != "cpu":
         state = torch.get_device_module(device.type).get_rng_state(device)
@@ -78,26 +75,18 @@ def train_state_pieces(model: nn.Module, optimizer, plan: ParallelPlan, device: 
     return pieces
 
 
-def optimizer_record(model: nn.Module, optimizer) -> dict:
+def optimizer_record(model: nn.Module, optimizer, kind: OptimizerKind) -> dict:
     """The optimizer's kind and parameter groups by parameter name, over the whole model (all ranks)."""
-    names = _param_names(model)
-    if isinstance(optimizer, ShardedOptimizer):
-        names.update({owned.tensor: owned.name for owned in optimizer.owned})
+    names = stepped_names(optimizer, model)
     groups = []
     for group in optimizer.param_groups:
         hyperparameters = {key: value for key, value in group.items() if key != "params"}
         groups.append({**hyperparameters, "params": [names[param] for param in group["params"]]})
     return {
-        "kind": optimizer_kind(optimizer),
+        "kind": kind.state_kind,
         "decayed": sorted(decayed_parameter_names(model)),
         "param_groups_on_rank_0": groups,
     }
-
-
-def optimizer_kind(optimizer) -> str:
-    """`Muon` (Muon for the matrices, AdamW for the rest) or `AdamW`, sharded by ZeRO-1 or not."""
-    local = optimizer.local if isinstance(optimizer, ShardedOptimizer) else optimizer
-    return "Muon" if isinstance(local, MuonWithAdamW) else "AdamW"
 
 
 # Model fields that change no weight: a long-context stage sets them over its parent's checkpoint.
@@ -180,26 +169,27 @@ def restore_model(checkpoint: Checkpoint, model: nn.Module, plan: ParallelPlan) 
         )
     with torch.no_grad():
         boxes = [
-            _box(checkpoint, MODEL + name, _piece(name, tensor, plan))
+            _box(checkpoint, MODEL + name, plan.piece(name, tensor))
             for name, tensor in targets.items()
             if not _same_memory(checkpoint.prefetched(MODEL + name), tensor)  # read in place while it was hashed
         ]
         checkpoint.read_many(boxes)
 
 
-def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer, plan: ParallelPlan) -> None:
+def restore_optimizer(
+    checkpoint: Checkpoint, model: nn.Module, optimizer, plan: ParallelPlan, kind: OptimizerKind
+) -> None:
     """Load the stored moments and steps of the parameters this rank's optimizer holds.
 
     State is matched to parameters by name, so it loads whatever the layout (ZeRO
     owners, EP slices, FSDP shards); hyperparameters stay those of this run's config.
     """
     saved = checkpoint.manifest.train_state["optimizer"]
-    kind = optimizer_kind(optimizer)
-    if saved.get("kind") != kind:
+    if saved.get("kind") != kind.state_kind:
         raise CheckpointError(
-            f"{checkpoint.path}: holds {saved.get('kind')} state and this run trains with {kind} (optim.name "
-            f"{kind.lower()}): a run continues with the optimizer it saved; to change optimizer, start from the "
-            f"checkpoint's weights alone: init_from={checkpoint.path} init_optimizer=false"
+            f"{checkpoint.path}: holds {saved.get('kind')} state and this run trains with {kind.state_kind} "
+            f"(optim.name {kind.name}): a run continues with the optimizer it saved; to change optimizer, start from "
+            f"the checkpoint's weights alone: init_from={checkpoint.path} init_optimizer=false"
         )
     params = dict(model.named_parameters())
     stored: dict[str, list[str]] = {}
@@ -210,15 +200,16 @@ def restore_optimizer(checkpoint: Checkpoint, model: nn.Module, optimizer, plan:
         stored.setdefault(name, []).append(key)
     state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     boxes = []
-    for name, tensor, piece in _state_holders(model, optimizer, plan):
-        for key in stored.get(name, []):
-            logical = f"{OPTIM}{key}.{name}"
+    for holder in plan.state_holders(model, optimizer):
+        tensor = holder.tensor
+        for key in stored.get(holder.name, []):
+            logical = f"{OPTIM}{key}.{holder.name}"
             value = checkpoint.prefetched(logical)
             if key == "step":
                 value = checkpoint.read(logical)
-            elif not _adoptable(value, tensor, piece):
+            elif not _adoptable(value, tensor, holder.piece, plan):
                 value = torch.empty_like(tensor, memory_format=torch.contiguous_format)  # filled whole below
-                boxes.append(_box(checkpoint, logical, _placed_like(value, piece)))
+                boxes.append(_box(checkpoint, logical, _placed_like(value, holder.piece, plan)))
             state.setdefault(tensor, {})[key] = value
     checkpoint.read_many(boxes)
     optimizer.state.clear()
@@ -237,9 +228,7 @@ def resume_prefetch(model: nn.Module, optimizer, plan: ParallelPlan) -> Prefetch
     whole_on_cpu = {
         MODEL + name: tensor
         for name, tensor in model.state_dict().items()
-        if not isinstance(tensor, DTensor)
-        and _piece(name, tensor, plan).global_shape == tuple(tensor.shape)
-        and tensor.device.type == "cpu"
+        if plan.held_whole(tensor, plan.piece(name, tensor)) and tensor.device.type == "cpu"
     }
 
     def in_place(manifest: Manifest) -> dict[str, torch.Tensor]:
@@ -255,9 +244,9 @@ def optimizer_prefetch(model: nn.Module, optimizer, plan: ParallelPlan) -> Prefe
     `restore_optimizer` then adopts them as they are, and their bytes are read once.
     """
     whole_on_cpu = {
-        name: tensor
-        for name, tensor, piece in _state_holders(model, optimizer, plan)
-        if not isinstance(tensor, DTensor) and piece.global_shape == tuple(tensor.shape) and tensor.device.type == "cpu"
+        holder.name: holder.tensor
+        for holder in plan.state_holders(model, optimizer)
+        if plan.held_whole(holder.tensor, holder.piece) and holder.tensor.device.type == "cpu"
     }
 
     def fresh_moments(manifest: Manifest) -> dict[str, torch.Tensor]:
@@ -295,22 +284,10 @@ def restore_rng(checkpoint: Checkpoint, device: torch.device, rank: int, world_s
 def copy_into_piece(targets: dict[str, torch.Tensor], name: str, whole: torch.Tensor, plan: ParallelPlan) -> None:
     """Copy this rank's piece of `whole`, the logical tensor of state-dict entry `name`, into the entry in
     `targets` (the model's state dict), whatever the layout: an FSDP shard, an EP rank's experts, or all of it."""
-    piece = _piece(name, targets[name], plan)
+    piece = plan.piece(name, targets[name])
     window = tuple(slice(start, start + size) for start, size in zip(piece.offset, piece.local.shape, strict=True))
     with torch.no_grad():
         piece.local.copy_(whole[window])
-
-
-def _piece(name: str, tensor: torch.Tensor, plan: ParallelPlan) -> TensorPiece:
-    """Where this rank's `tensor` (of parameter/buffer `name`) sits in the logical global tensor."""
-    if isinstance(tensor, DTensor):
-        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        return TensorPiece(tensor.to_local(), tuple(offset), tuple(tensor.shape))
-    expert_slice = plan.expert_slices.get(name)
-    if expert_slice is None:
-        return TensorPiece.whole(tensor)
-    offset = (expert_slice.start,) + (0,) * (tensor.ndim - 1)
-    return TensorPiece(tensor, offset, (expert_slice.num_experts, *tensor.shape[1:]))
 
 
 def _box(checkpoint: Checkpoint, name: str, piece: TensorPiece) -> tuple[str, torch.Tensor, tuple[int, ...]]:
@@ -332,38 +309,18 @@ def _same_memory(value: torch.Tensor | None, tensor: torch.Tensor) -> bool:
     )
 
 
-def _adoptable(value: torch.Tensor | None, tensor: torch.Tensor, piece: TensorPiece) -> bool:
+def _adoptable(value: torch.Tensor | None, tensor: torch.Tensor, piece: TensorPiece, plan: ParallelPlan) -> bool:
     """Whether a prefetched whole tensor can be the optimizer state of `tensor`, held whole, as it is."""
     return (
         value is not None
-        and not isinstance(tensor, DTensor)
-        and piece.global_shape == tuple(tensor.shape)
+        and plan.held_whole(tensor, piece)
         and (value.shape, value.dtype, value.device) == (tensor.shape, tensor.dtype, tensor.device)
     )
 
 
-def _state_holders(model: nn.Module, optimizer, plan: ParallelPlan) -> list[tuple[str, torch.Tensor, TensorPiece]]:
-    """Each tensor this rank's optimizer keeps state for, with the name of its parameter and where it sits in the
-    parameter's global tensor: the parameters it steps, or under ZeRO-1 the slices this rank owns."""
-    if isinstance(optimizer, ShardedOptimizer):
-        holders = []
-        for owned in optimizer.owned:
-            parent = _piece(owned.name, owned.param, plan)
-            offset = (parent.offset[0] + owned.start, *parent.offset[1:])
-            holders.append((owned.name, owned.tensor, TensorPiece(owned.tensor, offset, parent.global_shape)))
-        return holders
-    names = _param_names(model)
-    held = [param for group in optimizer.param_groups for param in group["params"]]
-    return [(names[param], param, _piece(names[param], param, plan)) for param in held]
-
-
-def _placed_like(value: torch.Tensor, piece: TensorPiece) -> TensorPiece:
+def _placed_like(value: torch.Tensor, piece: TensorPiece, plan: ParallelPlan) -> TensorPiece:
     """Optimizer state `value` of the tensor at `piece`, placed where that tensor is."""
-    return TensorPiece(value.to_local() if isinstance(value, DTensor) else value, piece.offset, piece.global_shape)
-
-
-def _param_names(model: nn.Module) -> dict[nn.Parameter, str]:
-    return {param: name for name, param in model.named_parameters()}
+    return TensorPiece(plan.local(value), piece.offset, piece.global_shape)
 
 
 def _rank_row(state: torch.Tensor, rank: int, world_size: int) -> TensorPiece:

@@ -11,8 +11,8 @@ from ferry.checkpoint import CheckpointManager
 from ferry.metrics import MetricsHub, StepMetrics, TorchTrace
 from ferry.metrics.progress import WorkProgress
 from ferry.platform.process import Stopped
-from ferry.train.hook_points import Hook, RunEnd, Watch
 from ferry.train.announcements import eval_line
+from ferry.train.hook_points import Hook, RunEnd, Watch
 from ferry.train.run_dir.record import RunRecord
 
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from ferry.config import UserError
 from ferry.model import count_model
 from ferry.parallel.layout import JobLayout, lay_out_job
+from ferry.parallel.optimizers import OPTIMIZER_KINDS
 from ferry.train.config import RunConfig
-from ferry.train.pipeline_memory import RankShare, pipeline_rank_shares
+from ferry.train.layouts import MemoryTerms, RankShare, RunLayout
 
 HEADROOM = 0.95  # the share of a device's memory an estimate may fill: allocator fragmentation, the CUDA context
 _INDEX_BYTES = 8
@@ -56,95 +57,78 @@ def memory_estimate(
     auto, the least it can take), over `world_size` ranks laid out as `layout` (a run's; laid out here when not
     given).
 
-    State: parameters and gradients in the parameter dtype and AdamW's two fp32 moments (experts split
-    over `parallel.ep`, moments over the ranks sharing each parameter under ZeRO-1, everything over all
-    ranks under FSDP); with `optim.name: muon`, one momentum buffer in the parameter dtype for the hidden matrices
-    and AdamW's two moments for the embedding, head and routers (all of them counted on every rank: an upper
-    bound). Backward: what each token of a micro-batch keeps in each layer
-    (`kept_bytes_per_token_layer`), and with activation checkpointing the one block being recomputed; the
-    logits with their fp32 loss and gradient; and, under autocast, the compute-dtype copies of the weights,
-    which the backward keeps whether they are made per micro-batch or once a step
-    (`ferry/precision/step_weights.py`: released before the optimizer step). Optimizer: AdamW's full-size
-    temporary (the square root of the second moments, in the foreach implementation torch uses by default); under
-    Muon that of its AdamW part, and Newton-Schulz's working set for the largest matrix (a layer's experts at
-    once: the input, two iterates and the Gram products).
-    Under pipeline parallelism, the largest of the pipeline's ranks: its stages' parameters and the micro-batches
-    its schedule keeps in flight (`ferry/train/pipeline_memory.py`). Under context parallelism a rank keeps its
-    1/cp of the positions, and for each of them what the attention gathers of the other ranks'
-    (`AttentionKind.gathered_values`).
+    The layout kinds the run composes shape what a rank holds (`LayoutKind.shares`, `LayoutKind.memory`): a
+    pipeline's ranks their stages' parameters and the micro-batches their schedule keeps in flight (the rank
+    holding the most is the estimate), experts split over `parallel.ep`, every weight over all ranks under FSDP,
+    optimizer state over the ranks sharing each parameter under ZeRO-1, a context-parallel rank's 1/cp of the
+    positions with what its attention gathers of the others'. State: parameters and gradients in the parameter
+    dtype and the optimizer kind's state (`OptimizerKind.memory`: AdamW's two fp32 moments; under Muon one momentum
+    buffer in the parameter dtype for the hidden matrices and AdamW's two moments for the embedding, head and
+    routers, all of them counted on every rank: an upper bound). Backward: what each token of a micro-batch keeps
+    in each layer (`kept_bytes_per_token_layer`, and what the kinds add), and with activation checkpointing the one
+    block being recomputed; the logits with their fp32 loss and gradient; and, under autocast, the compute-dtype
+    copies of the weights, which the backward keeps whether they are made per micro-batch or once a step
+    (`ferry/precision/step_weights.py`: released before the optimizer step). Optimizer: AdamW's full-size temporary
+    (the square root of the second moments, in the foreach implementation torch uses by default) over the moments
+    it steps, and the kind's own working set (Newton-Schulz's for Muon's largest matrix).
     """
     model, moe = config.model, config.model.moe
     micro = micro_batch or (config.train.micro_batch if config.train.micro_batch != "auto" else 1)
     layout = layout or lay_out_job(config.parallel, config.model, world_size)
-    if layout.split is not None:  # the rank holding the most, of the pipeline's
-        shares = pipeline_rank_shares(config, layout, micro)
-        replicas = layout.replicas
-        estimates = [_rank_estimate(config, replicas, device, micro, share) for share in shares]
-        return max(estimates, key=lambda estimate: estimate.total_bytes)
     size = count_model(model, config.data.seq_len)
     expert_params = model.moe_layer_count * moe.num_experts * 3 * model.dim * moe.expert_ffn_dim
     whole = RankShare(size.total_params, expert_params, model.n_layers + model.mtp.depth, head=True, in_flight=1)
-    return _rank_estimate(config, world_size, device, micro, whole)
+    kinds = RunLayout.of(config)
+    estimates = [
+        _rank_estimate(config, layout, kinds, device, micro, share)
+        for share in kinds.shares(config, layout, micro, whole)
+    ]
+    return max(estimates, key=lambda estimate: estimate.total_bytes)
 
 
-def _rank_estimate(config: RunConfig, world_size: int, device: str, micro: int, share: RankShare) -> MemoryEstimate:
-    """One rank's estimate: `share` of the model over `world_size` ranks that replicate or split it."""
-    expert_params = share.expert_params
-    dense_params = share.total_params - expert_params
+def _rank_estimate(
+    config: RunConfig, layout: JobLayout, kinds: RunLayout, device: str, micro: int, share: RankShare
+) -> MemoryEstimate:
+    """One rank's estimate: `share` of the model over the ranks that replicate or split it, as the kinds place it."""
     param_bytes = _param_bytes(config)
-    if config.parallel.mode == "fsdp":
-        local = share.total_params / world_size
-        moments = local
-    else:
-        ep = config.parallel.ep
-        local = dense_params + expert_params / ep
-        replicas = max(world_size // ep, 1)
-        moments = (dense_params / world_size + expert_params / ep / replicas) if config.optim.zero else local
-    adamw_share, newton_schulz = _muon_terms(config, share, world_size)
-    state = local * 2 * param_bytes + moments * (8 * adamw_share + param_bytes * (1 - adamw_share))
     compute_bytes = _compute_bytes(config, device)
-    cp = config.parallel.cp
-    tokens = micro * config.data.seq_len // cp  # this rank's positions of the micro-batch's sequences
+    start = MemoryTerms(
+        share,
+        layout.replicas,
+        local=share.total_params,
+        moments=share.total_params,
+        tokens=micro * config.data.seq_len,
+        compute_bytes=compute_bytes,
+    )
+    terms = kinds.memory(config, layout, start)
+    local, moments = terms.local, terms.moments
+    kind = OPTIMIZER_KINDS[config.optim.name]
+    optimizer_terms = kind.memory(
+        config,
+        share.total_params,
+        share.expert_params,
+        param_bytes,
+        terms.experts_split_over,
+        terms.weights_sharded_over,
+    )
+    adamw_share = optimizer_terms.adamw_share
+    state = local * 2 * param_bytes + moments * (8 * adamw_share + param_bytes * (1 - adamw_share))
+    tokens = terms.tokens  # this rank's positions of the micro-batch's sequences
     mode = config.train.activation_checkpointing
-    kept = kept_bytes_per_token_layer(config, mode, compute_bytes)
-    if cp > 1:  # what the attention gathers of the other ranks' positions, counted per own position
-        kept += (cp - 1) * config.model.attention_kind.gathered_values(config.model, mode) * compute_bytes
+    kept = kept_bytes_per_token_layer(config, mode, compute_bytes) + terms.extra_kept_per_token_layer
     activations = tokens * share.layers * kept * share.in_flight
     if mode != "none":  # the block the backward recomputes holds what a plain block keeps
         activations += tokens * kept_bytes_per_token_layer(config, "none", compute_bytes)
     logits = _head_bytes(config, tokens, compute_bytes) * share.in_flight if share.head else 0
     copies = local * compute_bytes if compute_bytes < param_bytes else 0
-    optimizer = moments * 4 * adamw_share + newton_schulz
-    held = "Muon momentum and AdamW moments" if config.optim.name == "muon" else "AdamW moments"
+    optimizer = moments * 4 * adamw_share + optimizer_terms.working_bytes
     saved_state = local * param_bytes + state - local * 2 * param_bytes  # the parameters and the optimizer's state
-    asynchronous = config.checkpoint.async_save is True or (config.checkpoint.async_save == "auto" and world_size > 1)
-    snapshot = saved_state if asynchronous and config.checkpoint.enabled else 0
-    return MemoryEstimate(int(state), int(activations + logits + copies), int(optimizer), held, int(snapshot))
-
-
-def _muon_terms(config: RunConfig, share: RankShare, world_size: int) -> tuple[float, float]:
-    """The share of `share`'s parameters AdamW updates (1 without Muon) and the bytes of Newton-Schulz's working
-    set (0 without Muon): the embedding, head and routers take AdamW, the rest Muon's one buffer. Under FSDP a
-    rank also holds the whole matrices it owns, gathered, and their orthogonalisation (`muon_fsdp.py`)."""
-    if config.optim.name != "muon":
-        return 1.0, 0.0
-    model, moe = config.model, config.model.moe
-    moe_layers = model.moe_layer_count
-    adamw_params = model.vocab_size * model.dim * 2 + moe_layers * moe.num_experts * model.dim
-    adamw_share = min(1.0, adamw_params / max(share.total_params, 1))
-    ns_bytes = 2 if config.optim.muon.ns_dtype == "bf16" else 4
-    matrices = [(1, model.n_heads * model.head_dim, model.dim)]  # [batch, rows, columns]
-    if model.dense_layers and model.dense_ffn_dim:
-        matrices.append((1, model.dense_ffn_dim, model.dim))
-    if moe_layers:
-        matrices.append((max(moe.num_experts // config.parallel.ep, 1), moe.expert_ffn_dim, model.dim))
-    newton_schulz = ns_bytes * max(
-        batch * (3 * rows * columns + 2 * min(rows, columns) ** 2) for batch, rows, columns in matrices
+    snapshot = (
+        saved_state if config.checkpoint.enabled and config.checkpoint.saves_in_background(layout.world_size) else 0
     )
-    if config.parallel.mode == "fsdp":
-        owned_matrices = max(share.total_params - share.expert_params - adamw_params, 0) / world_size
-        newton_schulz += owned_matrices * (_param_bytes(config) + ns_bytes)
-    return adamw_share, newton_schulz
+    return MemoryEstimate(
+        int(state), int(activations + logits + copies), int(optimizer), kind.state_held, int(snapshot)
+    )
 
 
 def kept_bytes_per_token_layer(config: RunConfig, mode: str, compute_bytes: int) -> int:
@@ -157,8 +141,8 @@ def kept_bytes_per_token_layer(config: RunConfig, mode: str, compute_bytes: int)
     attention's GEMMs and kernels, the router's scores, each expert's gate, up and down rows, and the routing
     choice. full: the block's input and the routing choice. Both also keep the dispatch's three maps between
     token order and expert order, which the MoE kernels hold on their autograd context, where a checkpoint
-    cannot drop them. Expert parallelism adds, in both checkpointed modes, the rows the exchange received in each
-    direction, which a recompute reads instead of sending them again.
+    cannot drop them. What a layout adds (the rows an expert exchange received, which a recompute reads instead of
+    sending them again) is its kind's (`LayoutKind.memory`).
     """
     model, moe = config.model, config.model.moe
     dim, top_k, ffn = model.dim, moe.top_k, moe.expert_ffn_dim
@@ -169,8 +153,6 @@ def kept_bytes_per_token_layer(config: RunConfig, mode: str, compute_bytes: int)
     kept = dim * _param_bytes(config) + routing + attention
     if mode == "selective":
         kept += (moe.num_experts + top_k * (2 * ffn + dim)) * compute_bytes
-    if config.parallel.mode == "ep" and config.parallel.ep > 1:
-        kept += 2 * top_k * dim * compute_bytes
     return kept
 
 

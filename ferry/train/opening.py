@@ -107,7 +107,8 @@ def report_set_aside(
     if opened.replaced is not None:
         reached = max(parse_step(path) for path in list_checkpoints(opened.replaced / "checkpoints"))
         opened.hub.message(
-            f"ferry: warning: run.overwrite: the earlier run in {opened.replaced.parent.parent} reached step {reached}, "
+            f"ferry: warning: run.overwrite: the earlier run in {opened.replaced.parent.parent} reached step "
+            f"{reached}, "
             f"past this run's last step ({last_step}), so it is kept, not deleted, in {opened.replaced}; delete it "
             "when you no longer need it"
         )

@@ -1,4 +1,4 @@
-"""Which parameters the optimizer decays and which Muon updates, and the learning-rate schedule."""
+"""Which parameters the optimizer decays, and the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 from torch import nn
 
 from ferry.model.parameter_kinds import is_bias
-from ferry.parallel.muon import MuonSettings, muon_parameter_names
 from ferry.train.config import OptimConfig
 
 
@@ -19,21 +18,6 @@ def decayed_parameter_names(model: nn.Module) -> set[str]:
         for name, param in model.named_parameters()
         if param.requires_grad and param.ndim >= 2 and not name.startswith("tok_embeddings") and not is_bias(name)
     }
-
-
-def muon_settings(config: OptimConfig, model: nn.Module) -> MuonSettings | None:
-    """With `optim.name: muon`, what Muon takes of the whole `model` (before it is laid out): None for AdamW."""
-    if config.name != "muon":
-        return None
-    muon = config.muon
-    return MuonSettings(
-        frozenset(muon_parameter_names(model)),
-        muon.momentum,
-        muon.nesterov,
-        muon.ns_steps,
-        muon.ns_dtype,
-        muon.update_scale,
-    )
 
 
 def learning_rate(config: OptimConfig, step: int, total_steps: int) -> float:

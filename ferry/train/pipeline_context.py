@@ -25,23 +25,20 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ferry.comm.reductions import RankReductions
 from ferry.data.targets import IGNORE_INDEX
 from ferry.inference.scoring import ScoringPass
 from ferry.metrics.step import memory_peak_mib
 from ferry.model import ModelOutput, MoEConfig, MoEStats
 from ferry.model.head_loss import HeadTargets
 from ferry.parallel.pipeline_forward import StagedDecoder, StagedForward
-from ferry.parallel.pipeline_schedule import ExchangedShapes, Pipeline, build_pipeline
+from ferry.parallel.pipeline_schedule import Pipeline
 from ferry.parallel.plan import ParallelPlan
 from ferry.train.objectives.losses import router_objective
-from ferry.train.sequence_context import SequenceSplitContext
-from ferry.train.step_context import ForwardPass, PassShape, TrainingContext, evaluating
+from ferry.train.step_context import ContextParts, ForwardPass, PassShape, TrainingContext, evaluating
 from ferry.train.step_statistics import LossParts, StepStatistics
 
 if TYPE_CHECKING:
-    from ferry.precision import PrecisionPolicy
-    from ferry.train.assembly import Job, ModelParts
+    pass
 
 
 class PipelineContext(TrainingContext):
@@ -50,30 +47,22 @@ class PipelineContext(TrainingContext):
 
     def __init__(
         self,
-        *args,
+        parts: ContextParts,
+        *,
         pipeline: Callable[[Callable], Pipeline],
         plan: ParallelPlan,
         moe: MoEConfig,
         moe_layers: int,
         shape: PassShape,
         stream_dtype: torch.dtype,
-        **kwargs,
     ):
         """`pipeline(loss)`: the schedule and stages, built with this context's loss of a micro-batch, exchanging
         micro-batches of `shape`; the residual stream passes between stages in `stream_dtype`."""
-        super().__init__(*args, **kwargs)
+        super().__init__(parts)
         self.plan = plan
-        self.rank = plan.data_rank
-        self.world_size = plan.data_world_size
         split = plan.split
         self.last_stage = split.num_stages - 1 in split.stages_of(plan.pp.rank)
-        self.counts_whole = self.last_stage and plan.cp_rank == 0  # one rank of each context-parallel group
-        whole = self.reductions
-        self.reductions = RankReductions(
-            whole.context,
-            whole.device,
-            lambda tensor: whole.sum_tensor(tensor if self.counts_whole else tensor.zero_()),
-        )
+        self._split_over(plan, self.last_stage and plan.cp_rank == 0)  # one rank of each context-parallel group
         self._moe = moe
         self._moe_layers = moe_layers
         self._shape = shape
@@ -148,10 +137,6 @@ class PipelineContext(TrainingContext):
                 document_ids_BS=scoring.document_ids_BS,
                 head=scoring.head,
             )
-
-    def keep_replica_sums(self, statistics: StepStatistics) -> None:
-        if not self.counts_whole:
-            statistics.own.vector.zero_()
 
     def _decoder(self) -> StagedDecoder:
         return StagedDecoder(self._staged(self.model))
@@ -258,55 +243,3 @@ def _nothing(output: ModelOutput) -> LossParts:
     produced = output.logits_BSV if output.logits_BSV is not None else output.head_loss.lm_loss_sum
     zero = produced.sum() * 0.0
     return LossParts.of_objective(zero, zero, zero)
-
-
-def step_context(
-    job: Job, parts: ModelParts, precision: PrecisionPolicy, shape: PassShape, *context_args, step_weights=None
-) -> TrainingContext:
-    """The run's step context: plain accumulation (over split sequences with `parallel.cp` > 1), or the pipeline's
-    schedule when `parallel.pp` > 1 (its stages built here, exchanging micro-batches of the objective's `shape`)."""
-    plan = parts.plan
-    if not plan.pipelined:
-        if plan.cp is not None:
-            return SequenceSplitContext(*context_args, step_weights=step_weights, plan=plan)
-        return TrainingContext(*context_args, step_weights=step_weights)
-    config = job.config
-    model = config.model
-    cp = plan.layout.cp
-    if cp > 1:  # whole chunks of every row: each stage's share of the positions is the same
-        shape = replace(shape, seq_len=-(-shape.seq_len // (2 * cp)) * 2 * cp)
-    shapes = ExchangedShapes(
-        rows=shape.rows,
-        seq_len=shape.seq_len,
-        dim=model.dim,
-        vocab_size=model.vocab_size,
-        activation_dtype=precision.torch_param_dtype,
-        logits_dtype=precision.torch_compute_dtype if precision.autocast else precision.torch_param_dtype,
-        loss_chunk=shape.loss_chunk,
-        cp=cp,
-    )
-    micro_batches = config.train.global_batch // (plan.data_world_size * config.train.micro_batch)
-
-    def pipeline(loss) -> Pipeline:
-        return build_pipeline(
-            parts.model,
-            plan.split,
-            plan.pp.rank,
-            plan.pp.group,
-            job.device,
-            config.parallel.pp_schedule,
-            micro_batches,
-            shapes,
-            loss,
-        )
-
-    return PipelineContext(
-        *context_args,
-        step_weights=step_weights,
-        pipeline=pipeline,
-        plan=plan,
-        moe=model.moe,
-        moe_layers=model.n_layers - model.dense_layers,
-        shape=shape,
-        stream_dtype=precision.torch_param_dtype,
-    )

@@ -29,7 +29,6 @@ from ferry.train.checkpointing import (
     RNG,
     check_config,
     copy_into_piece,
-    optimizer_kind,
     optimizer_record,
     restore_model,
     restore_optimizer,
@@ -42,11 +41,6 @@ from ferry.train.optimizer import learning_rate
 from ferry.train.state import TrainState
 
 # what a resume carries of each optimizer's state
-CARRIED_STATE = {
-    "AdamW": "carried (AdamW moments and step counts)",
-    "Muon": "carried (Muon momentum of the matrices; AdamW moments and step counts of the rest)",
-}
-
 if TYPE_CHECKING:
     from ferry.kernels import KernelSelection
     from ferry.train.assembly import Job, ModelParts, Numerics, RunData
@@ -77,7 +71,7 @@ def checkpoint_state(
             "next_lr": learning_rate(config.optim, step, config.train.steps),
             "last_lr": learning_rate(config.optim, step - 1, config.train.steps) if step else None,
         },
-        "optimizer": optimizer_record(model.model, model.optimizer),
+        "optimizer": optimizer_record(model.model, model.optimizer, model.recipe.kind),
         "loss_scaler": {"kind": numerics.scaler.kind, **numerics.scaler.state_dict()},
         "precision": numerics.precision.as_dict(),
         "tokens_seen": state.tokens_seen,
@@ -124,13 +118,13 @@ def restore(
         )
     with checkpoint:
         restore_model(checkpoint, model.model, model.plan)
-        restore_optimizer(checkpoint, model.model, model.optimizer, model.plan)
+        restore_optimizer(checkpoint, model.model, model.optimizer, model.plan, model.recipe.kind)
         rng_notes = restore_rng(checkpoint, job.device, job.rank, job.world_size)
     notes += rng_notes
     saved = checkpoint.manifest.train_state
     carried = {
         "weights": "carried",
-        "optimizer": CARRIED_STATE[optimizer_kind(model.optimizer)],
+        "optimizer": f"carried ({model.recipe.kind.state_carried})",
         "data_cursor": "carried",
         "schedule": f"carried (continues at step {checkpoint.step} of {config.train.steps})",
         "rng": "carried" if not rng_notes else "not carried: " + "; ".join(rng_notes),
@@ -189,7 +183,7 @@ def initialize_from(job: Job, model: ModelParts, path: Path) -> tuple[dict[str, 
     with checkpoint:
         restore_model(checkpoint, model.model, model.plan)
         if with_optimizer:
-            restore_optimizer(checkpoint, model.model, model.optimizer, model.plan)
+            restore_optimizer(checkpoint, model.model, model.optimizer, model.plan, model.recipe.kind)
     optimizer = f"from {checkpoint.path}" if with_optimizer else "fresh"
     weights = f"from {checkpoint.path} (step {checkpoint.step})"
     carried = {"weights": weights, "optimizer": optimizer, "schedule": "fresh"}
@@ -228,7 +222,7 @@ def resume_from(
         digests=(config.checkpoint.verify,),
     )
     verified = time.perf_counter()
-    notes = []
+    notes: list[str] = []
     if found.checkpoint:
         state, notes = restore_found(found.checkpoint, state)
     return found, state, notes, {"verify_s": verified - started, "restore_s": time.perf_counter() - verified}

@@ -11,33 +11,19 @@ sequence has no part of: refused here, and before any rank starts (`RunConfig`).
 
 from __future__ import annotations
 
-from ferry.comm.reductions import RankReductions
 from ferry.config import UserError
 from ferry.inference.generate import GenerationResult
 from ferry.parallel.plan import ParallelPlan
-from ferry.train.step_context import TrainingContext
-from ferry.train.step_statistics import StepStatistics
+from ferry.train.step_context import ContextParts, TrainingContext
 
 
 class SequenceSplitContext(TrainingContext):
     """`TrainingContext` whose ranks split every sequence: `rank` and `world_size` are this rank's place among the
     ranks a step's rows are split over, `reductions` count each group once."""
 
-    def __init__(self, *args, plan: ParallelPlan, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.rank = plan.data_rank
-        self.world_size = plan.data_world_size
-        self.counts_whole = plan.cp_rank == 0
-        whole = self.reductions
-        self.reductions = RankReductions(
-            whole.context,
-            whole.device,
-            lambda tensor: whole.sum_tensor(tensor if self.counts_whole else tensor.zero_()),
-        )
-
-    def keep_replica_sums(self, statistics: StepStatistics) -> None:
-        if not self.counts_whole:
-            statistics.own.vector.zero_()
+    def __init__(self, parts: ContextParts, plan: ParallelPlan):
+        super().__init__(parts)
+        self._split_over(plan, plan.cp_rank == 0)
 
     def generate(self, *args, **kwargs) -> GenerationResult:
         raise UserError(

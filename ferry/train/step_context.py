@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -107,43 +107,61 @@ def evaluating(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+@dataclass(frozen=True)
+class ContextParts:
+    """What a step context runs a step with. `watch(name)` names the phase the hang watchdog reports, `touch()`
+    restarts its clock, `after_backward(step, model)` runs the hooks at that point, `apply_gradients(step)` reduces,
+    unscales, clips and steps; `step_weights`, the weights cast once a step, are put in place by the first training
+    forward and taken out before the update."""
+
+    model: torch.nn.Module
+    device: torch.device
+    reductions: RankReductions
+    autocast: Callable[[], AbstractContextManager]
+    timer: StepTimer
+    scaler: LossScaler
+    optimizer: torch.optim.Optimizer
+    watch: Callable[[str], None]
+    touch: Callable[[], None]
+    after_backward: Callable[[int, torch.nn.Module], None]
+    apply_gradients: Callable[[int], tuple[float, bool]]
+    step_weights: StepWeights | None = None
+
+
 class TrainingContext:
     """The step context of a training run: plain gradient accumulation over the micro-batches an objective
     runs, one optimizer update when it asks."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        device: torch.device,
-        reductions: RankReductions,
-        autocast: Callable[[], AbstractContextManager],
-        timer: StepTimer,
-        scaler: LossScaler,
-        optimizer: torch.optim.Optimizer,
-        watch: Callable[[str], None],
-        touch: Callable[[], None],
-        after_backward: Callable[[int, torch.nn.Module], None],
-        apply_gradients: Callable[[int], tuple[float, bool]],
-        step_weights: StepWeights | None = None,
-    ):
-        """`watch(name)` names the phase the hang watchdog reports, `touch()` restarts its clock,
-        `after_backward(step, model)` runs the hooks at that point, `apply_gradients(step)` reduces, unscales,
-        clips and steps; `step_weights`, the weights cast once a step, are put in place by the first training
-        forward and taken out before the update."""
-        self.model = model
-        self.device = device
-        self.reductions = reductions
-        self.rank = reductions.context.rank
-        self.world_size = reductions.context.world_size
-        self._autocast = autocast
-        self._timer = timer
-        self._scaler = scaler
-        self._optimizer = optimizer
-        self._watch = watch
-        self._touch = touch
-        self._after_backward = after_backward
-        self._apply_gradients = apply_gradients
-        self._step_weights = step_weights
+    def __init__(self, parts: ContextParts):
+        self.model = parts.model
+        self.device = parts.device
+        self.reductions = parts.reductions
+        self.rank = parts.reductions.context.rank
+        self.world_size = parts.reductions.context.world_size
+        self._autocast = parts.autocast
+        self._timer = parts.timer
+        self._scaler = parts.scaler
+        self._optimizer = parts.optimizer
+        self._watch = parts.watch
+        self._touch = parts.touch
+        self._after_backward = parts.after_backward
+        self._apply_gradients = parts.apply_gradients
+        self._step_weights = parts.step_weights
+        self.counts_whole = True
+
+    def _split_over(self, plan, counts_whole: bool) -> None:
+        """This rank placed among the ranks a step's rows are split over (`plan`'s data ranks: the ranks of a
+        pipeline, and of a context-parallel group, read the same rows), and what those ranks compute alike counted
+        by one of them only, the one `counts_whole` says."""
+        self.rank = plan.data_rank
+        self.world_size = plan.data_world_size
+        self.counts_whole = counts_whole
+        whole = self.reductions
+        self.reductions = RankReductions(
+            whole.context,
+            whole.device,
+            lambda tensor: whole.sum_tensor(tensor if self.counts_whole else tensor.zero_()),
+        )
 
     def autocast(self) -> AbstractContextManager:
         """The run's autocast; in a training forward (gradients on), with the step's compute-dtype weights in place."""
@@ -206,10 +224,13 @@ class TrainingContext:
         )
 
     def keep_replica_sums(self, statistics: StepStatistics) -> None:
-        """Before the step's statistics are summed over the ranks: an objective's own sums are its replica's, each
-        rank's own here."""
+        """Before the step's statistics are summed over the ranks: an objective's own sums are its replica's, kept
+        by the rank that counts what its group computes alike (each rank's own, without such a group)."""
+        if not self.counts_whole:
+            statistics.own.vector.zero_()
 
-    def _decoder(self) -> torch.nn.Module:
+    def _decoder(self) -> Any:
+        """What generation decodes with: the model, or a pipeline's stages in turn (`StagedDecoder`)."""
         return self.model
 
     def _generation_sync(self) -> GenerationSync | None:

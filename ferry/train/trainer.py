@@ -26,25 +26,23 @@ from ferry.inference import eval_record
 from ferry.metrics import MetricsHub, TorchTrace, moe_diagnostics
 from ferry.model import Transformer
 from ferry.model.compilation import compile_seconds
-from ferry.parallel.context_parallel import exchange_figures
 from ferry.parallel.expert_parallel import EP_EXCHANGES
 from ferry.parallel.zero import optimizer_state_bytes
+from ferry.train.announcements import announce, describe, describe_hardware
 from ferry.train.assembly import RunParts, assemble
 from ferry.train.attention_logits import AttentionLogits
+from ferry.train.checkpoint_hook import CheckpointHook
 from ferry.train.config import RunConfig
 from ferry.train.hook_points import Hook, Hooks, RunEnd
-from ferry.train.checkpoint_hook import CheckpointHook
 from ferry.train.hooks import EvaluationHook, RecordsHook, TraceHook
+from ferry.train.opening import open_run, report_set_aside
 from ferry.train.optimizer import learning_rate
 from ferry.train.overlap_trial import choose_overlap
-from ferry.train.pipeline_context import step_context
 from ferry.train.resilience.core import Resilience
 from ferry.train.restore import checkpoint_state, draw_deferred_weights, initialize_from, restore, resume_from
-from ferry.train.announcements import announce, describe, describe_hardware
 from ferry.train.run_dir.lock import RunDirLock
-from ferry.train.opening import open_run, report_set_aside
 from ferry.train.state import TrainState
-from ferry.train.step_context import TrainingContext
+from ferry.train.step_context import ContextParts, TrainingContext
 from ferry.train.step_statistics import StepStatistics
 from ferry.train.update import apply_gradients
 
@@ -83,23 +81,25 @@ class Trainer:
         self.hub: MetricsHub | None = None
         self._run_lock: RunDirLock | None = None
         shape = self.parts.data.kind.pass_shape(config, self.parts.data.loader)
-        self.context: TrainingContext = step_context(
+        self.context: TrainingContext = job.kinds.step_context(
             job,
             model,
             self.parts.numerics.precision,
             shape,
-            model.model,
-            job.device,
-            model.reductions,
-            partial(self.parts.numerics.autocast, job.device),
-            self.parts.instruments.metrics.timer,
-            self.parts.numerics.scaler,
-            model.optimizer,
-            self.resilience.phase,
-            self.resilience.watchdog.touch,
-            self._after_backward,
-            self._apply_gradients,
-            step_weights=model.step_weights,
+            ContextParts(
+                model=model.model,
+                device=job.device,
+                reductions=model.reductions,
+                autocast=partial(self.parts.numerics.autocast, job.device),
+                timer=self.parts.instruments.metrics.timer,
+                scaler=self.parts.numerics.scaler,
+                optimizer=model.optimizer,
+                watch=self.resilience.phase,
+                touch=self.resilience.watchdog.touch,
+                after_backward=self._after_backward,
+                apply_gradients=self._apply_gradients,
+                step_weights=model.step_weights,
+            ),
         )
 
     @property
@@ -327,7 +327,7 @@ class Trainer:
             "ep_comm_s": ep_comm_s,
             "ep_exchanges": sum(exchanged[op].calls for op in EP_EXCHANGES if op in exchanged),
             "ep_overlap_share": max(0.0, 1.0 - times.ep_wait_s / ep_comm_s) if ep_comm_s > 0 else None,
-            **(exchange_figures(exchanged) if model.plan.cp is not None else {}),
+            **self.parts.job.kinds.figures(model.plan, exchanged),
             "optimizer_state_mib": optimizer_state_bytes(model.optimizer) / 2**20,
             "loss_scale": scaler.scale,
             "skipped_steps": scaler.skipped_steps,

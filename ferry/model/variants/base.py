@@ -119,6 +119,9 @@ class SkipKind(Protocol):
 
     name: ClassVar[str]
     pipeline_refusal: ClassVar[str | None]  # why a pipeline stage cannot hand this stream over; None when it can
+    # what a block hands on unfinished, which a wrapper that acts only on the tensors a block returns (FSDP's hooks
+    # that gather the weights for its backward) does not see; None when a block returns all it computed
+    unfinished_output: ClassVar[str | None]
     converts_from: ClassVar[dict[str, str]]  # the skip kinds a checkpoint may be continued from, and what to say
 
     def stream(self, x_BSD: torch.Tensor) -> Any:

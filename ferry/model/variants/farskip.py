@@ -23,6 +23,7 @@ class FarSkipWiring:
     pipeline_refusal: ClassVar[str | None] = (
         "a FarSkip stream is two tensors, one still travelling, where a stage hands over one"
     )
+    unfinished_output: ClassVar[str | None] = "hands each block's FFN output on unfinished"
     # the FarSkip paper converts trained standard models so (then distils): the start is allowed, and said
     converts_from: ClassVar[dict[str, str]] = {
         "standard": "model.skip: standard -> farskip: the checkpoint's standard model continues with FarSkip wiring, "

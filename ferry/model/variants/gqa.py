@@ -12,9 +12,9 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ferry.kernels import KernelSelection
-    from ferry.model.variants.base import ModelShape
     from ferry.model.recompute import Recompute
     from ferry.model.rope import RotaryEmbedding
+    from ferry.model.variants.base import ModelShape
 
 
 @dataclass(frozen=True)

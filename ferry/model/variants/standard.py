@@ -17,6 +17,7 @@ class StandardWiring:
 
     name: ClassVar[str] = "standard"
     pipeline_refusal: ClassVar[str | None] = None
+    unfinished_output: ClassVar[str | None] = None
     converts_from: ClassVar[dict[str, str]] = {}
 
     def stream(self, x_BSD: torch.Tensor) -> torch.Tensor:

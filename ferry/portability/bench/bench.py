@@ -25,10 +25,10 @@ from ferry.config import UserError
 from ferry.data import MixedLoader
 from ferry.data.synthetic import write_synthetic_dataset
 from ferry.metrics.jsonl import read_metrics
-from ferry.portability.rehearsal.conditions import UNDER_LOAD, describe_conditions, fairness
-from ferry.portability.comparison.environment import Environment
-from ferry.portability.rehearsal.legs import run_leg
 from ferry.portability.bench.suites import BenchSuite, check_fits, load_suite, workload_digest
+from ferry.portability.comparison.environment import Environment
+from ferry.portability.rehearsal.conditions import UNDER_LOAD, describe_conditions, fairness
+from ferry.portability.rehearsal.legs import run_leg
 from ferry.train.config import RunConfig
 
 RECORD_KIND = "ferry-bench"

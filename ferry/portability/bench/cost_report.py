@@ -15,7 +15,6 @@ from rich.table import Table
 
 from ferry.config import UserError
 from ferry.metrics.plots import new_figure, save_figure
-from ferry.portability.rehearsal.conditions import FAIR, UNDER_LOAD, describe_conditions
 from ferry.portability.bench.cost import (
     DEFAULTS_FILE,
     CostInputs,
@@ -27,6 +26,7 @@ from ferry.portability.bench.cost import (
     read_records,
     scaling_view,
 )
+from ferry.portability.rehearsal.conditions import FAIR, UNDER_LOAD, describe_conditions
 
 
 @dataclass
@@ -181,7 +181,8 @@ def render_markdown(data: dict, inputs: CostInputs, charts: list[str]) -> str:
     ]
     for row in data["records"]:
         out.append(
-            f"| {_cell(row['label'])} | {row['tokens_per_s_per_device']:,.0f} | {row['rent_usd_per_device_hour']:.2f} | "
+            f"| {_cell(row['label'])} | {row['tokens_per_s_per_device']:,.0f} | "
+            f"{row['rent_usd_per_device_hour']:.2f} | "
             f"{row['usd_per_million_tokens_rent']:.4g} | {row['usd_per_million_tokens_own']:.4g} | "
             f"{_utilization(row['breakeven_utilization'])} | {row['days_to_train']:,.1f} | "
             f"{row['cost_to_train_rent_usd']:,.0f} | {row['cost_to_train_own_usd']:,.0f} |"

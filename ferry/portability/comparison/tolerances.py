@@ -37,7 +37,7 @@ class ToleranceProfile(Section):
     spread_z: float = Field(default=0.0, ge=0.0, description="the band, in seed spreads (with seeds > 0)")
 
     @model_validator(mode="after")
-    def _spread_needs_seeds(self) -> "ToleranceProfile":
+    def _spread_needs_seeds(self) -> ToleranceProfile:
         if (self.seeds > 0) != (self.spread_z > 0):
             raise ValueError("seeds and spread_z go together: a band in seed spreads needs seed runs to measure it")
         return self

@@ -20,8 +20,8 @@ from pathlib import Path
 from ferry.config import UserError, dump_yaml
 from ferry.metrics.jsonl import read_metrics
 from ferry.metrics.progress import WorkProgress
-from ferry.portability.rehearsal.conditions import LoadSampler, MachineLoad, throughput_conditions
 from ferry.portability.comparison.environment import Environment
+from ferry.portability.rehearsal.conditions import LoadSampler, MachineLoad, throughput_conditions
 from ferry.train.config import RunConfig
 from ferry.train.run_dir.record import METRICS_NAME, RUN_RECORD_NAME
 

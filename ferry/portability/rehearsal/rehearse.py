@@ -35,10 +35,10 @@ import yaml
 from ferry.config import UserError, apply_overrides
 from ferry.config.loader import validate
 from ferry.platform.fingerprint import code_version
-from ferry.portability.rehearsal.bundle import Bundle, check_compatible, config_digest, read_bundle, write_bundle
 from ferry.portability.comparison.compare import Verdict, compare_runs, measured_spread
 from ferry.portability.comparison.environment import Environment, judging_profile, load_environment, without_locations
-from ferry.portability.report.history import HISTORY_DIR, REHEARSALS, append_record
+from ferry.portability.comparison.tolerances import SAMPLED_PROFILE, tolerance_profile
+from ferry.portability.rehearsal.bundle import Bundle, check_compatible, config_digest, read_bundle, write_bundle
 from ferry.portability.rehearsal.legs import LegResult, run_leg
 from ferry.portability.rehearsal.record import (
     comparison_record,
@@ -46,7 +46,7 @@ from ferry.portability.rehearsal.record import (
     summary_lines,
     worst_comparison,
 )
-from ferry.portability.comparison.tolerances import SAMPLED_PROFILE, tolerance_profile
+from ferry.portability.report.history import HISTORY_DIR, REHEARSALS, append_record
 from ferry.train.config import RunConfig, load_run_config
 from ferry.train.objectives.kinds import SAMPLING_OBJECTIVES
 from ferry.train.run_dir.record import CONFIG_NAME

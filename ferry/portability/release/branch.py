@@ -2,10 +2,10 @@
 
 The stage's resolved config, reading its data from the release (`ferry release --data`; else from the paths the
 config names, each checked against the manifest digest the release records), starting from the stage's final
-checkpoint (its weights, and its optimizer's state, AdamW's or Muon's, where the release carries it) and writing to RUN_DIR, with the
-user's overrides last. Every path is taken from the release's directory, so the command works from inside the
-release (its model card's `.`) and from anywhere else alike; RUN_DIR may not lie inside the release, whose every
-file `ferry release verify` checks.
+checkpoint (its weights, and its optimizer's state, AdamW's or Muon's, where the release carries it) and writing
+to RUN_DIR, with the user's overrides last. Every path is taken from the release's directory, so the command works
+from inside the release (its model card's `.`) and from anywhere else alike; RUN_DIR may not lie inside the release,
+whose every file `ferry release verify` checks.
 """
 
 from __future__ import annotations

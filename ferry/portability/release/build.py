@@ -9,7 +9,8 @@ finished run, `ferry release RUN_DIR`, as a pipeline of one stage: ferry/stages/
       stages/<name>/
         config.yaml              the stage's resolved run config (what `ferry train` ran)
         run.json metrics.jsonl   its run record and metrics (plus its plots and restart log, when present)
-        checkpoints/step-N/      its final checkpoint in the neutral format (its optimizer's state only with --optimizer)
+        checkpoints/step-N/      its final checkpoint in the neutral format (its optimizer's state only with
+                                 --optimizer)
         source-manifest.json     without --optimizer: the manifest the lineage's digest names, which the
                                  weights-only manifest is checked against file by file
         tokenizer.json           the tokenizer it trained with, so that export, generate and eval need no data
@@ -38,11 +39,11 @@ from ferry.checkpoint.digests import checkpoint_digest
 from ferry.checkpoint.format import MANIFEST_NAME, optimizer_kind, seal_manifest
 from ferry.config import UserError
 from ferry.data.manifest import sha256_file
+from ferry.platform.fingerprint import code_version
 from ferry.platform.library_logs import LIBRARY_LOG_FILE
 from ferry.stages.lineage import LINEAGE_FILE, Lineage
 from ferry.stages.runner import CONFIGS_DIR
 from ferry.stages.single_run import RUN_KIND, is_run_dir, run_lineage
-from ferry.platform.fingerprint import code_version
 
 RELEASE_FILE = "release.json"
 RELEASE_FORMAT = "ferry-release"
@@ -129,7 +130,7 @@ def _write(
     content: dict[str, Any] = {
         "format": RELEASE_FORMAT,
         "version": RELEASE_VERSION,
-        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "pipeline": pipeline,
         "code": code_version(),
         "optimizer_state": optimizer,

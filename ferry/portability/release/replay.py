@@ -31,9 +31,9 @@ from ferry.data.manifest import sha256_file
 from ferry.metrics.jsonl import read_metrics
 from ferry.portability.comparison.compare import Verdict, compare_runs
 from ferry.portability.comparison.environment import Environment, judging_profile, load_environment
+from ferry.portability.comparison.tolerances import SAMPLED_PROFILE, tolerance_profile
 from ferry.portability.rehearsal.legs import run_leg
 from ferry.portability.release.verify import read_release, verify_release
-from ferry.portability.comparison.tolerances import SAMPLED_PROFILE, tolerance_profile
 from ferry.train.config import RunConfig
 
 Say = Callable[[str], None]
@@ -338,7 +338,7 @@ def _data(directory: Path, release: dict[str, Any], entry: dict[str, Any], base:
     overrides: dict[str, Any] = {}
     for section, uses in (("data", entry["data"]), ("eval", entry["eval_data"])):
         configured = copy.deepcopy(base.get(section, {}).get("sources", []))
-        for index, source in enumerate(configured):
+        for source in configured:
             use = next((use for use in uses if use["name"] == source["name"]), None)
             released = sources.get(use["source"]) if use is not None else None
             if released is None:

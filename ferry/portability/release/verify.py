@@ -18,8 +18,8 @@ from typing import Any
 from ferry.checkpoint.format import MANIFEST_NAME
 from ferry.config import UserError
 from ferry.data.manifest import sha256_file
-from ferry.stages.lineage import LINEAGE_FILE, LINEAGE_FORMAT
 from ferry.portability.release.build import RELEASE_FILE, RELEASE_FORMAT, RELEASE_VERSION
+from ferry.stages.lineage import LINEAGE_FILE, LINEAGE_FORMAT
 
 
 @dataclass

@@ -25,7 +25,7 @@ def lead_time_chart(rows: list[dict], path: Path) -> Path:
     labels = [row["path"] for row in rows]
     for position, row in enumerate(rows):
         left = 0.0
-        for index, (name, key, color) in enumerate(phases):
+        for name, key, color in phases:
             width = row.get(key) or 0.0
             axes.barh(position, width, left=left, color=color, label=name if position == 0 else None)
             left += width

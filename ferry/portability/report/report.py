@@ -18,12 +18,12 @@ from pathlib import Path
 from ferry.kernels.boundary import rewrite_cost
 from ferry.kernels.ledger import LEDGER_PATH, load_ledger
 from ferry.platform.fingerprint import code_version
-from ferry.portability.rehearsal.conditions import ratio_fairness
 from ferry.portability.comparison.environment import known_environments, load_environment
-from ferry.portability.report.history import KERNEL_BENCH, REHEARSALS, read_records
-from ferry.portability.report.history_shape import KernelBenchShape, RehearsalShape, well_formed
+from ferry.portability.rehearsal.conditions import ratio_fairness
 from ferry.portability.rehearsal.record import worst_bound_share
 from ferry.portability.report.charts import history_chart, lead_time_chart, overhead_chart
+from ferry.portability.report.history import KERNEL_BENCH, REHEARSALS, read_records
+from ferry.portability.report.history_shape import KernelBenchShape, RehearsalShape, well_formed
 from ferry.portability.report.render import render_html, render_markdown
 
 DEBT_WARNING_DAYS = 30

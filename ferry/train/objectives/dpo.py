@@ -9,7 +9,6 @@ holding preference datasets) report the same rewards without gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING

@@ -196,7 +196,8 @@ class GRPOObjective:
         """Solve rates of every held-out prompt set, the prompts split over the ranks: sampled as the rollouts
         are (`eval/solve_rate`: `EVAL_SAMPLES` completions a prompt, fixed seeds, so evaluations compare) and
         greedy (`eval/greedy_solve_rate`)."""
-        sampled, greedy = {}, {}
+        sampled: dict[str, float] = {}
+        greedy: dict[str, float] = {}
         max_new_tokens = self.config.eval_max_new_tokens or self.config.max_new_tokens
         for name, dataset in self.held_out.items():
             for rates, temperature, samples in ((sampled, self.config.temperature, EVAL_SAMPLES), (greedy, 0.0, 1)):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
 
+from ferry.config.refusals import Refusal
 from ferry.data import MixedLoader
 from ferry.data.records import RecordDataset, RecordLoader
 from ferry.inference.config import EvalConfig
@@ -81,6 +82,9 @@ class LanguageModelling:
     def step_unit(self, config: ObjectiveRun, tokens_per_step: int) -> str:
         return f"{tokens_per_step:,} tokens"
 
+    def refusals(self, config: ObjectiveRun) -> list[Refusal]:
+        return []
+
     def build(self, inputs: ObjectiveInputs) -> Objective:
         config = inputs.config
         train = config.train
@@ -106,6 +110,47 @@ class _RecordObjective:
         return RecordLoader(
             config.data, seed=config.run.seed, global_batch=config.train.global_batch, kind=self.record_kind
         )
+
+    def refusals(self, config: ObjectiveRun) -> list[Refusal]:
+        """What scores whole records cannot take of next-token training: its chunked head loss, the memory model's
+        micro-batch and the MTP modules; and budgets of a token mix, which mean nothing to records read whole in the
+        order of their steps (refused rather than ignored)."""
+        kind, train = self.kind, config.train
+        refused = []
+        if train.loss_chunk:
+            refused.append(
+                Refusal(
+                    "train.loss_chunk",
+                    f"chunks the next-token loss (objective lm); {kind} scores its sequences' log-probs",
+                )
+            )
+        if train.micro_batch == "auto":
+            refused.append(
+                Refusal(
+                    "train.micro_batch",
+                    f"auto is decided by the memory model of next-token training; objective {kind} needs a number",
+                )
+            )
+        if config.model.mtp.depth:
+            refused.append(
+                Refusal(
+                    "parallel",
+                    f"model.mtp trains with the next-token objective (lm); {kind} scores sequences with the main head "
+                    "alone: set model.mtp.depth=0 for this stage",
+                )
+            )
+        for index, source in enumerate(config.data.sources):
+            for budget in ("tokens", "epochs"):
+                if getattr(source, budget) is not None:
+                    refused.append(
+                        Refusal(
+                            "train",
+                            f"objective {kind} reads whole records, not windows: data.sources.{index}.{budget} "
+                            f"({source.name}) is a budget of a token mix; leave it out (train.steps sets how many "
+                            "steps of records the run takes)",
+                        )
+                    )
+        return refused
 
     def token_evaluation(self, config: ObjectiveRun) -> EvalConfig:
         """No token windows: the `eval` sources are record sets, which the objective evaluates itself."""

@@ -18,9 +18,9 @@ import torch
 
 from ferry.data.records import RecordDataset
 from ferry.inference.generate import generate
+from ferry.inference.scoring import score_with
 from ferry.model import Transformer
 from ferry.train.objectives.config import DPOConfig, GRPOConfig
-from ferry.inference.scoring import score_with
 from ferry.train.objectives.dpo import pair_losses, score_pairs
 from ferry.train.objectives.grpo import EVAL_SAMPLES, solved_prompts
 from ferry.train.objectives.verifiers import VERIFIERS

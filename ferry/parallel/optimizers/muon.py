@@ -1,4 +1,5 @@
-"""Muon for mixture-of-experts models: the hidden weight matrices orthogonalised, AdamW for the rest.
+"""`optim.name: muon`: Muon for mixture-of-experts models, the hidden weight matrices orthogonalised, AdamW for the
+rest; its settings (`optim.muon`) and QK-clip's refusals.
 
 Muon (Jordan et al. 2024; at scale, Moonlight and Kimi K2) keeps one momentum buffer per weight matrix and steps
 along its orthogonalisation, computed by a few Newton-Schulz iterations. The matrices of attention, the dense
@@ -26,17 +27,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ferry.comm import Collectives
+from ferry.config.refusals import Refusal
+from ferry.config.section import Section
 from ferry.model.parameter_kinds import is_bias
-from ferry.parallel.adamw import fused_where_available
 from ferry.parallel.muon_fsdp import orthogonalised_shards
 from ferry.parallel.newton_schulz import NS_DTYPES, orthogonalise
+from ferry.parallel.optimizers.adamw import fused_where_available
+from ferry.parallel.optimizers.base import OptimizerMemory, OptimizerRecipe, Params
+
+if TYPE_CHECKING:
+    from ferry.comm import Collectives
 
 UpdateScale = Literal["match_rms_adamw", "original"]
 
@@ -164,3 +171,114 @@ def update_scale(kind: UpdateScale, shape: torch.Size) -> float:
     if kind == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, columns))
     return math.sqrt(max(1.0, rows / columns))
+
+
+class MuonConfig(Section):
+    """Muon's settings (`optim.name: muon`): the momentum in PyTorch's form (an
+    exponential moving average of the gradients, `lerp`), with Nesterov's look-ahead; Newton-Schulz's quintic
+    iteration, its steps and dtype; the update's scale per matrix."""
+
+    momentum: float = Field(0.95, ge=0.0, lt=1.0)
+    nesterov: bool = True
+    ns_steps: int = Field(5, ge=1, le=20, description="Newton-Schulz iterations")
+    ns_dtype: Literal["bf16", "fp32"] = Field(
+        "bf16",
+        description="the dtype Newton-Schulz runs in: bf16 (the usual; its result moves ~0.5% with a "
+        "last-bit change of its input) or fp32 (layouts then agree within the suite's tolerance)",
+    )
+    qk_clip: float | None = Field(
+        None,
+        gt=0.0,
+        description="QK-clip (Kimi K2's MuonClip): after each update, the query and key weights of a "
+        "head whose largest attention logit in the step passed this threshold are scaled so that it would not "
+        "have (GQA: a group's shared keys by the root of its smallest factor, each query by the rest; MLA: the "
+        "head's own query and key parts, not the shared rotary key); off when unset; refused with model.qk_norm",
+    )
+    update_scale: Literal["match_rms_adamw", "original"] = Field(
+        "match_rms_adamw",
+        description="match_rms_adamw: 0.2 x sqrt(max(A, B)) per [A, B] matrix, the update's RMS "
+        "AdamW's, so optim.lr and optim.weight_decay carry over (Moonlight); original: sqrt(max(1, A / B))",
+    )
+
+
+class MuonKind:
+    name: ClassVar[str] = "muon"
+    state_kind: ClassVar[str] = "Muon"
+    state_held: ClassVar[str] = "Muon momentum and AdamW moments"
+    state_carried: ClassVar[str] = "Muon momentum of the matrices; AdamW moments and step counts of the rest"
+
+    def settings(self, optim: Any, model: nn.Module) -> MuonSettings:
+        """Which of the whole model's parameters Muon takes (before the layout slices or shards them), and how."""
+        muon = optim.muon
+        return MuonSettings(
+            frozenset(muon_parameter_names(model)),
+            muon.momentum,
+            muon.nesterov,
+            muon.ns_steps,
+            muon.ns_dtype,
+            muon.update_scale,
+        )
+
+    def build(self, recipe: OptimizerRecipe, params: Params, shard_owners: Collectives | None) -> torch.optim.Optimizer:
+        return MuonWithAdamW(
+            params, set(recipe.decayed), recipe.weight_decay, recipe.settings, shard_owners, **recipe.hyperparameters
+        )
+
+    def refusals(self, config: Any) -> list[Refusal]:
+        """QK-clip acts after Muon's update, on the query and key weights whose scale sets the logits."""
+        if config.optim.muon.qk_clip is None:
+            return []
+        if config.optim.name != self.name:
+            return [
+                Refusal("optim", "muon.qk_clip rescales the query and key weights after Muon's update: set name=muon")
+            ]
+        refused = []
+        if config.model.attention_bias:
+            refused.append(
+                Refusal(
+                    "optim",
+                    "muon.qk_clip scales the query and key weights to scale the logits, which model.attention_bias's "
+                    "biases would not follow: set model.attention_bias=false or leave muon.qk_clip unset",
+                )
+            )
+        if config.model.qk_norm:
+            refused.append(
+                Refusal(
+                    "optim",
+                    "muon.qk_clip scales the query and key projections, which model.qk_norm normalises back, and its "
+                    "gains are shared by the heads it would scale one by one: set model.qk_norm=false or leave "
+                    "muon.qk_clip unset",
+                )
+            )
+        return refused
+
+    def memory(
+        self,
+        config: Any,
+        params: int,
+        expert_params: int,
+        param_bytes: int,
+        experts_split_over: int,
+        weights_sharded_over: int,
+    ) -> OptimizerMemory:
+        """The embedding, head and routers take AdamW's two moments, the rest Muon's one buffer; the working set is
+        Newton-Schulz's for the largest matrix (a layer's experts at once: the input, two iterates and the Gram
+        products). Under FSDP a rank also holds the whole matrices it owns, gathered, and their orthogonalisation
+        (`muon_fsdp.py`)."""
+        model, moe = config.model, config.model.moe
+        moe_layers = model.moe_layer_count
+        adamw_params = model.vocab_size * model.dim * 2 + moe_layers * moe.num_experts * model.dim
+        adamw_share = min(1.0, adamw_params / max(params, 1))
+        ns_bytes = 2 if config.optim.muon.ns_dtype == "bf16" else 4
+        matrices = [(1, model.n_heads * model.head_dim, model.dim)]  # [batch, rows, columns]
+        if model.dense_layers and model.dense_ffn_dim:
+            matrices.append((1, model.dense_ffn_dim, model.dim))
+        if moe_layers:
+            matrices.append((max(moe.num_experts // experts_split_over, 1), moe.expert_ffn_dim, model.dim))
+        newton_schulz = ns_bytes * max(
+            batch * (3 * rows * columns + 2 * min(rows, columns) ** 2) for batch, rows, columns in matrices
+        )
+        if weights_sharded_over > 1:
+            owned_matrices = max(params - expert_params - adamw_params, 0) / weights_sharded_over
+            newton_schulz += owned_matrices * (param_bytes + ns_bytes)
+        return OptimizerMemory(adamw_share, newton_schulz)

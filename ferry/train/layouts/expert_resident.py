@@ -1,0 +1,76 @@
+"""`parallel.mode: ep` (the default): the OLMo-core 3 design. Each expert is resident on one of `parallel.ep` ranks
+and tokens travel to it by all-to-all (`ferry/parallel/expert_parallel.py`); dense weights are replicated and their
+gradients summed DDP-style over the ranks holding them, expert gradients over the ranks holding the same experts."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ferry.config.refusals import Refusal
+from ferry.train.layouts.base import LayoutKind, MemoryTerms, Traffic
+from ferry.train.layouts.sizes import activation_bytes, param_counts, reduce_bytes
+
+if TYPE_CHECKING:
+    from ferry.parallel.layout import JobLayout
+
+
+class ExpertResident(LayoutKind):
+    name: ClassVar[str] = "expert-resident"
+
+    def active(self, config: Any) -> bool:
+        return config.parallel.mode == "ep"
+
+    def refusals(self, config: Any) -> list[Refusal]:
+        parallel, objective = config.parallel, config.train.objective
+        if parallel.ep_overlap == "auto" and objective != "lm":
+            return [
+                Refusal(
+                    "parallel",
+                    f"ep_overlap auto measures trial steps of next-token training, restoring the run after them; "
+                    f"objective {objective} samples or caches what a trial step would use up: set none or chunked",
+                )
+            ]
+        return []
+
+    def memory(self, config: Any, layout: JobLayout, terms: MemoryTerms) -> MemoryTerms:
+        """Dense parameters whole on every rank, each expert on one of `ep`; in the checkpointed modes a token also
+        keeps the rows the exchange received each way, which a recompute reads instead of sending them again."""
+        ep = config.parallel.ep
+        share = terms.share
+        dense = share.total_params - share.expert_params
+        local = dense + share.expert_params / ep
+        extra = terms.extra_kept_per_token_layer
+        if ep > 1 and config.train.activation_checkpointing != "none":
+            extra += 2 * config.model.moe.top_k * config.model.dim * terms.compute_bytes
+        return terms.with_(local=local, moments=local, experts_split_over=ep, extra_kept_per_token_layer=extra)
+
+    def banner(self, layout: JobLayout) -> str:
+        return f"ep {layout.ep_degree}"
+
+    def traffic(self, config: Any, layout: JobLayout, micro_batch: int) -> list[Traffic]:
+        """Each MoE layer's forward sends this rank's routed rows out and takes the experts' outputs back (and
+        its backward the gradients of both), every micro-batch; after the backwards, the dense gradients are
+        summed over the replicas and the expert gradients over the ranks holding the same experts, in buckets."""
+        model, parallel = config.model, config.parallel
+        counts = param_counts(config)
+        reduced = reduce_bytes(config)
+        bucket = parallel.bucket_mib * 2**20
+        traffic = []
+        ep = parallel.ep
+        if ep > 1:
+            micro_batches = config.train.global_batch // (micro_batch * layout.data_ranks)
+            tokens = micro_batch * config.data.seq_len // layout.cp
+            rows = tokens * model.moe.top_k * model.dim * activation_bytes(config)
+            calls = micro_batches * model.moe_layer_count // layout.pp
+            for op in ("ep_dispatch", "ep_combine", "ep_dispatch_backward", "ep_combine_backward"):
+                traffic.append(Traffic(op, calls, rows, "ep", ep))
+        replicas = layout.replicas
+        if replicas > 1:
+            dense = (counts.total - counts.experts) / layout.pp * reduced
+            traffic.append(Traffic("all_reduce", math.ceil(dense / bucket), min(dense, bucket), "replicas", replicas))
+        holders = replicas // ep
+        if holders > 1 and counts.experts:
+            experts = counts.experts / ep / layout.pp * reduced
+            traffic.append(Traffic("all_reduce", math.ceil(experts / bucket), min(experts, bucket), "dp", holders))
+        return traffic

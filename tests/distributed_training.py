@@ -130,3 +130,28 @@ def kept_by_a_forward(dataset: str, run_dir: str, seq_len: int, *overrides: str)
     loss.backward()
     exchanged = plan.stats.take()
     return {"kept": kept_bytes, "cp_bytes": {op: stats.bytes for op, stats in exchanged.items()}}
+
+
+def train_counting_bytes(dataset: str, run_dir: str, *overrides: str) -> dict:
+    """`train_run`, keeping the calls and bytes of each of ferry's collectives in the last step, by op, on this
+    rank; with the run's config."""
+    from ferry.comm.stats import CommStats
+
+    taken: list[dict] = []
+    take = CommStats.take
+
+    def keeping(self):
+        result = take(self)
+        taken.append({op: (stats.calls, stats.bytes) for op, stats in result.items()})
+        return result
+
+    CommStats.take = keeping
+    try:
+        result = train_run(dataset, run_dir, *overrides)
+    finally:
+        CommStats.take = take
+    return {
+        **result,
+        "last_step": taken[-1],
+        "config": tiny_config(dataset, run_dir, *overrides).model_dump(mode="json"),
+    }

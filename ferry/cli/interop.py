@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from ferry.cli.options import RegistryChoices, architecture_names
+
 
 def add_interop_commands(commands) -> None:
     export = commands.add_parser(
-        "export", help="write a checkpoint as a transformers model directory (OLMoE, Qwen3-MoE, DeepSeek-V3)"
+        "export",
+        help="write a checkpoint as a transformers model directory (OLMoE, Qwen3-MoE, DeepSeek-V3 or V2, GPT-OSS)",
     )
     export.add_argument(
         "checkpoint",
@@ -16,7 +19,7 @@ def add_interop_commands(commands) -> None:
     export.add_argument("out", help="the model directory to write")
     export.add_argument(
         "--arch",
-        choices=["olmoe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "gpt_oss"],
+        choices=RegistryChoices(architecture_names),
         default=None,
         help="target architecture (default: deepseek_v3 for MLA, else the one whose query/key norm and dense layers "
         "the model has)",

@@ -7,7 +7,7 @@ import argparse
 import shlex
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from pydantic import BaseModel
 
@@ -129,3 +129,26 @@ def parse_forms(
         if unknown:
             raise UserError(f"{parser.prog}: unrecognized arguments: {' '.join(unknown)}")
     return form, options
+
+
+class RegistryChoices:
+    """An option's choices read from a registry of kinds when first asked (a value given, or the help printed), so
+    that parsing a command imports no more than it runs."""
+
+    def __init__(self, names: Callable[[], Iterable[str]]):
+        self._names = names
+
+    def _all(self) -> tuple[str, ...]:
+        return tuple(self._names())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._all()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+
+def architecture_names() -> tuple[str, ...]:
+    from ferry.interop.architectures import ARCHITECTURES
+
+    return ARCHITECTURES

@@ -1,5 +1,6 @@
-"""DeepSeek-V3 (`DeepseekV3ForCausalLM`) and DeepSeek-V2 (`DeepseekV2ForCausalLM`): the transformers
-architectures of ferry's MLA models.
+"""What DeepSeek-V3 (`DeepseekV3ForCausalLM`) and DeepSeek-V2 (`DeepseekV2ForCausalLM`), the transformers
+architectures of ferry's MLA models, share; each is a kind of its own (`ferry/interop/architectures/deepseek_v3.py`,
+`deepseek_v2.py`) that routes as below.
 
 DeepSeek-V3 routes with sigmoid scores plus a per-expert correction bias for the choice only (ferry's bias
 balancing, whose bias it stores as `e_score_correction_bias`), group-limited as ferry's router (a group
@@ -27,8 +28,9 @@ from ferry.model.variants.mla import MultiHeadLatentAttention
 LATENT_NORM_EPS = 1e-6  # transformers builds DeepSeek-V3's latent norms with this eps, whatever rms_norm_eps is
 
 
-def deepseek_refusals(config: ModelConfig, expert_bias_nonzero: bool, arch: str = "deepseek_v3") -> list[str]:
-    """Every reason `config` cannot be written as `arch` (DeepSeek-V3 or V2), each naming the ferry field."""
+def deepseek_refusals(config: ModelConfig, arch: str) -> list[str]:
+    """Why `config` cannot be written as either DeepSeek (`arch`, for the messages), each naming the ferry field:
+    what both share. Each architecture adds its routing's."""
     moe, problems = config.moe, []
     if config.attention_gate != "none":
         problems.append(
@@ -42,66 +44,26 @@ def deepseek_refusals(config: ModelConfig, expert_bias_nonzero: bool, arch: str 
         )
     if config.mla.latent_norm_eps != LATENT_NORM_EPS:
         problems.append(f"model.mla.latent_norm_eps: {arch}'s latent norms use {LATENT_NORM_EPS}")
-    if arch == "deepseek_v2":
-        return problems + _v2_routing_refusals(config, expert_bias_nonzero)
-    if moe.score_func != "sigmoid":
-        problems.append(f"model.moe.score_func: deepseek_v3 routes with a sigmoid, the model uses {moe.score_func}")
-    if moe.num_experts // moe.n_group < 2:
-        problems.append("model.moe.n_group: deepseek_v3 scores a group by its two best experts; give each group two")
-    if moe.n_group > 1 and moe.group_score != "top2_sum":
-        problems.append("model.moe.group_score: deepseek_v3 ranks a group by its two best experts (top2_sum)")
-    if expert_bias_nonzero and not moe.bias_balancing.enabled:
-        problems.append("model.moe.bias_balancing: the bias is not zero but unused here, and deepseek_v3 would use it")
     return problems
 
 
-def _v2_routing_refusals(config: ModelConfig, expert_bias_nonzero: bool) -> list[str]:
-    moe, problems = config.moe, []
-    if moe.score_func != "softmax":
-        problems.append(f"model.moe.score_func: deepseek_v2 routes with a softmax, the model uses {moe.score_func}")
-    if moe.renormalize:
-        problems.append("model.moe.renormalize: transformers' deepseek_v2 never renormalises the top-k weights")
-    if moe.topk_group < moe.n_group and moe.group_score != "max":
-        problems.append("model.moe.group_score: deepseek_v2 ranks a group by its best expert (max)")
-    if expert_bias_nonzero:
-        problems.append("model.moe.bias_balancing: deepseek_v2 has no expert-choice bias, and this model's is not zero")
-    return problems
-
-
-def deepseek_hf_config(config: ModelConfig, common: dict, arch: str = "deepseek_v3"):
-    """transformers' `DeepseekV3Config` (or `DeepseekV2Config`) for `config`; `common` holds the fields every
-    architecture shares."""
-    from transformers import DeepseekV2Config, DeepseekV3Config
-
+def deepseek_config_fields(config: ModelConfig, common: dict) -> dict:
+    """The transformers config fields both DeepSeeks have for `config`, from those every architecture shares."""
     moe = config.moe
-    fields = {key: value for key, value in common.items() if key != "num_experts"}
-    shared = dict(
-        n_routed_experts=moe.num_experts,
-        intermediate_size=config.dense_ffn_dim,
-        moe_intermediate_size=moe.expert_ffn_dim,
-        n_shared_experts=moe.shared_expert_ffn_dim // moe.expert_ffn_dim,
-        routed_scaling_factor=moe.routed_scaling_factor,
-        first_k_dense_replace=config.dense_layers,
-    )
-    if arch == "deepseek_v2":
-        limited = moe.topk_group < moe.n_group
-        return DeepseekV2Config(
-            **fields,
-            **shared,
-            topk_method="group_limited_greedy" if limited else "greedy",
-            n_group=moe.n_group if limited else None,
-            topk_group=moe.topk_group if limited else None,
-        )
-    return DeepseekV3Config(
-        **fields, **shared, n_group=moe.n_group, topk_group=moe.topk_group, num_mtp_layers=config.mtp.depth
-    )
+    return {
+        **{key: value for key, value in common.items() if key != "num_experts"},
+        "n_routed_experts": moe.num_experts,
+        "intermediate_size": config.dense_ffn_dim,
+        "moe_intermediate_size": moe.expert_ffn_dim,
+        "n_shared_experts": moe.shared_expert_ffn_dim // moe.expert_ffn_dim,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "first_k_dense_replace": config.dense_layers,
+    }
 
 
-def deepseek_model_fields(hf) -> dict:
-    """The ferry model fields (beyond those every architecture shares and its attention's) a `DeepseekV3Config`
-    or `DeepseekV2Config` describes. V3's multi-token-prediction modules (`num_mtp_layers`) are not among them:
-    transformers' causal LM leaves their weights out, and the import reads them itself where the directory holds
-    them (`ferry/interop/importing.py`)."""
+def deepseek_model_fields(hf, routing: dict) -> dict:
+    """The ferry model fields (beyond those every architecture shares and its attention's) a DeepSeek config
+    describes, its `routing` (score function, groups, renormalisation) the architecture's own."""
     moe = {
         "num_experts": hf.n_routed_experts,
         "top_k": hf.num_experts_per_tok,
@@ -109,20 +71,8 @@ def deepseek_model_fields(hf) -> dict:
         "shared_expert_ffn_dim": hf.n_shared_experts * hf.moe_intermediate_size,
         "routed_scaling_factor": float(hf.routed_scaling_factor),
         "aux_loss_coef": float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0),
+        **routing,
     }
-    if hf.model_type == "deepseek_v2":
-        limited = hf.topk_method == "group_limited_greedy"
-        moe.update(score_func="softmax", renormalize=False)
-        if limited:
-            moe.update(n_group=hf.n_group, topk_group=hf.topk_group, group_score="max")
-    else:
-        moe.update(
-            score_func="sigmoid",
-            renormalize=bool(hf.norm_topk_prob),
-            n_group=hf.n_group or 1,
-            topk_group=hf.topk_group or 1,
-            bias_balancing={"enabled": True},
-        )
     return {
         "dense_layers": min(hf.first_k_dense_replace or 0, hf.num_hidden_layers),
         "dense_ffn_dim": hf.intermediate_size,
@@ -131,19 +81,23 @@ def deepseek_model_fields(hf) -> dict:
 
 
 def deepseek_to_hf_state(
-    state: dict[str, torch.Tensor], config: ModelConfig, arch: str = "deepseek_v3"
+    state: dict[str, torch.Tensor], config: ModelConfig, interleaved: bool, correction_bias: bool
 ) -> dict[str, torch.Tensor]:
-    """ferry's state dict under DeepSeek-V3's (or V2's) names; for V2, the rotary rows in interleaved pairs. V3's
-    multi-token-prediction modules follow the layers, at indices `n_layers` onward, as DeepSeek's checkpoints
-    keep them (each with a copy of the embedding and the head, as theirs)."""
+    """ferry's state dict under DeepSeek's names; with `interleaved` (V2), the rotary rows in interleaved pairs;
+    with `correction_bias` (V3), the routers' expert-choice bias. Multi-token-prediction modules follow the
+    layers, at indices `n_layers` onward, as DeepSeek-V3's checkpoints keep them (each with a copy of the embedding
+    and the head, as theirs)."""
+    block = (interleaved, correction_bias)
     hf = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
     if not config.tie_embeddings:
         hf["lm_head.weight"] = state["output.weight"]
     for index in range(config.n_layers):
-        _block_to_hf(state, f"layers.{index}.", f"model.layers.{index}.", index < config.dense_layers, config, arch, hf)
+        _block_to_hf(
+            state, f"layers.{index}.", f"model.layers.{index}.", index < config.dense_layers, config, block, hf
+        )
     for depth in range(config.mtp.depth):
         ours, theirs = f"mtp.{depth}.", f"model.layers.{config.n_layers + depth}."
-        _block_to_hf(state, ours + "block.", theirs, config.n_layers == config.dense_layers, config, arch, hf)
+        _block_to_hf(state, ours + "block.", theirs, config.n_layers == config.dense_layers, config, block, hf)
         hf.update({theirs + hf_name: state[ours + name] for name, hf_name in _MTP_NAMES.items()})
         hf[theirs + "embed_tokens.weight"] = state["tok_embeddings.weight"]
         hf[theirs + "shared_head.head.weight"] = state["output.weight"]
@@ -151,30 +105,40 @@ def deepseek_to_hf_state(
 
 
 def deepseek_from_hf_state(
-    hf: dict[str, torch.Tensor], config: ModelConfig, interleaved: bool, arch: str = "deepseek_v3"
+    hf: dict[str, torch.Tensor], config: ModelConfig, interleaved: bool, correction_bias: bool
 ) -> dict[str, torch.Tensor]:
-    """DeepSeek-V3's (or V2's) state dict under ferry's names; `interleaved` rotary rows are moved to
-    rotate-half order. V2 has no expert-choice bias: the routers' are zero. The MTP modules `config` has are read
-    from the layers after the model's (their copies of the embedding and the head are the model's)."""
+    """DeepSeek's state dict under ferry's names; `interleaved` rotary rows are moved to rotate-half order. Without
+    a `correction_bias` (V2) the routers' expert-choice bias is zero. The MTP modules `config` has are read from the
+    layers after the model's (their copies of the embedding and the head are the model's)."""
     state = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     state["output.weight"] = hf["model.embed_tokens.weight"] if config.tie_embeddings else hf["lm_head.weight"]
     for index in range(config.n_layers):
         dense = index < config.dense_layers
-        _block_from_hf(hf, f"layers.{index}.", f"model.layers.{index}.", dense, config, interleaved, arch, state)
+        _block_from_hf(
+            hf, f"layers.{index}.", f"model.layers.{index}.", dense, config, interleaved, correction_bias, state
+        )
     for depth in range(config.mtp.depth):
         ours, theirs = f"mtp.{depth}.", f"model.layers.{config.n_layers + depth}."
         dense = config.n_layers == config.dense_layers
-        _block_from_hf(hf, ours + "block.", theirs, dense, config, interleaved, arch, state)
+        _block_from_hf(hf, ours + "block.", theirs, dense, config, interleaved, correction_bias, state)
         state.update({ours + name: hf[theirs + hf_name] for name, hf_name in _MTP_NAMES.items()})
     return state
 
 
 def _block_to_hf(
-    state: dict[str, torch.Tensor], ours: str, theirs: str, dense: bool, config: ModelConfig, arch: str, hf: dict
+    state: dict[str, torch.Tensor],
+    ours: str,
+    theirs: str,
+    dense: bool,
+    config: ModelConfig,
+    block: tuple[bool, bool],
+    hf: dict,
 ) -> None:
-    """One block's tensors (a layer's, or an MTP module's) into `hf` under DeepSeek's layer names."""
-    attention = _interleaved_order(state, ours + "attn.", config) if arch == "deepseek_v2" else {}
-    for name, hf_name in _layer_names(dense, arch).items():
+    """One block's tensors (a layer's, or an MTP module's) into `hf` under DeepSeek's layer names; `block`: whether
+    its rotary rows are interleaved and whether its routers keep a correction bias."""
+    interleaved, correction_bias = block
+    attention = _interleaved_order(state, ours + "attn.", config) if interleaved else {}
+    for name, hf_name in _layer_names(dense, correction_bias).items():
         if ours + name in state:
             hf[theirs + hf_name] = attention.get(ours + name, state[ours + name])
     if not dense:
@@ -192,14 +156,14 @@ def _block_from_hf(
     dense: bool,
     config: ModelConfig,
     interleaved: bool,
-    arch: str,
+    correction_bias: bool,
     state: dict[str, torch.Tensor],
 ) -> None:
     """One block's tensors from DeepSeek's layer names into `state` (the inverse of `_block_to_hf`)."""
-    for name, hf_name in _layer_names(dense, arch).items():
+    for name, hf_name in _layer_names(dense, correction_bias).items():
         if theirs + hf_name in hf and hf[theirs + hf_name].numel():  # no empty shared experts: ferry has none
             state[ours + name] = hf[theirs + hf_name]
-    if not dense and arch == "deepseek_v2":
+    if not dense and not correction_bias:
         state[ours + "ffn.router.expert_bias_E"] = torch.zeros(config.moe.num_experts, dtype=torch.float32)
     if not dense:
         gate_up = hf[theirs + "mlp.experts.gate_up_proj"]
@@ -263,9 +227,9 @@ _EMPTY_SHARED = {
 }
 
 
-def _layer_names(dense: bool, arch: str = "deepseek_v3") -> dict[str, str]:
-    """ferry's names of a layer's tensors (those a layer has) against DeepSeek-V3's or V2's (the attention's:
-    MLA's); V2 has no expert-choice bias."""
+def _layer_names(dense: bool, correction_bias: bool = True) -> dict[str, str]:
+    """ferry's names of a layer's tensors (those a layer has) against DeepSeek's (the attention's: MLA's); a
+    router's expert-choice bias where the architecture keeps one (V3's `e_score_correction_bias`)."""
     names = {
         "attn_norm.weight": "input_layernorm.weight",
         "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -278,7 +242,7 @@ def _layer_names(dense: bool, arch: str = "deepseek_v3") -> dict[str, str]:
             "ffn.w_up.weight": "mlp.up_proj.weight",
             "ffn.w_down.weight": "mlp.down_proj.weight",
         }
-    bias = {"ffn.router.expert_bias_E": "mlp.gate.e_score_correction_bias"} if arch == "deepseek_v3" else {}
+    bias = {"ffn.router.expert_bias_E": "mlp.gate.e_score_correction_bias"} if correction_bias else {}
     return {
         **names,
         "ffn.router.weight_ED": "mlp.gate.weight",

@@ -62,6 +62,7 @@ class ParallelPlan:
     reduce_dtype: torch.dtype
     ep_overlap: dict  # how the MoE exchanges run as configured (`auto`'s trial records its choice with the run)
     logical_names: frozenset[str] = field(default_factory=frozenset)  # the whole model's state_dict names
+    logical_params: frozenset[str] = field(default_factory=frozenset)  # and its parameters' (a stage holds part)
 
     @property
     def world(self) -> Collectives | None:
@@ -86,10 +87,6 @@ class ParallelPlan:
     @property
     def split(self) -> StageSplit | None:
         return self.layout.split
-
-    @property
-    def pipelined(self) -> bool:
-        return self.layout.split is not None
 
     @property
     def cp(self) -> Collectives | None:
@@ -208,6 +205,7 @@ def build_plan(
     stats = CommStats()
     groups = rank_groups(layout, context, device, stats)
     logical_names = frozenset(model.state_dict())
+    logical_params = frozenset(name for name, _ in model.named_parameters())
     stages: Stages = PipelineStages(layout.split) if layout.split is not None else WholeModel()
     placement: Placement = PLACEMENTS[config.mode](config)
     stages.place(model, groups)
@@ -238,6 +236,7 @@ def build_plan(
         reduce_dtype,
         overlap,
         logical_names,
+        logical_params,
     )
 
 

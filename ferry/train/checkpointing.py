@@ -161,7 +161,7 @@ def _with_defaults(saved: dict) -> dict:
 def restore_model(checkpoint: Checkpoint, model: nn.Module, plan: ParallelPlan) -> None:
     targets = model.state_dict()
     stored = {name.removeprefix(MODEL) for name in checkpoint.names(MODEL)}
-    whole = plan.logical_names if plan.pipelined else set(targets)  # a stage holds part, the checkpoint all
+    whole = plan.logical_names  # the whole model's: a pipeline stage holds part, the checkpoint all
     if stored != whole:
         missing, unexpected = sorted(whole - stored), sorted(stored - whole)
         raise CheckpointError(
@@ -191,11 +191,10 @@ def restore_optimizer(
             f"(optim.name {kind.name}): a run continues with the optimizer it saved; to change optimizer, start from "
             f"the checkpoint's weights alone: init_from={checkpoint.path} init_optimizer=false"
         )
-    params = dict(model.named_parameters())
     stored: dict[str, list[str]] = {}
     for logical in checkpoint.names(OPTIM):
         key, _, name = logical.removeprefix(OPTIM).partition(".")
-        if name not in params and not (plan.pipelined and name in plan.logical_names):  # else another stage's
+        if name not in plan.logical_params:  # a parameter of the whole model (another stage's, under a pipeline)
             raise CheckpointError(f"{checkpoint.path}: {logical} belongs to no parameter of this model")
         stored.setdefault(name, []).append(key)
     state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}

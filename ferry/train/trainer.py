@@ -35,6 +35,7 @@ from ferry.train.checkpoint_hook import CheckpointHook
 from ferry.train.config import RunConfig
 from ferry.train.hook_points import Hook, Hooks, RunEnd
 from ferry.train.hooks import EvaluationHook, RecordsHook, TraceHook
+from ferry.train.layouts.base import PlacedRun
 from ferry.train.opening import open_run, report_set_aside
 from ferry.train.optimizer import learning_rate
 from ferry.train.overlap_trial import choose_overlap
@@ -68,7 +69,9 @@ class Trainer:
         self.parts: RunParts = assemble(config, started_unix=time.time())
         self.config = config = self.parts.job.config  # with its micro-batch decided
         job, model = self.parts.job, self.parts.model
-        self.resilience = Resilience(config, job.rank, job.world_size, job.started_unix, model.reductions.largest)
+        self.resilience = Resilience(
+            config, job.rank, job.world_size, job.started_unix, model.reductions.largest, model.plan.local
+        )
         self.attention_logits = (
             AttentionLogits(model.model, model.reductions, config.optim.muon.qk_clip)
             if config.tracks_attention_logits
@@ -81,10 +84,9 @@ class Trainer:
         self.hub: MetricsHub | None = None
         self._run_lock: RunDirLock | None = None
         shape = self.parts.data.kind.pass_shape(config, self.parts.data.loader)
+        placed = PlacedRun(config, job.device, model.plan, model.model, self.parts.numerics.precision)
         self.context: TrainingContext = job.kinds.step_context(
-            job,
-            model,
-            self.parts.numerics.precision,
+            placed,
             shape,
             ContextParts(
                 model=model.model,

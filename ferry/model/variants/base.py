@@ -47,7 +47,6 @@ class AttentionKind(Protocol):
     """One way of attending (`model.attention`)."""
 
     name: ClassVar[str]
-    hf_architectures: ClassVar[tuple[str, ...]]  # the transformers architectures whose attention it is
     hf_layer_names: ClassVar[dict[str, str]]  # a layer's attention tensors: ferry's name -> transformers'
 
     def with_defaults(self, data: dict, fields: dict[str, FieldInfo]) -> dict:
@@ -100,14 +99,8 @@ class AttentionKind(Protocol):
     def describe_cache(self, config: ModelShape) -> str:
         """What the cache keeps of a token, in the terms of this attention."""
 
-    def hf_architecture(self, config: ModelShape) -> str:
-        """The transformers architecture an export defaults to."""
-
-    def export_refusals(self, config: ModelShape, arch: str) -> list[str]:
-        """Why `config`'s attention cannot be written as `arch`, each naming the ferry field."""
-
-    def hf_config_fields(self, config: ModelShape, arch: str) -> dict[str, Any]:
-        """The transformers config fields of this attention."""
+    def hf_config_fields(self, config: ModelShape) -> dict[str, Any]:
+        """The transformers config fields of this attention (those every architecture computing it has)."""
 
     def fields_from_hf(self, hf: Any, problems: list[str]) -> dict[str, Any]:
         """The ferry model fields of this attention a transformers config describes; what ferry cannot compute

@@ -22,7 +22,6 @@ class GroupedQueryAttention:
     """Queries, keys and values projected per head; the cache keeps every layer's keys and values."""
 
     name: ClassVar[str] = "gqa"
-    hf_architectures: ClassVar[tuple[str, ...]] = ("olmoe", "qwen3_moe", "gpt_oss")
     hf_layer_names: ClassVar[dict[str, str]] = {
         "attn.wq.weight": "self_attn.q_proj.weight",
         "attn.wk.weight": "self_attn.k_proj.weight",
@@ -101,25 +100,7 @@ class GroupedQueryAttention:
     def describe_cache(self, config: ModelShape) -> str:
         return f"keys and values: 2 x {config.n_kv_heads} heads x {config.head_dim} a layer"
 
-    def hf_architecture(self, config: ModelShape) -> str:
-        """GPT-OSS for a model with attention sinks; Qwen3-MoE where its per-head norm, its dense layers or its own
-        head width are needed; else OLMoE."""
-        if config.attention_sinks:
-            return "gpt_oss"
-        own_width = config.head_dim * config.n_heads != config.dim
-        return "qwen3_moe" if config.qk_norm_scope == "head" or config.dense_layers or own_width else "olmoe"
-
-    def export_refusals(self, config: ModelShape, arch: str) -> list[str]:
-        if arch not in self.hf_architectures:
-            return [f"model.attention: {arch} is multi-head latent attention (mla), the model uses gqa"]
-        if arch == "olmoe" and config.head_dim * config.n_heads != config.dim:
-            return [
-                f"model.head_dim {config.head_dim}: olmoe's heads split hidden_size ({config.dim}); "
-                "qwen3_moe has a head_dim of its own"
-            ]
-        return []
-
-    def hf_config_fields(self, config: ModelShape, arch: str) -> dict[str, Any]:
+    def hf_config_fields(self, config: ModelShape) -> dict[str, Any]:
         """Key/value heads, and `head_dim` where it is not transformers' default split (so that an export of a
         model with the default writes what it always wrote)."""
         fields: dict[str, Any] = {"num_key_value_heads": config.n_kv_heads}
@@ -132,8 +113,6 @@ class GroupedQueryAttention:
         head_dim = getattr(hf, "head_dim", None) or split
         fields: dict[str, Any] = {"n_kv_heads": hf.num_key_value_heads}
         if head_dim * hf.num_attention_heads != hf.hidden_size:
-            if hf.model_type == "olmoe":
-                problems.append(f"head_dim {head_dim}: OLMoE's query/key norms span hidden_size ({hf.hidden_size})")
             fields["head_dim"] = head_dim
         return fields
 

@@ -25,7 +25,6 @@ class MultiHeadLatentAttention:
     """Every head its own keys and values, from the shared latent; a rotary key slice shared by every head."""
 
     name: ClassVar[str] = "mla"
-    hf_architectures: ClassVar[tuple[str, ...]] = ("deepseek_v3", "deepseek_v2")
     hf_layer_names: ClassVar[dict[str, str]] = {
         "attn.wq.weight": "self_attn.q_proj.weight",
         "attn.wq_a.weight": "self_attn.q_a_proj.weight",
@@ -131,21 +130,9 @@ class MultiHeadLatentAttention:
     def describe_cache(self, config: ModelShape) -> str:
         return f"MLA latent: {config.mla.kv_lora_rank} + {config.mla.qk_rope_head_dim} rotary values a layer"
 
-    def hf_architecture(self, config: ModelShape) -> str:
-        return "deepseek_v3"
-
-    def export_refusals(self, config: ModelShape, arch: str) -> list[str]:
-        if arch not in self.hf_architectures:
-            return [
-                f"model.attention: {arch} has grouped-query attention, the model mla (deepseek_v3 and deepseek_v2 have)"
-            ]
-        return []
-
-    def hf_config_fields(self, config: ModelShape, arch: str) -> dict[str, Any]:
-        """DeepSeek's latent sizes; ferry rotates halves, so a V3 export's rotary rows are not interleaved (V2 has
-        no such setting: its export interleaves them)."""
+    def hf_config_fields(self, config: ModelShape) -> dict[str, Any]:
+        """DeepSeek's latent sizes (how the rotary rows are laid out is the architecture's: its kind says)."""
         mla = config.mla
-        interleave = {"rope_interleave": False} if arch == "deepseek_v3" else {}
         return {
             "num_key_value_heads": config.n_heads,
             "q_lora_rank": mla.q_lora_rank or None,
@@ -153,7 +140,6 @@ class MultiHeadLatentAttention:
             "qk_nope_head_dim": mla.qk_nope_head_dim,
             "qk_rope_head_dim": mla.qk_rope_head_dim,
             "v_head_dim": mla.v_head_dim,
-            **interleave,
         }
 
     def fields_from_hf(self, hf: Any, problems: list[str]) -> dict[str, Any]:

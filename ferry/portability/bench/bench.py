@@ -88,7 +88,7 @@ def run_bench(
             f"suite {suite.name}: train.global_batch ({config.train.global_batch}) is not a multiple of "
             f"train.micro_batch x ranks ({config.train.micro_batch} x {nproc}); change --nproc or the batch"
         )
-    if config.parallel.mode == "ep" and nproc % config.parallel.ep:
+    if nproc % config.parallel.ep:
         raise UserError(
             f"suite {suite.name}: parallel.ep ({config.parallel.ep}) does not divide the {nproc} rank(s); change "
             "--nproc or parallel.ep"

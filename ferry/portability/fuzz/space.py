@@ -15,6 +15,8 @@ import json
 import random
 from dataclasses import dataclass
 
+from ferry.parallel.optimizers import DEFAULT_OPTIMIZER, OPTIMIZER_KINDS
+
 # axis -> {value: overrides}; the first value of each axis is the one-process default
 COMPUTATION: dict[str, dict[str, tuple[str, ...]]] = {
     # what a step optimises, on the data it reads (the placeholders: `FuzzData`'s datasets, and PARENT, the SFT
@@ -75,7 +77,11 @@ COMPUTATION: dict[str, dict[str, tuple[str, ...]]] = {
         ),
     },
     "skip": {"standard": (), "farskip": ("model.skip=farskip",)},
-    "optimizer": {"adamw": (), "muon": ("optim.name=muon",)},
+    # every optimizer kind, the default first (ferry/parallel/optimizers/)
+    "optimizer": {
+        name: () if name == DEFAULT_OPTIMIZER else (f"optim.name={name}",)
+        for name in sorted(OPTIMIZER_KINDS, key=lambda name: name != DEFAULT_OPTIMIZER)
+    },
     "kernels": {"auto": (), "portable": ("kernels.policy=portable",)},
     "documents": {"whole": (), "masked": ("data.document_masking=true",)},
     "mtp": {"none": (), "1": ("model.mtp.depth=1",)},

@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ferry.config.refusals import Refusal
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from ferry.parallel.layout import JobLayout
     from ferry.parallel.plan import ParallelPlan
     from ferry.precision import PrecisionPolicy
-    from ferry.train.assembly import Job, ModelParts
     from ferry.train.step_context import ContextParts, PassShape, TrainingContext
 
 
@@ -87,6 +88,18 @@ class Traffic:
         return self.calls * self.bytes_per_call
 
 
+@dataclass(frozen=True)
+class PlacedRun:
+    """What a kind builds a step context from: the run's config, its device, the model as the plan placed it, and the
+    precision it computes in."""
+
+    config: Any
+    device: Any
+    plan: ParallelPlan
+    model: nn.Module
+    precision: PrecisionPolicy
+
+
 class LayoutKind:
     """One way of placing a model over ranks. Every question has a neutral answer here, so that a kind states only
     what it changes."""
@@ -121,9 +134,7 @@ class LayoutKind:
         unless the reduce dtype says otherwise), on one rank."""
         return []
 
-    def step_context(
-        self, job: Job, parts: ModelParts, precision: PrecisionPolicy, shape: PassShape, context: ContextParts
-    ) -> TrainingContext | None:
+    def step_context(self, run: PlacedRun, shape: PassShape, context: ContextParts) -> TrainingContext | None:
         """How a step's micro-batches run under it (the objective's largest micro-batch: `shape`); None leaves
         that to the other kinds (the plain loop)."""
         return None

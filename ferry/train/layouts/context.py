@@ -9,15 +9,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ferry.config.refusals import Refusal
 from ferry.parallel.context_parallel import exchange_figures
-from ferry.train.layouts.base import LayoutKind, MemoryTerms, Traffic
+from ferry.train.layouts.base import LayoutKind, MemoryTerms, PlacedRun, Traffic
 from ferry.train.layouts.sizes import activation_bytes
 from ferry.train.sequence_context import SequenceSplitContext
 
 if TYPE_CHECKING:
     from ferry.parallel.layout import JobLayout
     from ferry.parallel.plan import ParallelPlan
-    from ferry.precision import PrecisionPolicy
-    from ferry.train.assembly import Job, ModelParts
     from ferry.train.step_context import ContextParts, PassShape, TrainingContext
 
 
@@ -84,10 +82,8 @@ class ContextParallel(LayoutKind):
             Traffic("cp_gather_backward", calls, gathered, "cp", cp),
         ]
 
-    def step_context(
-        self, job: Job, parts: ModelParts, precision: PrecisionPolicy, shape: PassShape, context: ContextParts
-    ) -> TrainingContext:
-        return SequenceSplitContext(context, parts.plan)
+    def step_context(self, run: PlacedRun, shape: PassShape, context: ContextParts) -> TrainingContext:
+        return SequenceSplitContext(context, run.plan)
 
     def figures(self, plan: ParallelPlan, exchanged: dict) -> dict:
         return exchange_figures(exchanged)

@@ -63,6 +63,7 @@ class ExpertResident(LayoutKind):
             tokens = micro_batch * config.data.seq_len // layout.cp
             rows = tokens * model.moe.top_k * model.dim * activation_bytes(config)
             calls = micro_batches * model.moe_layer_count // layout.pp
+            traffic.append(Traffic("ep_counts", calls, model.moe.num_experts * 8, "ep", ep))  # int64 counts
             for op in ("ep_dispatch", "ep_combine", "ep_dispatch_backward", "ep_combine_backward"):
                 traffic.append(Traffic(op, calls, rows, "ep", ep))
         replicas = layout.replicas

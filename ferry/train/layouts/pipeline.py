@@ -11,14 +11,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ferry.config.refusals import Refusal
 from ferry.parallel.pipeline_schedule import ExchangedShapes, Pipeline, build_pipeline
 from ferry.parallel.pipeline_split import block_parameters, embedding_parameters
-from ferry.train.layouts.base import LayoutKind, RankShare, Traffic
+from ferry.train.layouts.base import LayoutKind, PlacedRun, RankShare, Traffic
 from ferry.train.layouts.sizes import activation_bytes
 from ferry.train.pipeline_context import PipelineContext
 
 if TYPE_CHECKING:
     from ferry.parallel.layout import JobLayout
-    from ferry.precision import PrecisionPolicy
-    from ferry.train.assembly import Job, ModelParts
     from ferry.train.step_context import ContextParts, PassShape, TrainingContext
 
 
@@ -133,13 +131,11 @@ class PipelineParallel(LayoutKind):
         crossings = 2 * (layout.split.num_stages - 1) // layout.pp  # boundaries a rank sends across, both ways
         return [Traffic("pp_send", micro_batches * max(crossings, 1), stream, "pp", layout.pp)]
 
-    def step_context(
-        self, job: Job, parts: ModelParts, precision: PrecisionPolicy, shape: PassShape, context: ContextParts
-    ) -> TrainingContext:
+    def step_context(self, run: PlacedRun, shape: PassShape, context: ContextParts) -> TrainingContext:
         """The pipeline's schedule over its stages (built here), exchanging micro-batches of the objective's
         `shape`: with context parallelism, whole chunks of every row, so each stage's share of the positions is
         the same."""
-        config, plan = job.config, parts.plan
+        config, plan, precision = run.config, run.plan, run.precision
         model = config.model
         cp = plan.layout.cp
         if cp > 1:
@@ -158,11 +154,11 @@ class PipelineParallel(LayoutKind):
 
         def pipeline(loss) -> Pipeline:
             return build_pipeline(
-                parts.model,
+                run.model,
                 plan.split,
                 plan.pp.rank,
                 plan.pp.group,
-                job.device,
+                run.device,
                 config.parallel.pp_schedule,
                 micro_batches,
                 shapes,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ferry.train.layouts.base import LayoutKind, MemoryTerms, RankShare, Traffic
+from ferry.train.layouts.base import LayoutKind, MemoryTerms, PlacedRun, RankShare, Traffic
 from ferry.train.layouts.context import ContextParallel
 from ferry.train.layouts.expert_resident import ExpertResident
 from ferry.train.layouts.fully_sharded import FullySharded
@@ -18,8 +18,6 @@ from ferry.train.step_context import TrainingContext
 if TYPE_CHECKING:
     from ferry.parallel.layout import JobLayout
     from ferry.parallel.plan import ParallelPlan
-    from ferry.precision import PrecisionPolicy
-    from ferry.train.assembly import Job, ModelParts
     from ferry.train.step_context import ContextParts, PassShape
 
 LAYOUT_KINDS: tuple[LayoutKind, ...] = (
@@ -73,13 +71,11 @@ class RunLayout:
         """Every collective of a training step on one rank, kind by kind."""
         return [traffic for kind in self.kinds for traffic in kind.traffic(config, layout, micro_batch)]
 
-    def step_context(
-        self, job: Job, parts: ModelParts, precision: PrecisionPolicy, shape: PassShape, context: ContextParts
-    ) -> TrainingContext:
+    def step_context(self, run: PlacedRun, shape: PassShape, context: ContextParts) -> TrainingContext:
         """The first kind's that runs a step its own way (a pipeline's schedule, which splits sequences itself
         under context parallelism, comes before split sequences alone), else plain accumulation."""
         for kind in self.kinds:
-            runs = kind.step_context(job, parts, precision, shape, context)
+            runs = kind.step_context(run, shape, context)
             if runs is not None:
                 return runs
         return TrainingContext(context)

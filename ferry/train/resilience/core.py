@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from ferry.comm.reductions import largest_over_world
@@ -99,10 +100,17 @@ class Resilience(Hook):
     """Failure handling of one rank of one run."""
 
     def __init__(
-        self, config: ResilientRun, rank: int, world_size: int, started_unix: float, agree: Agree = largest_over_world
+        self,
+        config: ResilientRun,
+        rank: int,
+        world_size: int,
+        started_unix: float,
+        agree: Agree = largest_over_world,
+        local: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor,
     ):
         """`agree(values)`: each value's maximum over the ranks, on every rank (a run passes its
-        `RankReductions.largest`, which reduces on the run's device)."""
+        `RankReductions.largest`, which reduces on the run's device); `local(tensor)`: this rank's part of a gradient
+        as its layout holds it (the plan's), for the faults that poison one."""
         self.config = config
         self.rank = rank
         self.is_main = rank == 0
@@ -110,7 +118,7 @@ class Resilience(Hook):
         self.started_unix = started_unix
         self.run_dir = config.run.path
         self.step = 0
-        self.injector = FaultInjector(config.fault.inject, rank, world_size, self.run_dir)
+        self.injector = FaultInjector(config.fault.inject, rank, world_size, self.run_dir, local)
         self.watchdog = Watchdog(config.fault, rank, self._hung)
         self.job_mtbf_s = config.fault.mtbf_hours_per_device * 3600.0 / world_size
         self._record: RunRecord | None = None

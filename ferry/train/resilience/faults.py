@@ -30,7 +30,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ferry.config import UserError
 from ferry.train.resilience.config import FaultSpec
@@ -53,7 +52,16 @@ class InjectedFault(RuntimeError):
 class FaultInjector:
     """The faults of one rank, fired at the hooks the trainer calls."""
 
-    def __init__(self, specs: list[FaultSpec], rank: int, world_size: int, run_dir: Path):
+    def __init__(
+        self,
+        specs: list[FaultSpec],
+        rank: int,
+        world_size: int,
+        run_dir: Path,
+        local: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor,
+    ):
+        """`local(tensor)`: this rank's part of a gradient as a plain tensor, as the run's layout holds it (FSDP's
+        shard; the tensor itself elsewhere)."""
         for index, spec in enumerate(specs):
             if spec.rank >= world_size:
                 raise UserError(
@@ -63,6 +71,7 @@ class FaultInjector:
         self.rank = rank
         self.specs = list(specs)
         self.mine = [(index, spec) for index, spec in enumerate(specs) if spec.rank == rank]
+        self._local = local
 
     def at_step_start(self, step: int, on_hang: Callable[[], None]) -> None:
         """`kill`, `hang` and `raise` faults of `step` (the step about to be trained); the first one due fires,
@@ -81,7 +90,7 @@ class FaultInjector:
         """A `nan` fault: one gradient of this rank becomes NaN, as a bad input or a flaky device makes it."""
         for _ in self._due(step, ("nan",)):
             grad = next(p.grad for p in model.parameters() if p.grad is not None)
-            local = grad.to_local() if isinstance(grad, DTensor) else grad  # FSDP: this rank's shard, no collective
+            local = self._local(grad)  # this rank's part: no collective
             with torch.no_grad():
                 local.view(-1)[0] = float("nan")
 

@@ -10,84 +10,99 @@ window pattern the model has is said, not implied.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from ferry.interop.architectures.base import ArchitectureKind
 from ferry.model import ModelConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-def gpt_oss_refusals(config: ModelConfig, expert_bias_nonzero: bool) -> list[str]:
-    """Every reason `config` cannot be written as gpt_oss, each naming the ferry field."""
-    moe, problems = config.moe, []
-    if config.attention != "gqa":
-        problems.append("model.attention: gpt_oss is grouped-query attention (gqa)")
-    if not config.attention_sinks:
-        problems.append("model.attention_sinks: every gpt_oss attention has a sink per head; the model has none")
-    if config.qk_norm:
-        problems.append("model.qk_norm: gpt_oss does not normalise queries and keys")
-    if config.attention_gate != "none":
-        problems.append(f"model.attention_gate {config.attention_gate!r}: gpt_oss has no attention output gate")
-    if config.dense_layers:
-        problems.append("model.dense_layers: every gpt_oss layer is MoE")
-    if moe.activation != "clamped_swiglu":
-        problems.append("model.moe.activation: gpt_oss's experts apply the clamped SwiGLU (clamped_swiglu)")
-    if moe.score_func != "softmax" or not moe.renormalize:
-        problems.append("model.moe.score_func / renormalize: gpt_oss softmaxes the top-k logits (softmax, renormalize)")
-    if moe.n_group > 1 or moe.routed_scaling_factor != 1.0:
-        problems.append("model.moe.n_group / routed_scaling_factor: gpt_oss routes without groups or scaling")
-    if moe.shared_expert_ffn_dim:
-        problems.append("model.moe.shared_expert_ffn_dim: gpt_oss has no shared expert")
-    if expert_bias_nonzero:
-        problems.append("model.moe.bias_balancing: gpt_oss has no expert-choice bias, and this model's is not zero")
-    return problems
+class GptOss(ArchitectureKind):
+    name: ClassVar[str] = "gpt_oss"
+    attention: ClassVar[str] = "gqa"
+    attention_words: ClassVar[str] = "grouped-query attention"
+    has_biases_sinks_windows: ClassVar[bool] = True
 
+    def natural(self, config: ModelConfig) -> bool:
+        """The grouped-query model with attention sinks."""
+        return config.attention_kind.name == self.attention and config.attention_sinks
 
-def gpt_oss_hf_config(config: ModelConfig, common: dict[str, Any]):
-    """transformers' `GptOssConfig` for `config`; `common` holds the fields every architecture shares (those gpt_oss
-    has no place for are left out, its own written here)."""
-    from transformers import GptOssConfig
+    def refusals(self, config: ModelConfig, expert_bias_nonzero: bool) -> list[str]:
+        moe, problems = config.moe, []
+        if not config.attention_sinks:
+            problems.append("model.attention_sinks: every gpt_oss attention has a sink per head; the model has none")
+        if config.qk_norm:
+            problems.append("model.qk_norm: gpt_oss does not normalise queries and keys")
+        if config.attention_gate != "none":
+            problems.append(f"model.attention_gate {config.attention_gate!r}: gpt_oss has no attention output gate")
+        if config.dense_layers:
+            problems.append("model.dense_layers: every gpt_oss layer is MoE")
+        if moe.activation != "clamped_swiglu":
+            problems.append("model.moe.activation: gpt_oss's experts apply the clamped SwiGLU (clamped_swiglu)")
+        if moe.score_func != "softmax" or not moe.renormalize:
+            problems.append(
+                "model.moe.score_func / renormalize: gpt_oss softmaxes the top-k logits (softmax, renormalize)"
+            )
+        if moe.n_group > 1 or moe.routed_scaling_factor != 1.0:
+            problems.append("model.moe.n_group / routed_scaling_factor: gpt_oss routes without groups or scaling")
+        if moe.shared_expert_ffn_dim:
+            problems.append("model.moe.shared_expert_ffn_dim: gpt_oss has no shared expert")
+        if expert_bias_nonzero:
+            problems.append("model.moe.bias_balancing: gpt_oss has no expert-choice bias, and this model's is not zero")
+        return problems
 
-    moe = config.moe
-    fields = {key: value for key, value in common.items() if key not in ("num_experts", "norm_topk_prob")}
-    fields.update(attention_bias=config.attention_bias, head_dim=config.head_dim)
-    return GptOssConfig(
-        num_local_experts=moe.num_experts,
-        intermediate_size=moe.expert_ffn_dim,
-        sliding_window=config.sliding_window or config.max_seq_len,  # transformers builds the mask even if unused
-        layer_types=[SLIDING if config.attention_window(index) else FULL for index in range(config.n_layers)],
-        swiglu_alpha=moe.swiglu_alpha,
-        swiglu_limit=moe.swiglu_limit,
-        **fields,
-    )
+    def hf_config(self, config: ModelConfig, common: dict[str, Any]) -> Any:
+        """transformers' `GptOssConfig` (the common fields gpt_oss has no place for are left out, its own written
+        here)."""
+        from transformers import GptOssConfig
 
+        moe = config.moe
+        fields = {key: value for key, value in common.items() if key not in ("num_experts", "norm_topk_prob")}
+        fields.update(attention_bias=config.attention_bias, head_dim=config.head_dim)
+        return GptOssConfig(
+            num_local_experts=moe.num_experts,
+            intermediate_size=moe.expert_ffn_dim,
+            sliding_window=config.sliding_window or config.max_seq_len,  # transformers builds the mask even if unused
+            layer_types=[SLIDING if config.attention_window(index) else FULL for index in range(config.n_layers)],
+            swiglu_alpha=moe.swiglu_alpha,
+            swiglu_limit=moe.swiglu_limit,
+            **fields,
+        )
 
-def gpt_oss_model_fields(hf, problems: list[str]) -> dict[str, Any]:
-    """The ferry model fields a `GptOssConfig` describes beyond those every architecture shares; a window pattern
-    ferry's `sliding_window_pattern` cannot say is refused."""
-    window, pattern = _window_pattern(list(hf.layer_types), hf.sliding_window, problems)
-    return dict(
-        head_dim=hf.head_dim,
-        attention_bias=bool(hf.attention_bias),
-        attention_sinks=True,
-        sliding_window=window,
-        sliding_window_pattern=pattern,
-        moe={
-            "num_experts": hf.num_local_experts,
-            "top_k": hf.num_experts_per_tok,
-            "expert_ffn_dim": hf.intermediate_size,
-            "score_func": "softmax",
-            "renormalize": True,
-            "router_bias": True,
-            "expert_biases": True,
-            "activation": "clamped_swiglu",
-            "swiglu_alpha": float(hf.swiglu_alpha),
-            "swiglu_limit": float(hf.swiglu_limit),
-            "aux_loss_coef": float(hf.router_aux_loss_coef),
-        },
-    )
+    def model_fields(self, hf: Any, problems: list[str]) -> dict[str, Any]:
+        """A window pattern ferry's `sliding_window_pattern` cannot say is refused."""
+        window, pattern = _window_pattern(list(hf.layer_types), hf.sliding_window, problems)
+        return dict(
+            head_dim=hf.head_dim,
+            attention_bias=bool(hf.attention_bias),
+            attention_sinks=True,
+            sliding_window=window,
+            sliding_window_pattern=pattern,
+            moe={
+                "num_experts": hf.num_local_experts,
+                "top_k": hf.num_experts_per_tok,
+                "expert_ffn_dim": hf.intermediate_size,
+                "score_func": "softmax",
+                "renormalize": True,
+                "router_bias": True,
+                "expert_biases": True,
+                "activation": "clamped_swiglu",
+                "swiglu_alpha": float(hf.swiglu_alpha),
+                "swiglu_limit": float(hf.swiglu_limit),
+                "aux_loss_coef": float(hf.router_aux_loss_coef),
+            },
+        )
+
+    def to_hf_state(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+        return _to_hf_state(state, config)
+
+    def from_hf_state(
+        self, hf: dict[str, torch.Tensor], config: ModelConfig, rope_interleave: bool
+    ) -> dict[str, torch.Tensor]:
+        return _from_hf_state(hf, config)
 
 
 def _window_pattern(layer_types: list[str], sliding_window: int | None, problems: list[str]) -> tuple[int, int]:
@@ -118,7 +133,7 @@ _ATTENTION_NAMES = {
 }
 
 
-def gpt_oss_to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def _to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """ferry's state dict under gpt_oss's names and layouts; a router or expert bias the model lacks is written
     as zeros (transformers' gpt_oss always has them)."""
     hf = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
@@ -146,8 +161,8 @@ def gpt_oss_to_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> 
     return hf
 
 
-def gpt_oss_from_hf_state(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """transformers' gpt_oss state dict under ferry's names (the inverse of `gpt_oss_to_hf_state`)."""
+def _from_hf_state(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers' gpt_oss state dict under ferry's names (the inverse of `_to_hf_state`)."""
     state = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
     state["output.weight"] = hf["model.embed_tokens.weight"] if config.tie_embeddings else hf["lm_head.weight"]
     for index in range(config.n_layers):

@@ -1,0 +1,47 @@
+"""What the layout kinds say a step sends (`LayoutKind.traffic`, what a planner asks) is what ferry's collectives
+count on CPU ranks: the expert exchanges call for call and byte for byte (each rank's routed rows out, the same
+rows' gradients back; what a rank receives varies with the routing, their sum over the ranks does not), ZeRO-1's
+broadcasts of every parameter a step, and the gradients' all-reduce, beside which the step's other reductions (its
+statistics, the gradient norm) are small."""
+
+from __future__ import annotations
+
+import distributed_training as runs
+import pytest
+
+from ferry.comm.spawn import run_on_ranks
+from ferry.train import RunConfig
+from ferry.train.layouts import RunLayout
+
+EXACT_PER_RANK = ("ep_counts", "ep_dispatch", "ep_combine_backward")  # this rank's own rows, whatever the routing
+EXACT_SUMMED = ("ep_combine", "ep_dispatch_backward")  # the rows a rank received: their sum over the ranks
+
+
+def _predicted(config: RunConfig) -> dict[str, tuple[float, float]]:
+    layout = config.check_world_size(2)
+    predicted: dict[str, tuple[float, float]] = {}
+    for traffic in RunLayout.of(config).traffic(config, layout, config.train.micro_batch):
+        calls, total = predicted.get(traffic.op, (0, 0.0))
+        predicted[traffic.op] = (calls + traffic.calls, total + traffic.bytes)
+    return predicted
+
+
+@pytest.mark.parametrize("layout", [("parallel.ep=2",), ("parallel.ep=2", "optim.zero=true")], ids=["ep2", "ep2-zero"])
+def test_a_steps_collectives_are_what_the_kinds_say(stdlib_dataset, tmp_path, layout):
+    ranks = run_on_ranks(runs.train_counting_bytes, 2, str(stdlib_dataset), str(tmp_path), "train.steps=2", *layout)
+    config = RunConfig.model_validate(ranks[0]["config"])
+    predicted = _predicted(config)
+    measured = [rank["last_step"] for rank in ranks]
+    for op in EXACT_PER_RANK:
+        for rank in measured:
+            assert rank[op] == (predicted[op][0], predicted[op][1]), op
+    for op in EXACT_SUMMED:
+        assert sum(rank[op][1] for rank in measured) == 2 * predicted[op][1], op
+        assert all(rank[op][0] == predicted[op][0] for rank in measured), op
+    for rank in measured:
+        reduced = rank["all_reduce"][1]
+        assert predicted["all_reduce"][1] <= reduced <= 1.05 * predicted["all_reduce"][1] + 16_384
+        if "optim.zero=true" in layout:
+            assert rank["broadcast"][1] == predicted["broadcast"][1]
+        else:
+            assert "broadcast" not in predicted

@@ -9,6 +9,7 @@ skip wiring and the attention) is `common.py`'s, which asks the kind for the res
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from ferry.model import ModelConfig
 
 
-class ArchitectureKind:
+class ArchitectureKind(ABC):
     """One transformers architecture (`--arch`, transformers' `model_type`)."""
 
     name: ClassVar[str]
@@ -30,27 +31,27 @@ class ArchitectureKind:
         """Whether it is the one an export of `config` defaults to (asked in the registry's order)."""
         return False
 
+    @abstractmethod
     def refusals(self, config: ModelConfig, expert_bias_nonzero: bool) -> list[str]:
         """Why `config` cannot be written as this architecture, beyond what every architecture checks, each naming
         the ferry field."""
-        raise NotImplementedError
 
+    @abstractmethod
     def hf_config(self, config: ModelConfig, common: dict[str, Any]) -> Any:
         """Its transformers config for `config`; `common` holds the fields every architecture shares."""
-        raise NotImplementedError
 
+    @abstractmethod
     def model_fields(self, hf: Any, problems: list[str]) -> dict[str, Any]:
         """The ferry model fields its transformers config `hf` describes beyond those every architecture shares and
         its attention's; what ferry cannot compute is added to `problems`, naming the transformers field."""
-        raise NotImplementedError
 
+    @abstractmethod
     def to_hf_state(self, state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
         """ferry's state dict under its names and layouts."""
-        raise NotImplementedError
 
+    @abstractmethod
     def from_hf_state(
         self, hf: dict[str, torch.Tensor], config: ModelConfig, rope_interleave: bool
     ) -> dict[str, torch.Tensor]:
         """Its state dict under ferry's names (the inverse of `to_hf_state`); `rope_interleave`: the checkpoint lays
         its rotary rows out in pairs."""
-        raise NotImplementedError

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from ferry.comm import Collectives
 
 UpdateScale = Literal["match_rms_adamw", "original"]
+MUON_GROUP, ADAMW_GROUP = "muon", "adamw"  # what each parameter group says it is stepped by
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         ]
         self._adamw = torch.optim.AdamW(adamw_groups, **adamw, **fused_where_available([p for _, p in others]))
         muon = {
-            "optimizer": "muon",
+            "optimizer": MUON_GROUP,
             "momentum": settings.momentum,
             "nesterov": settings.nesterov,
             "ns_steps": settings.ns_steps,
@@ -109,7 +110,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             {"params": [p for n, p in matrices if n not in decayed], "weight_decay": 0.0, **muon},
         ]
         for group in self._adamw.param_groups:
-            group["optimizer"] = "adamw"
+            group["optimizer"] = ADAMW_GROUP
         groups = [group for group in [*self._adamw.param_groups, *muon_groups] if group["params"]]
         super().__init__(groups, {"lr": lr})
         self._adamw.state = self.state  # one state: each parameter's under its own keys
@@ -121,7 +122,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             raise ValueError("MuonWithAdamW takes no closure")
         self._adamw.step()
         for group in self.param_groups:
-            if group["optimizer"] != "muon":
+            if group["optimizer"] != MUON_GROUP:
                 continue
             steps, dtype = group["ns_steps"], NS_DTYPES[group["ns_dtype"]]
             sharded = []

@@ -22,6 +22,7 @@ are `ferry.parallel`'s; a kind only says what follows from them for the run.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -100,7 +101,7 @@ class PlacedRun:
     precision: PrecisionPolicy
 
 
-class LayoutKind:
+class LayoutKind(ABC):
     """One way of placing a model over ranks. Every question has a neutral answer here, so that a kind states only
     what it changes."""
 
@@ -108,9 +109,9 @@ class LayoutKind:
     keeps_part_of_model: ClassVar[bool] = False  # a rank holds part of a model drawn whole (a pipeline's stages)
     casts_weights_itself: ClassVar[bool] = False  # it gathers and casts the weights for each pass (FSDP)
 
+    @abstractmethod
     def active(self, config: Any) -> bool:
         """Whether `config` (`ferry.train.config.RunConfig`) turns this kind on."""
-        raise NotImplementedError
 
     def refusals(self, config: Any) -> list[Refusal]:
         """What this kind cannot do with the rest of `config` (checked whether or not it is active: a setting of

@@ -17,9 +17,10 @@ if TYPE_CHECKING:
 
 class ExpertResident(LayoutKind):
     name: ClassVar[str] = "expert-resident"
+    mode: ClassVar[str] = "ep"  # the `parallel.mode` that places the weights so
 
     def active(self, config: Any) -> bool:
-        return config.parallel.mode == "ep"
+        return config.parallel.mode == self.mode
 
     def refusals(self, config: Any) -> list[Refusal]:
         parallel, objective = config.parallel, config.train.objective

@@ -17,9 +17,10 @@ if TYPE_CHECKING:
 class FullySharded(LayoutKind):
     name: ClassVar[str] = "fully-sharded"
     casts_weights_itself: ClassVar[bool] = True  # it gathers and casts each block's weights for its passes
+    mode: ClassVar[str] = "fsdp"  # the `parallel.mode` that places the weights so
 
     def active(self, config: Any) -> bool:
-        return config.parallel.mode == "fsdp"
+        return config.parallel.mode == self.mode
 
     def refusals(self, config: Any) -> list[Refusal]:
         if not self.active(config):

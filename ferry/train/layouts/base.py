@@ -9,7 +9,7 @@ question below is asked of each active kind in turn:
     refusals        what the kind cannot do with the rest of the config (settings, model, objective, optimizer),
                     known as the config validates
     job_refusals    what it cannot do over a job of this size, known before any rank starts
-    traffic         its collectives in a step: bytes, group and the link they cross (what a planner asks)
+    traffic         its collectives in a step: calls, bytes and the group they run in (what a planner asks)
     shares, memory  its terms of the memory model: the parts of the model the ranks hold, what a rank keeps
     step_context    how a step's micro-batches run under it (plain, pipelined, sequences split)
     figures         what the step record says of it
@@ -74,15 +74,14 @@ class MemoryTerms:
 @dataclass(frozen=True)
 class Traffic:
     """One collective of a step: `op` (the name the step record's comm stats use), how often it runs and its bytes
-    per call and rank, the group it runs in (`group`: its name; `ranks`: its size), and whether it runs while
-    compute waits for it (`exposed`) or beside compute."""
+    per call and rank, and the group it runs in (`group`: its name; `ranks`: its size). Which link it crosses follows
+    from which ranks share a node, which the layout does not know yet."""
 
     op: str
     calls: int
     bytes_per_call: float
     group: str
     ranks: int
-    exposed: bool = True
 
     @property
     def bytes(self) -> float:

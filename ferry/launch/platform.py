@@ -55,6 +55,41 @@ class Network(Section):
         return self
 
 
+class LinkTier(Section):
+    """One tier of the links between a node's accelerators (inside the node) or between nodes: its one-way bandwidth
+    per accelerator, what kind of figure that is, the time a small collective takes on it, and the source of both.
+    What a planner prices a collective on."""
+
+    link: str = Field(min_length=2, description="what carries it: NVLink4 via NVSwitch, xGMI, EFA, RoCE, loopback")
+    gbytes_per_s: float | None = Field(
+        None, gt=0, description="one way, per accelerator, to all its peers at once (GB/s); none where unmeasured"
+    )
+    pair_gbytes_per_s: float | None = Field(
+        None, gt=0, description="one way between one pair, where less than the whole (a point-to-point mesh: xGMI)"
+    )
+    figure: Literal["datasheet", "derived", "measured", "unmeasured"] = Field(
+        description="datasheet: the vendor's peak; derived: arithmetic on a cited figure; measured: a published "
+        "measurement; unmeasured: no citable figure (a host's loopback, measured where it runs)"
+    )
+    latency_us: float | None = Field(
+        None, gt=0, description="a small collective's time on it (a measured floor, not the wire's latency)"
+    )
+    source: str = Field(min_length=20, description="where each figure comes from, with the sentence that says it")
+
+    @model_validator(mode="after")
+    def _a_figure_or_none(self) -> LinkTier:
+        if (self.gbytes_per_s is None) != (self.figure == "unmeasured"):
+            raise ValueError("gbytes_per_s is given exactly when the figure is not unmeasured")
+        return self
+
+
+class Links(Section):
+    """A node's two tiers: between its accelerators, and to other nodes."""
+
+    intra_node: LinkTier
+    inter_node: LinkTier
+
+
 class Platform(Section):
     """One node type: accelerators, the hardware profile of each, network, shared memory and the variable preset."""
 
@@ -73,6 +108,7 @@ class Platform(Section):
         gt=0, description="size of the memory-backed /dev/shm volume (NCCL and data loaders need it)"
     )
     network: Network
+    links: Links
     env: list[PresetVariable] = Field(default_factory=list)
     left_to_plugin: list[PluginVariable] = Field(default_factory=list)
     sources: list[str] = Field(min_length=1)
@@ -88,6 +124,13 @@ class Platform(Section):
             raise ValueError(f"{', '.join(both)} is both set and left to the plugin")
         if (self.accelerator_resource is None) != (self.slurm_gres is None):
             raise ValueError("accelerator_resource and slurm_gres go together: both for accelerators, neither for CPUs")
+        inter = self.links.inter_node
+        share = self.network.bandwidth_gbps / 8 / self.accelerators_per_node
+        if inter.figure == "derived" and abs(inter.gbytes_per_s - share) > 0.01 * share:
+            raise ValueError(
+                f"links.inter_node.gbytes_per_s {inter.gbytes_per_s} is derived, so it is the node's "
+                f"network.bandwidth_gbps / 8 / accelerators_per_node ({share:.3g})"
+            )
         return self
 
 

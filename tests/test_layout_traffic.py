@@ -10,6 +10,7 @@ import distributed_training as runs
 import pytest
 
 from ferry.comm.spawn import run_on_ranks
+from ferry.config import UserError
 from ferry.train import RunConfig
 from ferry.train.layouts import RunLayout
 
@@ -45,3 +46,26 @@ def test_a_steps_collectives_are_what_the_kinds_say(stdlib_dataset, tmp_path, la
             assert rank["broadcast"][1] == predicted["broadcast"][1]
         else:
             assert "broadcast" not in predicted
+
+
+def test_each_collective_crosses_the_tier_its_group_spans(make_config):
+    """Two nodes of two ranks (simulated): an expert exchange over 2 ranks stays inside a node and the dense
+    gradients' all-reduce over all 4 crosses between them; over 4 ranks the exchange crosses too."""
+    inside = make_config("parallel.ep=2", "parallel.ranks_per_node=2", "train.global_batch=8", "train.micro_batch=2")
+    layout = inside.check_world_size(4)
+    assert (layout.nodes, layout.record()["nodes"]) == (2, 2)
+    tiers = {(t.op, t.group): t.tier for t in RunLayout.of(inside).traffic(inside, layout, 2)}
+    assert tiers[("ep_dispatch", "ep")] == "intra_node"
+    assert tiers[("all_reduce", "replicas")] == "inter_node" and tiers[("all_reduce", "dp")] == "inter_node"
+    across = make_config("parallel.ep=4", "parallel.ranks_per_node=2", "train.global_batch=8", "train.micro_batch=2")
+    tiers = {(t.op, t.group): t.tier for t in RunLayout.of(across).traffic(across, across.check_world_size(4), 2)}
+    assert tiers[("ep_dispatch", "ep")] == "inter_node"
+    one_node = make_config("parallel.ep=4", "train.global_batch=8", "train.micro_batch=2")
+    layout = one_node.check_world_size(4)
+    assert layout.nodes == 1 and "nodes" not in layout.record()
+    assert {t.tier for t in RunLayout.of(one_node).traffic(one_node, layout, 2)} == {"intra_node"}
+
+
+def test_nodes_that_do_not_split_the_job_are_refused(make_config):
+    with pytest.raises(UserError, match=r"parallel.ranks_per_node: 3 does not split the world size 4 into whole nodes"):
+        make_config("parallel.ranks_per_node=3", "train.global_batch=8", "train.micro_batch=2").check_world_size(4)

@@ -47,6 +47,13 @@ class ParallelConfig(Section):
         "(ferry/parallel/context_parallel.py); they read the same rows, so the data is split over world / (pp x cp) "
         "ranks; experts may be split over them (ep)",
     )
+    ranks_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="ranks a node holds, consecutive ranks sharing one: unset, the launcher's (torchrun's "
+        "LOCAL_WORLD_SIZE; one node for --nproc on one host); set, the job's ranks grouped into nodes of this many "
+        "(simulated nodes on one host, for tests and drills)",
+    )
     pp: int = Field(
         1,
         ge=1,

@@ -5,6 +5,9 @@ once from the config and the world size, and checked once, before any rank build
     replicas = dp x ep           inside a stage (or the whole job without a pipeline): each expert on one of `ep`
                                  ranks, the dense weights on all of them
     replicas = data ranks x cp   runs of `cp` consecutive replicas split every sequence of the same rows
+    world = nodes x ranks a node consecutive ranks share a node (torchrun's LOCAL_WORLD_SIZE, or simulated nodes on
+                                 one host: `parallel.ranks_per_node`); a group of ranks crosses the slow network
+                                 only when it spans nodes (`link_tier`)
 
 Everything that asks how the job is laid out reads this record: the parallel plan that places the model
 (`ferry.parallel.plan`), the memory model, the run's records and every checkpoint's manifest. A refusal names the
@@ -13,7 +16,9 @@ setting to change and the values that fit.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Literal
 
 from ferry.config import UserError
 from ferry.model import ModelConfig
@@ -35,6 +40,39 @@ class JobLayout:
     pp_schedule: str
     split: StageSplit | None
     cp: int = 1
+    ranks_per_node: int = 0  # 0: every rank on one node
+
+    @property
+    def node_size(self) -> int:
+        """The ranks one node holds."""
+        return self.ranks_per_node or self.world_size
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.node_size
+
+    def link_tier(self, group: str) -> Literal["intra_node", "inter_node"]:
+        """Whether each group of that kind (`world`, `replicas`: a stage's ranks, `ep`, `dp`: the ranks holding the
+        same experts, `pp`, `cp`) lies inside a node or spans nodes. Ranks are placed in order, so a group of `count`
+        ranks `stride` apart stays inside a node when count x stride ranks fit in one and tile it."""
+        count, stride = self._group_shape(group)
+        extent = count * stride
+        inside = extent <= self.node_size and self.node_size % extent == 0
+        return "intra_node" if inside or count == 1 else "inter_node"
+
+    def _group_shape(self, group: str) -> tuple[int, int]:
+        ep_degree = self.ep_degree
+        shapes = {
+            "world": (self.world_size, 1),
+            "replicas": (self.replicas, 1),
+            "ep": (ep_degree, 1),
+            "dp": (self.replicas // ep_degree, ep_degree),
+            "pp": (self.pp, self.replicas),
+            "cp": (self.cp, 1),
+        }
+        if group not in shapes:
+            raise ValueError(f"no group {group!r} in a job's layout; it has {', '.join(shapes)}")
+        return shapes[group]
 
     @property
     def replicas(self) -> int:
@@ -60,18 +98,26 @@ class JobLayout:
         }
         if self.cp > 1:
             record["cp_degree"] = self.cp
+        if self.nodes > 1:
+            record["nodes"] = self.nodes
         if self.split is not None:
             record.update(pp_degree=self.pp, pp_schedule=self.pp_schedule, pp_stages=self.split.describe())
         return record
 
 
 def lay_out_job(
-    parallel: ParallelConfig, model: ModelConfig, world_size: int, distributed: bool | None = None
+    parallel: ParallelConfig,
+    model: ModelConfig,
+    world_size: int,
+    distributed: bool | None = None,
+    ranks_per_node: int | None = None,
 ) -> JobLayout:
     """The layout of `world_size` ranks, refused (a `UserError` naming the setting) where they cannot take it:
     a pipeline degree that does not divide them, stages that do not split the blocks, a tied head on another stage
     than its embedding, an expert-parallel degree that does not divide the ranks of a stage or the experts, experts
-    split under the FSDP baseline, a context-parallel degree that does not divide the ranks of a stage."""
+    split under the FSDP baseline, a context-parallel degree that does not divide the ranks of a stage, nodes that
+    do not split them. The ranks a node holds: `ranks_per_node` (a planner's), else `parallel.ranks_per_node`
+    (simulated nodes), else the launcher's (`launcher_node_size`)."""
     distributed = world_size > 1 if distributed is None else distributed
     split = None
     if parallel.pp > 1:
@@ -82,12 +128,38 @@ def lay_out_job(
                 f"{divisors or [1]}, or run {parallel.pp} x k ranks"
             )
         split = split_stages(parallel, model)
+    node_size = _node_size(world_size, ranks_per_node or parallel.ranks_per_node or launcher_node_size(world_size))
     layout = JobLayout(
-        world_size, distributed, parallel.mode, parallel.ep, parallel.pp, parallel.pp_schedule, split, parallel.cp
+        world_size,
+        distributed,
+        parallel.mode,
+        parallel.ep,
+        parallel.pp,
+        parallel.pp_schedule,
+        split,
+        parallel.cp,
+        ranks_per_node=0 if node_size == world_size else node_size,
     )
     _check_experts(parallel, model, layout)
     _check_context(parallel, layout)
     return layout
+
+
+def launcher_node_size(world_size: int) -> int:
+    """The ranks a node holds as the launcher says (torchrun's `LOCAL_WORLD_SIZE` in a rank it started); outside a
+    launcher, before any rank starts, the job is taken for one node (`ferry train --nproc N` runs on this host)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local and "WORLD_SIZE" in os.environ else world_size
+
+
+def _node_size(world_size: int, node_size: int) -> int:
+    if node_size > world_size or world_size % node_size:
+        fitting = [size for size in range(1, world_size + 1) if world_size % size == 0]
+        raise UserError(
+            f"parallel.ranks_per_node: {node_size} does not split the world size {world_size} into whole nodes; set "
+            f"one of {fitting}"
+        )
+    return node_size
 
 
 def _check_context(parallel: ParallelConfig, layout: JobLayout) -> None:

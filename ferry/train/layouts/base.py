@@ -74,14 +74,16 @@ class MemoryTerms:
 @dataclass(frozen=True)
 class Traffic:
     """One collective of a step: `op` (the name the step record's comm stats use), how often it runs and its bytes
-    per call and rank, and the group it runs in (`group`: its name; `ranks`: its size). Which link it crosses follows
-    from which ranks share a node, which the layout does not know yet."""
+    per call and rank, the group it runs in (`group`: its name in the job's layout; `ranks`: its size), and the
+    link tier it crosses (`tier`: inside a node, or between nodes when the group spans them; the run's composition
+    fills it from the layout)."""
 
     op: str
     calls: int
     bytes_per_call: float
     group: str
     ranks: int
+    tier: str = ""
 
     @property
     def bytes(self) -> float:

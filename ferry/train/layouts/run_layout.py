@@ -4,7 +4,7 @@ the split sequences), so a kind's answer builds on the ones before it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ferry.train.layouts.base import LayoutKind, MemoryTerms, PlacedRun, RankShare, Traffic
@@ -68,8 +68,13 @@ class RunLayout:
         return terms
 
     def traffic(self, config: Any, layout: JobLayout, micro_batch: int) -> list[Traffic]:
-        """Every collective of a training step on one rank, kind by kind."""
-        return [traffic for kind in self.kinds for traffic in kind.traffic(config, layout, micro_batch)]
+        """Every collective of a training step on one rank, kind by kind, each with the link tier its group
+        crosses."""
+        return [
+            replace(traffic, tier=layout.link_tier(traffic.group))
+            for kind in self.kinds
+            for traffic in kind.traffic(config, layout, micro_batch)
+        ]
 
     def step_context(self, run: PlacedRun, shape: PassShape, context: ContextParts) -> TrainingContext:
         """The first kind's that runs a step its own way (a pipeline's schedule, which splits sequences itself

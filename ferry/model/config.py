@@ -38,6 +38,14 @@ class MoEConfig(Section):
         "top2_sum",
         description="what ranks a group: the sum of its two best experts' scores (DeepSeek-V3) or its best (V2)",
     )
+    max_nodes: int | None = Field(
+        None,
+        ge=1,
+        description="node-limited routing (DeepSeek-V3's rule): a token's experts lie on at most this many nodes; the "
+        "n_group groups are the nodes' (group g's experts on node g of the expert-parallel ranks, which the job's "
+        "layout is refused without), so this is topk_group under the name the rule goes by (DeepSeek-V3: n_group 8, "
+        "max_nodes 4, top_k 8: a node ranked by its top_k / max_nodes = 2 best experts, top2_sum)",
+    )
     routed_scaling_factor: float = Field(1.0, gt=0.0, description="the routed experts' weights multiplied by this")
     router_bias: bool = Field(
         False, description="a learned bias on the router's logits, for choice and weights (GPT-OSS)"
@@ -59,6 +67,20 @@ class MoEConfig(Section):
             raise ValueError(f"top_k must not exceed num_experts ({num_experts})")
         return top_k
 
+    @model_validator(mode="before")
+    @classmethod
+    def _max_nodes_is_topk_group(cls, data: object) -> object:
+        """`max_nodes` sets `topk_group` (the groups being the nodes); given both, they must agree."""
+        if not isinstance(data, dict) or data.get("max_nodes") is None:
+            return data
+        given = data.get("topk_group")
+        if given is not None and given != data["max_nodes"]:
+            raise ValueError(
+                f"max_nodes {data['max_nodes']} and topk_group {given}: max_nodes is topk_group when the groups are "
+                "the nodes; give one of them"
+            )
+        return {**data, "topk_group": data["max_nodes"]}
+
     @model_validator(mode="after")
     def _groups_fit(self) -> MoEConfig:
         """DeepSeek-V3's group-limited routing: every group the same size, and enough experts in the chosen
@@ -67,6 +89,11 @@ class MoEConfig(Section):
             raise ValueError(f"n_group {self.n_group} must divide num_experts ({self.num_experts})")
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group {self.topk_group} must not exceed n_group ({self.n_group})")
+        if self.max_nodes is not None and self.n_group == 1:
+            raise ValueError(
+                "max_nodes limits the nodes a token's experts lie on, the n_group groups being the nodes': set n_group "
+                "to the nodes the experts are spread over"
+            )
         per_group = self.num_experts // self.n_group
         if self.top_k > self.topk_group * per_group:
             raise ValueError(

@@ -34,6 +34,24 @@ class ExpertResident(LayoutKind):
             ]
         return []
 
+    def job_refusals(self, config: Any, layout: JobLayout) -> list[str]:
+        """Node-limited routing (`model.moe.max_nodes`) bounds the nodes a token reaches only when every node holds
+        whole routing groups: the experts of an exchange that spans nodes are split over it in order, so a node holds
+        its ranks' consecutive experts."""
+        moe, ep = config.model.moe, layout.ep_degree
+        if moe.max_nodes is None or layout.link_tier("ep") == "intra_node":
+            return []
+        on_node = moe.num_experts // ep * layout.node_size
+        group = moe.num_experts // moe.n_group
+        if on_node % group == 0:
+            return []
+        return [
+            f"model.moe.max_nodes: a node holds {on_node} experts (parallel.ep {ep} over nodes of {layout.node_size} "
+            f"ranks) and a routing group {group} (model.moe.n_group {moe.n_group}), so a group spans nodes and a "
+            "token's experts may lie on more nodes than max_nodes; set model.moe.n_group to the nodes the experts lie "
+            f"on ({layout.nodes} here) or a multiple of them"
+        ]
+
     def memory(self, config: Any, layout: JobLayout, terms: MemoryTerms) -> MemoryTerms:
         """Dense parameters whole on every rank, each expert on one of `ep`; in the checkpointed modes a token also
         keeps the rows the exchange received each way, which a recompute reads instead of sending them again."""

@@ -31,7 +31,7 @@ def dispatcher_matches_local_experts(ep: int):
     stats = CommStats()
     dispatcher = AllToAllDispatcher(Collectives(mesh["ep"].get_group(), stats, CPU), 8)
     x_mine = x_ND.clone().requires_grad_()
-    y_ND = dispatcher(x_mine, counts_E, experts)
+    y_ND = dispatcher.rows(x_mine, counts_E, experts)
     grad = torch.randn_like(y_ND)
     y_ND.backward(grad)
     x_ref = x_ND.clone().requires_grad_()
@@ -199,3 +199,55 @@ def tensor_collectives_without_warnings(former_names: bool):
         gathered = comms.all_gather(torch.empty(4), torch.full((2,), float(context.rank)))
         raw = comms.all_gather_raw(torch.full((1, 3), float(context.rank)), "gather_test")
     return scattered.tolist(), gathered.tolist(), raw.tolist(), [str(w.message) for w in caught]
+
+
+def hierarchical_exchange_equals_flat(node_size: int, top_k: int):
+    """One MoE layer over an EP group of the whole world, in nodes of `node_size` ranks: its outputs and gradients
+    with the two-stage exchange and with the flat one (the same weights, tokens and output gradients), and what each
+    sent to each link tier, with the figures counted from the routing: per token, its experts on other nodes (flat)
+    and the other nodes it reaches (hierarchical)."""
+    from ferry.comm import build_exchange_groups
+    from ferry.model import MoEConfig, MoELayer
+    from ferry.parallel.hierarchical import HierarchicalDispatcher
+
+    context = init_distributed(CommConfig(backend="gloo"), CPU)
+    world, dim, num_experts = context.world_size, 16, 8
+    mesh = build_mesh(context, world, CPU)
+    torch.manual_seed(0)
+    layers = [MoELayer(dim, MoEConfig(num_experts=num_experts, top_k=top_k, expert_ffn_dim=8)) for _ in range(2)]
+    for param in layers[0].parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    layers[1].load_state_dict(layers[0].state_dict())
+    stats = {"flat": CommStats(), "hierarchical": CommStats()}
+    ep = Collectives(mesh["ep"].get_group(), stats["flat"], CPU, node_size)
+    rail, node = (
+        Collectives(g, stats["hierarchical"], CPU, node_size) for g in build_exchange_groups(context, world, node_size)
+    )
+    for layer in layers:
+        shard_experts(layer.experts, context.rank, world)
+    layers[0].dispatcher = AllToAllDispatcher(ep, num_experts)
+    layers[1].dispatcher = HierarchicalDispatcher(rail, node, num_experts)
+    torch.manual_seed(100 + context.rank)
+    x_BSD = torch.randn(2, 9, dim)
+    grad_BSD = torch.randn(2, 9, dim)
+    results = {}
+    for name, layer in zip(stats, layers):
+        x = x_BSD.clone().requires_grad_()
+        out_BSD, _ = layer(x)
+        out_BSD.backward(grad_BSD)
+        grads = {n: p.grad for n, p in layer.named_parameters()}
+        results[name] = (out_BSD.detach(), x.grad, grads)
+    expert_ids_TK = layers[0].router(x_BSD.reshape(-1, dim), None).expert_ids_TK
+    node_TK = torch.div(expert_ids_TK, num_experts // (world // node_size), rounding_mode="floor")
+    mine = context.rank // node_size
+    remote_slots = int((node_TK != mine).sum())
+    remote_nodes = sum(len(set(row) - {mine}) for row in node_TK.tolist())
+    flat, hierarchical = results["flat"], results["hierarchical"]
+
+    def relative(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    errors = {"out": relative(hierarchical[0], flat[0]), "input_grad": relative(hierarchical[1], flat[1])}
+    errors.update({name: relative(hierarchical[2][name], grad) for name, grad in flat[2].items()})
+    sent = {name: {op: dict(entry.tier_bytes) for op, entry in taken.ops.items()} for name, taken in stats.items()}
+    return errors, sent, remote_slots, remote_nodes

@@ -19,7 +19,10 @@ from ferry.portability.fuzz.space import draw, named
 
 COMPUTATION = "objective=sft precision=bf16 experts=biased-clamped"  # SFT's loss mask, bf16, GPT-OSS's experts
 SAMPLE = [  # one computation in three layouts, each resumed in another; and a refusal
-    (f"{COMPUTATION} world=2 parallel=ep-zero recompute=selective ep_exchange=chunked", "world=2 parallel=fsdp"),
+    (
+        f"{COMPUTATION} world=2 parallel=ep-zero recompute=selective ep_exchange=chunked",
+        "world=4 parallel=ep-zero ep_exchange=hierarchical",  # two simulated nodes of 2, a token sent once to each
+    ),
     (f"{COMPUTATION} world=2 parallel=fsdp recompute=full", "world=1"),
     (f"{COMPUTATION} world=2 parallel=pp schedule=gpipe ep_exchange=rowwise", "world=2 parallel=ep"),
     ("world=1 parallel=cp", "world=1"),

@@ -50,16 +50,24 @@ def test_a_steps_collectives_are_what_the_kinds_say(stdlib_dataset, tmp_path, la
 
 def test_each_collective_crosses_the_tier_its_group_spans(make_config):
     """Two nodes of two ranks (simulated): an expert exchange over 2 ranks stays inside a node and the dense
-    gradients' all-reduce over all 4 crosses between them; over 4 ranks the exchange crosses too."""
+    gradients' all-reduce over all 4 crosses between them; over 4 ranks the flat exchange crosses too, and the two-stage
+    one crosses only in its stage over the rail."""
     inside = make_config("parallel.ep=2", "parallel.ranks_per_node=2", "train.global_batch=8", "train.micro_batch=2")
     layout = inside.check_world_size(4)
     assert (layout.nodes, layout.record()["nodes"]) == (2, 2)
     tiers = {(t.op, t.group): t.tier for t in RunLayout.of(inside).traffic(inside, layout, 2)}
     assert tiers[("ep_dispatch", "ep")] == "intra_node"
     assert tiers[("all_reduce", "replicas")] == "inter_node" and tiers[("all_reduce", "dp")] == "inter_node"
-    across = make_config("parallel.ep=4", "parallel.ranks_per_node=2", "train.global_batch=8", "train.micro_batch=2")
-    tiers = {(t.op, t.group): t.tier for t in RunLayout.of(across).traffic(across, across.check_world_size(4), 2)}
+    across = ("parallel.ep=4", "parallel.ranks_per_node=2", "train.global_batch=8", "train.micro_batch=2")
+    flat = make_config(*across, "parallel.ep_topology=flat")
+    tiers = {(t.op, t.group): t.tier for t in RunLayout.of(flat).traffic(flat, flat.check_world_size(4), 2)}
     assert tiers[("ep_dispatch", "ep")] == "inter_node"
+    two_stage = make_config(*across)  # auto: the exchange spans nodes of several ranks, so it goes in two stages
+    tiers = {
+        (t.op, t.group): t.tier for t in RunLayout.of(two_stage).traffic(two_stage, two_stage.check_world_size(4), 2)
+    }
+    assert tiers[("ep_dispatch", "ep_rail")] == "inter_node" and tiers[("ep_node_dispatch", "ep_node")] == "intra_node"
+    assert ("ep_dispatch", "ep") not in tiers
     one_node = make_config("parallel.ep=4", "train.global_batch=8", "train.micro_batch=2")
     layout = one_node.check_world_size(4)
     assert layout.nodes == 1 and "nodes" not in layout.record()

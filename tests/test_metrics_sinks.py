@@ -13,6 +13,7 @@ import torch
 from conftest import REPO
 
 from ferry.cli.metrics import add_metrics_commands
+from ferry.comm import CommStats, tier_figures
 from ferry.config import UserError
 from ferry.inference import SourceLoss, eval_record
 from ferry.metrics import (
@@ -42,6 +43,8 @@ def full_record(step: int) -> dict:
     hot = step % EXPERTS
     counts_LE = torch.tensor([[40 if e == hot else 20 for e in range(EXPERTS)]] * LAYERS)
     probs_LE = torch.full((LAYERS, EXPERTS), 1 / EXPERTS)
+    exchanged = CommStats()
+    exchanged.record("ep_dispatch", 3072, 0.02, tier_bytes={"intra_node": 1024, "inter_node": 2048}, tier="inter_node")
     return {
         "step": step,
         "loss": 6.0 / step,
@@ -57,6 +60,7 @@ def full_record(step: int) -> dict:
         "comm_bytes": 4096 * step,
         "ep_comm_s": 0.08,
         "ep_exchanges": 24,
+        **tier_figures(exchanged.take()),
         "ep_overlap_share": 0.375,
         "optimizer_state_mib": 12.5,
         "loss_scale": 1.0,

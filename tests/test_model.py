@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from ferry.model import ModelConfig, MoEConfig, MoELayer, Transformer, count_model
 from ferry.model.attention import Attention
+from ferry.model.moe import RowDispatcher
 from ferry.model.rope import RotaryEmbedding
 
 
@@ -203,11 +204,8 @@ def test_padding_is_routed_but_left_out_of_the_routers_losses_and_statistics():
     assert x_TD.grad[11:].abs().max() == 0 and x_TD.grad[:11].abs().max() > 0
 
 
-class LocalDispatcher:
+class LocalDispatcher(RowDispatcher):
     """A dispatcher that runs the sorted rows on the layer's own experts: the dispatched path, without ranks."""
 
-    def __call__(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts) -> torch.Tensor:
+    def rows(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts) -> torch.Tensor:
         return experts(x_ND, tokens_per_expert_E)
-
-    def expert_order(self, expert_ids_TK: torch.Tensor) -> torch.Tensor:
-        return expert_ids_TK

@@ -63,3 +63,28 @@ def test_a_chunked_exchange_takes_every_expert_row_once_in_order():
         expert_of_row_N = torch.repeat_interleave(torch.arange(8), tokens_per_expert_E)
         for counts_E, rows_M in zip(counts_KE, rows_K):
             assert torch.equal(expert_of_row_N[rows_M], torch.repeat_interleave(torch.arange(8), counts_E))
+
+
+@pytest.mark.parametrize("node_size, top_k", [(2, 4), (1, 4), (2, 1)], ids=["2x2-top4", "4x1-top4", "2x2-top1"])
+def test_the_hierarchical_exchange_equals_the_flat_one_and_crosses_nodes_once_per_token_and_node(node_size, top_k):
+    """4 ranks as simulated nodes: outputs and every gradient equal to the flat exchange's (fp32, the sums in
+    another order), and the bytes between nodes those the routing says: the flat exchange sends a row for each of
+    a token's experts on another node, the hierarchical one a row (its values and K weights, and K int32 expert ids)
+    for each other node it reaches; inside the node only the forwarded rows move."""
+    dim, value = 16, 4
+    for errors, sent, remote_slots, remote_nodes in run_on_ranks(
+        cases.hierarchical_exchange_equals_flat, 4, node_size, top_k
+    ):
+        assert max(errors.values()) < 1e-5, errors
+        flat, hierarchical = sent["flat"], sent["hierarchical"]
+        assert flat["ep_dispatch"].get("inter_node", 0) == remote_slots * dim * value
+        assert flat["ep_combine_backward"].get("inter_node", 0) == remote_slots * dim * value
+        assert hierarchical["ep_dispatch"].get("inter_node", 0) == remote_nodes * (dim + top_k) * value
+        assert hierarchical["ep_routes"].get("inter_node", 0) == remote_nodes * top_k * 4
+        assert hierarchical["ep_combine_backward"].get("inter_node", 0) == remote_nodes * dim * value
+        assert all("inter_node" not in tiers for op, tiers in hierarchical.items() if op.startswith("ep_node"))
+        assert all("intra_node" not in tiers for op, tiers in hierarchical.items() if not op.startswith("ep_node"))
+        if top_k == 1:  # a token reaches one expert: the rows that cross are the same, the weights and ids added
+            assert remote_nodes == remote_slots
+        else:
+            assert remote_nodes < remote_slots, "some token has two experts on one other node"

@@ -7,6 +7,7 @@ from ferry.comm.process_group import (
     DistContext,
     PipelineGroups,
     build_context_group,
+    build_exchange_groups,
     build_mesh,
     build_pipeline_mesh,
     init_distributed,
@@ -14,7 +15,7 @@ from ferry.comm.process_group import (
     resolve_backend,
     shutdown,
 )
-from ferry.comm.stats import CommStats, OpStats
+from ferry.comm.stats import LINK_TIERS, CommStats, OpStats, tier_figures
 
 __all__ = [
     "Collectives",
@@ -32,4 +33,7 @@ __all__ = [
     "shutdown",
     "CommStats",
     "OpStats",
+    "LINK_TIERS",
+    "tier_figures",
+    "build_exchange_groups",
 ]

@@ -2,7 +2,11 @@
 
 Keeping the calls in one place lets the backend be swapped by configuration and
 makes every byte and second of communication visible to the metrics: each call
-records its time (CUDA events on GPUs, wall clock on CPUs) and the bytes it sent.
+records its time (CUDA events on GPUs, wall clock on CPUs) and the bytes it sent, and
+which link tier carried them. A group knows where its ranks sit (`node_size`: consecutive
+ranks share a node): an all-to-all's rows to a rank of this node go over the node's links,
+to another node's over the network, to this rank itself over none; another collective's
+bytes, and every call's time, count in the widest tier its group spans.
 """
 
 from __future__ import annotations
@@ -31,14 +35,25 @@ _all_gather = newest_collective(dist, "all_gather_single", "all_gather_into_tens
 class Collectives:
     """Collectives over one process group (None = the default group), timed into `stats`."""
 
-    def __init__(self, group: dist.ProcessGroup | None, stats: CommStats, device: torch.device):
+    def __init__(
+        self, group: dist.ProcessGroup | None, stats: CommStats, device: torch.device, node_size: int | None = None
+    ):
         self.group = group
         self.stats = stats
         self.device = device
         self.timer = None
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self._pending: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._pending: list[tuple[str, dict[str, int], torch.cuda.Event, torch.cuda.Event]] = []
+        members = dist.get_process_group_ranks(group) if group is not None else list(range(self.size))
+        node = node_size or dist.get_world_size()
+        mine = members[self.rank] // node
+        self.peer_tiers = tuple(
+            None if peer == members[self.rank] else "intra_node" if peer // node == mine else "inter_node"
+            for peer in members
+        )
+        spanned = [tier for tier in self.peer_tiers if tier is not None]
+        self.tier = "inter_node" if "inter_node" in spanned else "intra_node" if spanned else None
 
     def group_rank_to_global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
@@ -60,7 +75,7 @@ class Collectives:
         collective itself, kept too, is not issued again and not counted twice."""
         rows_out = sum(out_splits) if out_splits is not None else x_RX.shape[0]
         out = x_RX.new_empty((rows_out, *x_RX.shape[1:]))
-        with self._timed_once(op, x_RX.numel() * x_RX.element_size()):
+        with self._timed_once(op, self.sent(x_RX, in_splits)):
             dist.all_to_all_single(out, x_RX.contiguous(), out_splits, in_splits, group=self.group)
         return torch.ops.aten.alias(out)
 
@@ -69,7 +84,7 @@ class Collectives:
     ) -> None:
         """The all-to-all of rows written into `out_RX`, a slice of a larger buffer (`ferry/parallel/rowwise.py`).
         Not counted again when a recompute replays it."""
-        with self._timed_once(op, x_RX.numel() * x_RX.element_size()):
+        with self._timed_once(op, self.sent(x_RX, in_splits)):
             dist.all_to_all_single(out_RX, x_RX, out_splits, in_splits, group=self.group)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -138,31 +153,51 @@ class Collectives:
             finally:
                 _WAITING.pop()
 
-    def defer(self, op: str, num_bytes: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+    def sent(self, x_RX: torch.Tensor, in_splits: list[int] | None) -> dict[str, int]:
+        """The bytes an all-to-all of `x_RX` sends to each link tier (`in_splits`: rows to each rank; None: equal
+        parts), under the key `total` all of them, its own rows included."""
+        row_bytes = x_RX[0].numel() * x_RX.element_size() if x_RX.shape[0] else 0
+        rows = in_splits if in_splits is not None else [x_RX.shape[0] // self.size] * self.size
+        sent = {"total": x_RX.numel() * x_RX.element_size()}
+        for tier, count in zip(self.peer_tiers, rows):
+            if tier is not None:
+                sent[tier] = sent.get(tier, 0) + count * row_bytes
+        return sent
+
+    def record(self, op: str, sent: int | dict[str, int], seconds: float) -> None:
+        """One call into the stats: its bytes (a count, carried by the group's widest tier; or `sent`'s split) and
+        its time (the widest tier's)."""
+        if isinstance(sent, int):
+            sent = {"total": sent, **({self.tier: sent} if self.tier is not None else {})}
+        tiers = {tier: count for tier, count in sent.items() if tier != "total"}
+        self.stats.record(op, sent["total"], seconds, tiers, self.tier)
+
+    def defer(self, op: str, sent: int | dict[str, int], start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         """Record an op timed by CUDA events once they have completed (`flush`)."""
-        self._pending.append((op, num_bytes, start, end))
+        self._pending.append((op, sent, start, end))
 
     def flush(self) -> None:
         """Resolve CUDA event timings into the stats (call once per step, after a sync point)."""
-        for op, num_bytes, start, end in self._pending:
+        for op, sent, start, end in self._pending:
             end.synchronize()
-            self.stats.record(op, num_bytes, start.elapsed_time(end) / 1000.0)
+            self.record(op, sent, start.elapsed_time(end) / 1000.0)
         self._pending.clear()
 
-    def _timed_once(self, op: str, num_bytes: int):
+    def _timed_once(self, op: str, sent: int | dict[str, int]):
         """`timed`, except in a recompute's replay: the exchange it reads was counted when it was made."""
-        return nullcontext() if replaying() else self.timed(op, num_bytes)
+        return nullcontext() if replaying() else self.timed(op, sent)
 
     @contextmanager
-    def timed(self, op: str, num_bytes: int):
-        """Record the time and bytes of one collective issued inside the block (also by other libraries)."""
+    def timed(self, op: str, sent: int | dict[str, int]):
+        """Record the time and bytes (`record`'s `sent`) of one collective issued inside the block (also by other
+        libraries)."""
         with self.region("comm"):
             if self.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 yield
                 end.record()
-                self._pending.append((op, num_bytes, start, end))
+                self._pending.append((op, sent, start, end))
                 return
             started = time.perf_counter()
             _WAITING.append(op)
@@ -170,7 +205,7 @@ class Collectives:
                 yield
             finally:
                 _WAITING.pop()
-            self.stats.record(op, num_bytes, time.perf_counter() - started)
+            self.record(op, sent, time.perf_counter() - started)
 
 
 # The host-synchronous collective this process is inside (gloo; a CUDA collective returns at launch): a rank

@@ -31,7 +31,7 @@ class PendingAllToAll:
         self.op = op
         self.out: torch.Tensor | None = None
         self.work = None
-        self.num_bytes = 0
+        self.sent: dict[str, int] = {}
         self.issued = 0.0
         self.completed: list[float] = []
         self.start_event = None
@@ -39,7 +39,7 @@ class PendingAllToAll:
     def issue(self, x_RX: torch.Tensor) -> torch.Tensor:
         out_splits, in_splits = self.splits
         self.out = x_RX.new_empty((sum(out_splits), *x_RX.shape[1:]))
-        self.num_bytes = x_RX.numel() * x_RX.element_size()
+        self.sent = self.collectives.sent(x_RX, in_splits)
         if self.collectives.device.type == "cuda":
             self.start_event = torch.cuda.Event(enable_timing=True)
             self.start_event.record()
@@ -64,10 +64,10 @@ class PendingAllToAll:
         if self.start_event is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            collectives.defer(self.op, self.num_bytes, self.start_event, end)
+            collectives.defer(self.op, self.sent, self.start_event, end)
             return
         finished = self.completed[0] if self.completed else time.perf_counter()
-        collectives.stats.record(self.op, self.num_bytes, finished - self.issued)
+        collectives.record(self.op, self.sent, finished - self.issued)
 
 
 def start_all_to_all(

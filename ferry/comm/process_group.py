@@ -118,6 +118,20 @@ def build_context_group(context: DistContext, cp: int) -> dist.ProcessGroup:
     return group
 
 
+def build_exchange_groups(context: DistContext, ep: int, node_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's groups for the hierarchical expert exchange, its rail and its node: EP groups are runs of `ep`
+    consecutive ranks made of whole nodes of `node_size`; a rail takes the rank at one place of each node of an EP
+    group, in node order. Every rank creates every group, in one order, as torch asks."""
+    world = context.world_size
+    nodes = [list(range(start, start + node_size)) for start in range(0, world, node_size)]
+    rails = [
+        list(range(base + place, base + ep, node_size)) for base in range(0, world, ep) for place in range(node_size)
+    ]
+    rail_group, _ = dist.new_subgroups_by_enumeration(rails)
+    node_group, _ = dist.new_subgroups_by_enumeration(nodes)
+    return rail_group, node_group
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -109,6 +109,15 @@ METRICS: tuple[Metric, ...] = (
     _step("mfu", "mfu", "model FLOPs utilisation against the hardware profile's peak for the dtype in use"),
     _step("mem_peak_mib", "memory_peak_bytes", "peak memory of the process since it started (bytes)", 2**20),
     _step("comm_bytes", "comm_bytes", "bytes handed to collectives by rank 0 in the step"),
+    _step(
+        "intra_node_bytes",
+        "intra_node_bytes",
+        "bytes rank 0 sent in the step to ranks of its node (an all-to-all's rows by their destination; another "
+        "collective's in the widest tier of its group)",
+    ),
+    _step("inter_node_bytes", "inter_node_bytes", "bytes rank 0 sent in the step to ranks of other nodes (as above)"),
+    _step("intra_node_comm_s", "intra_node_comm_seconds", "time of rank 0's collectives whose groups lie in one node"),
+    _step("inter_node_comm_s", "inter_node_comm_seconds", "time of rank 0's collectives whose groups span nodes"),
     _step("optimizer_state_mib", "optimizer_state_bytes", "optimizer state held by rank 0 (ZeRO-1 shrinks it)", 2**20),
     _step("loss_scale", "loss_scale", "current loss scale (1 without loss scaling)"),
     _step("skipped_steps", "skipped_steps", "steps skipped so far because gradients overflowed"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,18 +20,61 @@ from ferry.model.feedforward import SwiGLU
 from ferry.model.router import Router, Routing
 
 
+@dataclass(frozen=True)
+class RowMoves:
+    """The layer's kernels that sort a token's (token, expert) assignments into rows and sum the rows back
+    (`moe.permute`, `moe.combine`): a dispatcher moves rows with them."""
+
+    permute: Callable
+    combine: Callable
+
+
 class ExpertDispatcher(Protocol):
-    """Runs expert-sorted tokens through experts that may live elsewhere (set by the parallel layer); the rows come
-    sorted by the key `expert_order` gives each assignment's expert."""
+    """Runs a layer's routed tokens through experts that may live elsewhere (set by the parallel layer): each
+    token's output is the sum of its experts' outputs weighted by `weights_TK`, as on one device."""
 
-    def __call__(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor: ...
-
-    def expert_order(self, expert_ids_TK: torch.Tensor) -> torch.Tensor: ...
+    def __call__(
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, routing: Routing, experts: nn.Module, moves: RowMoves
+    ) -> torch.Tensor: ...
 
     def start(
-        self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, routing: Routing, experts: nn.Module, moves: RowMoves
     ) -> Callable[[], torch.Tensor]:
         """As a call, but the outputs may still be travelling back: the returned function waits for them."""
+
+
+class RowDispatcher(ABC):
+    """A dispatcher that moves one row per (token, expert) assignment: the rows sorted by the key `expert_order`
+    gives each assignment's expert, run where their experts live (`rows`), and combined here."""
+
+    @abstractmethod
+    def rows(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """The experts' outputs of the sorted rows `x_ND`, in the same order."""
+
+    def start_rows(
+        self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module
+    ) -> Callable[[], torch.Tensor]:
+        """As `rows`, but the outputs may still be travelling back: the returned function waits for them."""
+        y_ND = self.rows(x_ND, tokens_per_expert_E, experts)
+        return lambda: y_ND
+
+    def expert_order(self, expert_ids_TK: torch.Tensor) -> torch.Tensor:
+        """The key the assignments are sorted by: the global expert."""
+        return expert_ids_TK
+
+    def __call__(
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, routing: Routing, experts: nn.Module, moves: RowMoves
+    ) -> torch.Tensor:
+        x_ND, dispatch = moves.permute(x_TD, self.expert_order(routing.expert_ids_TK))
+        y_ND = self.rows(x_ND, routing.tokens_per_expert_E, experts)
+        return moves.combine(y_ND, weights_TK, dispatch)
+
+    def start(
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, routing: Routing, experts: nn.Module, moves: RowMoves
+    ) -> Callable[[], torch.Tensor]:
+        x_ND, dispatch = moves.permute(x_TD, self.expert_order(routing.expert_ids_TK))
+        arrive_rows = self.start_rows(x_ND, routing.tokens_per_expert_E, experts)
+        return lambda: moves.combine(arrive_rows(), weights_TK, dispatch)
 
 
 @dataclass
@@ -49,9 +93,10 @@ class MoELayer(nn.Module):
     """Dropless top-k MoE with an optional shared expert.
 
     With every expert local, one op (`moe.routed_experts`) runs the routed path. With
-    a dispatcher, the T*K (token, expert) assignments are sorted by expert
-    (`moe.permute`), the dispatcher runs them on the ranks holding their experts, and
-    `moe.combine` sums each token's K outputs weighted by its routing weights.
+    a dispatcher, the dispatcher runs the tokens on the ranks holding their experts: the
+    flat exchange sorts the T*K (token, expert) assignments by expert (`moe.permute`),
+    sends each to its expert's rank and sums each token's K outputs weighted by its
+    routing weights (`moe.combine`); the hierarchical one sends a token once to each node.
     No token is ever dropped.
     """
 
@@ -67,17 +112,14 @@ class MoELayer(nn.Module):
         shared_ffn_dim = config.shared_expert_ffn_dim
         self.shared_expert = SwiGLU(dim, shared_ffn_dim, kernels) if shared_ffn_dim else None
         self.dispatcher: ExpertDispatcher | None = None
-        self._permute = kernels["moe.permute"]
-        self._combine = kernels["moe.combine"]
+        self.moves = RowMoves(kernels["moe.permute"], kernels["moe.combine"])
 
     def run_experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Local experts, or the parallel layer's dispatcher when experts live on several ranks."""
         if self.dispatcher is None:
             return self.experts.routed(x_TD, routing)
         x_TD, weights_TK = in_autocast_dtype(x_TD, routing.weights_TK)  # tokens travel in the compute dtype
-        x_ND, dispatch = self._permute(x_TD, self.dispatcher.expert_order(routing.expert_ids_TK))
-        y_ND = self.dispatcher(x_ND, routing.tokens_per_expert_E, self.experts)
-        return self._combine(y_ND, weights_TK, dispatch)
+        return self.dispatcher(x_TD, weights_TK, routing, self.experts, self.moves)
 
     def forward(self, x_BSD: torch.Tensor, padding_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
         """The layer's output, and its statistics over the positions that are not padding."""
@@ -96,11 +138,7 @@ class MoELayer(nn.Module):
             arrive_routed = LateOutput.ready(self.experts.routed(x_TD, routing)).arrive
         else:
             sent_TD, weights_TK = in_autocast_dtype(x_TD, routing.weights_TK)
-            x_ND, dispatch = self._permute(sent_TD, self.dispatcher.expert_order(routing.expert_ids_TK))
-            arrive_rows = self.dispatcher.start(x_ND, routing.tokens_per_expert_E, self.experts)
-
-            def arrive_routed() -> torch.Tensor:
-                return self._combine(arrive_rows(), weights_TK, dispatch)
+            arrive_routed = self.dispatcher.start(sent_TD, weights_TK, routing, self.experts, self.moves)
 
         shared_TD = self.shared_expert(x_TD) if self.shared_expert is not None else None
 

@@ -38,6 +38,14 @@ class ParallelConfig(Section):
         "back from their output, no permutation copy (ferry/parallel/rowwise.py)",
     )
 
+    ep_topology: Literal["flat", "hierarchical", "auto"] = Field(
+        "auto",
+        description="flat: every (token, expert) row straight to its expert's rank; hierarchical: when the EP group "
+        "spans nodes, a token sent once to each node holding its experts and forwarded inside the node, its "
+        "outputs summed there and sent back once (ferry/parallel/hierarchical.py; one piece each way, ep_overlap "
+        "none, ep_dispatch permuted); auto: hierarchical where it applies (an EP group of whole nodes, more than "
+        "one, exchanged in one piece), flat otherwise, the choice and its reason in the run's first lines",
+    )
     cp: int = Field(
         1,
         ge=1,
@@ -116,6 +124,12 @@ class ParallelConfig(Section):
                 f"ep_dispatch rowwise exchanges per local expert, in one piece; ep_overlap {self.ep_overlap} splits "
                 "the permuted exchange into parts: set one of them (ep_overlap auto measures rowwise among its "
                 "candidates)"
+            )
+        if self.ep_topology == "hierarchical" and (self.ep_overlap != "none" or self.ep_dispatch != "permuted"):
+            raise ValueError(
+                f"ep_topology hierarchical runs its two stages in one piece, permuted (ep_overlap {self.ep_overlap}, "
+                f"ep_dispatch {self.ep_dispatch} are the flat exchange's): set ep_overlap none and ep_dispatch "
+                "permuted, or ep_topology flat"
             )
         return self
 

@@ -22,24 +22,40 @@ from torch import nn
 
 from ferry.comm import Collectives
 from ferry.comm.pending import start_all_to_all
+from ferry.model.moe import RowDispatcher
 from ferry.parallel.rowwise import RowLayout, exchange, expert_order
 
-EP_EXCHANGES = ("ep_counts", "ep_dispatch", "ep_combine")  # a forward's exchanges, the ep_wait region's
+# a forward's exchanges, the ep_wait region's: the flat exchange's, and the hierarchical one's routes and its
+# forwarding inside the node (`ferry/parallel/hierarchical.py`)
+EP_EXCHANGES = (
+    "ep_counts",
+    "ep_dispatch",
+    "ep_combine",
+    "ep_routes",
+    "ep_node_counts",
+    "ep_node_dispatch",
+    "ep_node_combine",
+)
 
 
-class AllToAllDispatcher:
-    """Runs the routed tokens of one MoE layer through experts spread over an EP group: in one exchange each way,
-    or (`chunks` > 1) in parts whose exchanges are in flight while the experts compute another part."""
+class AllToAllDispatcher(RowDispatcher):
+    """Runs the routed rows of one MoE layer through experts spread over an EP group: in one exchange each way,
+    or (`chunks` > 1) in parts whose exchanges are in flight while the experts compute another part. `stage` names
+    its exchanges in the stats (`ep`: `ep_counts`, `ep_dispatch`, `ep_combine`; the hierarchical exchange's
+    forwarding inside a node is `ep_node`)."""
 
-    def __init__(self, collectives: Collectives, num_experts: int, chunks: int = 1, rowwise: bool = False):
+    def __init__(
+        self, collectives: Collectives, num_experts: int, chunks: int = 1, rowwise: bool = False, stage: str = "ep"
+    ):
         self.collectives = collectives
         self.ep_size = collectives.size
         self.num_local = num_experts // self.ep_size
         self.chunks = chunks
         self.rowwise = rowwise
+        self.ops = (f"{stage}_counts", f"{stage}_dispatch", f"{stage}_combine")
 
     @torch.compiler.disable
-    def __call__(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    def rows(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """`x_ND` is sorted by global expert id; returns expert outputs in the same order.
 
         Its one host read is the exchange of the per-rank row counts that the all-to-all needs for
@@ -53,13 +69,13 @@ class AllToAllDispatcher:
             received_counts_PL, send_splits, receive_splits, x_RD = self._dispatch(x_ND, tokens_per_expert_E)
         y_RD = self._run_local_experts(x_RD, received_counts_PL, experts)
         with self.collectives.region("ep_wait"):
-            return self.collectives.all_to_all(y_RD, send_splits, receive_splits, op="ep_combine")
+            return self.collectives.all_to_all(y_RD, send_splits, receive_splits, op=self.ops[2])
 
     @torch.compiler.disable
-    def start(
+    def start_rows(
         self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module
     ) -> Callable[[], torch.Tensor]:
-        """As a call, but the combine exchange is issued asynchronously and left in flight: the returned function
+        """As `rows`, but the combine exchange is issued asynchronously and left in flight: the returned function
         waits for it (`model.skip: farskip` runs the next block's attention in between). The rowwise exchange
         goes per local expert in one piece, so it returns its outputs already arrived."""
         if self.rowwise:
@@ -70,11 +86,11 @@ class AllToAllDispatcher:
         with self.collectives.region("ep_wait"):
             received_counts_PL, send_splits, receive_splits, x_RD = self._dispatch(x_ND, tokens_per_expert_E)
         y_RD = self._run_local_experts(x_RD, received_counts_PL, experts)
-        return start_all_to_all(self.collectives, y_RD, send_splits, receive_splits, "ep_combine").wait
+        return start_all_to_all(self.collectives, y_RD, send_splits, receive_splits, self.ops[2]).wait
 
     def expert_order(self, expert_ids_TK: torch.Tensor) -> torch.Tensor:
-        """What the MoE layer sorts its rows by before handing them over: the global expert, or for the rowwise
-        exchange (local expert, owning rank)."""
+        """What the assignments are sorted by before they travel: the global expert, or for the rowwise exchange
+        (local expert, owning rank)."""
         return expert_order(expert_ids_TK, self.ep_size, self.num_local) if self.rowwise else expert_ids_TK
 
     def _rowwise(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
@@ -83,13 +99,13 @@ class AllToAllDispatcher:
         permutation copy either way; the outputs come back in `x_ND`'s order."""
         ep, local = self.ep_size, self.num_local
         with self.collectives.region("ep_wait"):
-            received = self.collectives.all_to_all_raw(tokens_per_expert_E, None, None, op="ep_counts")
+            received = self.collectives.all_to_all_raw(tokens_per_expert_E, None, None, op=self.ops[0])
             received_PL = received.view(ep, local)
             layout = RowLayout(tokens_per_expert_E.view(ep, local).tolist(), received_PL.tolist())
-            x_RD = exchange(self.collectives, x_ND, layout, "ep_dispatch")
+            x_RD = exchange(self.collectives, x_ND, layout, self.ops[1])
         y_RD = experts(x_RD, received_PL.sum(0))
         with self.collectives.region("ep_wait"):
-            return exchange(self.collectives, y_RD, layout, "ep_combine", reverse=True)
+            return exchange(self.collectives, y_RD, layout, self.ops[2], reverse=True)
 
     def _chunked(
         self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module
@@ -104,13 +120,13 @@ class AllToAllDispatcher:
         counts_KE, rows_K = _chunk_rows(tokens_per_expert_E, chunks)
         with self.collectives.region("ep_wait"):
             received_KPL = self.collectives.all_to_all_raw(
-                counts_KE.view(chunks, ep, local).transpose(0, 1).contiguous(), None, None, op="ep_counts"
+                counts_KE.view(chunks, ep, local).transpose(0, 1).contiguous(), None, None, op=self.ops[0]
             ).transpose(0, 1)
         send_KP = counts_KE.view(chunks, ep, local).sum(2).tolist()
         receive_KP = received_KPL.sum(2).tolist()
         dispatches = [None] * chunks
         dispatches[0] = start_all_to_all(
-            self.collectives, x_ND.index_select(0, rows_K[0]), receive_KP[0], send_KP[0], "ep_dispatch"
+            self.collectives, x_ND.index_select(0, rows_K[0]), receive_KP[0], send_KP[0], self.ops[1]
         )
         combines = []
         for part in range(chunks):
@@ -120,10 +136,10 @@ class AllToAllDispatcher:
                     x_ND.index_select(0, rows_K[part + 1]),
                     receive_KP[part + 1],
                     send_KP[part + 1],
-                    "ep_dispatch",
+                    self.ops[1],
                 )
             y_RD = self._run_local_experts(dispatches[part].wait(), received_KPL[part], experts)
-            combines.append(start_all_to_all(self.collectives, y_RD, send_KP[part], receive_KP[part], "ep_combine"))
+            combines.append(start_all_to_all(self.collectives, y_RD, send_KP[part], receive_KP[part], self.ops[2]))
         order_N = torch.cat(rows_K)
         inverse_N = torch.empty_like(order_N)
         inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
@@ -136,11 +152,11 @@ class AllToAllDispatcher:
     def _dispatch(self, x_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor):
         """Exchange per-expert counts, then send each token to the rank holding its expert."""
         ep, local = self.ep_size, self.num_local
-        received_counts = self.collectives.all_to_all_raw(tokens_per_expert_E, None, None, op="ep_counts")
+        received_counts = self.collectives.all_to_all_raw(tokens_per_expert_E, None, None, op=self.ops[0])
         received_counts_PL = received_counts.view(ep, local)
         send_splits = tokens_per_expert_E.view(ep, local).sum(1).tolist()
         receive_splits = received_counts_PL.sum(1).tolist()
-        x_RD = self.collectives.all_to_all(x_ND, receive_splits, send_splits, op="ep_dispatch")
+        x_RD = self.collectives.all_to_all(x_ND, receive_splits, send_splits, op=self.ops[1])
         return received_counts_PL, send_splits, receive_splits, x_RD
 
     def _run_local_experts(self, x_RD: torch.Tensor, received_counts_PL: torch.Tensor, experts: nn.Module):

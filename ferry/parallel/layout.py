@@ -8,6 +8,8 @@ once from the config and the world size, and checked once, before any rank build
     world = nodes x ranks a node consecutive ranks share a node (torchrun's LOCAL_WORLD_SIZE, or simulated nodes on
                                  one host: `parallel.ranks_per_node`); a group of ranks crosses the slow network
                                  only when it spans nodes (`link_tier`)
+    ep = rail x ranks a node     an EP group of whole nodes exchanged hierarchically (`ep_topology`): a rail takes
+                                 the rank at one place of each node, a node's ranks forward inside it
 
 Everything that asks how the job is laid out reads this record: the parallel plan that places the model
 (`ferry.parallel.plan`), the memory model, the run's records and every checkpoint's manifest. A refusal names the
@@ -17,7 +19,7 @@ setting to change and the values that fit.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from ferry.config import UserError
@@ -41,6 +43,7 @@ class JobLayout:
     split: StageSplit | None
     cp: int = 1
     ranks_per_node: int = 0  # 0: every rank on one node
+    ep_topology: str = "flat"  # how the expert exchange crosses nodes, as chosen (`choose_ep_topology`)
 
     @property
     def node_size(self) -> int:
@@ -69,6 +72,8 @@ class JobLayout:
             "dp": (self.replicas // ep_degree, ep_degree),
             "pp": (self.pp, self.replicas),
             "cp": (self.cp, 1),
+            "ep_rail": (ep_degree // self.node_size, self.node_size) if self.ep_topology == "hierarchical" else (1, 1),
+            "ep_node": (self.node_size, 1) if self.ep_topology == "hierarchical" else (1, 1),
         }
         if group not in shapes:
             raise ValueError(f"no group {group!r} in a job's layout; it has {', '.join(shapes)}")
@@ -100,6 +105,8 @@ class JobLayout:
             record["cp_degree"] = self.cp
         if self.nodes > 1:
             record["nodes"] = self.nodes
+        if self.ep_topology != "flat":
+            record["ep_topology"] = self.ep_topology
         if self.split is not None:
             record.update(pp_degree=self.pp, pp_schedule=self.pp_schedule, pp_stages=self.split.describe())
         return record
@@ -142,7 +149,30 @@ def lay_out_job(
     )
     _check_experts(parallel, model, layout)
     _check_context(parallel, layout)
-    return layout
+    topology, reason = choose_ep_topology(parallel, model, layout)
+    if parallel.ep_topology == "hierarchical" and topology != "hierarchical":
+        raise UserError(f"parallel.ep_topology: hierarchical needs {reason}; set parallel.ep_topology flat or auto")
+    return replace(layout, ep_topology=topology)
+
+
+def choose_ep_topology(parallel: ParallelConfig, model: ModelConfig, layout: JobLayout) -> tuple[str, str]:
+    """The expert exchange's topology for this job and why: hierarchical where `parallel.ep_topology` allows it and
+    the layout gives it nodes to cross (an EP group of more than one whole node, exchanged in one piece); flat
+    otherwise. `auto` also wants a token routed to several experts: with one, each token crosses at most once
+    anyway, and the second stage would only add its rows' weights and ids. The reason says what holds, or for flat
+    what hierarchical needs and what is missing."""
+    ep, node = layout.ep_degree, layout.node_size
+    if parallel.ep_topology == "flat":
+        return "flat", "as configured"
+    if ep <= node or ep % node:
+        where = "inside one node" if ep <= node else f"over part of a node ({node} ranks a node)"
+        return "flat", f"an EP group of more than one whole node (parallel.ep {ep} lies {where})"
+    if parallel.ep_overlap != "none" or parallel.ep_dispatch != "permuted":
+        shaped = f"ep_overlap {parallel.ep_overlap}, ep_dispatch {parallel.ep_dispatch} shape the flat exchange"
+        return "flat", f"ep_overlap none and ep_dispatch permuted ({shaped})"
+    if parallel.ep_topology == "auto" and model.moe.top_k == 1:
+        return "flat", "a token routed to several experts (model.moe.top_k 1 sends each token at most once a node)"
+    return "hierarchical", f"the EP group of {ep} ranks spans {ep // node} nodes of {node}"
 
 
 def launcher_node_size(world_size: int) -> int:

@@ -16,7 +16,15 @@ import torch
 from torch import nn
 
 from ferry.checkpoint import TensorPiece
-from ferry.comm import Collectives, CommStats, DistContext, build_context_group, build_mesh, build_pipeline_mesh
+from ferry.comm import (
+    Collectives,
+    CommStats,
+    DistContext,
+    build_context_group,
+    build_exchange_groups,
+    build_mesh,
+    build_pipeline_mesh,
+)
 from ferry.model import Transformer
 from ferry.model.experts import Experts
 from ferry.parallel.config import ParallelConfig
@@ -223,7 +231,12 @@ def build_plan(
             slices[name] = ExpertSlice(ep_rank * local, (ep_rank + 1) * local, num_experts)
         else:
             dense.append((name, param))
-    overlap = {"mode": config.ep_overlap, "chunks": exchange_chunks(config), "dispatch": config.ep_dispatch}
+    overlap = {
+        "mode": config.ep_overlap,
+        "chunks": exchange_chunks(config),
+        "dispatch": config.ep_dispatch,
+        "topology": layout.ep_topology,
+    }
     return ParallelPlan(
         layout,
         context,
@@ -245,23 +258,34 @@ def rank_groups(layout: JobLayout, context: DistContext, device: torch.device, s
     process; its context-parallel group beside them."""
     if not context.is_distributed:
         return RankGroups()
-    cp = Collectives(build_context_group(context, layout.cp), stats, device) if layout.cp > 1 else None
+
+    def timed(group) -> Collectives:
+        return Collectives(group, stats, device, layout.node_size)
+
+    cp = timed(build_context_group(context, layout.cp)) if layout.cp > 1 else None
+    rail = node = None
+    if layout.ep_topology == "hierarchical":
+        rail, node = (timed(group) for group in build_exchange_groups(context, layout.ep, layout.node_size))
     if layout.split is not None:
         groups = build_pipeline_mesh(context, layout.pp, layout.ep, device)
         return RankGroups(
-            world=Collectives(None, stats, device),
-            replicas=Collectives(groups.replicas, stats, device),
-            ep=Collectives(groups.ep, stats, device),
-            dp=Collectives(groups.dp, stats, device),
-            pp=Collectives(groups.pp, stats, device),
+            world=timed(None),
+            replicas=timed(groups.replicas),
+            ep=timed(groups.ep),
+            dp=timed(groups.dp),
+            pp=timed(groups.pp),
             cp=cp,
+            ep_rail=rail,
+            ep_node=node,
         )
     mesh = build_mesh(context, layout.ep, device)
-    world = Collectives(None, stats, device)
+    world = timed(None)
     return RankGroups(
         world=world,
         replicas=world,
-        ep=Collectives(mesh["ep"].get_group(), stats, device),
-        dp=Collectives(mesh["dp"].get_group(), stats, device),
+        ep=timed(mesh["ep"].get_group()),
+        dp=timed(mesh["dp"].get_group()),
         cp=cp,
+        ep_rail=rail,
+        ep_node=node,
     )

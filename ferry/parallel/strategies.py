@@ -32,6 +32,7 @@ from ferry.parallel.config import ParallelConfig
 from ferry.parallel.expert_parallel import AllToAllDispatcher, shard_experts
 from ferry.parallel.fsdp import apply_fsdp
 from ferry.parallel.gradients import clip_grad_norm, reduce_gradients
+from ferry.parallel.hierarchical import HierarchicalDispatcher
 from ferry.parallel.optimizers import OptimizerRecipe
 from ferry.parallel.pipeline_split import StageSplit
 from ferry.parallel.zero import ReplicaGroup, ShardedOptimizer
@@ -43,8 +44,10 @@ Params = list[tuple[str, nn.Parameter]]
 class RankGroups:
     """This rank's collectives: the whole job (`world`), the ranks holding its dense weights (`replicas`: every
     rank, or its stage's), the ranks its experts are split over (`ep`), the ranks holding the same experts (`dp`),
-    its pipeline (`pp`: one rank of each stage), and the ranks splitting its sequences (`cp`). None where the job
-    has no such group (one process; `pp` without a pipeline; `cp` without context parallelism)."""
+    its pipeline (`pp`: one rank of each stage), the ranks splitting its sequences (`cp`), and the two stages of a
+    hierarchical expert exchange (`ep_rail`: the rank at its place on each node of its EP group; `ep_node`: its
+    node's ranks). None where the job has no such group (one process; `pp` without a pipeline; `cp` without
+    context parallelism; the exchange's stages with a flat one)."""
 
     world: Collectives | None = None
     replicas: Collectives | None = None
@@ -52,11 +55,13 @@ class RankGroups:
     dp: Collectives | None = None
     pp: Collectives | None = None
     cp: Collectives | None = None
+    ep_rail: Collectives | None = None
+    ep_node: Collectives | None = None
 
     @property
     def distinct(self) -> list[Collectives]:
         unique: list[Collectives] = []
-        for collectives in (self.world, self.ep, self.dp, self.replicas, self.pp, self.cp):
+        for collectives in (self.world, self.ep, self.dp, self.replicas, self.pp, self.cp, self.ep_rail, self.ep_node):
             if collectives is not None and all(collectives is not seen for seen in unique):
                 unique.append(collectives)
         return unique
@@ -143,8 +148,12 @@ class ExpertResident:
         num_experts = model.config.moe.num_experts
         for layer in model.moe_layers():
             shard_experts(layer.experts, groups.ep.rank, self.config.ep)
-            layer.dispatcher = AllToAllDispatcher(
-                groups.ep, num_experts, exchange_chunks(self.config), self.config.ep_dispatch == "rowwise"
+            layer.dispatcher = (
+                HierarchicalDispatcher(groups.ep_rail, groups.ep_node, num_experts)
+                if groups.ep_rail is not None
+                else AllToAllDispatcher(
+                    groups.ep, num_experts, exchange_chunks(self.config), self.config.ep_dispatch == "rowwise"
+                )
             )
 
     def shards(self, tensor: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ferry.checkpoint import CheckpointManager, Found
+from ferry.comm import tier_figures
 from ferry.comm.process_group import shutdown
 from ferry.data import DataCursor
 from ferry.data.loader import realised_counts
@@ -326,6 +327,7 @@ class Trainer:
             "tokens": self.state.tokens_seen,
             **metrics.record(times, tokens=outcome.tokens),
             "comm_bytes": comm_bytes,
+            **tier_figures(exchanged),
             "ep_comm_s": ep_comm_s,
             "ep_exchanges": sum(exchanged[op].calls for op in EP_EXCHANGES if op in exchanged),
             "ep_overlap_share": max(0.0, 1.0 - times.ep_wait_s / ep_comm_s) if ep_comm_s > 0 else None,

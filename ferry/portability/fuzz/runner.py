@@ -44,7 +44,8 @@ PARENT = (
     "checkpoint.interval=30",
 )
 
-BASE_RUN = {  # the suite's tiny model and batch (tests/conftest.py), checkpoints kept for the resume leg
+# The suite's tiny model and batch (tests/conftest.py), 8 experts (split over up to 8 ranks), checkpoints kept.
+BASE_RUN = {
     "run": {"name": "fuzz", "seed": 0, "device": "cpu"},
     "model": {
         "vocab_size": VOCAB_SIZE,
@@ -55,7 +56,7 @@ BASE_RUN = {  # the suite's tiny model and batch (tests/conftest.py), checkpoint
         "max_seq_len": 64,
         "dense_layers": 1,
         "dense_ffn_dim": 64,
-        "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_dim": 32},
+        "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_dim": 32},
     },
     "data": {"seq_len": 32},
     "train": {"steps": STEPS, "global_batch": 32, "micro_batch": 4, "log_every": 1},  # 32: 4 ranks of 8

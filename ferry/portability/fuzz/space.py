@@ -89,7 +89,7 @@ COMPUTATION: dict[str, dict[str, tuple[str, ...]]] = {
     "micro_batch": {"4": (), "2": ("train.micro_batch=2",), "8": ("train.micro_batch=8",)},
 }
 LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
-    "world": {"1": (), "2": (), "4": ()},
+    "world": {"1": (), "2": (), "4": (), "8": ()},
     "parallel": {
         "single": (),
         "ep": ("parallel.ep=WORLD",),
@@ -116,8 +116,11 @@ LAYOUT: dict[str, dict[str, tuple[str, ...]]] = {
         "single": (),
         "chunked": ("parallel.ep_overlap=chunked",),
         "rowwise": ("parallel.ep_dispatch=rowwise",),
+        # the EP group as two simulated nodes (NODE: half its ranks), a token sent to each once
+        "hierarchical": ("parallel.ep_topology=hierarchical", "parallel.ranks_per_node=NODE"),
     },
 }
+EXPERTS_SPLIT = {"ep": 1, "ep-zero": 1, "pp-ep": 2}  # the parallel values that split experts: world / this ranks
 
 
 @dataclass(frozen=True)
@@ -133,15 +136,22 @@ class Combination:
     def world(self) -> int:
         return int(self["world"])
 
+    @property
+    def ep(self) -> int:
+        """The ranks its experts are split over (1 where its parallelism does not split them)."""
+        return self.world // EXPERTS_SPLIT[self["parallel"]] if self["parallel"] in EXPERTS_SPLIT else 1
+
     def overrides(self) -> list[str]:
-        """The run config overrides that set it (the placeholders WORLD and HALF: the ranks, half of them)."""
+        """The run config overrides that set it (the placeholders WORLD, HALF and NODE: the ranks, half of them,
+        half of the EP group's)."""
         chosen = dict(self.values)
+        places = {"WORLD": self.world, "HALF": max(self.world // 2, 1), "NODE": max(self.ep // 2, 1)}
         found = []
         for axis, values in (*COMPUTATION.items(), *LAYOUT.items()):
-            found += [
-                override.replace("WORLD", str(self.world)).replace("HALF", str(max(self.world // 2, 1)))
-                for override in values[chosen[axis]]
-            ]
+            for override in values[chosen[axis]]:
+                for name, count in places.items():
+                    override = override.replace(name, str(count))
+                found.append(override)
         return found
 
     def profile(self) -> str:
@@ -179,7 +189,8 @@ def draw(seed: int, index: int) -> Combination:
     - a schedule only with a pipeline (1f1b, the default, otherwise), and two stages a rank on 4 layers (2 layers
       have too few blocks for 4 stages);
     - MTP only with a next-token objective: it is a pre-training aid, which a DPO or GRPO stage is refused
-      with by name (`tests/test_mtp.py`), so a draw of it there would measure one known refusal again."""
+      with by name (`tests/test_mtp.py`), so a draw of it there would measure one known refusal again;
+    - the hierarchical exchange only where experts are split over 2 ranks or more (its two nodes need them)."""
     generator = random.Random(f"{seed}:{index}")
     axes = {**COMPUTATION, **LAYOUT}
     values = {axis: generator.choice(list(choices)) for axis, choices in axes.items()}
@@ -191,6 +202,8 @@ def draw(seed: int, index: int) -> Combination:
         values["layers"] = "4"
     if values["objective"] not in NEXT_TOKEN:
         values["mtp"] = "none"
+    if values["ep_exchange"] == "hierarchical" and Combination(tuple(values.items())).ep < 2:
+        values["ep_exchange"] = "single"
     return Combination(tuple(values.items()))
 
 

@@ -155,3 +155,32 @@ def train_counting_bytes(dataset: str, run_dir: str, *overrides: str) -> dict:
         "last_step": taken[-1],
         "config": tiny_config(dataset, run_dir, *overrides).model_dump(mode="json"),
     }
+
+
+def train_holding_exporter(dataset: str, run_dir: str, gate: str, *overrides: str) -> dict:
+    """`train_run` whose rank 0, once its Prometheus exporter serves the last step's record, writes `gate/served`
+    and holds the exporter up until `gate/release` appears: a scraper then sees every series the run exports,
+    however quick the run (`tests/test_prometheus_scrape.py`)."""
+    import time
+
+    from ferry.metrics.prometheus import PrometheusSink
+
+    last_step = tiny_config(dataset, run_dir, *overrides).train.steps
+    write = PrometheusSink.write
+
+    def holding(self, record: dict) -> None:
+        write(self, record)
+        if record.get("step") == last_step:
+            (Path(gate) / "served").touch()
+            waited = 0.0
+            while not (Path(gate) / "release").exists():
+                if waited > 120:
+                    raise TimeoutError(f"{gate}/release did not appear within 120 s")
+                time.sleep(0.05)
+                waited += 0.05
+
+    PrometheusSink.write = holding
+    try:
+        return train_run(dataset, run_dir, *overrides)
+    finally:
+        PrometheusSink.write = write

@@ -23,7 +23,7 @@ from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 from ferry.cli.main import main
 from ferry.launch import build_launch_spec, load_platform, platform_names, render_launch
 from ferry.launch.environment import explain
-from ferry.launch.kubernetes import DASHBOARD
+from ferry.metrics.dashboard import DASHBOARD_PATH
 from ferry.train import load_run_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,7 +62,7 @@ def _rendered(platform: str) -> dict[str, str]:
         objects = list(yaml.safe_load_all(files[name]))
         for obj in objects:
             if obj["metadata"]["name"].endswith("-dashboard"):
-                assert json.loads(obj["data"]["ferry.json"]) == json.loads(DASHBOARD.read_text())
+                assert json.loads(obj["data"]["ferry.json"]) == json.loads(DASHBOARD_PATH.read_text())
                 obj["data"]["ferry.json"] = "<dashboards/ferry.json>"
         files[name] = yaml.safe_dump_all(objects, sort_keys=False, width=120)
     return files

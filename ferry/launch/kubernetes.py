@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
-import ferry
 from ferry.launch.spec import LaunchSpec
 from ferry.launch.torchrun_form import CONFIG_NAME, LAUNCHER_ENV, ferry_train_argv
+from ferry.metrics.dashboard import DASHBOARD_PATH
 
 CONFIG_MOUNT = "/etc/ferry"
 RUNS_MOUNT = "/workspace/runs"
-DASHBOARD = Path(ferry.__file__).resolve().parent.parent / "dashboards" / "ferry.json"
 TRAINJOB_NAME = "trainjob.yaml"
 PYTORCHJOB_NAME = "pytorchjob.yaml"
 # The torch runtime of Kubeflow Trainer names its replicated job and its training container `node`;
@@ -51,7 +49,7 @@ def config_map(spec: LaunchSpec, run_config_yaml: str) -> dict[str, Any]:
 def dashboard_config_map(spec: LaunchSpec) -> dict[str, Any] | None:
     """The Grafana dashboard, labelled `grafana_dashboard: "1"` for the sidecar of Grafana's Helm chart;
     None in an installation without the checkout's `dashboards/`."""
-    if not DASHBOARD.is_file():
+    if not DASHBOARD_PATH.is_file():
         return None
     return {
         "apiVersion": "v1",
@@ -60,7 +58,7 @@ def dashboard_config_map(spec: LaunchSpec) -> dict[str, Any] | None:
             "name": f"{spec.job_name}-dashboard",
             "labels": {**labels(spec), "grafana_dashboard": "1"},
         },
-        "data": {"ferry.json": json.dumps(json.loads(DASHBOARD.read_text(encoding="utf-8")), indent=1)},
+        "data": {"ferry.json": json.dumps(json.loads(DASHBOARD_PATH.read_text(encoding="utf-8")), indent=1)},
     }
 
 

@@ -854,13 +854,15 @@ def test_a_hung_rank_that_waited_in_a_collective_is_named_after_the_one_it_waite
     from ferry.comm.collectives import Collectives, waiting_in
     from ferry.train.resilience.restarts import collect_causes, write_cause
 
-    gloo = SimpleNamespace(device=torch.device("cpu"), region=lambda name: nullcontext(), stats=CommStats())
+    # a gloo group's Collectives, as far as `timed` reads it (one rank: no link tier)
+    gloo = SimpleNamespace(device=torch.device("cpu"), region=lambda name: nullcontext(), stats=CommStats(), tier=None)
+    gloo.record = lambda op, sent, seconds: Collectives.record(gloo, op, sent, seconds)
     with Collectives.timed(gloo, "all_to_all", 64):
         assert waiting_in() == "all_to_all"
         watchdog = Watchdog(FaultConfig(hang_timeout_s=1, hang_first_step_s=0), 0, print)
         monkeypatch.setattr(watchdog, "_last", time.monotonic() - 5)
         assert watchdog.overdue().endswith("of step 1, waiting in all_to_all for its peers")
-    assert waiting_in() is None
+    assert waiting_in() is None and gloo.stats.ops["all_to_all"].bytes == 64
     monkeypatch.setattr(time, "time", lambda: 100.0)
     write_cause(tmp_path, 1, 5, "forward", "hang: ... waiting in all_to_all", waiting_in="all_to_all")
     monkeypatch.setattr(time, "time", lambda: 100.1)  # the rank that hung itself fired a moment later

@@ -21,7 +21,7 @@ COMPUTATION = "objective=sft precision=bf16 experts=biased-clamped"  # SFT's los
 SAMPLE = [  # one computation in three layouts, each resumed in another; and a refusal
     (
         f"{COMPUTATION} world=2 parallel=ep-zero recompute=selective ep_exchange=chunked",
-        "world=4 parallel=ep-zero ep_exchange=hierarchical",  # two simulated nodes of 2, a token sent once to each
+        "world=2 parallel=ep-zero ep_exchange=hierarchical",  # two simulated nodes of one rank, a token sent once
     ),
     (f"{COMPUTATION} world=2 parallel=fsdp recompute=full", "world=1"),
     (f"{COMPUTATION} world=2 parallel=pp schedule=gpipe ep_exchange=rowwise", "world=2 parallel=ep"),

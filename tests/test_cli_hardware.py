@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import time
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from ferry.cli.main import main
@@ -87,12 +88,14 @@ def test_a_run_that_outpaces_a_stale_cached_peak_measures_it_again_and_records_t
 def test_the_peak_is_the_best_of_several_timed_products_not_a_cold_first_one(monkeypatch):
     """A product timed once can land in a cold start; the measurement repeats it and keeps the best."""
     calls = {"count": 0}
+    clock = {"now": 0.0}  # the measurement's clock, advanced by the products alone: no sleep to race the load
 
     def product(a, b):
         calls["count"] += 1
-        time.sleep(0.02 if calls["count"] <= 2 else 0.001)  # the warm-up and the first timed product are slow
+        clock["now"] += 0.02 if calls["count"] <= 2 else 0.001  # the warm-up and the first timed product are slow
 
+    monkeypatch.setattr(hardware, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))
     monkeypatch.setattr(hardware, "_SIZES", (64,))
     tflops = hardware._product_tflops(product, torch.float32, seconds=0.0)
-    assert calls["count"] >= 1 + hardware._MIN_REPEATS
-    assert tflops > 2 * 64**3 / 0.005 / 1e12
+    assert calls["count"] == 1 + hardware._MIN_REPEATS
+    assert tflops == pytest.approx(2 * 64**3 / 0.001 / 1e12)

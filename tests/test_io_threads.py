@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
-import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -62,19 +63,21 @@ def test_the_writer_uses_the_share_and_no_more(host, monkeypatch, tmp_path):
     host(64, 16)
     seen: dict[str, str] = {}
     lock = threading.Lock()
+    all_busy = four_at_once()
 
-    def slow_write(path, tensors, direct):
-        time.sleep(0.05)  # long enough that every submission finds the pool's threads busy
+    def held_write(path, tensors, direct):
         with lock:
             seen[path.name] = threading.current_thread().name
+        all_busy()
         return writer.FileRecord(bytes=1, sha256="0" * 64, xxh3_128="0" * 32)
 
-    monkeypatch.setattr(writer, "_write_file", slow_write)
+    monkeypatch.setattr(writer, "_write_file", held_write)
+    sizes = pool_sizes(monkeypatch, writer)
     pieces = {f"model.w{i}": TensorPiece.whole(torch.ones(4)) for i in range(10)}
     record = writer.write_rank_files(tmp_path, 0, pieces, max_file_bytes=16)
     assert len(record.files) == 10 and set(seen) == set(record.files)
     threads = set(seen.values())
-    assert len(threads) == 4
+    assert sizes == [4] and len(threads) == 4  # a pool of four, its four threads writing at once
     assert all(name.startswith(writer.WRITER_THREADS) for name in threads)
 
 
@@ -86,17 +89,46 @@ def test_a_verification_hashes_on_the_share_and_no_more(host, monkeypatch, tmp_p
     seen: set[str] = set()
     lock = threading.Lock()
     real = reader.hash_and_fill
+    all_busy = four_at_once()
 
-    def slow_hash(path, targets, names):
-        time.sleep(0.05)
+    def held_hash(path, targets, names):
         with lock:
             seen.add(threading.current_thread().name)
+        all_busy()
         return real(path, targets, names)
 
-    monkeypatch.setattr(reader, "hash_and_fill", slow_hash)
+    monkeypatch.setattr(reader, "hash_and_fill", held_hash)
+    sizes = pool_sizes(monkeypatch, reader)
     with verify_checkpoint(tmp_path / "step-00000001") as checkpoint:
         assert torch.equal(checkpoint.read("model.w7"), torch.full((4,), 7.0))
-    assert len(seen) == 4
+    assert sizes and max(sizes) == 4 and len(seen) == 4  # no pool above the share, four threads hashing at once
+
+
+def pool_sizes(monkeypatch, module) -> list[int]:
+    """The threads each pool `module` makes asks for, in order."""
+    sizes: list[int] = []
+
+    class Recorded(ThreadPoolExecutor):
+        def __init__(self, max_workers=None, *args, **kwargs):
+            sizes.append(max_workers)
+            super().__init__(max_workers, *args, **kwargs)
+
+    monkeypatch.setattr(module, "ThreadPoolExecutor", Recorded)
+    return sizes
+
+
+def four_at_once():
+    """A wait for the first four tasks to run at once: none of them returns until four threads hold one, so a
+    pool of fewer threads fails (the barrier breaks) and one of more gives a fifth task to a fifth thread while
+    they wait; the later tasks pass."""
+    barrier = threading.Barrier(4)
+    calls = itertools.count()
+
+    def wait() -> None:
+        if next(calls) < 4:
+            barrier.wait(timeout=60)  # a guard against a hang: four threads meet at once or never
+
+    return wait
 
 
 def _meta() -> CheckpointMeta:

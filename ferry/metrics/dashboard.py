@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ferry.metrics.dashboard_panels import ROWS, Panel, Query
+from ferry.metrics.dashboard_model import Panel, Query
+from ferry.metrics.dashboard_panels import ROWS
 
 DASHBOARD_PATH = Path(__file__).resolve().parent.parent.parent / "dashboards" / "ferry.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

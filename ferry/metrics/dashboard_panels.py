@@ -9,46 +9,7 @@ shows no empty panels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Query:
-    """One series of a panel: `metric` with the builder's matchers (and `where`, more label matchers), or `expr`
-    with `{SELECT}` where they go; `legend` in Grafana's `{{label}}` form."""
-
-    metric: str
-    legend: str
-    where: str = ""
-    expr: str = ""
-
-
-@dataclass(frozen=True)
-class Panel:
-    title: str
-    description: str
-    unit: str  # one of Grafana's units (`none` for ratios and plain numbers)
-    queries: tuple[Query, ...]
-    kind: str = "timeseries"
-    width: int = 8
-    height: int = 8
-
-
-@dataclass(frozen=True)
-class Row:
-    title: str
-    panels: tuple[Panel, ...]
-    collapsed: bool = False  # its series appear only in some runs' records
-    family: str = "lm"  # the kind of run whose records fill it (a test scrapes one of each)
-
-
-def _series(metric: str, legend: str, **kw: str) -> Query:
-    return Query(f"ferry_{metric}", f"{legend} {{{{run}}}}", **kw)
-
-
-def _per_layer(metric: str, legend: str) -> Query:
-    return Query(f"ferry_{metric}", f"{legend} layer {{{{layer}}}} {{{{run}}}}")
-
+from ferry.metrics.dashboard_model import Panel, Query, Row, per_layer, series
 
 EXPERT_LOAD = (  # each expert's load over its layer's mean
     "ferry_moe_expert_tokens{SELECT} / ignoring(expert) group_left "
@@ -64,8 +25,8 @@ ROWS: tuple[Row, ...] = (
                 "objective and its cross-entropy part, and the held-out loss per eval source (nats)",
                 "none",
                 (
-                    _series("loss", "loss"),
-                    _series("lm_loss", "lm_loss"),
+                    series("loss", "loss"),
+                    series("lm_loss", "lm_loss"),
                     Query("ferry_eval_loss", "held-out {{source}} {{run}}"),
                 ),
             ),
@@ -73,20 +34,20 @@ ROWS: tuple[Row, ...] = (
                 "Router losses",
                 "load-balancing loss (1.0 at perfect balance) and router z-loss",
                 "none",
-                (_series("aux_loss", "aux_loss"), _series("z_loss", "z_loss")),
+                (series("aux_loss", "aux_loss"), series("z_loss", "z_loss")),
             ),
             Panel(
                 "Learning rate and gradient norm",
                 "the step's learning rate and the global gradient norm before clipping",
                 "none",
-                (_series("learning_rate", "lr"), _series("grad_norm", "grad norm")),
+                (series("learning_rate", "lr"), series("grad_norm", "grad norm")),
             ),
             Panel(
                 "Token accuracy and trained share",
                 "share of trained tokens ranked first; trained tokens over the step's tokens (below 1 under a loss "
                 "mask)",
                 "percentunit",
-                (_series("token_accuracy", "accuracy"), _series("trained_share", "trained share")),
+                (series("token_accuracy", "accuracy"), series("trained_share", "trained share")),
             ),
             Panel(
                 "Held-out perplexity",
@@ -98,7 +59,7 @@ ROWS: tuple[Row, ...] = (
                 "Loss scaling",
                 "the loss scale (1 without loss scaling) and the steps skipped for overflowed gradients",
                 "short",
-                (_series("loss_scale", "scale"), _series("skipped_steps", "skipped steps")),
+                (series("loss_scale", "scale"), series("skipped_steps", "skipped steps")),
             ),
         ),
     ),
@@ -110,21 +71,21 @@ ROWS: tuple[Row, ...] = (
                 "tokens of the step over all devices, and per device",
                 "short",
                 (
-                    _series("tokens_per_second", "tok/s"),
-                    _series("tokens_per_second_per_device", "tok/s/device"),
+                    series("tokens_per_second", "tok/s"),
+                    series("tokens_per_second_per_device", "tok/s/device"),
                 ),
             ),
             Panel(
                 "MFU",
                 "model FLOPs utilisation against the hardware profile's peak for the dtype in use",
                 "percentunit",
-                (_series("mfu", "mfu"),),
+                (series("mfu", "mfu"),),
             ),
             Panel(
                 "Progress",
                 "optimizer steps completed and tokens trained on",
                 "short",
-                (_series("step", "step"), _series("tokens_seen", "tokens seen")),
+                (series("step", "step"), series("tokens_seen", "tokens seen")),
                 kind="stat",
                 width=4,
             ),
@@ -132,7 +93,7 @@ ROWS: tuple[Row, ...] = (
                 "Memory",
                 "peak memory of rank 0's process, and the optimizer state it holds (ZeRO-1 shrinks it)",
                 "bytes",
-                (_series("memory_peak_bytes", "peak"), _series("optimizer_state_bytes", "optimizer state")),
+                (series("memory_peak_bytes", "peak"), series("optimizer_state_bytes", "optimizer state")),
                 width=4,
             ),
         ),
@@ -145,10 +106,10 @@ ROWS: tuple[Row, ...] = (
                 "forward, backward, optimizer and generation (GRPO rollouts) time of the step",
                 "s",
                 (
-                    _series("forward_seconds", "forward"),
-                    _series("backward_seconds", "backward"),
-                    _series("optimizer_seconds", "optimizer"),
-                    _series("generate_seconds", "generate"),
+                    series("forward_seconds", "forward"),
+                    series("backward_seconds", "backward"),
+                    series("optimizer_seconds", "optimizer"),
+                    series("generate_seconds", "generate"),
                 ),
             ),
             Panel(
@@ -156,17 +117,17 @@ ROWS: tuple[Row, ...] = (
                 "time computing, blocked in collectives, and blocked in the MoE exchanges, against the step",
                 "s",
                 (
-                    _series("compute_seconds", "compute"),
-                    _series("comm_seconds", "comm"),
-                    _series("ep_wait_seconds", "ep wait"),
-                    _series("step_seconds", "step"),
+                    series("compute_seconds", "compute"),
+                    series("comm_seconds", "comm"),
+                    series("ep_wait_seconds", "ep wait"),
+                    series("step_seconds", "step"),
                 ),
             ),
             Panel(
                 "Communication / compute",
                 "time blocked in collectives over compute time",
                 "none",
-                (_series("comm_compute_ratio", "comm/compute"),),
+                (series("comm_compute_ratio", "comm/compute"),),
             ),
         ),
     ),
@@ -179,9 +140,9 @@ ROWS: tuple[Row, ...] = (
                 "other nodes'",
                 "bytes",
                 (
-                    _series("comm_bytes", "all"),
-                    _series("intra_node_bytes", "inside the node"),
-                    _series("inter_node_bytes", "between nodes"),
+                    series("comm_bytes", "all"),
+                    series("intra_node_bytes", "inside the node"),
+                    series("inter_node_bytes", "between nodes"),
                 ),
             ),
             Panel(
@@ -189,27 +150,27 @@ ROWS: tuple[Row, ...] = (
                 "time of rank 0's collectives whose groups lie inside one node, and of those spanning nodes",
                 "s",
                 (
-                    _series("intra_node_comm_seconds", "inside the node"),
-                    _series("inter_node_comm_seconds", "between nodes"),
+                    series("intra_node_comm_seconds", "inside the node"),
+                    series("inter_node_comm_seconds", "between nodes"),
                 ),
             ),
             Panel(
                 "Expert exchanges",
                 "time the MoE exchanges were in flight, and the part of it the rank waited for",
                 "s",
-                (_series("ep_comm_seconds", "in flight"), _series("ep_wait_seconds", "waited")),
+                (series("ep_comm_seconds", "in flight"), series("ep_wait_seconds", "waited")),
             ),
             Panel(
                 "Expert exchange overlap",
                 "share of the exchanges' time in flight the rank computed through (0 with ep_overlap none)",
                 "percentunit",
-                (_series("ep_overlap_share", "overlapped"),),
+                (series("ep_overlap_share", "overlapped"),),
             ),
             Panel(
                 "Expert exchanges issued",
                 "MoE exchanges the step's forwards issued: more when chunked, rowwise or hierarchical",
                 "short",
-                (_series("ep_exchanges", "exchanges"),),
+                (series("ep_exchanges", "exchanges"),),
             ),
         ),
     ),
@@ -221,43 +182,43 @@ ROWS: tuple[Row, ...] = (
                 "busiest expert's and busiest EP rank's load over the mean, and the loads' coefficient of variation",
                 "none",
                 (
-                    _series("moe_imbalance", "imbalance"),
-                    _series("moe_ep_imbalance", "EP imbalance"),
-                    _series("moe_cv", "cv"),
+                    series("moe_imbalance", "imbalance"),
+                    series("moe_ep_imbalance", "EP imbalance"),
+                    series("moe_cv", "cv"),
                 ),
             ),
             Panel(
                 "Aux score vs real load",
                 "the switch balancing score (1 = balanced) and how much more concentrated the real load is",
                 "none",
-                (_series("moe_aux_score", "aux score"), _series("moe_balance_gap", "balance gap")),
+                (series("moe_aux_score", "aux score"), series("moe_balance_gap", "balance gap")),
             ),
             Panel(
                 "Router entropy and dropped tokens",
                 "mean routing entropy (nats) and assignments over an expert's capacity (0 when dropless)",
                 "none",
-                (_series("moe_router_entropy", "entropy"), _series("moe_dropped_tokens", "dropped")),
+                (series("moe_router_entropy", "entropy"), series("moe_dropped_tokens", "dropped")),
             ),
             Panel(
                 "Imbalance per layer",
                 "busiest expert's and busiest EP rank's load over the mean, per MoE layer",
                 "none",
-                (_per_layer("moe_layer_imbalance", "imbalance"), _per_layer("moe_layer_ep_imbalance", "EP")),
+                (per_layer("moe_layer_imbalance", "imbalance"), per_layer("moe_layer_ep_imbalance", "EP")),
             ),
             Panel(
                 "Balance gap per layer",
                 "balance gap and aux score per MoE layer",
                 "none",
-                (_per_layer("moe_layer_balance_gap", "gap"), _per_layer("moe_layer_aux_score", "aux score")),
+                (per_layer("moe_layer_balance_gap", "gap"), per_layer("moe_layer_aux_score", "aux score")),
             ),
             Panel(
                 "Per layer: CV, entropy, dropped",
                 "coefficient of variation, routing entropy and dropped assignments per MoE layer",
                 "none",
                 (
-                    _per_layer("moe_layer_cv", "cv"),
-                    _per_layer("moe_layer_router_entropy", "entropy"),
-                    _per_layer("moe_layer_dropped_tokens", "dropped"),
+                    per_layer("moe_layer_cv", "cv"),
+                    per_layer("moe_layer_router_entropy", "entropy"),
+                    per_layer("moe_layer_dropped_tokens", "dropped"),
                 ),
             ),
             Panel(
@@ -278,15 +239,15 @@ ROWS: tuple[Row, ...] = (
                 "Goodput",
                 "productive step time over the job's wall time so far, restarts included",
                 "percentunit",
-                (_series("goodput", "goodput"),),
+                (series("goodput", "goodput"),),
             ),
             Panel(
                 "Checkpoint time",
                 "time training waited for saves in the step, and the time the saves that ended in it took to write",
                 "s",
                 (
-                    _series("checkpoint_blocked_seconds", "blocked"),
-                    _series("checkpoint_write_seconds", "write"),
+                    series("checkpoint_blocked_seconds", "blocked"),
+                    series("checkpoint_write_seconds", "write"),
                 ),
             ),
             Panel(
@@ -295,22 +256,22 @@ ROWS: tuple[Row, ...] = (
                 "trackers dropped",
                 "short",
                 (
-                    _series("checkpoint_failed_saves", "failed saves"),
-                    _series("lost_steps", "lost steps"),
-                    _series("tracker_failures", "tracker failures"),
+                    series("checkpoint_failed_saves", "failed saves"),
+                    series("lost_steps", "lost steps"),
+                    series("tracker_failures", "tracker failures"),
                 ),
             ),
             Panel(
                 "Restarts",
                 "time verifying and restoring checkpoints, and from failures to restored restarts, since the job began",
                 "s",
-                (_series("loading_seconds", "loading"), _series("restarting_seconds", "restarting")),
+                (series("loading_seconds", "loading"), series("restarting_seconds", "restarting")),
             ),
             Panel(
                 "Checkpoint interval",
                 "steps between checkpoints (Young/Daly when checkpoint.interval is auto)",
                 "short",
-                (_series("checkpoint_interval_steps", "interval"),),
+                (series("checkpoint_interval_steps", "interval"),),
             ),
         ),
     ),
@@ -321,14 +282,14 @@ ROWS: tuple[Row, ...] = (
                 "Pipeline bubble",
                 "share of the schedule's time a rank was not computing, mean over the pipeline's ranks",
                 "percentunit",
-                (_series("pipeline_bubble", "bubble"),),
+                (series("pipeline_bubble", "bubble"),),
             ),
             Panel(
                 "Pipeline schedule and stages",
                 "time rank 0 spent in the schedule, and each stage's forward and backward compute",
                 "s",
                 (
-                    _series("pipeline_schedule_seconds", "schedule"),
+                    series("pipeline_schedule_seconds", "schedule"),
                     Query("ferry_pipeline_stage_busy_seconds", "stage {{stage}} busy {{run}}"),
                 ),
             ),
@@ -349,13 +310,13 @@ ROWS: tuple[Row, ...] = (
                 "Context-parallel exchanges",
                 "time this rank spent in the keys' gathers, their gradients' reduce-scatters and the routers' sums",
                 "s",
-                (_series("context_parallel_comm_seconds", "cp comm"),),
+                (series("context_parallel_comm_seconds", "cp comm"),),
             ),
             Panel(
                 "Context-parallel bytes",
                 "bytes of the step's context-parallel exchanges on this rank",
                 "bytes",
-                (_series("context_parallel_bytes", "cp bytes"),),
+                (series("context_parallel_bytes", "cp bytes"),),
             ),
         ),
         collapsed=True,
@@ -368,13 +329,13 @@ ROWS: tuple[Row, ...] = (
                 "Attention logits",
                 "largest attention logit of the step over every layer and head (metrics.attn_max_logit or QK-clip)",
                 "none",
-                (_series("attention_max_logit", "max logit"),),
+                (series("attention_max_logit", "max logit"),),
             ),
             Panel(
                 "QK-clip",
                 "heads whose query and key weights QK-clip scaled after the step's update",
                 "short",
-                (_series("attention_clipped_heads", "clipped heads"),),
+                (series("attention_clipped_heads", "clipped heads"),),
             ),
             Panel(
                 "Multi-token prediction",
@@ -394,9 +355,9 @@ ROWS: tuple[Row, ...] = (
                 "beta x (policy - reference) log-prob of the chosen and rejected answers, and their margin",
                 "none",
                 (
-                    _series("dpo_rewards_chosen", "chosen"),
-                    _series("dpo_rewards_rejected", "rejected"),
-                    _series("dpo_rewards_margin", "margin"),
+                    series("dpo_rewards_chosen", "chosen"),
+                    series("dpo_rewards_rejected", "rejected"),
+                    series("dpo_rewards_margin", "margin"),
                     Query("ferry_eval_dpo_rewards_margin", "held-out {{source}} margin {{run}}"),
                 ),
             ),
@@ -405,7 +366,7 @@ ROWS: tuple[Row, ...] = (
                 "share of pairs whose chosen answer earns the higher reward, in training and held out",
                 "percentunit",
                 (
-                    _series("dpo_rewards_accuracy", "train"),
+                    series("dpo_rewards_accuracy", "train"),
                     Query("ferry_eval_dpo_rewards_accuracy", "held-out {{source}} {{run}}"),
                 ),
             ),
@@ -413,7 +374,7 @@ ROWS: tuple[Row, ...] = (
                 "Log-probabilities",
                 "the policy's summed log-prob of a chosen and of a rejected answer, mean",
                 "none",
-                (_series("dpo_logps_chosen", "chosen"), _series("dpo_logps_rejected", "rejected")),
+                (series("dpo_logps_chosen", "chosen"), series("dpo_logps_rejected", "rejected")),
             ),
         ),
         collapsed=True,
@@ -426,14 +387,14 @@ ROWS: tuple[Row, ...] = (
                 "Rewards",
                 "mean verifier reward of the step's completions, and its spread within a group",
                 "none",
-                (_series("grpo_reward", "reward"), _series("grpo_reward_std", "std in group")),
+                (series("grpo_reward", "reward"), series("grpo_reward_std", "std in group")),
             ),
             Panel(
                 "Solve rate",
                 "share of completions the verifier accepts: the step's, and held out (sampled and greedy)",
                 "percentunit",
                 (
-                    _series("grpo_solve_rate", "train"),
+                    series("grpo_solve_rate", "train"),
                     Query("ferry_eval_solve_rate", "held-out {{source}} {{run}}"),
                     Query("ferry_eval_greedy_solve_rate", "held-out greedy {{source}} {{run}}"),
                 ),
@@ -442,13 +403,13 @@ ROWS: tuple[Row, ...] = (
                 "Policy drift",
                 "KL to the reference (k3 estimate) and the share of tokens whose importance ratio was clipped",
                 "none",
-                (_series("grpo_kl", "kl"), _series("grpo_clip_fraction", "clip fraction")),
+                (series("grpo_kl", "kl"), series("grpo_clip_fraction", "clip fraction")),
             ),
             Panel(
                 "Completions",
                 "tokens per sampled completion, and the share of groups left out for equal rewards",
                 "short",
-                (_series("grpo_completion_length", "length"), _series("grpo_filtered_groups", "filtered groups")),
+                (series("grpo_completion_length", "length"), series("grpo_filtered_groups", "filtered groups")),
             ),
         ),
         collapsed=True,
